@@ -1,0 +1,80 @@
+"""A printable picture of a layout: which batch, TP position and experts every device holds."""
+
+from __future__ import annotations
+
+from .config import DistributedConfig
+from .mesh import DeviceLayout, check_experts_divisible
+
+
+def _format_experts(experts: range) -> str:
+    if len(experts) <= 4:
+        return " ".join(f"E{e}" for e in experts)
+    return f"E{experts.start}-E{experts.stop - 1}"
+
+
+def _format_group(members: list[int]) -> str:
+    return "{" + ",".join(str(m) for m in members) + "}"
+
+
+def layout_rows(config: DistributedConfig, num_experts: int) -> list[dict[str, object]]:
+    """One row per device: `device, pp, batch, tp, experts, ep_group, efsdp_group`.
+
+    `experts` are the global ids the device owns whole (with `efsdp_size > 1` it stores a 1/efsdp slice of
+    each and gathers them for compute).
+    """
+    check_experts_divisible(num_experts, config.ep_size)
+    layout = DeviceLayout.from_config(config)
+    ep_groups = layout.device_groups("ep")
+    efsdp_groups = layout.device_groups("efsdp")
+    group_of = {}
+    for name, groups in (("ep", ep_groups), ("efsdp", efsdp_groups)):
+        for members in groups:
+            for rank in members:
+                group_of[name, rank] = members
+    rows = []
+    for rank in range(layout.num_devices):
+        rows.append(
+            {
+                "device": rank,
+                "pp": layout.coordinates(rank)["pp"],
+                "batch": layout.batch_index(rank),
+                "tp": rank % layout.tp_size,
+                "experts": layout.experts_of(rank, num_experts),
+                "ep_group": group_of["ep", rank],
+                "efsdp_group": group_of["efsdp", rank],
+            }
+        )
+    return rows
+
+
+def layout_picture(config: DistributedConfig, num_experts: int) -> str:
+    """The reference doc's picture of a layout as a table, one line per device."""
+    layout = DeviceLayout.from_config(config)
+    rows = layout_rows(config, num_experts)
+    header = (
+        f"{layout.num_devices} devices: tp_size={config.tp_size}, fsdp_size={config.fsdp_size}, "
+        f"ep_size={config.ep_size}, dp_replicate_size={config.dp_replicate_size}, pp_size={config.pp_size} "
+        f"-> efsdp_size={config.efsdp_size}, dp_size={config.dp_size}, {num_experts} experts "
+        f"({num_experts // config.ep_size} per device)"
+    )
+    columns = ["device"] + (["pp"] if config.pp_size > 1 else []) + ["batch", "tp", "experts", "ep group", "efsdp group"]
+    table = [columns]
+    for row in rows:
+        cells = [str(row["device"])]
+        if config.pp_size > 1:
+            cells.append(str(row["pp"]))
+        cells += [
+            f"B{row['batch']}",
+            str(row["tp"]),
+            _format_experts(row["experts"]),
+            _format_group(row["ep_group"]),
+            _format_group(row["efsdp_group"]),
+        ]
+        table.append(cells)
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = [header, ""]
+    for line in table:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    mesh_shape = ", ".join(f"{name}={size}" for name, size in layout.axis_sizes.items())
+    lines += ["", f"mesh axes: ({mesh_shape})"]
+    return "\n".join(lines)
