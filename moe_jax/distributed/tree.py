@@ -1,0 +1,78 @@
+"""The declared structure of a model: its modules and parameters, named as in Hugging Face.
+
+A model declares its tree once, abstractly (shapes and dtypes, no memory), in the order PyTorch's
+`named_modules()` would list it. Plans are resolved against these names, shardings are derived from them
+before anything is allocated, and converters map checkpoint keys onto them.
+
+    tree = ModuleTree()
+    with tree.module("model"):
+        with tree.module("embed_tokens"):
+            tree.param("weight", (vocab, hidden))
+        tree.module_without_params("rotary_emb")
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+Initializer = Callable[..., object]  # (key, shape, dtype) -> array
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """An abstract parameter: `shape` in HF's layout (`Linear` weight `[out, in]`, experts `[E, 2I, H]`)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    init: str = "normal"  # name in `moe_jax.nn.init` (normal, zeros, ones)
+
+
+@dataclass
+class ModuleTree:
+    """Ordered module names (root is "") and parameters (dotted name -> ParamSpec)."""
+
+    modules: list[str] = field(default_factory=lambda: [""])
+    params: dict[str, ParamSpec] = field(default_factory=dict)
+    _prefix: list[str] = field(default_factory=list, repr=False)
+
+    def _qualify(self, name: str) -> str:
+        return ".".join([*self._prefix, name])
+
+    @contextlib.contextmanager
+    def module(self, name: str | int) -> Iterator[None]:
+        """Declare a submodule; parameters and modules declared inside belong to it."""
+        full_name = self._qualify(str(name))
+        if full_name in self.modules:
+            raise ValueError(f"Module {full_name!r} is declared twice.")
+        self.modules.append(full_name)
+        self._prefix.append(str(name))
+        try:
+            yield
+        finally:
+            self._prefix.pop()
+
+    def module_without_params(self, name: str) -> None:
+        """A module PyTorch lists although it holds no parameter (activations, rotary embeddings)."""
+        with self.module(name):
+            pass
+
+    def param(self, name: str, shape: tuple[int, ...], dtype: str = "float32", init: str = "normal") -> None:
+        full_name = self._qualify(name)
+        if full_name in self.params:
+            raise ValueError(f"Parameter {full_name!r} is declared twice.")
+        self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), dtype, init)
+
+    def named_modules(self) -> list[str]:
+        return list(self.modules)
+
+    def named_parameters(self) -> list[tuple[str, ParamSpec]]:
+        return list(self.params.items())
+
+    def direct_params(self, module_name: str) -> list[str]:
+        """Names of the parameters a module owns itself (not its children's)."""
+        return [name for name in self.params if name.rpartition(".")[0] == module_name]
+
+    def has_module(self, name: str) -> bool:
+        return name in self.modules
