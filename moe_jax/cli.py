@@ -1,0 +1,71 @@
+"""The `moe-jax` command. Each subcommand is registered in `COMMANDS` with its parser and handler."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {}
+
+
+def command(name: str, help_text: str):
+    def register(pair):
+        add_arguments, run = pair
+        COMMANDS[name] = (add_arguments, run, help_text)
+        return pair
+
+    return register
+
+
+def _add_layout_sizes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=None, help="tp_size")
+    parser.add_argument("--fsdp", type=int, default=None, help="fsdp_size")
+    parser.add_argument("--ep", type=int, default=None, help="ep_size")
+    parser.add_argument("--dp-replicate", type=int, default=None, help="dp_replicate_size (HSDP replicas)")
+    parser.add_argument("--pp", type=int, default=None, help="pp_size")
+
+
+def _config_from_args(args: argparse.Namespace):
+    from .distributed.config import DistributedConfig
+
+    return DistributedConfig(
+        tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate, pp_size=args.pp
+    )
+
+
+def _layout_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_layout_sizes(parser)
+    parser.add_argument("--num-experts", type=int, default=8, help="experts per MoE layer (default 8)")
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from .distributed.picture import layout_picture
+
+    try:
+        config = _config_from_args(args)
+        print(layout_picture(config, args.num_experts))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+command("layout", "print which batch, TP position and experts each device holds")((_layout_arguments, _run_layout))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (add_arguments, _, help_text) in COMMANDS.items():
+        add_arguments(subparsers.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

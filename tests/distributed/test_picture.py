@@ -1,0 +1,40 @@
+"""The layout picture and `moe-jax layout` show the reference doc's table."""
+
+import subprocess
+import sys
+
+from moe_jax import DistributedConfig
+from moe_jax.cli import main
+from moe_jax.distributed.picture import layout_rows
+
+
+def test_tp2_fsdp4_ep4_rows():
+    rows = layout_rows(DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4), num_experts=8)
+    assert [row["batch"] for row in rows] == [r // 2 for r in range(8)]
+    assert [row["tp"] for row in rows] == [r % 2 for r in range(8)]
+    assert [list(row["experts"]) for row in rows] == [[2 * (r % 4), 2 * (r % 4) + 1] for r in range(8)]
+    assert [row["efsdp_group"] for row in rows] == [sorted({r, r ^ 4}) for r in range(8)]
+
+
+def test_layout_command_prints_the_table(capsys):
+    assert main(["layout", "--tp", "2", "--fsdp", "4", "--ep", "4", "--num-experts", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line.split() for line in lines if line[:1].isdigit() and "devices:" not in line]
+    assert table[0] == ["0", "B0", "0", "E0", "E1", "{0,1,2,3}", "{0,4}"]
+    assert table[5] == ["5", "B2", "1", "E2", "E3", "{4,5,6,7}", "{1,5}"]
+    assert len(table) == 8
+
+
+def test_invalid_layout_prints_reference_error_and_fails(capsys):
+    assert main(["layout", "--tp", "4", "--fsdp", "2", "--ep", "2"]) == 2
+    assert "`ep_size` must be a multiple of `tp_size`." in capsys.readouterr().err
+    assert main(["layout", "--fsdp", "8", "--ep", "8", "--num-experts", "12"]) == 2
+    assert "Cannot evenly shard 12 experts across 8 expert-parallel ranks." in capsys.readouterr().err
+
+
+def test_console_script_entry_point_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_jax.cli", "layout", "--tp", "2", "--fsdp", "4", "--ep", "4"],
+        capture_output=True, text=True, check=True,
+    )
+    assert "efsdp_size=2" in result.stdout
