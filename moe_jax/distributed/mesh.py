@@ -106,34 +106,38 @@ class DeviceLayout:
     def num_devices(self) -> int:
         return math.prod(self.mesh_shape)
 
-    # Logical groups, as tuples of mesh axes usable in PartitionSpec entries and collectives.
+    # Logical groups, as tuples of mesh axes usable in PartitionSpec entries and collectives. Axes of size 1
+    # are left out: they split nothing, and shard_map's type checks then see only real device groups.
+    def _present(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(axis for axis in axes if self.axis_sizes[axis] > 1)
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        return (DP_REPLICATE, EFSDP, EP_FSDP)
+        return self._present((DP_REPLICATE, EFSDP, EP_FSDP))
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
-        return (EFSDP, EP_FSDP)
+        return self._present((EFSDP, EP_FSDP))
 
     @property
     def tp_axes(self) -> tuple[str, ...]:
-        return (TP,)
+        return self._present((TP,))
 
     @property
     def ep_axes(self) -> tuple[str, ...]:
-        return (EP_FSDP, TP) if self.expert_parallel else ()
+        return self._present((EP_FSDP, TP)) if self.expert_parallel else ()
 
     @property
     def efsdp_axes(self) -> tuple[str, ...]:
-        return (EFSDP,) if self.expert_parallel else (EFSDP, EP_FSDP, TP)
+        return self._present((EFSDP,) if self.expert_parallel else (EFSDP, EP_FSDP, TP))
 
     @property
     def dp_replicate_axes(self) -> tuple[str, ...]:
-        return (DP_REPLICATE,)
+        return self._present((DP_REPLICATE,))
 
     @property
     def pp_axes(self) -> tuple[str, ...]:
-        return (PP,)
+        return self._present((PP,))
 
     def axes(self, group: str) -> tuple[str, ...]:
         """Mesh axes of a logical group named in `LOGICAL_GROUPS`."""

@@ -77,7 +77,7 @@ def test_fsdp_moves_to_a_dimension_that_divides():
     config = DistributedConfig(fsdp_size=8)
     plans = resolve_parallel_plans(TinyQwen3MoeForCausalLM(), config)
     sharding = parameter_sharding("model.norm.weight", (12, 16), plans, DeviceLayout.from_config(config))
-    assert sharding.spec == P(None, ("efsdp", "ep_fsdp"))
+    assert sharding.spec == P(None, "efsdp")
     whole = parameter_sharding("model.norm.weight", (12,), plans, DeviceLayout.from_config(config))
     assert whole.spec == P(None) and not whole.fsdp
 

@@ -1,0 +1,368 @@
+"""Expert parallelism: how tokens reach the experts a device owns, inside `shard_map`.
+
+An `EPImplementation` is built once per experts module with the experts' local forward and the device
+groups; called on the batch this device holds with GLOBAL expert ids, it returns the weighted expert
+output for those tokens. Implementations are chosen by `DistributedConfig.ep_implementation` from
+`EPImplementationInterface`, which users extend:
+
+    class MyEP(EPImplementation):
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            ...  # bring this device's experts the rows routed to them
+            return self.experts_forward(tokens, local_expert_ids, weights)  # [T, H]
+
+    EPImplementationInterface.register("my_ep", MyEP)
+
+Registered:
+    "all_to_all"  token dispatch: each TP rank of a batch sends a disjoint slice of its rows to the devices
+                  owning their experts (`jax.lax.all_to_all` over the ep group), results come back the same
+                  way, weighted on the sender, gathered over tp. Works for every layout (ep > tp too).
+    "all_reduce"  every device of the ep group runs its own experts on the shared batch with the others'
+                  routes masked, then `psum`. Needs ep_size == tp_size.
+    "auto"        all_reduce at inference when the ep group shares one batch, all_to_all otherwise.
+    "deepgemm_megamoe"  DeepGEMM's fused kernel: CUDA/PyTorch only, raises here.
+
+Dispatch in static shapes (all_to_all). Per-peer buffers hold `capacity` rows, so a layer's shapes never
+depend on the routing:
+
+    capacity = round_up(factor * S / ep, 8), at most round_up(S, 8)      S = rows * top_k sent by a device
+
+Dropless (the default, `capacity_factor=None`): `factor` is a rung of the capacity ladder
+(`moe_jax.distributed.dropless`: 1.25, 2, 4, ... up to ep, where nothing can overflow). A call whose
+busiest (sender, receiver) pair overflowed reports `dropped > 0`; `DroplessRunner` then reruns the step at
+the next rung and stays there. Balanced routing runs at the first rung with buffers ~1.25x the routed rows;
+every pair on one expert climbs to the last rung (buffers ep x S, exact).
+With `capacity_factor` set, pairs beyond capacity are dropped on purpose (their output is 0) and counted.
+
+(An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
+collectives in our tests, so overflow is handled at the step boundary instead.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+# First rung of the dropless capacity ladder, as a multiple of the balanced share S / ep
+# (scripts/bench_moe_layer.py reports the padding it costs).
+DEFAULT_CAPACITY_BUCKET = 1.25
+CAPACITY_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """What an implementation knows about the devices: mesh axes and sizes of the ep and tp groups.
+
+    `all_axes` are every mesh axis (for agreements that must hold on all devices).
+    """
+
+    ep_axes: tuple[str, ...]
+    tp_axes: tuple[str, ...]
+    ep_size: int
+    tp_size: int
+    all_axes: tuple[str, ...]
+
+    @property
+    def shares_batch(self) -> bool:
+        """True when the ep group is the tp group: all its devices hold the same batch."""
+        return self.ep_size == self.tp_size
+
+
+class DispatchStatistics:
+    """Counts of (token, expert) pairs for one call: `dropped` pairs (not computed: over capacity),
+    `padded` buffer slots that carried nothing, and the per-peer `capacity` used. The MoE block sums the
+    counts over all devices."""
+
+    def __init__(self, dropped, padded, capacity):
+        self.dropped = dropped
+        self.padded = padded
+        self.capacity = capacity
+
+    @classmethod
+    def zeros(cls) -> DispatchStatistics:
+        zero = jnp.zeros((), jnp.int32)
+        return cls(zero, zero, zero)
+
+    def as_dict(self) -> dict[str, jax.Array]:
+        return {"dropped": self.dropped, "padded": self.padded, "capacity": self.capacity}
+
+
+jax.tree_util.register_pytree_node(
+    DispatchStatistics,
+    lambda s: ((s.dropped, s.padded, s.capacity), None),
+    lambda _, children: DispatchStatistics(*children),
+)
+
+
+class EPImplementation:
+    """Base class: built once per experts module; called inside `shard_map` on this device's batch.
+
+    `experts_forward(tokens [N, H], local_expert_ids [N, K], weights [N, K]) -> [N, H]` runs this device's
+    experts; the sentinel id `num_local_experts` contributes nothing.
+    """
+
+    needs_shared_batch: ClassVar[bool] = False
+    # Implementations that pick a path per call (auto) take `inference=` in `__call__`.
+    uses_inference_flag: ClassVar[bool] = False
+
+    def __init__(self, experts_forward: ExpertsForward, num_local_experts: int, groups: ExpertGroups, **options):
+        self.experts_forward = experts_forward
+        self.num_local_experts = num_local_experts
+        self.groups = groups
+        self.shares_batch = groups.shares_batch
+        if self.needs_shared_batch and not self.shares_batch:
+            raise ValueError(
+                f"{type(self).__name__} needs every rank of the expert group to hold the same batch "
+                f"(`ep_size == tp_size`)."
+            )
+        self.options = options
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+
+    def ep_rank(self) -> jax.Array:
+        """This device's position in its ep group (owns global experts [rank * L, (rank + 1) * L))."""
+        return jax.lax.axis_index(self.groups.ep_axes)
+
+
+def vary_over(array: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Mark `array` as varying over `axes` inside shard_map (both branches of a `cond` must agree)."""
+    varying = jax.typeof(array).manual_axis_type.varying
+    missing = tuple(axis for axis in axes if axis not in varying)
+    return jax.lax.pcast(array, missing, to="varying") if missing else array
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+def tp_row_slice(rows: int, tp_size: int) -> int:
+    """Rows each TP rank takes from a shared batch of `rows` (torch.chunk: trailing slices may be short)."""
+    return -(-rows // tp_size) if rows else 0
+
+
+class AllToAllEP(EPImplementation):
+    """Token dispatch with `jax.lax.all_to_all` (see the module docstring for the capacity policy).
+
+    Options: `capacity_factor` (float | None): None = dropless (capacity from `capacity_bucket`, overflow
+    reported for a rerun at the next rung); a number = `round_up(capacity_factor * S / ep, 8)` rows per
+    peer, overflow dropped. `capacity_bucket`: the dropless ladder's rung (default 1.25).
+    """
+
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
+                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
+        super().__init__(experts_forward, num_local_experts, groups, **options)
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless dispatch).")
+        if capacity_bucket <= 0:
+            raise ValueError(f"capacity_bucket={capacity_bucket} must be > 0.")
+        self.capacity_factor = capacity_factor
+        self.capacity_bucket = capacity_bucket
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def capacity(self, pairs: int) -> int:
+        """Rows per peer buffer for `pairs` (token, expert) pairs sent by one device."""
+        factor = self.capacity_bucket if self.dropless else self.capacity_factor
+        return min(_round_up(math.ceil(factor * pairs / self.groups.ep_size), CAPACITY_MULTIPLE),
+                   _round_up(pairs, CAPACITY_MULTIPLE))
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats)."""
+        groups = self.groups
+        rows, top_k = top_k_index.shape
+        slice_rows = tp_row_slice(rows, groups.tp_size)
+        if slice_rows == 0:
+            return jnp.zeros_like(hidden_states), DispatchStatistics.zeros()
+
+        hidden, index, weights, row_valid = self._take_tp_slice(hidden_states, top_k_index, top_k_weights, slice_rows)
+        pairs = slice_rows * top_k
+        num_local = self.num_local_experts
+        num_global = num_local * groups.ep_size
+        # Pairs of padding rows sort behind every real pair and belong to no peer.
+        pair_expert = jnp.where(jnp.repeat(row_valid, top_k), index.reshape(pairs), num_global)
+        order = jnp.argsort(pair_expert, stable=True)
+        sorted_expert = pair_expert[order]
+        peer_counts = jnp.bincount(sorted_expert // num_local, length=groups.ep_size + 1)[: groups.ep_size]
+        peer_starts = jnp.cumsum(peer_counts) - peer_counts
+
+        capacity = self.capacity(pairs)
+        slot = jnp.arange(capacity)
+        slot_valid = slot[None, :] < peer_counts[:, None]  # [ep, C]
+        position = jnp.where(slot_valid, peer_starts[:, None] + slot[None, :], pairs)  # [ep, C]
+        pair = order[jnp.minimum(position, pairs - 1)]
+        send_tokens = hidden[pair // top_k].reshape(groups.ep_size * capacity, -1)
+        local_id = jnp.where(slot_valid, sorted_expert[jnp.minimum(position, pairs - 1)] % num_local, num_local)
+        received = jax.lax.all_to_all(send_tokens, groups.ep_axes, 0, 0, tiled=True)
+        received_ids = jax.lax.all_to_all(local_id.reshape(-1), groups.ep_axes, 0, 0, tiled=True)
+        expert_out = self.experts_forward(
+            received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype)
+        )
+        returned = jax.lax.all_to_all(expert_out, groups.ep_axes, 0, 0, tiled=True)
+        # Slots past a peer's count carried nothing; pairs past the capacity were not sent (dropped).
+        sorted_output = jnp.zeros((pairs, hidden.shape[-1]), hidden.dtype).at[position.reshape(-1)].add(
+            returned.astype(hidden.dtype), mode="drop"
+        )
+
+        pair_output = sorted_output[jnp.argsort(order)]  # back to (row, k) order
+        token_output = jnp.einsum(
+            "tkh,tk->th", pair_output.reshape(slice_rows, top_k, -1), weights,
+            preferred_element_type=jnp.result_type(hidden.dtype, weights.dtype),
+        )
+        output = self._gather_tp_slices(token_output, rows)
+
+        sent = jnp.sum(jnp.minimum(peer_counts, capacity))
+        statistics = DispatchStatistics(
+            dropped=(jnp.sum(peer_counts) - sent).astype(jnp.int32),
+            padded=(groups.ep_size * capacity - sent).astype(jnp.int32),
+            capacity=jnp.asarray(capacity, jnp.int32),
+        )
+        return output, statistics
+
+    def _take_tp_slice(self, hidden_states, top_k_index, top_k_weights, slice_rows):
+        """TP rank t of a shared batch keeps rows [t * c, (t + 1) * c) (padded past the end)."""
+        groups = self.groups
+        rows = top_k_index.shape[0]
+        if groups.tp_size == 1:
+            return hidden_states, top_k_index, top_k_weights, jnp.ones((rows,), bool)
+        padded_rows = slice_rows * groups.tp_size
+
+        def pad(array):
+            return jnp.pad(array, [(0, padded_rows - rows)] + [(0, 0)] * (array.ndim - 1))
+
+        start = jax.lax.axis_index(groups.tp_axes) * slice_rows
+        take = lambda array: jax.lax.dynamic_slice_in_dim(pad(array), start, slice_rows)  # noqa: E731
+        row_valid = (start + jnp.arange(slice_rows)) < rows
+        return take(hidden_states), take(top_k_index), take(top_k_weights), row_valid
+
+    def _gather_tp_slices(self, token_output, rows):
+        if self.groups.tp_size == 1:
+            return token_output
+        # Invariant over tp: every rank of the pair holds the whole batch again (backward: each takes its slice).
+        gathered = jax.lax.all_gather(token_output, self.groups.tp_axes, axis=0, tiled=True, to="invarying")
+        return gathered[:rows]
+
+
+class AllReduceEP(EPImplementation):
+    """Masked local experts on the shared batch, summed over the ep group (needs ep_size == tp_size)."""
+
+    needs_shared_batch = True
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats)."""
+        num_local = self.num_local_experts
+        off_device = (top_k_index // num_local) != self.ep_rank()
+        local_index = jnp.where(off_device, num_local, top_k_index % num_local)
+        local_weights = jnp.where(off_device, jnp.zeros_like(top_k_weights), top_k_weights)
+        output = self.experts_forward(hidden_states, local_index, local_weights)
+        output = jax.lax.psum(output, self.groups.ep_axes)
+        return output, DispatchStatistics.zeros()
+
+
+class AutoEP(EPImplementation):
+    """all_reduce at inference when the ep group shares a batch; all_to_all otherwise (training always)."""
+
+    uses_inference_flag = True
+
+    def __init__(self, experts_forward, num_local_experts, groups, **options):
+        super().__init__(experts_forward, num_local_experts, groups, **options)
+        self.all_to_all = AllToAllEP(experts_forward, num_local_experts, groups, **options)
+        self.all_reduce = AllReduceEP(experts_forward, num_local_experts, groups) if self.shares_batch else None
+
+    def choose(self, inference: bool) -> EPImplementation:
+        return self.all_reduce if (inference and self.all_reduce is not None) else self.all_to_all
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, inference: bool = False):
+        return self.choose(inference)(hidden_states, top_k_index, top_k_weights)
+
+
+class DeepGemmMegaMoeEP(EPImplementation):
+    """The reference's DeepGEMM Mega MoE path. Its fused kernel is CUDA/PyTorch only: no JAX port exists."""
+
+    needs_shared_batch = True
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            '`ep_implementation="deepgemm_megamoe"` runs DeepGEMM\'s Mega MoE kernel, which exists only for '
+            'PyTorch on CUDA (SM90+); moe_jax has no JAX port of it. Use ep_implementation="all_to_all" '
+            '(any layout) or "all_reduce" (ep_size == tp_size).'
+        )
+
+
+class EPImplementationInterface:
+    """Registry of EP implementations by name, as the reference's (`GeneralInterface`).
+
+    `EPImplementationInterface.register(name, cls)` adds a name for every instance (overwrites silently);
+    an instance also accepts local `interface[name] = cls` overrides.
+    """
+
+    _global_mapping: ClassVar[dict[str, type[EPImplementation]]] = {}
+
+    def __init__(self):
+        self._local_mapping: dict[str, type[EPImplementation]] = {}
+
+    @classmethod
+    def register(cls, name: str, implementation: type[EPImplementation]) -> None:
+        cls._global_mapping[name] = implementation
+
+    def __getitem__(self, name: str) -> type[EPImplementation]:
+        if name in self._local_mapping:
+            return self._local_mapping[name]
+        return self._global_mapping[name]
+
+    def __setitem__(self, name: str, implementation: type[EPImplementation]) -> None:
+        self._local_mapping[name] = implementation
+
+    def __delitem__(self, name: str) -> None:
+        del self._local_mapping[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._local_mapping or name in self._global_mapping
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._global_mapping, **self._local_mapping})
+
+    def __len__(self) -> int:
+        return len({**self._global_mapping, **self._local_mapping})
+
+    def valid_keys(self) -> list[str]:
+        return list(self)
+
+
+for _name, _implementation in (
+    ("auto", AutoEP),
+    ("all_to_all", AllToAllEP),
+    ("all_reduce", AllReduceEP),
+    ("deepgemm_megamoe", DeepGemmMegaMoeEP),
+):
+    EPImplementationInterface.register(_name, _implementation)
+
+
+def build_ep_implementation(
+    name: str,
+    experts_forward: ExpertsForward,
+    num_local_experts: int,
+    groups: ExpertGroups,
+    interface: EPImplementationInterface | None = None,
+    **options,
+) -> EPImplementation:
+    """Look `name` up and build the implementation (the reference's `install_forward` checks)."""
+    implementations = interface if interface is not None else EPImplementationInterface()
+    if name not in implementations:
+        raise ValueError(
+            f"`ep_implementation={name!r}` names no registered implementation: use one of "
+            f"{', '.join(repr(n) for n in implementations)}, or register an `EPImplementation` with "
+            "`EPImplementationInterface.register`."
+        )
+    implementation_class = implementations[name]
+    if not issubclass(implementation_class, (AllToAllEP, AutoEP)):
+        options = {key: value for key, value in options.items() if key not in ("capacity_factor", "capacity_bucket")}
+    return implementation_class(experts_forward, num_local_experts, groups, **options)

@@ -1,0 +1,244 @@
+"""Every EP path on every legal 8-device layout gives the single-device outputs and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import DistributedConfig
+from moe_jax.distributed.expert_parallel import (
+    AllToAllEP,
+    EPImplementation,
+    EPImplementationInterface,
+    ExpertGroups,
+    build_ep_implementation,
+)
+from moe_jax.distributed.dropless import DroplessRunner, capacity_ladder
+from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, TENSOR_PARALLEL, ShardedExperts
+from moe_jax.distributed.mesh import MESH_AXES, DeviceLayout, build_mesh
+
+from .experts_reference import reference_swiglu_experts
+from .test_mesh import LAYOUTS
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 16, 8, 2
+
+
+def make_inputs(rows, routing, seed=0):
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((rows, HIDDEN), dtype=np.float32)
+    if routing == "random":
+        index = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(rows)])
+    elif routing == "all_to_expert_0":
+        index = np.stack([[0, 1 + (r % (EXPERTS - 1))] for r in range(rows)])[:, :TOP_K]
+        index[:, 0] = 0
+    elif routing == "half_experts_idle":
+        index = np.stack([rng.permutation(EXPERTS // 2)[:TOP_K] for _ in range(rows)])
+    else:
+        raise ValueError(routing)
+    weights = rng.uniform(0.1, 1.0, (rows, TOP_K)).astype(np.float32)
+    params = {
+        "gate_up_proj": rng.standard_normal((EXPERTS, 2 * INTERMEDIATE, HIDDEN), dtype=np.float32) * 0.3,
+        "down_proj": rng.standard_normal((EXPERTS, HIDDEN, INTERMEDIATE), dtype=np.float32) * 0.3,
+    }
+    cotangent = rng.standard_normal((rows, HIDDEN), dtype=np.float32)
+    return hidden, index.astype(np.int32), weights, params, cotangent
+
+
+def loss_and_grads_fn(run, index, cotangent):
+    def loss(hidden, weights, params):
+        output, statistics = run(hidden, index, weights, params)
+        return jnp.sum(output * cotangent), (output, statistics)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def loss_and_grads(run, hidden, index, weights, params, cotangent):
+    (_, (output, statistics)), grads = loss_and_grads_fn(run, index, cotangent)(hidden, weights, params)
+    return output, statistics, grads
+
+
+def single_device(hidden, index, weights, params, cotangent):
+    def run(hidden, index, weights, params):
+        return reference_swiglu_experts(hidden, index, weights, **params), None
+
+    output, _, grads = loss_and_grads(run, hidden, index, weights, params, cotangent)
+    return output, grads
+
+
+def layout_cases():
+    cases = []
+    for tp, fsdp, ep, replicate in LAYOUTS:
+        if ep > 1:
+            # "auto" in training is all_to_all; its inference choice is tested below.
+            names = ["all_to_all"] + (["all_reduce"] if ep == tp else [])
+            cases += [((tp, fsdp, ep, replicate), name) for name in names]
+        else:
+            cases.append(((tp, fsdp, ep, replicate), None))
+    return cases
+
+
+def sharded_runner(layout_sizes, implementation, inference=False, **options):
+    tp, fsdp, ep, replicate = layout_sizes
+    config = DistributedConfig(tp_size=tp, fsdp_size=fsdp, ep_size=ep, dp_replicate_size=replicate)
+    layout = DeviceLayout.from_config(config)
+    mode = EP_DISPATCH if ep > 1 else (TENSOR_PARALLEL if tp > 1 else LOCAL)
+    experts = ShardedExperts(
+        mesh=build_mesh(config), layout=layout, mode=mode, num_experts=EXPERTS,
+        experts_fn=reference_swiglu_experts, ep_implementation=implementation or "auto", **options,
+    )
+
+    def run(hidden, index, weights, params):
+        return experts(hidden, index, weights, params, inference=inference)
+
+    return config, run
+
+
+def assert_matches_reference(layout_sizes, implementation, rows, routing, seed=0):
+    """Forward and gradients through the dropless runner equal the single-device ones."""
+    hidden, index, weights, params, cotangent = make_inputs(rows, routing, seed)
+    expected_out, expected_grads = single_device(hidden, index, weights, params, cotangent)
+
+    def build(bucket):
+        _, run = sharded_runner(layout_sizes, implementation, capacity_bucket=bucket)
+        return loss_and_grads_fn(run, index, cotangent)
+
+    runner = DroplessRunner(build, layout_sizes[2], statistics_of=lambda result: result[0][1][1])
+    (_, (output, statistics)), grads = runner(hidden, weights, params)
+    np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    assert int(statistics.dropped) == 0
+    return statistics, runner
+
+
+@pytest.mark.parametrize("layout_sizes, implementation", layout_cases())
+def test_outputs_and_gradients_match_single_device(layout_sizes, implementation):
+    tp, fsdp, ep, replicate = layout_sizes
+    # 5 rows per batch: not divisible by tp = 2, 4, 8, so TP slices are uneven (and some empty).
+    rows = 5 * fsdp * replicate
+    for seed, routing in enumerate(("random", "all_to_expert_0", "half_experts_idle")):
+        assert_matches_reference(layout_sizes, implementation, rows, routing, seed)
+
+
+@pytest.mark.parametrize("layout_sizes, implementation", [
+    ((2, 4, 4, 1), "all_to_all"), ((8, 1, 8, 1), "all_to_all"), ((8, 1, 8, 1), "all_reduce"),
+    ((4, 2, 8, 1), "all_to_all"), ((2, 2, 2, 2), "auto"), ((8, 1, 1, 1), None), ((1, 8, 8, 1), "all_to_all"),
+])
+def test_one_token_per_batch(layout_sizes, implementation):
+    tp, fsdp, ep, replicate = layout_sizes
+    assert_matches_reference(layout_sizes, implementation, fsdp * replicate, "random")
+
+
+@pytest.mark.parametrize("layout_sizes", [(2, 4, 4, 1), (8, 1, 8, 1), (1, 8, 8, 1)])
+def test_auto_at_inference_matches_too(layout_sizes):
+    _, run = sharded_runner(layout_sizes, "auto", inference=True)
+    hidden, index, weights, params, _ = make_inputs(16, "random")
+    output, _ = jax.jit(run)(hidden, index, weights, params)
+    expected = reference_swiglu_experts(hidden, index, weights, **params)
+    np.testing.assert_allclose(output, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_dropless_under_adversarial_routing_climbs_the_ladder():
+    hidden, _, weights, params, cotangent = make_inputs(256, "random")
+    index = np.zeros((256, TOP_K), np.int32)
+    index[:, 1] = 1  # every pair goes to devices 0 and 1: 32 pairs from each device to each of them
+    expected_out, _ = single_device(hidden, index, weights, params, cotangent)
+
+    def build(bucket):
+        return jax.jit(sharded_runner((1, 8, 8, 1), "all_to_all", capacity_bucket=bucket)[1])
+
+    runner = DroplessRunner(build, 8)
+    output, statistics = runner(hidden, index, weights, params)
+    np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
+    assert int(statistics.dropped) == 0
+    # S = 64 pairs per device; buckets 1.25 and 2 hold 16 rows per peer, bucket 4 holds 32.
+    assert runner.bucket == 4.0 and runner.reruns == 2
+    # The first bucket really overflowed: the runner did not climb for nothing.
+    _, first = build(capacity_ladder(8)[0])(hidden, index, weights, params)
+    assert int(first.dropped) > 0
+
+
+def test_capacity_ladder():
+    assert capacity_ladder(8) == [1.25, 2.0, 4.0, 8.0]
+    assert capacity_ladder(2) == [1.25, 2.0]
+
+
+def test_capacity_factor_drops_and_counts_exactly():
+    _, run = sharded_runner((1, 8, 8, 1), "all_to_all", capacity_factor=1.0)
+    rows_per_device = 32
+    hidden, index, weights, params, _ = make_inputs(8 * rows_per_device, "all_to_expert_0")
+    output, statistics = jax.jit(run)(hidden, index, weights, params)
+    pairs = rows_per_device * TOP_K
+    implementation = AllToAllEP(None, 1, ExpertGroups(("ep_fsdp",), ("tp",), 8, 1, MESH_AXES), capacity_factor=1.0)
+    capacity = implementation.capacity(pairs)
+    # Independent count: per sender, pairs beyond `capacity` to one peer are dropped, in sorted order.
+    expected_dropped, kept = 0, np.zeros((8 * rows_per_device, TOP_K), bool)
+    for device in range(8):
+        rows = slice(device * rows_per_device, (device + 1) * rows_per_device)
+        pair_ids = index[rows].reshape(-1)
+        order = np.argsort(pair_ids, kind="stable")
+        seen = {}
+        for pair in order:
+            peer = pair_ids[pair]  # one expert per device at ep=8
+            seen[peer] = seen.get(peer, 0) + 1
+            if seen[peer] <= capacity:
+                kept[rows][pair // TOP_K, pair % TOP_K] = True
+            else:
+                expected_dropped += 1
+    assert int(statistics.dropped) == expected_dropped > 0
+    expected = reference_swiglu_experts(hidden, index, weights * kept, **params)
+    np.testing.assert_allclose(output, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_all_reduce_needs_ep_equal_tp():
+    with pytest.raises(ValueError, match=r"AllReduceEP needs every rank of the expert group to hold the same batch \(`ep_size == tp_size`\)."):
+        sharded_runner((2, 4, 4, 1), "all_reduce")
+
+
+def test_unknown_name_lists_registered_implementations():
+    with pytest.raises(ValueError) as error:
+        sharded_runner((2, 4, 4, 1), "fastest")
+    assert str(error.value).startswith(
+        "`ep_implementation='fastest'` names no registered implementation: use one of 'auto', 'all_to_all', "
+        "'all_reduce', 'deepgemm_megamoe'"
+    )
+
+
+def test_deepgemm_megamoe_says_it_is_cuda_pytorch_only():
+    with pytest.raises(NotImplementedError, match="exists only for PyTorch on CUDA"):
+        sharded_runner((8, 1, 8, 1), "deepgemm_megamoe")
+
+
+class MaskingEP(EPImplementation):
+    """The reference doc's `MyEP` idea in JAX: gather the group's rows, run local experts on all of them
+    (other devices' experts masked), and sum each device's rows back to it."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        axes = self.groups.ep_axes
+        everyone = jax.lax.all_gather(hidden_states, axes, tiled=True)
+        index = jax.lax.all_gather(top_k_index, axes, tiled=True)
+        weights = jax.lax.all_gather(top_k_weights, axes, tiled=True)
+        num_local = self.num_local_experts
+        mine = (index // num_local) == self.ep_rank()
+        local_out = self.experts_forward(
+            everyone, jnp.where(mine, index % num_local, num_local), jnp.where(mine, weights, 0.0)
+        )
+        return jax.lax.psum_scatter(local_out, axes, tiled=True)
+
+
+def test_user_registered_implementation_runs_end_to_end():
+    EPImplementationInterface.register("masking_example", MaskingEP)
+    try:
+        assert "masking_example" in EPImplementationInterface()
+        assert_matches_reference((1, 8, 8, 1), "masking_example", 16, "random")
+    finally:
+        del EPImplementationInterface._global_mapping["masking_example"]
+
+
+def test_interface_local_override_and_iteration():
+    interface = EPImplementationInterface()
+    interface["mine"] = MaskingEP
+    assert "mine" in interface and "mine" not in EPImplementationInterface()
+    assert list(interface)[:4] == ["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
+    groups = ExpertGroups(("ep_fsdp",), ("tp",), 8, 1, MESH_AXES)
+    assert isinstance(build_ep_implementation("mine", None, 1, groups, interface=interface), MaskingEP)
