@@ -1,0 +1,311 @@
+"""Grouped-query self-attention of Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral, over HF-named parameters.
+
+`attention` is the whole module (`*Attention.forward`); it is three composable steps so a KV-cache decode
+path can reuse them unchanged:
+
+    project_qkv   hidden -> q, k, v heads (bias, OLMoE full-width / Qwen3 per-head q/k RMSNorm, OLMoE clip)
+    apply_rotary  (rotary.py) rotate q and k by precomputed cos/sin of each token's *position*
+    attend        softmax(q k^T * scale) v under the causal / sliding-window / padding mask, where masking
+                  uses each token's *index* in the key sequence (its cache slot), as HF's masks do
+
+Positions (for RoPE) and indices (for masking) are separate on purpose: with left padding HF's `generate`
+numbers positions from the first real token while masks still compare raw indices.
+
+Masking semantics are those of `transformers.masking_utils`: query at index i sees key j iff `j <= i`,
+`j > i - sliding_window` (a window of `sliding_window` keys including itself) and `key_padding_mask[j]`.
+A query that sees no key at all (a left-padding row) gets finite, meaningless output, like HF's eager path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from .linear import linear
+from .norms import rms_norm
+from .rotary import apply_rotary
+
+QkNormKind = Literal["per_head", "full_width"]
+QK_NORM_KINDS = ("per_head", "full_width")
+
+
+def _check_projection(params: Mapping, name: str, out_features: int, what: str) -> None:
+    if name not in params:
+        raise KeyError(f"attention params have no {name!r}; expected HF names q_proj/k_proj/v_proj/o_proj")
+    rows = params[name]["weight"].shape[0]
+    if rows != out_features:
+        raise ValueError(
+            f"{name}.weight has {rows} output rows but {what} = {out_features}; "
+            "check num_heads / num_kv_heads / head_dim against the checkpoint's config"
+        )
+
+
+def _check_qk_norm(params: Mapping, qk_norm_kind: QkNormKind | None) -> None:
+    has_norm = "q_norm" in params or "k_norm" in params
+    if qk_norm_kind is None and has_norm:
+        raise ValueError(
+            "attention params contain q_norm/k_norm but qk_norm_kind is None; pass qk_norm_kind='per_head' "
+            "(Qwen3-MoE: RMSNorm over head_dim) or 'full_width' (OLMoE: RMSNorm over the whole projection)"
+        )
+    if qk_norm_kind is not None:
+        if qk_norm_kind not in QK_NORM_KINDS:
+            raise ValueError(f"qk_norm_kind must be one of {QK_NORM_KINDS} or None, got {qk_norm_kind!r}")
+        if not ("q_norm" in params and "k_norm" in params):
+            raise ValueError(
+                f"qk_norm_kind={qk_norm_kind!r} needs both q_norm and k_norm in the attention params"
+            )
+
+
+def project_qkv(
+    params: Mapping,
+    hidden: jax.Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm_kind: QkNormKind | None = None,
+    rms_norm_eps: float = 1e-6,
+    clip_qkv: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Query, key and value heads before RoPE.
+
+    hidden: [B, S, H]  ->  q: [B, S, N, D], k: [B, S, K, D], v: [B, S, K, D]
+
+    Order of operations is OLMoE's where they apply: projection (+ bias), full-width q/k RMSNorm, clamp of
+    q, k and v to `[-clip_qkv, clip_qkv]`, split into heads, then Qwen3's per-head q/k RMSNorm.
+    """
+    _check_projection(params, "q_proj", num_heads * head_dim, "num_heads * head_dim")
+    _check_projection(params, "k_proj", num_kv_heads * head_dim, "num_kv_heads * head_dim")
+    _check_projection(params, "v_proj", num_kv_heads * head_dim, "num_kv_heads * head_dim")
+    _check_qk_norm(params, qk_norm_kind)
+
+    q = linear(params["q_proj"], hidden)
+    k = linear(params["k_proj"], hidden)
+    v = linear(params["v_proj"], hidden)
+
+    if qk_norm_kind == "full_width":
+        q = rms_norm(params["q_norm"], q, rms_norm_eps)
+        k = rms_norm(params["k_norm"], k, rms_norm_eps)
+    if clip_qkv is not None:
+        q = jnp.clip(q, -clip_qkv, clip_qkv)
+        k = jnp.clip(k, -clip_qkv, clip_qkv)
+        v = jnp.clip(v, -clip_qkv, clip_qkv)
+
+    batch, seq = hidden.shape[:2]
+    q = q.reshape(batch, seq, num_heads, head_dim)
+    k = k.reshape(batch, seq, num_kv_heads, head_dim)
+    v = v.reshape(batch, seq, num_kv_heads, head_dim)
+
+    if qk_norm_kind == "per_head":
+        q = rms_norm(params["q_norm"], q, rms_norm_eps)
+        k = rms_norm(params["k_norm"], k, rms_norm_eps)
+    return q, k, v
+
+
+def _check_sliding_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(
+            f"sliding_window must be a positive int (keys visible per query, itself included) or None, got "
+            f"{sliding_window!r}; Qwen2-MoE stores 0 when use_sliding_window=False, which means None here"
+        )
+
+
+def visibility_mask(
+    query_index: jax.Array,
+    num_keys: int,
+    *,
+    key_padding_mask: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Which keys each query may attend to.
+
+    query_index: [B, S] index of each query's own token among the keys
+    key_padding_mask: [B, T] bool, True for real tokens
+    -> [B, 1, S, T] bool (broadcast over heads)
+    """
+    key_index = jnp.arange(num_keys)
+    visible = key_index[None, None, :] <= query_index[:, :, None]
+    if sliding_window is not None:
+        visible &= key_index[None, None, :] > query_index[:, :, None] - sliding_window
+    if key_padding_mask is not None:
+        visible &= key_padding_mask[:, None, :]
+    return visible[:, None, :, :]
+
+
+def _attend_query_chunks(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    query_index: jax.Array,
+    key_padding_mask: jax.Array | None,
+    sliding_window: int | None,
+    scale: float,
+    implementation: str | None,
+    chunk_size: int,
+) -> jax.Array:
+    """`attend` one block of queries at a time: the score matrix in flight is [B, N, chunk, T], not [B, N, S, T].
+
+    Each block is rematerialised in the backward pass, so its scores are not kept for the gradient either.
+    """
+    batch, seq, heads, dim = q.shape
+    num_chunks = -(-seq // chunk_size)
+    pad = num_chunks * chunk_size - seq
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    # Index -1 sees no key; these filler rows are dropped below.
+    query_index = jnp.pad(query_index, ((0, 0), (0, pad)), constant_values=-1)
+    q_chunks = q.reshape(batch, num_chunks, chunk_size, heads, dim).swapaxes(0, 1)
+    index_chunks = query_index.reshape(batch, num_chunks, chunk_size).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def attend_chunk(chunk: tuple[jax.Array, jax.Array]) -> jax.Array:
+        q_chunk, index_chunk = chunk
+        mask = visibility_mask(
+            index_chunk, k.shape[1], key_padding_mask=key_padding_mask, sliding_window=sliding_window
+        )
+        return jax.nn.dot_product_attention(
+            q_chunk, k, v, mask=mask, scale=scale, implementation=implementation
+        )
+
+    out = jax.lax.map(attend_chunk, (q_chunks, index_chunks))
+    return out.swapaxes(0, 1).reshape(batch, num_chunks * chunk_size, heads, dim)[:, :seq]
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float | None = None,
+    key_padding_mask: jax.Array | None = None,
+    query_index: jax.Array | None = None,
+    sliding_window: int | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    query_chunk_size: int | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention core (softmax in float32), via `jax.nn.dot_product_attention`.
+
+    q: [B, S, N, D]; k, v: [B, T, K, D] with N a multiple of K (query head n reads key/value head n // (N/K),
+    HF's `repeat_kv` grouping)  ->  [B, S, N, D]
+    scale: logit scale, default `D ** -0.5`
+    key_padding_mask: [B, T], nonzero / True for real tokens
+    query_index: [B, S] or [S] index of each query among the keys; default `T - S + arange(S)` (the queries
+        are the last S keys: prefill when T == S, or decode against a cache holding exactly T keys)
+    sliding_window: keys visible per query, itself included (HF semantics), or None for full causal
+    implementation: passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash attention on GPU)
+    query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
+
+    When `T == S` and no `query_index` is given (and no chunking happens), the mask is expressed as `is_causal` and
+    `local_window_size` so fused kernels can skip masked blocks instead of reading an [S, T] mask.
+    """
+    _check_sliding_window(sliding_window)
+    batch, seq = q.shape[:2]
+    num_keys = k.shape[1]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (batch, num_keys):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected [B, T] = {(batch, num_keys)} "
+                "(HF's 2D attention_mask covering every key, cached ones included)"
+            )
+        key_padding_mask = key_padding_mask.astype(bool)
+    if query_chunk_size is not None and query_chunk_size < 1:
+        raise ValueError(f"query_chunk_size must be a positive int or None, got {query_chunk_size}")
+    in_chunks = query_chunk_size is not None and query_chunk_size < seq
+
+    if query_index is None and not in_chunks and seq == num_keys:
+        padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=padding,
+            scale=scale,
+            is_causal=True,
+            local_window_size=window,
+            implementation=implementation,
+        )
+
+    if query_index is None:
+        query_index = jnp.arange(num_keys - seq, num_keys)
+    query_index = jnp.broadcast_to(jnp.asarray(query_index), (batch, seq))
+
+    if in_chunks:
+        return _attend_query_chunks(
+            q,
+            k,
+            v,
+            query_index=query_index,
+            key_padding_mask=key_padding_mask,
+            sliding_window=sliding_window,
+            scale=scale,
+            implementation=implementation,
+            chunk_size=query_chunk_size,
+        )
+    mask = visibility_mask(
+        query_index, num_keys, key_padding_mask=key_padding_mask, sliding_window=sliding_window
+    )
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+
+
+def attention(
+    params: Mapping,
+    hidden: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    attention_mask: jax.Array | None = None,
+    sliding_window: int | None = None,
+    qk_norm_kind: QkNormKind | None = None,
+    rms_norm_eps: float = 1e-6,
+    clip_qkv: float | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    query_chunk_size: int | None = None,
+) -> jax.Array:
+    """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
+
+    params: `{"q_proj", "k_proj", "v_proj", "o_proj": {"weight": [out, in], "bias"?: [out]},
+              "q_norm"?, "k_norm"?: {"weight": [D] per_head | [N*D], [K*D] full_width}}`
+    hidden: [B, S, H]; cos, sin: [B, S, D] from `rotary_cos_sin` (positions may be arbitrary, e.g. offset)
+    attention_mask: [B, S] padding mask, 1 = real token, 0 = padding (left or right)
+    sliding_window: Mixtral / Qwen2-MoE / Qwen3-MoE window (keys per query, itself included), None for full
+    qk_norm_kind: "per_head" (Qwen3-MoE), "full_width" (OLMoE) or None (Qwen2-MoE, Mixtral)
+    clip_qkv: OLMoE's `config.clip_qkv`
+    -> [B, S, H]
+
+    The logit scale is `head_dim ** -0.5`, as in all four models.
+    """
+    batch, seq, _ = hidden.shape
+    q, k, v = project_qkv(
+        params,
+        hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        qk_norm_kind=qk_norm_kind,
+        rms_norm_eps=rms_norm_eps,
+        clip_qkv=clip_qkv,
+    )
+    q, k = apply_rotary(q, k, cos, sin)
+    # A float32 norm weight or rope table would promote q/k alone (HF would fail on the mixed-dtype matmul);
+    # attention runs in the value projection's dtype.
+    q, k = q.astype(v.dtype), k.astype(v.dtype)
+    out = attend(
+        q,
+        k,
+        v,
+        scale=head_dim**-0.5,
+        key_padding_mask=attention_mask,
+        sliding_window=sliding_window,
+        implementation=implementation,
+        query_chunk_size=query_chunk_size,
+    )
+    return linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim))

@@ -1,0 +1,33 @@
+"""RMSNorm as Hugging Face's Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral implement it.
+
+All four (`Qwen3MoeRMSNorm`, `Qwen2MoeRMSNorm`, `OlmoeRMSNorm`, `MixtralRMSNorm`) do the same thing:
+normalise in float32, cast the normalised value back to the input dtype, *then* multiply by the weight.
+The cast-before-multiply order matters in bf16: the product is rounded once more than "multiply in fp32,
+cast once" would be, and a float32 weight promotes the result to float32 exactly as `weight * x` does in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(params: Mapping[str, jax.Array], x: jax.Array, eps: float) -> jax.Array:
+    """`weight * (x / sqrt(mean(x**2) + eps))`, normalised over the last axis.
+
+    params: `{"weight": [H]}`
+    x: [..., H]  ->  [..., H], dtype `promote(weight.dtype, x.dtype)` as in PyTorch.
+    """
+    weight = params["weight"]
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"rms_norm: last axis of x has size {x.shape[-1]} but weight has shape {tuple(weight.shape)}; "
+            "pass the norm's own parameters (e.g. q_norm over head_dim for Qwen3, over the full projection for OLMoE)"
+        )
+    input_dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normalized = x32 * jax.lax.rsqrt(variance + eps)
+    return weight * normalized.astype(input_dtype)
