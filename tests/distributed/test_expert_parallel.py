@@ -242,3 +242,25 @@ def test_interface_local_override_and_iteration():
     assert list(interface)[:4] == ["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
     groups = ExpertGroups(("ep_fsdp",), ("tp",), 8, 1, MESH_AXES)
     assert isinstance(build_ep_implementation("mine", None, 1, groups, interface=interface), MaskingEP)
+
+
+@pytest.mark.parametrize("layout_sizes", [(2, 4, 4, 1), (1, 8, 2, 1), (2, 2, 2, 2)])
+def test_efsdp_sharded_expert_weights_give_single_device_results(layout_sizes):
+    """Weights stored as the plans shard them (experts over ep, then FSDP over efsdp) are gathered over efsdp
+    for compute; outputs and gradients are the single-device ones."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tp, fsdp, ep, replicate = layout_sizes
+    config, run = sharded_runner(layout_sizes, "all_to_all", capacity_bucket=float(ep))
+    layout = DeviceLayout.from_config(config)
+    mesh = build_mesh(config)
+    assert config.efsdp_size > 1
+    expert_spec = P(layout.ep_axes + layout.efsdp_axes, None, None)
+    hidden, index, weights, params, cotangent = make_inputs(4 * fsdp * replicate, "random")
+    sharded_params = {name: jax.device_put(array, NamedSharding(mesh, expert_spec)) for name, array in params.items()}
+    expected_out, expected_grads = single_device(hidden, index, weights, params, cotangent)
+    output, _, grads = loss_and_grads(run, hidden, index, weights, sharded_params, cotangent)
+    np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[2][name], expected_grads[2][name], rtol=2e-5, atol=2e-5)
