@@ -1,0 +1,186 @@
+"""Dropless grouped matmul as a `lax.scan` over fixed-size row tiles.
+
+Shape letters: M rows, H in features, O out features, E experts, R tile rows.
+
+Every visit of the `tile_plan` schedule multiplies one R-row window of x by one
+expert's [O, H] weight (a plain dense dot) and
+writes only that chunk's rows into the output carry. Work is the real rows plus
+at most R - 1 rows of waste per expert, with static shapes throughout.
+Dead visits are skipped with `lax.cond`, so the static schedule length costs
+almost nothing beyond the chunks that exist.
+
+Differentiation uses a custom VJP with the same schedule:
+  dx = the same loop with w contracted over O instead of H,
+  dw[e] = sum over e's chunks of g_chunk^T @ x_chunk, accumulated in fp32 or wider.
+Letting JAX differentiate the scan instead saves every window as a residual; in
+prototype runs on the 2-core CPU it was up to 18x slower than this VJP, never faster.
+
+`lax.cond` becomes a select under `vmap`, which would compute dead visits too;
+nothing in moe_jax vmaps this function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..varying import vary_like
+from .tile_plan import TileVisits, plan_tile_visits, window_rows
+
+# Tile rows follow the average group size M / E, rounded down to a power of two
+# and kept within these bounds. A tile near the average group size wastes at most
+# about one group's worth of rows per expert, while the dots stay as large as the
+# split allows. scripts/bench_grouped_matmul.py (docs/benchmarks.md; 2-core CPU,
+# fp32, M=4096), forward time over a dense matmul of the same FLOPs:
+#   E=8   (avg 512) balanced: R=128 1.23x, R=256 1.13x, R=512 1.07x
+#   E=8   (avg 512) skewed:   R=128 1.34x, R=256 1.28x, R=512 1.39x
+#   E=32  (avg 128) balanced: R=64 1.23x-2.2x, R=128 1.15x-1.5x, R=256 2.4x
+#   E=32  (avg 128) skewed:   R=64 2.9x, R=128 2.2x, R=256 2.6x
+#   E=128 (avg 32)  balanced: R=16 3.5x, R=32 2.4x, R=64 3.3x, R=128 5.3x (forward-only run)
+#   E=128 (avg 32)  skewed:   R=32, 64 and 128 within noise of each other (3x-5.5x)
+# 512 wins only for perfectly balanced groups, hence the cap of 256; below 32 rows
+# the per-visit overhead dominates.
+MIN_TILE_ROWS = 32
+MAX_TILE_ROWS = 256
+
+
+def default_tile_rows(num_rows: int, num_experts: int) -> int:
+    """Power-of-two tile near the average group size, within [MIN_TILE_ROWS, MAX_TILE_ROWS]."""
+    average_group = max(num_rows // max(num_experts, 1), 1)
+    tile = 1 << int(math.floor(math.log2(average_group)))
+    return min(max(tile, MIN_TILE_ROWS), MAX_TILE_ROWS)
+
+
+# How an R-row window meets one expert weight [O, H]: which weight axis is
+# contracted -> (dot_general dimension numbers, the weight axis that survives).
+_WEIGHT_CONTRACTIONS = {
+    "in_features": ((((1,), (1,)), ((), ())), 1),  # forward: [R, H] x [O, H] -> [R, O]
+    "out_features": ((((1,), (0,)), ((), ())), 2),  # input grad: [R, O] x [O, H] -> [R, H]
+}
+_CONTRACT_WINDOW_ROWS = (((0,), (0,)), ((), ()))  # weight grad: [R, O] x [R, H] -> [O, H]
+
+
+def _accumulate_dtype(*dtypes) -> jnp.dtype:
+    # Sums over chunks must not round at bf16 after every chunk.
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def _chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
+    """[R] bool: which rows of visit v's window belong to its chunk."""
+    rows = v.window_start + jnp.arange(rows_per_window, dtype=jnp.int32)
+    return (rows >= v.chunk_start) & (rows < v.chunk_end)
+
+
+def _rows_times_expert_weights(
+    lhs: jax.Array, w: jax.Array, visits: TileVisits, rows_per_window: int, contract: str
+) -> jax.Array:
+    """out[m] = lhs[m] . w[group(m)], contracting the weight axis named by `contract`.
+
+    lhs: [M, H] with contract="in_features", or [M, O] with contract="out_features"
+    w: [E, O, H]
+    returns [M, O] or [M, H] (the weight axis not contracted); rows in no group are 0
+    """
+    num_rows = lhs.shape[0]
+    dimension_numbers, surviving_axis = _WEIGHT_CONTRACTIONS[contract]
+    out_features = w.shape[surviving_axis]
+    out_dtype = jnp.result_type(lhs.dtype, w.dtype)
+
+    def visit(out, v: TileVisits):
+        window = lax.dynamic_slice_in_dim(lhs, v.window_start, rows_per_window, axis=0)
+        expert_weight = lax.dynamic_index_in_dim(w, v.expert, axis=0, keepdims=False)
+        product = lax.dot_general(
+            window, expert_weight, dimension_numbers, preferred_element_type=_accumulate_dtype(out_dtype)
+        ).astype(out_dtype)
+        keep = _chunk_mask(v, rows_per_window)
+        previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
+        updated = jnp.where(keep[:, None], product, previous)
+        return lax.dynamic_update_slice_in_dim(out, updated, v.window_start, axis=0)
+
+    def skip(out, v: TileVisits):
+        return out
+
+    def step(out, v: TileVisits):
+        return lax.cond(v.live, visit, skip, out, v), None
+
+    # Inside shard_map the carry must vary over the axes the visited values vary over (no-op outside).
+    out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, visits)
+    out, _ = lax.scan(step, out, visits)
+    return out
+
+
+def _expert_weight_grads(
+    x: jax.Array, grad_out: jax.Array, visits: TileVisits, num_experts: int, rows_per_window: int
+) -> jax.Array:
+    """dw[e] = sum over rows m of group e of outer(grad_out[m], x[m]).
+
+    x: [M, H]; grad_out: [M, O]
+    returns [E, O, H] in the accumulation dtype (>= fp32)
+    """
+    accumulate_dtype = _accumulate_dtype(x.dtype, grad_out.dtype)
+
+    def visit(grad_w, v: TileVisits):
+        x_window = lax.dynamic_slice_in_dim(x, v.window_start, rows_per_window, axis=0)
+        g_window = lax.dynamic_slice_in_dim(grad_out, v.window_start, rows_per_window, axis=0)
+        keep = _chunk_mask(v, rows_per_window)
+        g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
+        chunk_grad = lax.dot_general(
+            g_window, x_window, _CONTRACT_WINDOW_ROWS, preferred_element_type=accumulate_dtype
+        )
+        running = lax.dynamic_index_in_dim(grad_w, v.expert, axis=0, keepdims=True)
+        return lax.dynamic_update_index_in_dim(grad_w, running + chunk_grad[None], v.expert, axis=0)
+
+    def skip(grad_w, v: TileVisits):
+        return grad_w
+
+    def step(grad_w, v: TileVisits):
+        return lax.cond(v.live, visit, skip, grad_w, v), None
+
+    grad_w = vary_like(jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out, visits)
+    grad_w, _ = lax.scan(step, grad_w, visits)
+    return grad_w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(x, w, group_sizes, tile_rows):
+    rows_per_window = window_rows(x.shape[0], tile_rows)
+    visits = plan_tile_visits(group_sizes, x.shape[0], rows_per_window)
+    return _rows_times_expert_weights(x, w, visits, rows_per_window, "in_features")
+
+
+def _tiled_fwd(x, w, group_sizes, tile_rows):
+    return _tiled(x, w, group_sizes, tile_rows), (x, w, group_sizes)
+
+
+def _tiled_bwd(tile_rows, residuals, grad_out):
+    x, w, group_sizes = residuals
+    rows_per_window = window_rows(x.shape[0], tile_rows)
+    visits = plan_tile_visits(group_sizes, x.shape[0], rows_per_window)
+    grad_x = _rows_times_expert_weights(grad_out, w, visits, rows_per_window, "out_features")
+    grad_w = _expert_weight_grads(x, grad_out, visits, w.shape[0], rows_per_window)
+    return grad_x.astype(x.dtype), grad_w.astype(w.dtype), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int | None = None
+) -> jax.Array:
+    """Grouped x @ w[e].T, one R-row tile at a time.
+
+    x: [M, H] rows sorted by group
+    w: [E, O, H]
+    group_sizes: [E] int32
+    returns [M, O]; rows past sum(group_sizes) are 0
+
+    tile_rows: R; None picks `default_tile_rows(M, E)`.
+    """
+    if x.shape[0] == 0:
+        return jnp.zeros((0, w.shape[1]), jnp.result_type(x.dtype, w.dtype))
+    if tile_rows is None:
+        tile_rows = default_tile_rows(x.shape[0], w.shape[0])
+    return _tiled(x, w, group_sizes, tile_rows)
