@@ -1,0 +1,135 @@
+"""The experts computation of HF's MoE blocks (gate/up projection, SwiGLU, down projection).
+
+Shape letters: N tokens, K top-k, E (local) experts, H hidden, I intermediate,
+M = N * K (token, choice) pairs.
+
+Contract, as transformers' `*Experts.forward(hidden_states, top_k_index, top_k_weights)`:
+
+    out[n] = sum_k weights[n, k] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n])),  e = expert_ids[n, k]
+    gate = gate_up_proj[e, :I], up = gate_up_proj[e, I:]
+
+Expert ids are local to this shard. The id E (the number of local experts) is
+the expert-parallel "not mine" sentinel: such a choice adds nothing and gets no
+gradient, neither into x, the expert weights, nor its routing weight. Ids above
+E are treated the same way; negative ids are invalid.
+
+The weighted sum over K runs in the promoted dtype of (hidden, weights), then
+the result is cast to the hidden dtype, like transformers' grouped_mm path:
+Mixtral's fp32 routing weights with bf16 hidden states are summed in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .grouped_matmul import grouped_matmul
+from .permute import gather_rows, sort_by_expert, unpermute
+
+Activation = Callable[[jax.Array], jax.Array]
+
+
+def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj) -> None:
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be [N, H], got shape {hidden.shape}; flatten batch and sequence first.")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"expert_ids must be [N, K] with N={hidden.shape[0]}, got shape {expert_ids.shape}.")
+    if weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"weights {weights.shape} must match expert_ids {expert_ids.shape}: one routing weight per choice."
+        )
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids must be integers, got dtype {expert_ids.dtype}.")
+    hidden_size = hidden.shape[1]
+    if gate_up_proj.ndim != 3 or gate_up_proj.shape[2] != hidden_size or gate_up_proj.shape[1] % 2:
+        raise ValueError(
+            f"gate_up_proj must be [E, 2I, H] with H={hidden_size}, got shape {gate_up_proj.shape}; "
+            "it is HF's fused [gate; up] weight in [experts, out, in] layout."
+        )
+    num_experts, two_i, _ = gate_up_proj.shape
+    if down_proj.shape != (num_experts, hidden_size, two_i // 2):
+        raise ValueError(
+            f"down_proj must be [E, H, I] = [{num_experts}, {hidden_size}, {two_i // 2}] to match "
+            f"gate_up_proj {gate_up_proj.shape}, got {down_proj.shape}."
+        )
+
+
+def _swiglu(gate_up: jax.Array, act: Activation) -> jax.Array:
+    """gate_up: [M, 2I] -> act(gate_up[:, :I]) * gate_up[:, I:]: [M, I]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return act(gate) * up
+
+
+def swiglu_experts(
+    hidden: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    act: Activation = jax.nn.silu,
+    backend: str | None = None,
+) -> jax.Array:
+    """Dropless SwiGLU experts via sort -> grouped matmul -> unsort.
+
+    hidden: [N, H]
+    expert_ids: [N, K] int, local ids in [0, E]; E means "not mine"
+    weights: [N, K] routing weights
+    gate_up_proj: [E, 2I, H]
+    down_proj: [E, H, I]
+    returns [N, H] in hidden's dtype
+
+    backend: grouped_matmul backend name, None for the platform default.
+    """
+    _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
+    num_experts = gate_up_proj.shape[0]
+    top_k = expert_ids.shape[1]
+
+    # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
+    # matmuls treat them as padding rows: zero output, zero gradient.
+    order, group_sizes = sort_by_expert(expert_ids, num_experts)
+    x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
+    gate_up = grouped_matmul(x_sorted, gate_up_proj, group_sizes, backend=backend)  # [M, 2I]
+    y_sorted = grouped_matmul(_swiglu(gate_up, act), down_proj, group_sizes, backend=backend)  # [M, H]
+
+    # The expert output is already 0 there; masking the weight as well keeps a
+    # non-finite sentinel weight out of the sum and its gradient exactly 0.
+    mine = expert_ids < num_experts
+    weights = jnp.where(mine, weights, jnp.zeros_like(weights))
+    return unpermute(y_sorted, order, weights).astype(hidden.dtype)
+
+
+def swiglu_experts_reference(
+    hidden: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    act: Activation = jax.nn.silu,
+) -> jax.Array:
+    """Same contract as `swiglu_experts`, one expert at a time over all tokens.
+
+    hidden: [N, H]; expert_ids: [N, K]; weights: [N, K]
+    gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]
+    returns [N, H] in hidden's dtype
+
+    Every expert runs densely on every token and is scaled by the summed routing
+    weight of the choices that picked it (0 for the rest), which is E times the
+    work of the real thing: meant for tests, not models.
+    """
+    _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
+    num_experts, two_i, _ = gate_up_proj.shape
+    intermediate = two_i // 2
+    accumulate_dtype = jnp.result_type(hidden.dtype, weights.dtype, gate_up_proj.dtype, down_proj.dtype)
+    out = jnp.zeros(hidden.shape, accumulate_dtype)
+    for expert in range(num_experts):
+        picked = expert_ids == expert  # [N, K]
+        token_weight = jnp.sum(jnp.where(picked, weights, jnp.zeros_like(weights)), axis=1)  # [N]
+        gate = hidden @ gate_up_proj[expert, :intermediate].T  # [N, I]
+        up = hidden @ gate_up_proj[expert, intermediate:].T  # [N, I]
+        expert_out = (act(gate) * up) @ down_proj[expert].T  # [N, H]
+        out = out + token_weight[:, None].astype(accumulate_dtype) * expert_out.astype(accumulate_dtype)
+    return out.astype(hidden.dtype)

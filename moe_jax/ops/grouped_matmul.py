@@ -1,0 +1,143 @@
+"""Grouped matmul (each row block times its own expert weight) and capacity matmul.
+
+Shape letters: M rows, H in features, O out features, E experts, C capacity.
+
+Weights use Hugging Face's layout [E, out, in] (`gate_up_proj` is [E, 2I, H],
+`down_proj` is [E, H, I]), so every backend computes x @ w[e].T per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .grouped_matmul_backends.tiled_scan import tiled_grouped_matmul
+from .grouped_matmul_backends.tokamax_kernel import tokamax_available, tokamax_grouped_matmul
+from .grouped_matmul_backends.xla_ragged_dot import ragged_dot_grouped_matmul
+
+GroupedMatmulBackend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+# Backend name -> fn(x [M, H], w [E, O, H], group_sizes [E] int32) -> [M, O].
+GROUPED_MATMUL_BACKENDS: dict[str, GroupedMatmulBackend] = {
+    "ragged_dot": ragged_dot_grouped_matmul,
+    "tiled": tiled_grouped_matmul,
+    "tokamax": tokamax_grouped_matmul,
+}
+
+
+def register_grouped_matmul_backend(name: str, fn: GroupedMatmulBackend) -> None:
+    """Make `fn` selectable as grouped_matmul(..., backend=name)."""
+    if name in GROUPED_MATMUL_BACKENDS:
+        raise ValueError(
+            f"grouped_matmul backend {name!r} is already registered; pick another name "
+            f"(taken: {sorted(GROUPED_MATMUL_BACKENDS)})."
+        )
+    GROUPED_MATMUL_BACKENDS[name] = fn
+
+
+def _gpu_default() -> str:
+    # Follows FLOP counts, not a GPU measurement (see the comment below).
+    return "tokamax" if tokamax_available() else "tiled"
+
+
+# Platform -> chooser. CPU numbers from scripts/bench_grouped_matmul.py on the
+# project's 2-core AMD EPYC (XLA:CPU, fp32, M=4096, 2026-11-29; full table in
+# docs/benchmarks.md), forward time over a dense [M,H]x[H,O] matmul of the same
+# FLOPs, median of paired ratios (best-of ratio in parentheses):
+#                                  tiled (default tile)   ragged_dot
+#   E=8,   H=1024, O=2048 balanced   1.13x (1.16x)          7.3x (8.7x)
+#   E=8,   H=1024, O=2048 skewed     1.28x (1.35x)          6.8x (9.9x)
+#   E=32,  H=512,  O=1024 balanced   1.15x (1.46x)           29x (48x)
+#   E=32,  H=512,  O=1024 skewed     2.23x (2.42x)           27x (53x)
+#   E=128, H=512,  O=768  skewed     5.5x  (5.8x)           116x (215x)
+# Forward+backward ratios are in the same range (tiled 1.3x-6.6x, ragged_dot
+# 7.5x-144x). ragged_dot on CPU costs E times the FLOPs (see xla_ragged_dot.py),
+# so CPU uses "tiled". GPU and TPU were not measured: an upstream XLA:GPU
+# ragged_dot is a dense matmul over all experts (the same E-fold waste), so GPU
+# prefers tokamax's grouped kernels and otherwise the tiled scan, which does only
+# the real rows' FLOPs at one kernel launch per tile. TPU keeps ragged_dot, which
+# XLA:TPU lowers to a native grouped-matmul kernel.
+_DEFAULT_BACKEND_BY_PLATFORM: dict[str, Callable[[], str]] = {
+    "cpu": lambda: "tiled",
+    "gpu": _gpu_default,
+    "tpu": lambda: "ragged_dot",
+}
+
+
+def default_backend(platform: str) -> str:
+    """The grouped_matmul backend used on `platform` ("cpu", "gpu" or "tpu") when none is given."""
+    try:
+        choose = _DEFAULT_BACKEND_BY_PLATFORM[platform]
+    except KeyError:
+        raise ValueError(
+            f"no default grouped_matmul backend for platform {platform!r}; known platforms are "
+            f"{sorted(_DEFAULT_BACKEND_BY_PLATFORM)}, or pass backend= one of {sorted(GROUPED_MATMUL_BACKENDS)}."
+        ) from None
+    return choose()
+
+
+def _check_grouped_operands(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, H], got shape {x.shape}.")
+    if w.ndim != 3:
+        raise ValueError(f"w must be [E, O, H] (HF's [experts, out, in] layout), got shape {w.shape}.")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"w is {w.shape} = [E, O, H] but x has H={x.shape[1]}; w must be stored [experts, out, in] "
+            "as in HF (transpose a [E, in, out] weight with jnp.swapaxes(w, 1, 2))."
+        )
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"group_sizes must be [E] = [{w.shape[0]}] (one row count per expert), got shape {group_sizes.shape}."
+        )
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}; use .astype(jnp.int32).")
+
+
+def grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str | None = None
+) -> jax.Array:
+    """Rows of x, sorted by group, each multiplied by its group's weight.
+
+    x: [M, H] rows sorted by group: group e owns the next group_sizes[e] rows
+    w: [E, O, H]
+    group_sizes: [E] int32 with sum(group_sizes) <= M
+    returns [M, O] in the promoted dtype of x and w:
+        out[m] = w[e] @ x[m] for m in group e, and 0 for rows past sum(group_sizes)
+
+    backend: a name in GROUPED_MATMUL_BACKENDS; None picks `default_backend` for
+    JAX's default platform.
+    """
+    _check_grouped_operands(x, w, group_sizes)
+    name = default_backend(jax.default_backend()) if backend is None else backend
+    try:
+        fn = GROUPED_MATMUL_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown grouped_matmul backend {name!r}; choose one of {sorted(GROUPED_MATMUL_BACKENDS)} "
+            "or None for the platform default."
+        ) from None
+    # Backends get one dtype: ragged_dot rejects mixed operands, and this keeps
+    # every backend's result dtype the same.
+    dtype = jnp.result_type(x.dtype, w.dtype)
+    return fn(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
+
+
+def capacity_matmul(x_cells: jax.Array, w: jax.Array) -> jax.Array:
+    """Every expert's fixed-size block of cells times that expert's weight.
+
+    x_cells: [E, C, H] (C cells per expert; unused cells are whatever the
+             dispatch left there, usually 0)
+    w: [E, O, H]
+    returns [E, C, O] = einsum("ech,eoh->eco")
+    """
+    if x_cells.ndim != 3 or w.ndim != 3:
+        raise ValueError(f"x_cells must be [E, C, H] and w [E, O, H], got {x_cells.shape} and {w.shape}.")
+    if x_cells.shape[0] != w.shape[0] or x_cells.shape[2] != w.shape[2]:
+        raise ValueError(
+            f"x_cells {x_cells.shape} = [E, C, H] and w {w.shape} = [E, O, H] disagree on E or H; "
+            "both must come from the same expert shard and hidden size."
+        )
+    return jnp.einsum("ech,eoh->eco", x_cells, w)

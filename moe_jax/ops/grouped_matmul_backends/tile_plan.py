@@ -1,0 +1,78 @@
+"""Static-size schedule of row tiles for a grouped matmul with dynamic group sizes.
+
+Shape letters: E experts, M rows, R tile rows, V visits.
+
+Each expert's contiguous rows are cut into chunks of at most R rows, and each
+chunk is one "visit": multiply an R-row window of the input by that expert's
+weight and keep the chunk's rows. The number of chunks depends on the group
+sizes, which are only known at run time, but it is bounded:
+
+    sum_e ceil(g_e / R) <= (sum_e g_e + E * (R - 1)) / R <= (M + E * (R - 1)) / R
+
+so a schedule of `max_visits(M, E, R)` entries always suffices; the entries past
+the real chunks are marked dead and skipped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TileVisits(NamedTuple):
+    """One entry per visit, all [V]; V = max_visits(M, E, R)."""
+
+    live: jax.Array  # bool: False for the spare entries after the last real chunk
+    expert: jax.Array  # int32: whose weight this chunk uses (clamped to E - 1 when dead)
+    window_start: jax.Array  # int32: first row of the R-row window, within [0, M - R]
+    chunk_start: jax.Array  # int32: first row of the chunk (window_start <= chunk_start)
+    chunk_end: jax.Array  # int32: one past the chunk's last row (<= window_start + R)
+
+
+def window_rows(num_rows: int, tile_rows: int) -> int:
+    """Rows per window: the tile, or all rows when there are fewer than a tile."""
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows={tile_rows} must be a positive number of rows, e.g. 128.")
+    return min(tile_rows, num_rows)
+
+
+def max_visits(num_rows: int, num_experts: int, tile_rows: int) -> int:
+    """Static upper bound on the number of chunks (see the module docstring)."""
+    return (num_rows + num_experts * (tile_rows - 1)) // tile_rows
+
+
+def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileVisits:
+    """The chunk schedule for rows sorted by group.
+
+    group_sizes: [E] int; rows past sum(group_sizes) belong to no group
+    tile_rows: R, must be <= num_rows (use `window_rows`)
+    returns TileVisits of [V] arrays, chunks in row order
+
+    If sum(group_sizes) exceeds num_rows the excess is silently dropped: the
+    rows do not exist, and this runs under jit where it cannot raise.
+    """
+    num_experts = group_sizes.shape[0]
+    group_sizes = group_sizes.astype(jnp.int32)
+    group_end = jnp.cumsum(group_sizes)
+    group_start = group_end - group_sizes
+
+    chunks_per_expert = (group_sizes + tile_rows - 1) // tile_rows
+    chunk_count_end = jnp.cumsum(chunks_per_expert)
+    chunk_count_start = chunk_count_end - chunks_per_expert
+
+    visit = jnp.arange(max_visits(num_rows, num_experts, tile_rows), dtype=jnp.int32)
+    # Visit v belongs to the first expert whose running chunk count exceeds v;
+    # empty experts have no chunks and are skipped by side="right".
+    owner = jnp.searchsorted(chunk_count_end, visit, side="right").astype(jnp.int32)
+    live = owner < num_experts
+    expert = jnp.minimum(owner, num_experts - 1)
+
+    chunk_start = group_start[expert] + (visit - chunk_count_start[expert]) * tile_rows
+    chunk_end = jnp.minimum(group_end[expert], chunk_start + tile_rows)
+    chunk_end = jnp.where(live, jnp.minimum(chunk_end, num_rows), chunk_start)
+    # A chunk near the bottom keeps its R-row window inside the array by starting
+    # it earlier; the rows before chunk_start are masked out, never overwritten.
+    window_start = jnp.clip(chunk_start, 0, num_rows - tile_rows)
+    return TileVisits(live, expert, window_start, chunk_start, chunk_end)

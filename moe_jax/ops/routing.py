@@ -1,0 +1,167 @@
+"""Top-k routers and the auxiliary load-balancing loss of Hugging Face's MoE models.
+
+Shape letters: T tokens, K top-k, E experts, L layers.
+
+Ties: every router here picks experts with `jax.lax.top_k`, which returns equal
+probabilities in ascending expert order (the lower expert id wins). `torch.topk`
+does not document its tie order; on CPU it agrees with this in the cases the
+tests cover, so exact ties are the one place where a routing may legitimately
+differ from the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k={top_k} must be between 1 and the number of experts ({num_experts}); "
+            "pass the model config's num_experts_per_tok."
+        )
+
+
+def _check_logits(router_logits: jax.Array) -> None:
+    if router_logits.ndim != 2:
+        raise ValueError(
+            f"router_logits must be [T, E], got shape {router_logits.shape}; "
+            "flatten batch and sequence first (logits.reshape(-1, num_experts))."
+        )
+
+
+def softmax_top_k(
+    router_logits: jax.Array, top_k: int, normalize: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Qwen2-MoE / Qwen3-MoE / OLMoE router: softmax in fp32, top-k, optional renormalisation.
+
+    router_logits: [T, E]
+    returns (top_k_weights: [T, K] in router_logits' dtype, top_k_index: [T, K] int32)
+
+    `normalize` is the config's `norm_topk_prob`: divide the K kept probabilities
+    by their sum. The weights are cast back to the logits' dtype, as the reference
+    does, so bf16 logits give bf16 weights.
+    """
+    _check_logits(router_logits)
+    _check_top_k(top_k, router_logits.shape[-1])
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_k_weights, top_k_index = jax.lax.top_k(probs, top_k)
+    if normalize:
+        top_k_weights = top_k_weights / jnp.sum(top_k_weights, axis=-1, keepdims=True)
+    return top_k_weights.astype(router_logits.dtype), top_k_index.astype(jnp.int32)
+
+
+def mixtral_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Mixtral router: softmax in fp32, top-k, always renormalised, weights kept in fp32.
+
+    router_logits: [T, E]
+    returns (top_k_weights: [T, K] float32, top_k_index: [T, K] int32)
+
+    Unlike `softmax_top_k` the weights are not cast back: Mixtral hands fp32
+    weights to its experts even when the hidden states are bf16, so the expert
+    outputs are summed in fp32.
+    """
+    _check_logits(router_logits)
+    _check_top_k(top_k, router_logits.shape[-1])
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_k_weights, top_k_index = jax.lax.top_k(probs, top_k)
+    top_k_weights = top_k_weights / jnp.sum(top_k_weights, axis=-1, keepdims=True)
+    return top_k_weights, top_k_index.astype(jnp.int32)
+
+
+Router = Callable[..., tuple[jax.Array, jax.Array]]
+
+# Router kind -> function(router_logits, top_k, **options). Options differ per kind:
+# "softmax_top_k" takes `normalize`, "mixtral_top_k" takes none.
+ROUTERS: dict[str, Router] = {
+    "softmax_top_k": softmax_top_k,
+    "mixtral_top_k": mixtral_top_k,
+}
+
+
+def get_router(kind: str) -> Router:
+    """The router function registered under `kind` (see `ROUTERS`)."""
+    try:
+        return ROUTERS[kind]
+    except KeyError:
+        raise KeyError(
+            f"unknown router kind {kind!r}; choose one of {sorted(ROUTERS)}"
+        ) from None
+
+
+def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> jax.Array:
+    """router_logits_per_layer: L arrays of [T, E], or [L, T, E] -> [L, T, E]."""
+    if isinstance(router_logits_per_layer, (list, tuple)):
+        if not router_logits_per_layer:
+            raise ValueError("router_logits_per_layer is empty; pass one [T, E] array per MoE layer.")
+        stacked = jnp.stack([jnp.asarray(layer) for layer in router_logits_per_layer])
+    else:
+        stacked = jnp.asarray(router_logits_per_layer)
+    if stacked.ndim != 3:
+        raise ValueError(
+            f"router logits must be a list of [T, E] arrays or one [L, T, E] array, "
+            f"got stacked shape {stacked.shape}."
+        )
+    return stacked
+
+
+def load_balancing_loss(
+    router_logits_per_layer: Sequence[jax.Array] | jax.Array | None,
+    num_experts: int,
+    top_k: int,
+    attention_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Switch-Transformer auxiliary loss, as transformers' `load_balancing_loss_func`.
+
+    router_logits_per_layer: L arrays of [T, E] or one [L, T, E] (T = batch * sequence)
+    attention_mask: [B, S] with B * S == T, 1 for real tokens, 0 for padding
+    returns a float32 scalar
+
+    Per layer: p = softmax(logits), the top-k experts of p are counted; counts and
+    p are summed over tokens (weighted by the mask when given) and over layers, and
+    both sums are divided by the number of counted rows (L * T, or L * mask.sum()).
+    loss = E * sum_e tokens_per_expert[e] * router_prob_per_expert[e].
+
+    The softmax runs in fp32 and is rounded to the logits' dtype before the top-k,
+    which is what PyTorch's reduced-precision softmax kernels produce; the sums are
+    fp32. `None` gives 0, as the reference does when a model returns no router logits.
+    Gradients flow only through the probability sums (the counts are discrete), as
+    in the reference.
+    """
+    if router_logits_per_layer is None:
+        return jnp.zeros((), jnp.float32)
+    logits = _stack_layers(router_logits_per_layer)
+    num_layers, num_tokens, logit_experts = logits.shape
+    if logit_experts != num_experts:
+        raise ValueError(
+            f"router logits have {logit_experts} experts on their last axis but num_experts={num_experts}; "
+            "pass the config's number of routed experts."
+        )
+    _check_top_k(top_k, num_experts)
+
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    _, selected = jax.lax.top_k(probs, top_k)  # [L, T, K]
+    # [L, T, E]: how many of a token's K picks went to each expert (0 or 1 per expert).
+    picks = jnp.sum(jax.nn.one_hot(selected, num_experts, dtype=jnp.float32), axis=-2)
+    probs = probs.astype(jnp.float32)
+
+    if attention_mask is None:
+        token_weight = jnp.ones((num_tokens,), jnp.float32)
+    else:
+        if attention_mask.size != num_tokens:
+            raise ValueError(
+                f"attention_mask has {attention_mask.size} entries (shape {attention_mask.shape}) but the "
+                f"router logits have T={num_tokens} rows; pass the [batch, sequence] mask of the same batch."
+            )
+        token_weight = jnp.reshape(attention_mask, (-1,)).astype(jnp.float32)
+
+    tokens_per_expert_sum = jnp.einsum("lte,t->e", picks, token_weight)
+    router_prob_sum = jnp.einsum("lte,t->e", probs, token_weight)
+    total_rows = num_layers * jnp.sum(token_weight)
+
+    tokens_per_expert = tokens_per_expert_sum / total_rows
+    router_prob_per_expert = router_prob_sum / total_rows
+    return jnp.sum(tokens_per_expert * router_prob_per_expert) * num_experts

@@ -1,0 +1,151 @@
+"""SwiGLU experts: every backend against the per-expert reference and transformers' eager experts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops.experts import swiglu_experts, swiglu_experts_reference
+from moe_jax.ops.grouped_matmul import GROUPED_MATMUL_BACKENDS
+from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available
+
+NUM_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, INTERMEDIATE = 19, 2, 4, 8, 6
+SENTINEL = NUM_EXPERTS
+
+
+def _backends():
+    on_nvidia_gpu = jax.default_backend() == "gpu" and tokamax_available()
+    return [name for name in GROUPED_MATMUL_BACKENDS if name != "tokamax" or on_nvidia_gpu]
+
+
+def _problem(seed, with_sentinels, dtype=jnp.float32, weights_dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    expert_ids = rng.integers(0, NUM_EXPERTS, size=(NUM_TOKENS, TOP_K))
+    if with_sentinels:
+        expert_ids[rng.random((NUM_TOKENS, TOP_K)) < 0.3] = SENTINEL
+        expert_ids[0, :] = SENTINEL  # a token no local expert serves
+    return dict(
+        hidden=jnp.asarray(rng.standard_normal((NUM_TOKENS, HIDDEN)), dtype),
+        expert_ids=jnp.asarray(expert_ids, jnp.int32),
+        weights=jnp.asarray(rng.random((NUM_TOKENS, TOP_K)), weights_dtype),
+        gate_up_proj=jnp.asarray(rng.standard_normal((NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN)) * 0.4, dtype),
+        down_proj=jnp.asarray(rng.standard_normal((NUM_EXPERTS, HIDDEN, INTERMEDIATE)) * 0.4, dtype),
+    )
+
+
+DIFFERENTIABLE = ("hidden", "weights", "gate_up_proj", "down_proj")
+
+
+@functools.cache
+def _compiled_value_and_grads(backend, act=jax.nn.silu):
+    """jit(problem, cotangent) -> (out, grads by name); backend None means the reference."""
+    if backend is None:
+        experts = functools.partial(swiglu_experts_reference, act=act)
+    else:
+        experts = functools.partial(swiglu_experts, act=act, backend=backend)
+
+    @jax.jit
+    def value_and_grads(problem, cotangent):
+        def run(params):
+            return experts(expert_ids=problem["expert_ids"], **params)
+
+        out, vjp = jax.vjp(run, {name: problem[name] for name in DIFFERENTIABLE})
+        return out, vjp(cotangent)[0]
+
+    return value_and_grads
+
+
+def _cotangent(seed=99):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((NUM_TOKENS, HIDDEN)), jnp.float32)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("with_sentinels", [False, True])
+def test_matches_reference_values_and_gradients(backend, with_sentinels):
+    problem = _problem(seed=1, with_sentinels=with_sentinels)
+    out, grads = _compiled_value_and_grads(backend)(problem, _cotangent())
+    want_out, want_grads = _compiled_value_and_grads(None)(problem, _cotangent())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    for name in DIFFERENTIABLE:
+        np.testing.assert_allclose(
+            np.asarray(grads[name]), np.asarray(want_grads[name]), rtol=1e-5, atol=1e-5, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_sentinel_choices_contribute_and_receive_nothing(backend):
+    problem = _problem(seed=2, with_sentinels=True)
+    sentinel = np.asarray(problem["expert_ids"]) == SENTINEL
+    # A non-finite weight on a "not mine" choice must not leak into values or gradients.
+    problem["weights"] = jnp.where(jnp.asarray(sentinel), jnp.nan, problem["weights"])
+    out, grads = _compiled_value_and_grads(backend)(problem, _cotangent())
+
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)  # token 0 has only sentinel choices
+    np.testing.assert_array_equal(np.asarray(grads["hidden"])[0], 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["weights"])[sentinel], 0.0)
+    for name in DIFFERENTIABLE:
+        assert np.all(np.isfinite(np.asarray(grads[name]))), name
+
+    # Dropping the sentinel choices by hand (weight 0, any real expert) gives the same result.
+    dropped = dict(problem)
+    dropped["weights"] = jnp.where(jnp.asarray(sentinel), 0.0, problem["weights"])
+    dropped["expert_ids"] = jnp.where(jnp.asarray(sentinel), 0, problem["expert_ids"])
+    want_out, want_grads = _compiled_value_and_grads(None)(dropped, _cotangent())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    for name in ("hidden", "gate_up_proj", "down_proj"):
+        np.testing.assert_allclose(
+            np.asarray(grads[name]), np.asarray(want_grads[name]), rtol=1e-5, atol=1e-5, err_msg=name
+        )
+
+
+def test_custom_activation():
+    problem = _problem(seed=3, with_sentinels=True)
+    backend = _backends()[0]
+    out, _ = _compiled_value_and_grads(backend, jax.nn.gelu)(problem, _cotangent())
+    want, _ = _compiled_value_and_grads(None, jax.nn.gelu)(problem, _cotangent())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_hidden_with_fp32_mixtral_weights_sums_in_fp32():
+    problem = _problem(seed=4, with_sentinels=False, dtype=jnp.bfloat16, weights_dtype=jnp.float32)
+    out = jax.jit(swiglu_experts)(**problem)
+    assert out.dtype == jnp.bfloat16
+    upcast = {k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in problem.items()}
+    want = swiglu_experts_reference(**upcast)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
+
+
+def test_shape_errors_name_the_shapes():
+    problem = _problem(seed=5, with_sentinels=False)
+    problem["down_proj"] = problem["down_proj"][:, :, :-1]
+    with pytest.raises(ValueError, match=r"down_proj must be \[E, H, I\] = \[4, 8, 6\]"):
+        swiglu_experts(**problem)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("with_sentinels", [False, True])
+def test_matches_transformers_qwen3_moe_experts(with_sentinels):
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(
+        hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K
+    )
+    config._experts_implementation = "eager"
+    experts = Qwen3MoeExperts(config)
+    problem = _problem(seed=6, with_sentinels=with_sentinels)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.from_numpy(np.array(problem["gate_up_proj"])))
+        experts.down_proj.copy_(torch.from_numpy(np.array(problem["down_proj"])))
+        # The eager loop skips id == num_experts, the expert-parallel sentinel.
+        torch_out = experts(
+            torch.from_numpy(np.array(problem["hidden"])),
+            torch.from_numpy(np.array(problem["expert_ids"], np.int64)),
+            torch.from_numpy(np.array(problem["weights"])),
+        )
+    out = jax.jit(swiglu_experts)(**problem)
+    np.testing.assert_allclose(np.asarray(out), torch_out.numpy(), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,201 @@
+"""Every grouped-matmul backend against a dense per-row reference, values and gradients."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops.grouped_matmul import (
+    GROUPED_MATMUL_BACKENDS,
+    capacity_matmul,
+    default_backend,
+    grouped_matmul,
+    register_grouped_matmul_backend,
+)
+from moe_jax.ops.grouped_matmul_backends.tiled_scan import (
+    MAX_TILE_ROWS,
+    MIN_TILE_ROWS,
+    default_tile_rows,
+    tiled_grouped_matmul,
+)
+from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available
+
+# The package re-exports the function `grouped_matmul`, which hides the module attribute.
+gm = importlib.import_module("moe_jax.ops.grouped_matmul")
+
+NUM_ROWS, NUM_EXPERTS, IN_FEATURES, OUT_FEATURES = 37, 5, 8, 6
+
+GROUP_SIZE_CASES = {
+    "empty groups and padding rows": [7, 0, 12, 0, 15],
+    "all rows in one group": [0, 0, NUM_ROWS, 0, 0],
+    "every row used": [10, 5, 0, 20, 2],
+    "no rows in any group": [0, 0, 0, 0, 0],
+    "single-row groups": [1, 1, 1, 1, 1],
+}
+
+
+def _runnable_backends():
+    on_nvidia_gpu = jax.default_backend() == "gpu" and tokamax_available()
+    return [name for name in GROUPED_MATMUL_BACKENDS if name != "tokamax" or on_nvidia_gpu]
+
+
+# Tiles smaller than, not dividing, and larger than M; "tiled" alone uses the default tile.
+IMPLEMENTATIONS = {
+    **{name: functools.partial(grouped_matmul, backend=name) for name in _runnable_backends()},
+    "tiled, 4-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=4),
+    "tiled, 16-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=16),
+    "tiled, 1-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=1),
+}
+
+
+def reference_grouped_matmul(x, w, group_sizes):
+    """Each row times its own group's weight, gathered densely: [M, O]."""
+    num_rows = x.shape[0]
+    rows = jnp.arange(num_rows)
+    group_end = jnp.cumsum(group_sizes)
+    row_group = jnp.minimum(jnp.searchsorted(group_end, rows, side="right"), w.shape[0] - 1)
+    in_a_group = rows < group_end[-1]
+    out = jnp.einsum("mh,moh->mo", x, w[row_group])
+    return jnp.where(in_a_group[:, None], out, 0.0)
+
+
+@functools.cache
+def _compiled_value_and_grads(implementation):
+    """jit(x, w, group_sizes, cotangent) -> (out, dx, dw); one compile serves every split."""
+    fn = reference_grouped_matmul if implementation == "reference" else IMPLEMENTATIONS[implementation]
+
+    @jax.jit
+    def value_and_grads(x, w, group_sizes, cotangent):
+        out, vjp = jax.vjp(lambda x, w: fn(x, w, group_sizes), x, w)
+        return (out, *vjp(cotangent))
+
+    return value_and_grads
+
+
+def _operands(seed, num_rows=NUM_ROWS, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((num_rows, IN_FEATURES)), dtype)
+    w = jnp.asarray(rng.standard_normal((NUM_EXPERTS, OUT_FEATURES, IN_FEATURES)), dtype)
+    cotangent = jnp.asarray(rng.standard_normal((num_rows, OUT_FEATURES)), dtype)
+    return x, w, cotangent
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", GROUP_SIZE_CASES)
+def test_backend_matches_reference_values_and_gradients(implementation, case):
+    group_sizes = jnp.asarray(GROUP_SIZE_CASES[case], jnp.int32)
+    x, w, cotangent = _operands(seed=len(case))
+    got = _compiled_value_and_grads(implementation)(x, w, group_sizes, cotangent)
+    want = _compiled_value_and_grads("reference")(x, w, group_sizes, cotangent)
+    for name, g, r in zip(("out", "dx", "dw"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
+    padding = slice(int(group_sizes.sum()), None)
+    assert np.all(np.asarray(got[0])[padding] == 0.0)
+    assert np.all(np.asarray(got[1])[padding] == 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_random_group_sizes(implementation):
+    x, w, cotangent = _operands(seed=7)
+    rng = np.random.default_rng(8)
+    for _ in range(6):
+        used = rng.integers(0, NUM_ROWS + 1)
+        cuts = np.sort(rng.integers(0, used + 1, size=NUM_EXPERTS - 1))
+        group_sizes = jnp.asarray(np.diff(np.concatenate([[0], cuts, [used]])), jnp.int32)
+        got = _compiled_value_and_grads(implementation)(x, w, group_sizes, cotangent)
+        want = _compiled_value_and_grads("reference")(x, w, group_sizes, cotangent)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_dtypes_promote():
+    x, w, _ = _operands(seed=9)
+    group_sizes = jnp.asarray([7, 0, 12, 0, 15], jnp.int32)
+    for backend in _runnable_backends():
+        out = grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes, backend=backend)
+        assert out.dtype == jnp.float32
+        want = reference_grouped_matmul(x.astype(jnp.bfloat16).astype(jnp.float32), w, group_sizes)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_tiled_gradient_accumulates_weight_grads_in_fp32():
+    x, w, cotangent = _operands(seed=10, num_rows=32, dtype=jnp.bfloat16)
+    group_sizes = jnp.asarray([32, 0, 0, 0, 0], jnp.int32)
+    grad_w = jax.jit(jax.grad(lambda w: jnp.vdot(tiled_grouped_matmul(x, w, group_sizes, tile_rows=2), cotangent)))(w)
+    want = np.einsum("mo,mh->oh", np.asarray(cotangent, np.float32), np.asarray(x, np.float32))
+    assert grad_w.dtype == jnp.bfloat16
+    # 16 chunks summed in fp32 then rounded once: within one bf16 ulp of the exact sum.
+    np.testing.assert_allclose(np.asarray(grad_w[0], np.float32), want, rtol=2**-7, atol=1e-2)
+
+
+def test_zero_rows():
+    x = jnp.zeros((0, IN_FEATURES))
+    w = jnp.ones((NUM_EXPERTS, OUT_FEATURES, IN_FEATURES))
+    for backend in _runnable_backends():
+        out = grouped_matmul(x, w, jnp.zeros((NUM_EXPERTS,), jnp.int32), backend=backend)
+        assert out.shape == (0, OUT_FEATURES)
+
+
+def test_capacity_matmul():
+    rng = np.random.default_rng(11)
+    cells = rng.standard_normal((NUM_EXPERTS, 3, IN_FEATURES)).astype(np.float32)
+    w = rng.standard_normal((NUM_EXPERTS, OUT_FEATURES, IN_FEATURES)).astype(np.float32)
+    out = capacity_matmul(jnp.asarray(cells), jnp.asarray(w))
+    want = np.stack([cells[e] @ w[e].T for e in range(NUM_EXPERTS)])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="disagree on E or H"):
+        capacity_matmul(jnp.asarray(cells), jnp.asarray(w[:2]))
+
+
+def test_default_tile_rows_follow_average_group_size():
+    assert default_tile_rows(4096, 32) == 128
+    assert default_tile_rows(4096, 48) == 64  # 85 rows per group rounds down
+    assert default_tile_rows(4096, 8) == MAX_TILE_ROWS
+    assert default_tile_rows(4096, 1024) == MIN_TILE_ROWS
+    assert default_tile_rows(3, 8) == MIN_TILE_ROWS  # the window then shrinks to the 3 rows
+
+
+def test_default_backend_per_platform(monkeypatch):
+    assert default_backend("cpu") == "tiled"
+    assert default_backend("tpu") == "ragged_dot"
+    monkeypatch.setattr(gm, "tokamax_available", lambda: False)
+    assert default_backend("gpu") == "tiled"
+    monkeypatch.setattr(gm, "tokamax_available", lambda: True)
+    assert default_backend("gpu") == "tokamax"
+    with pytest.raises(ValueError, match="'metal'"):
+        default_backend("metal")
+
+
+def test_backend_none_uses_platform_default():
+    x, w, _ = _operands(seed=12)
+    group_sizes = jnp.asarray([7, 0, 12, 0, 15], jnp.int32)
+    chosen = default_backend(jax.default_backend())
+    np.testing.assert_array_equal(
+        np.asarray(grouped_matmul(x, w, group_sizes)),
+        np.asarray(grouped_matmul(x, w, group_sizes, backend=chosen)),
+    )
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error raised off GPU")
+def test_tokamax_backend_refuses_to_run_off_gpu():
+    x, w, _ = _operands(seed=13)
+    with pytest.raises(RuntimeError, match="needs .*tokamax.* NVIDIA GPU"):
+        grouped_matmul(x, w, jnp.asarray([7, 0, 12, 0, 15], jnp.int32), backend="tokamax")
+
+
+def test_errors_name_the_problem():
+    x, w, _ = _operands(seed=14)
+    group_sizes = jnp.asarray([7, 0, 12, 0, 15], jnp.int32)
+    with pytest.raises(ValueError, match="unknown grouped_matmul backend 'megablox'"):
+        grouped_matmul(x, w, group_sizes, backend="megablox")
+    with pytest.raises(ValueError, match=r"jnp.swapaxes\(w, 1, 2\)"):
+        grouped_matmul(x, jnp.swapaxes(w, 1, 2), group_sizes)
+    with pytest.raises(ValueError, match=r"group_sizes must be \[E\] = \[5\]"):
+        grouped_matmul(x, w, group_sizes[:3])
+    with pytest.raises(ValueError, match="group_sizes must be integers"):
+        grouped_matmul(x, w, group_sizes.astype(jnp.float32))
+    with pytest.raises(ValueError, match="already registered"):
+        register_grouped_matmul_backend("tiled", tiled_grouped_matmul)

@@ -1,0 +1,102 @@
+"""Expert sort, row gather and unpermute, including their gather-only gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops.permute import gather_rows, invert_permutation, sort_by_expert, unpermute
+
+NUM_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN = 13, 3, 5, 6
+
+
+def _routing(seed=0, with_sentinels=False):
+    rng = np.random.default_rng(seed)
+    high = NUM_EXPERTS + 1 if with_sentinels else NUM_EXPERTS
+    return rng.integers(0, high, size=(NUM_TOKENS, TOP_K)).astype(np.int32)
+
+
+def _rand(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("with_sentinels", [False, True])
+def test_sort_by_expert_is_stable_and_counts_only_real_experts(with_sentinels):
+    top_k_index = _routing(seed=1, with_sentinels=with_sentinels)
+    order, group_sizes = sort_by_expert(jnp.asarray(top_k_index), NUM_EXPERTS)
+    flat = top_k_index.reshape(-1)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(group_sizes), np.bincount(flat, minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS])
+    assert order.dtype == jnp.int32 and group_sizes.dtype == jnp.int32
+    # Sentinel pairs are the tail, after every counted row.
+    assert np.all(flat[np.asarray(order)][int(group_sizes.sum()) :] == NUM_EXPERTS)
+
+
+def test_invert_permutation():
+    order = np.random.default_rng(2).permutation(17).astype(np.int32)
+    inverse = np.asarray(invert_permutation(jnp.asarray(order)))
+    np.testing.assert_array_equal(inverse[order], np.arange(17))
+
+
+def test_gather_rows_value_and_gradient_match_plain_indexing():
+    order, _ = sort_by_expert(jnp.asarray(_routing(seed=3)), NUM_EXPERTS)
+    x = _rand((NUM_TOKENS, HIDDEN), seed=4)
+    cotangent = _rand((NUM_TOKENS * TOP_K, HIDDEN), seed=5)
+
+    def plain(x):
+        return x[order // TOP_K]
+
+    got, got_vjp = jax.vjp(lambda x: gather_rows(x, order, TOP_K), x)
+    want, want_vjp = jax.vjp(plain, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got_vjp(cotangent)[0]), np.asarray(want_vjp(cotangent)[0]), rtol=1e-6, atol=1e-6)
+
+
+def test_gather_rows_backward_has_no_scatter():
+    order, _ = sort_by_expert(jnp.asarray(_routing(seed=3)), NUM_EXPERTS)
+    x = _rand((NUM_TOKENS, HIDDEN), seed=4)
+    grad_fn = jax.grad(lambda x, order: jnp.sum(gather_rows(x, order, TOP_K) ** 2))
+    hlo = jax.jit(grad_fn).lower(x, order).compile().as_text()
+    # The only scatter allowed is the int32 one inside invert_permutation;
+    # plain x[order // K] compiles to an f32 scatter-add here.
+    float_scatters = [line for line in hlo.splitlines() if " scatter(" in line and "f32[" in line]
+    assert not float_scatters, float_scatters
+    assert any(" scatter(" in line and "s32[" in line for line in hlo.splitlines())
+
+
+def test_unpermute_value_and_gradients_match_plain_version():
+    top_k_index = jnp.asarray(_routing(seed=6))
+    order, _ = sort_by_expert(top_k_index, NUM_EXPERTS)
+    y_sorted = _rand((NUM_TOKENS * TOP_K, HIDDEN), seed=7)
+    weights = _rand((NUM_TOKENS, TOP_K), seed=8)
+    cotangent = _rand((NUM_TOKENS, HIDDEN), seed=9)
+
+    def plain(y_sorted, weights):
+        y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+        return jnp.sum(y_pairs.reshape(NUM_TOKENS, TOP_K, HIDDEN) * weights[..., None], axis=1)
+
+    got, got_vjp = jax.vjp(lambda y, w: unpermute(y, order, w), y_sorted, weights)
+    want, want_vjp = jax.vjp(plain, y_sorted, weights)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_vjp(cotangent), want_vjp(cotangent)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def test_unpermute_sums_in_promoted_dtype():
+    order, _ = sort_by_expert(jnp.asarray(_routing(seed=10)), NUM_EXPERTS)
+    y_sorted = _rand((NUM_TOKENS * TOP_K, HIDDEN), seed=11).astype(jnp.bfloat16)
+    weights = _rand((NUM_TOKENS, TOP_K), seed=12)
+    out = unpermute(y_sorted, order, weights)
+    assert out.dtype == jnp.float32
+    y_pairs = np.zeros((NUM_TOKENS * TOP_K, HIDDEN), np.float64)
+    y_pairs[np.asarray(order)] = np.asarray(y_sorted.astype(jnp.float32))
+    want = np.einsum("tkh,tk->th", y_pairs.reshape(NUM_TOKENS, TOP_K, HIDDEN), np.asarray(weights))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_shape_errors_name_the_shapes():
+    order, _ = sort_by_expert(jnp.asarray(_routing()), NUM_EXPERTS)
+    with pytest.raises(ValueError, match=r"M = T \* K = 26"):
+        gather_rows(jnp.zeros((NUM_TOKENS, HIDDEN)), order, top_k=2)
+    with pytest.raises(ValueError, match=r"top_k_index must be \[T, K\]"):
+        sort_by_expert(jnp.zeros((NUM_TOKENS,), jnp.int32), NUM_EXPERTS)
