@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="tiled,ragged_dot")
+    parser.add_argument("--capacity-bucket", type=float, default=None,
+                        help="dispatch capacity bucket (default: the ladder's first rung)")
     args = parser.parse_args(argv)
 
     hidden, index, weights, params = make_problem(args)
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
 
         layouts = [
             ("ep=1, 1 device", DistributedConfig(), LOCAL, "auto"),
+            ("ep=1 fsdp=8 (no dispatch)", DistributedConfig(fsdp_size=8), LOCAL, "auto"),
             ("all_to_all fsdp=8 ep=8", DistributedConfig(fsdp_size=8, ep_size=8), EP_DISPATCH, "all_to_all"),
             ("all_reduce tp=8 ep=8", DistributedConfig(tp_size=8, ep_size=8), EP_DISPATCH, "all_reduce"),
         ]
@@ -114,6 +117,7 @@ def main(argv=None) -> int:
             experts = ShardedExperts(
                 mesh=build_mesh(config), layout=DeviceLayout.from_config(config), mode=mode,
                 num_experts=args.experts, experts_fn=experts_fn, ep_implementation=implementation,
+                **({"capacity_bucket": args.capacity_bucket} if args.capacity_bucket else {}),
             )
             step = layer_step(experts)
             seconds = median_seconds(step, hidden, weights, params, index, repeats=args.repeats)

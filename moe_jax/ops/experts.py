@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from .grouped_matmul import grouped_matmul
 from .permute import gather_rows, sort_by_expert, unpermute
+from .varying import vary_like
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -86,6 +87,11 @@ def swiglu_experts(
     _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
     top_k = expert_ids.shape[1]
+    # Inside shard_map the custom-VJP ops below need operands that vary over the same mesh axes; marking
+    # them here lets JAX sum the gradients of replicated operands (the transpose of the mark is a psum).
+    operands = (hidden, expert_ids, weights, gate_up_proj, down_proj)
+    hidden, weights, gate_up_proj, down_proj = (vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj))
+    expert_ids = vary_like(expert_ids, *operands)
 
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
