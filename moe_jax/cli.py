@@ -54,6 +54,35 @@ def _run_layout(args: argparse.Namespace) -> int:
 command("layout", "print which batch, TP position and experts each device holds")((_layout_arguments, _run_layout))
 
 
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory or config.json of an HF MoE model")
+    _add_layout_sizes(parser)
+    parser.add_argument("--ep-implementation", default="auto")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .distributed.config import DistributedConfig
+    from .distributed.plan_report import plan_report
+    from .models.auto import AutoModelForCausalLM
+
+    try:
+        config = DistributedConfig(
+            tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate,
+            pp_size=args.pp, ep_implementation=args.ep_implementation,
+        )
+        model = AutoModelForCausalLM.from_config(args.model, config, abstract=True)
+        print(plan_report(model))
+    except (ValueError, FileNotFoundError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+command("plan", "show the resolved plans, each parameter's PartitionSpec and shard shape, and the layout")(
+    (_plan_arguments, _run_plan)
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)

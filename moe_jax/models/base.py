@@ -86,7 +86,8 @@ class MoeForCausalLM(PlannedModel):
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
-                 devices=None, experts_backend: str | None = None, dtype=jnp.float32):
+                 devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False):
+        """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
@@ -106,7 +107,7 @@ class MoeForCausalLM(PlannedModel):
                 "yet. Use tp_size / fsdp_size / ep_size, or pp_size=1."
             )
         self.layout = DeviceLayout.from_config(self.distributed_config)
-        self.mesh = build_mesh(self.distributed_config, devices)
+        self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
         self.resolved_plans = resolve_parallel_plans(self, self.distributed_config)
         self.param_layouts = parameter_shardings(self.module_tree, self.resolved_plans, self.distributed_config)
         self.experts_backend = experts_backend

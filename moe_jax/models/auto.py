@@ -1,0 +1,62 @@
+"""`AutoModelForCausalLM`: pick the model family from a checkpoint's `config.json` (`model_type`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .base import MODEL_CLASSES, MoeForCausalLM
+
+
+def read_config(path_or_config: str | os.PathLike | dict) -> dict:
+    """A config dict from a dict, a `config.json` path, or a checkpoint directory holding one."""
+    if isinstance(path_or_config, dict):
+        return dict(path_or_config)
+    path = Path(path_or_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"No config.json at {path}. Pass a checkpoint directory (config.json + safetensors), a config.json "
+            "path, or a Hugging Face repo id with huggingface_hub installed and network access."
+        )
+    return json.loads(path.read_text())
+
+
+def model_class_for(config: dict) -> type[MoeForCausalLM]:
+    model_type = config.get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; moe_jax supports {sorted(MODEL_CLASSES)}."
+        )
+    return MODEL_CLASSES[model_type]
+
+
+class AutoModelForCausalLM:
+    """Entry points that dispatch on `config.json`'s `model_type`."""
+
+    @staticmethod
+    def from_config(config: dict | str | os.PathLike, distributed_config=None, **kwargs) -> MoeForCausalLM:
+        values = read_config(config)
+        return model_class_for(values)(values, distributed_config, **kwargs)
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike, distributed_config=None, **kwargs) -> MoeForCausalLM:
+        values = read_config(_local_checkpoint(path))
+        return model_class_for(values).from_pretrained(path, distributed_config, **kwargs)
+
+
+def _local_checkpoint(path: str | os.PathLike) -> Path:
+    """A local directory as is; otherwise a hub repo id resolved through huggingface_hub (when installed)."""
+    local = Path(path)
+    if local.exists():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(
+            f"{path} is not a local directory, and huggingface_hub is not installed to resolve it as a repo id "
+            "(pip install huggingface_hub)."
+        ) from None
+    return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
