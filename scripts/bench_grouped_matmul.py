@@ -143,7 +143,9 @@ def time_against_baseline(
 def bench_shape(shape: Shape, tile_sizes: list[int], repeats: int, with_grad: bool) -> list[str]:
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((shape.rows, shape.in_features)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((shape.experts, shape.out_features, shape.in_features)) * 0.03, jnp.float32)
+    w = jnp.asarray(
+        rng.standard_normal((shape.experts, shape.out_features, shape.in_features)) * 0.03, jnp.float32
+    )
     cotangent = jnp.asarray(rng.standard_normal((shape.rows, shape.out_features)), jnp.float32)
     group_sizes = jnp.asarray(group_sizes_for(shape))
     dense_w = w[0]
@@ -158,7 +160,8 @@ def bench_shape(shape: Shape, tile_sizes: list[int], repeats: int, with_grad: bo
     if with_grad:
         dense_grad = forward_and_backward(lambda x, w, _: x @ w[0].T)
         grad_calls = {
-            label: functools.partial(forward_and_backward(fn), x, w, group_sizes, cotangent) for label, fn in fns.items()
+            label: functools.partial(forward_and_backward(fn), x, w, group_sizes, cotangent)
+            for label, fn in fns.items()
         }
         dense_grad_call = functools.partial(dense_grad, x, w[:1], group_sizes[:1], cotangent)
         backward = time_against_baseline(dense_grad_call, grad_calls, repeats, 3 * flops)
@@ -190,8 +193,12 @@ def cpu_model() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per candidate (median reported)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed repeats per candidate (median reported)"
+    )
     parser.add_argument(
         "--tiles", default="32,64,128,256,512", help="tile sizes for the tiled backend (its default is added)"
     )

@@ -43,8 +43,9 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, distributed_config=None, **kwargs) -> MoeForCausalLM:
-        values = read_config(_local_checkpoint(path))
-        return model_class_for(values).from_pretrained(path, distributed_config, **kwargs)
+        from ..pretrained import from_pretrained
+
+        return from_pretrained(path, distributed_config, **kwargs)
 
 
 def _local_checkpoint(path: str | os.PathLike) -> Path:

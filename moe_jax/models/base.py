@@ -177,6 +177,20 @@ class MoeForCausalLM(PlannedModel):
         self.params = {name: jax.device_put(jnp.asarray(params[name], self.dtype), shardings[name]) for name in specs}
         self._runner = None
 
+    # ---- checkpoints (implemented in moe_jax.pretrained, the layer above converters/) -----------------
+    @classmethod
+    def from_pretrained(cls, path, distributed_config=None, **kwargs) -> MoeForCausalLM:
+        """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`."""
+        from ..pretrained import from_pretrained
+
+        return from_pretrained(path, distributed_config, model_class=cls, **kwargs)
+
+    def save_pretrained(self, out_dir, **kwargs):
+        """Write an HF checkpoint (per-expert keys, sharded safetensors, index, config.json)."""
+        from ..pretrained import save_pretrained
+
+        return save_pretrained(self, out_dir, **kwargs)
+
     # ---- forward -------------------------------------------------------------------------------------
     def experts_runners(self, capacity_bucket: float) -> dict[int, ShardedExperts]:
         """One runner per experts module, its mode read from the resolved plans."""

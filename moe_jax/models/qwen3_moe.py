@@ -59,6 +59,8 @@ class Qwen3MoeConfig:
     @classmethod
     def from_dict(cls, values: dict) -> Qwen3MoeConfig:
         known = {f.name for f in fields(cls)} - {"raw"}
+        # HF's attribute_map: config.json stores num_experts as num_local_experts.
+        values = {"num_experts": values["num_local_experts"], **values} if "num_local_experts" in values else values
         kwargs = {k: v for k, v in values.items() if k in known}
         if kwargs.get("mlp_only_layers") is not None:
             kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])

@@ -34,7 +34,9 @@ Activation = Callable[[jax.Array], jax.Array]
 
 def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj) -> None:
     if hidden.ndim != 2:
-        raise ValueError(f"hidden must be [N, H], got shape {hidden.shape}; flatten batch and sequence first.")
+        raise ValueError(
+            f"hidden must be [N, H], got shape {hidden.shape}; flatten batch and sequence first."
+        )
     if expert_ids.ndim != 2 or expert_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"expert_ids must be [N, K] with N={hidden.shape[0]}, got shape {expert_ids.shape}.")
     if weights.shape != expert_ids.shape:
@@ -90,7 +92,9 @@ def swiglu_experts(
     # Inside shard_map the custom-VJP ops below need operands that vary over the same mesh axes; marking
     # them here lets JAX sum the gradients of replicated operands (the transpose of the mark is a psum).
     operands = (hidden, expert_ids, weights, gate_up_proj, down_proj)
-    hidden, weights, gate_up_proj, down_proj = (vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj))
+    hidden, weights, gate_up_proj, down_proj = (
+        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj)
+    )
     expert_ids = vary_like(expert_ids, *operands)
 
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped

@@ -93,7 +93,9 @@ def _check_grouped_operands(x: jax.Array, w: jax.Array, group_sizes: jax.Array) 
             f"group_sizes must be [E] = [{w.shape[0]}] (one row count per expert), got shape {group_sizes.shape}."
         )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}; use .astype(jnp.int32).")
+        raise ValueError(
+            f"group_sizes must be integers, got dtype {group_sizes.dtype}; use .astype(jnp.int32)."
+        )
 
 
 def grouped_matmul(

@@ -144,6 +144,4 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     y_pairs = _take_permuted(y_sorted, inverse, order)
     y_pairs = jnp.reshape(y_pairs, (num_tokens, top_k, y_sorted.shape[1]))
     accumulate_dtype = jnp.result_type(y_sorted.dtype, top_k_weights.dtype)
-    return jnp.einsum(
-        "tkh,tk->th", y_pairs.astype(accumulate_dtype), top_k_weights.astype(accumulate_dtype)
-    )
+    return jnp.einsum("tkh,tk->th", y_pairs.astype(accumulate_dtype), top_k_weights.astype(accumulate_dtype))

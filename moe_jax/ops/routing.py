@@ -33,9 +33,7 @@ def _check_logits(router_logits: jax.Array) -> None:
         )
 
 
-def softmax_top_k(
-    router_logits: jax.Array, top_k: int, normalize: bool
-) -> tuple[jax.Array, jax.Array]:
+def softmax_top_k(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """Qwen2-MoE / Qwen3-MoE / OLMoE router: softmax in fp32, top-k, optional renormalisation.
 
     router_logits: [T, E]
@@ -87,9 +85,7 @@ def get_router(kind: str) -> Router:
     try:
         return ROUTERS[kind]
     except KeyError:
-        raise KeyError(
-            f"unknown router kind {kind!r}; choose one of {sorted(ROUTERS)}"
-        ) from None
+        raise KeyError(f"unknown router kind {kind!r}; choose one of {sorted(ROUTERS)}") from None
 
 
 def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> jax.Array:

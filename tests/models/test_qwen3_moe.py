@@ -54,3 +54,42 @@ def test_batch_not_divisible_by_data_parallel_size_is_padded(reference):
     model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8))
     model.set_params(state)
     np.testing.assert_allclose(np.asarray(model(input_ids[:3])), expected[:3], atol=1e-4, rtol=0)
+
+
+@pytest.mark.reference
+def test_from_pretrained_on_8_devices_and_save_round_trip(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import load_file
+
+    import moe_jax
+
+    hf_model = tiny_hf_model("qwen3_moe", TINY_QWEN3_MOE)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    rng = np.random.default_rng(5)
+    input_ids = rng.integers(0, TINY_QWEN3_MOE["vocab_size"], (4, 7))
+    expected = hf_logits(hf_model, input_ids)
+
+    model = moe_jax.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4), progress=False
+    )
+    assert model.params["model.layers.1.mlp.experts.gate_up_proj"].sharding.spec == \
+        model.named_shardings()["model.layers.1.mlp.experts.gate_up_proj"].spec
+    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=1e-4, rtol=0)
+
+    model.save_pretrained(tmp_path / "out", progress=False)
+
+    def tensors(directory):
+        out = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            out.update(load_file(file))
+        return out
+
+    original, exported = tensors(tmp_path / "hf"), tensors(tmp_path / "out")
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert original[key].dtype == exported[key].dtype and np.array_equal(original[key], exported[key]), key
+
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded, input_ids), expected)

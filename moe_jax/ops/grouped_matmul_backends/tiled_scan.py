@@ -40,10 +40,10 @@ from .tile_plan import TileVisits, plan_tile_visits, window_rows
 #   E=8   (avg 512) skewed:   R=128 1.34x, R=256 1.28x, R=512 1.39x
 #   E=32  (avg 128) balanced: R=64 1.23x-2.2x, R=128 1.15x-1.5x, R=256 2.4x
 #   E=32  (avg 128) skewed:   R=64 2.9x, R=128 2.2x, R=256 2.6x
-#   E=128 (avg 32)  balanced: R=16 3.5x, R=32 2.4x, R=64 3.3x, R=128 5.3x (forward-only run)
-#   E=128 (avg 32)  skewed:   R=32, 64 and 128 within noise of each other (3x-5.5x)
-# 512 wins only for perfectly balanced groups, hence the cap of 256; below 32 rows
-# the per-visit overhead dominates.
+#   E=128 (avg 32)  balanced: R=32 3.8x, R=64 4.9x, R=128 5.8x, R=256 8.6x
+#   E=128 (avg 32)  skewed:   R=32 3.3x-5.5x, R=64 3.3x-5.1x, R=128 4.8x-5.1x (two runs)
+# 512 wins only for perfectly balanced groups, hence the cap of 256. 16-row tiles
+# lost to 32 in an exploratory run (E=128 balanced: 3.5x against 2.4x), hence the floor.
 MIN_TILE_ROWS = 32
 MAX_TILE_ROWS = 256
 
@@ -139,7 +139,9 @@ def _expert_weight_grads(
     def step(grad_w, v: TileVisits):
         return lax.cond(v.live, visit, skip, grad_w, v), None
 
-    grad_w = vary_like(jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out, visits)
+    grad_w = vary_like(
+        jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out, visits
+    )
     grad_w, _ = lax.scan(step, grad_w, visits)
     return grad_w
 

@@ -1,0 +1,217 @@
+"""Per-architecture tables: which hub (Hugging Face checkpoint) keys make which moe_jax parameter.
+
+Each rule reads "parameter `param` is built from the hub tensors `hub` by `transforms`" (load direction);
+export runs the same rule backwards (see `converters.transforms`). A parameter no rule names is stored under
+its own name, unchanged: attention, norms, embeddings, routers, and checkpoints already in the fused
+in-memory layout (`...experts.gate_up_proj`).
+
+    qwen3_moe, layer 1 (E experts, moe_intermediate_size I, hidden_size H):
+    hub  model.layers.1.mlp.experts.{j}.gate_proj.weight [I, H]  \\  StackExperts, ConcatGateUp
+    hub  model.layers.1.mlp.experts.{j}.up_proj.weight   [I, H]  /  -> model.layers.1.mlp.experts.gate_up_proj [E, 2I, H]
+    hub  model.layers.1.mlp.experts.{j}.down_proj.weight [H, I]  StackExperts
+                                                                 -> model.layers.1.mlp.experts.down_proj [E, H, I]
+
+These are the transforms of transformers 5.23's `conversion_mapping.py` (`MergeModulelist(dim=0)` then
+`Concatenate(dim=1)`) for `qwen2_moe` (which `qwen3_moe` and `olmoe` reuse) and `mixtral`.
+
+When several rules name the same parameter, a checkpoint may use any one of them (two at once is a
+duplicate); export writes the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .key_patterns import KeyPattern
+from .lazy_tensors import LazyTensor, LayoutError
+from .transforms import ConcatGateUp, StackExperts, Transform, is_tensor_value
+
+EXPERT = "expert"  # the placeholder numbering per-expert hub tensors
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """Parameter `param` <- hub tensors `hub` through `transforms` (applied in order on load).
+
+    `param` and every `hub` pattern share placeholders (e.g. `{layer}`); hub patterns may add `{expert}`,
+    which needs a `StackExperts` step. A rule without transforms is a renaming.
+    """
+
+    param: KeyPattern
+    hub: tuple[KeyPattern, ...]
+    transforms: tuple[Transform, ...] = field(default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "param", _pattern(self.param))
+        hub = (self.hub,) if isinstance(self.hub, (str, KeyPattern)) else tuple(self.hub)
+        object.__setattr__(self, "hub", tuple(_pattern(pattern) for pattern in hub))
+        object.__setattr__(self, "transforms", tuple(self.transforms))
+        stacks = any(transform.stacks_experts for transform in self.transforms)
+        for pattern in self.hub:
+            extra = set(pattern.placeholders) - set(self.param.placeholders)
+            lacking = set(self.param.placeholders) - set(pattern.placeholders)
+            if lacking:
+                raise ValueError(f"Hub pattern {pattern} lacks placeholders {sorted(lacking)} of {self.param}.")
+            if extra - {EXPERT} or (extra and not stacks):
+                raise ValueError(
+                    f"Hub pattern {pattern} adds placeholders {sorted(extra)} that rule {self.param} cannot fill; "
+                    "only {expert} is allowed, together with a StackExperts step."
+                )
+
+    @property
+    def invertible(self) -> bool:
+        return all(transform.invertible for transform in self.transforms)
+
+    def per_expert(self, hub_position: int) -> bool:
+        return EXPERT in self.hub[hub_position].placeholders
+
+    def hub_keys(self, bindings: dict[str, int], num_experts: int) -> list[list[str] | str]:
+        """The hub keys this rule reads for one parameter, per hub pattern (lists for per-expert patterns)."""
+        keys: list[list[str] | str] = []
+        for position, pattern in enumerate(self.hub):
+            if self.per_expert(position):
+                keys.append([pattern.format(**bindings, **{EXPERT: e}) for e in range(num_experts)])
+            else:
+                keys.append(pattern.format(**bindings))
+        return keys
+
+    def build(self, leaves: list[list[LazyTensor] | LazyTensor]) -> LazyTensor:
+        """Run the load transforms on the hub tensors (as `hub_keys` orders them); raises `LayoutError`."""
+        values = list(leaves)
+        for transform in self.transforms:
+            values = transform.load(values)
+        if len(values) != 1 or not is_tensor_value(values[0]):
+            raise LayoutError("shape", f"rule {self.param} does not reduce its hub tensors to one parameter")
+        return values[0]
+
+    def export(self, param_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """`(hub key, array)` pairs for one parameter: shared patterns first, then expert by expert."""
+        bindings = self.param.match(param_name)
+        if bindings is None:
+            raise KeyError(f"{param_name} is not an instance of {self.param}.")
+        values: list = [array]
+        for transform in reversed(self.transforms):
+            values = transform.export(values)
+        if len(values) != len(self.hub):
+            raise ValueError(f"Rule {self.param} exported {len(values)} values for {len(self.hub)} hub patterns.")
+        pairs = [
+            (pattern.format(**bindings), value)
+            for position, (pattern, value) in enumerate(zip(self.hub, values))
+            if not self.per_expert(position)
+        ]
+        per_expert = [(pattern, value) for position, (pattern, value) in enumerate(zip(self.hub, values))
+                      if self.per_expert(position)]
+        # Expert-major order keeps one expert's gate and up next to each other, usually in the same shard.
+        num_experts = len(per_expert[0][1]) if per_expert else 0
+        for expert in range(num_experts):
+            pairs.extend((pattern.format(**bindings, **{EXPERT: expert}), value[expert]) for pattern, value in per_expert)
+        return pairs
+
+
+def rename(hub: str, param: str) -> KeyRule:
+    """A rule that only renames: hub key `hub` holds parameter `param` unchanged."""
+    return KeyRule(param=param, hub=(hub,))
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """An architecture's rules; parameters no rule names are stored under their own name."""
+
+    architecture: str
+    rules: tuple[KeyRule, ...]
+
+    def rules_for(self, param_name: str) -> list[tuple[int, KeyRule, dict[str, int]]]:
+        """Every rule that can produce `param_name`: `(rule position, rule, placeholder values)`."""
+        found = []
+        for position, rule in enumerate(self.rules):
+            bindings = rule.param.match(param_name)
+            if bindings is not None:
+                found.append((position, rule, bindings))
+        return found
+
+    def to_hub(self, param_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """One parameter in hub layout: `(hub key, array)` pairs (views of `array`, no copies)."""
+        matches = self.rules_for(param_name)
+        if not matches:
+            return [(param_name, array)]
+        _, rule, _ = matches[0]
+        if not rule.invertible:
+            one_way = [type(t).__name__ for t in rule.transforms if not t.invertible]
+            raise TypeError(
+                f"Cannot export {param_name}: rule {rule.param} of key map {self.architecture!r} uses one-way "
+                f"transform(s) {one_way}. Export with a key map whose rule for it is invertible."
+            )
+        return rule.export(param_name, array)
+
+
+def _pattern(value: str | KeyPattern) -> KeyPattern:
+    return value if isinstance(value, KeyPattern) else KeyPattern(value)
+
+
+# Tables. `{layer}` and `{expert}` stand for ModuleList indices.
+
+QWEN2_MOE = KeyMap(
+    "qwen2_moe",
+    (
+        KeyRule(
+            param="model.layers.{layer}.mlp.experts.gate_up_proj",  # [E, 2I, H]
+            hub=(
+                "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",  # [I, H]
+                "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",  # [I, H]
+            ),
+            transforms=(StackExperts(), ConcatGateUp()),
+        ),
+        KeyRule(
+            param="model.layers.{layer}.mlp.experts.down_proj",  # [E, H, I]
+            hub=("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",),  # [H, I]
+            transforms=(StackExperts(),),
+        ),
+    ),
+)
+
+MIXTRAL = KeyMap(
+    "mixtral",
+    (
+        KeyRule(
+            param="model.layers.{layer}.mlp.experts.gate_up_proj",  # [E, 2I, H]
+            hub=(
+                "model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",  # gate [I, H]
+                "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",  # up [I, H]
+            ),
+            transforms=(StackExperts(), ConcatGateUp()),
+        ),
+        KeyRule(
+            param="model.layers.{layer}.mlp.experts.down_proj",  # [E, H, I]
+            hub=("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",),  # [H, I]
+            transforms=(StackExperts(),),
+        ),
+        rename("model.layers.{layer}.block_sparse_moe.gate.weight", "model.layers.{layer}.mlp.gate.weight"),
+    ),
+)
+
+KEY_MAPS: dict[str, KeyMap] = {
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3_moe": KeyMap("qwen3_moe", QWEN2_MOE.rules),
+    "olmoe": KeyMap("olmoe", QWEN2_MOE.rules),
+    "mixtral": MIXTRAL,
+}
+
+
+def key_map_for(key_map: KeyMap | str) -> KeyMap:
+    """A `KeyMap`, or the table of an architecture name (a config's `model_type`)."""
+    if isinstance(key_map, KeyMap):
+        return key_map
+    try:
+        return KEY_MAPS[key_map]
+    except KeyError:
+        raise KeyError(
+            f"No key map for architecture {key_map!r}; known: {', '.join(sorted(KEY_MAPS))}. "
+            "Pass a KeyMap built from KeyRule entries for other architectures."
+        ) from None
+
+
+def describe_rule_keys(rule: KeyRule, bindings: dict[str, int]) -> str:
+    """`model.layers.1.mlp.experts.{expert}.gate_proj.weight + ...` for messages."""
+    return " + ".join(str(pattern.bind(**bindings)) for pattern in rule.hub)

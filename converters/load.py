@@ -1,0 +1,108 @@
+"""Hugging Face safetensors checkpoint -> moe_jax parameters, each placed on its devices as it is read.
+
+    params = load_params(checkpoint_dir, tree, "qwen3_moe", shardings)
+    params["model.layers.1.mlp.experts.gate_up_proj"]     # jax.Array [E, 2I, H], sharded as asked
+
+Every parameter is built with `jax.make_array_from_callback`: for each device JAX asks for that device's
+block, and the block is read straight from the checkpoint files. With experts split over 8 devices a device
+reads only its experts' tensors; with gate_up split on the fused dim a device reads only the gate rows or
+only the up rows it holds. No host ever holds a whole stacked parameter unless a device holds it whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from moe_jax.distributed.tree import ModuleTree
+
+from .key_maps import KeyMap, key_map_for
+from .load_plan import ParamSource, plan_load
+from .safetensors_io import SafetensorsCheckpoint, normalize_index, read_request
+
+
+def load_params(
+    checkpoint_dir: str | os.PathLike,
+    tree: ModuleTree,
+    key_map: KeyMap | str,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+    dtype=None,
+    progress: bool = True,
+) -> dict[str, jax.Array]:
+    """Load every parameter `tree` declares from the safetensors checkpoint in `checkpoint_dir`.
+
+    Args:
+        checkpoint_dir: a directory with `model.safetensors` or `model.safetensors.index.json` + shards.
+        tree: the model's declared parameters (names and shapes in HF's in-memory layout).
+        key_map: the architecture's `KeyMap`, or its name in `KEY_MAPS` ("qwen3_moe", "mixtral", ...).
+        shardings: `{parameter name: jax Sharding}` covering every parameter; None puts everything on the
+            first device.
+        dtype: cast to this dtype after reading (per device block). None keeps the checkpoint's dtype, which
+            must then equal each parameter's declared dtype.
+        progress: show a tqdm bar over parameters.
+
+    Returns:
+        `{dotted name: jax.Array}` in the tree's declaration order.
+
+    Raises:
+        CheckpointFormatError: unreadable files or index (names the file and the fault).
+        CheckpointMismatchError: missing, unexpected, duplicated keys, shape or dtype mismatches, all at once.
+    """
+    key_map = key_map_for(key_map)
+    target_dtype = None if dtype is None else np.dtype(dtype)
+    placements = _check_shardings(tree, shardings)
+    with SafetensorsCheckpoint(checkpoint_dir) as checkpoint:
+        sources = plan_load(tree, checkpoint, key_map, target_dtype)
+        params = {}
+        for name, source in tqdm(sources.items(), desc="Loading parameters", unit="param", disable=not progress):
+            dtype_on_device = source.tensor.dtype if target_dtype is None else target_dtype
+            params[name] = _device_array(source, placements[name], dtype_on_device)
+    return params
+
+
+def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
+    """`source` laid out by `sharding`, each device's block read on its own.
+
+    Devices holding the same block (replicated dims) share one read: JAX asks once per device.
+    """
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def read_block(index) -> np.ndarray:
+        index = normalize_index(index, source.shape)
+        bounds = tuple((s.start, s.stop) for s in index)
+        if bounds not in blocks:
+            with read_request((source.name, bounds)):
+                blocks[bounds] = source.tensor.read(index).astype(dtype, copy=False)
+        return blocks[bounds]
+
+    return jax.make_array_from_callback(source.shape, sharding, read_block, dtype=dtype)
+
+
+def _check_shardings(
+    tree: ModuleTree, shardings: Mapping[str, jax.sharding.Sharding] | None
+) -> Mapping[str, jax.sharding.Sharding]:
+    names = [name for name, _ in tree.named_parameters()]
+    if shardings is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return dict.fromkeys(names, single)
+    lacking = [name for name in names if name not in shardings]
+    foreign = [name for name in shardings if name not in tree.params]
+    if lacking or foreign:
+        raise ValueError(
+            "`shardings` must give one jax Sharding per declared parameter; "
+            + (f"missing for {lacking}" if lacking else "")
+            + ("; " if lacking and foreign else "")
+            + (f"given for undeclared {foreign}" if foreign else "")
+            + "."
+        )
+    wrong = [name for name in names if not isinstance(shardings[name], jax.sharding.Sharding)]
+    if wrong:
+        raise TypeError(
+            f"`shardings` values must be jax.sharding.Sharding objects, got {type(shardings[wrong[0]]).__name__} "
+            f"for {wrong[0]!r} (and {len(wrong) - 1} more); wrap a PartitionSpec as NamedSharding(mesh, spec)."
+        )
+    return shardings

@@ -1,0 +1,177 @@
+"""Matching a checkpoint's keys to a model's declared parameters, strictly, before any data is read.
+
+For every declared parameter the checkpoint must offer exactly one layout: the hub keys of a rule of the
+key map (e.g. per-expert `gate_proj`/`up_proj` for `experts.gate_up_proj`), or a tensor under the
+parameter's own name (the fused in-memory layout, and every parameter no rule names). Everything wrong is
+collected and raised as one `CheckpointMismatchError`:
+
+    missing      no layout is present, or a layout lacks some keys (expert 3's up_proj, say)
+    unexpected   checkpoint keys no parameter reads (a 9th expert, a stray tensor)
+    duplicated   two layouts of one parameter present at once (fused and per-expert), or a key read twice
+    shape/dtype  a layout whose assembled shape or dtype differs from the declared one
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_jax.distributed.tree import ModuleTree, ParamSpec
+
+from .errors import CheckpointMismatchError
+from .key_maps import EXPERT, KeyMap, KeyRule, describe_rule_keys
+from .key_patterns import natural_key
+from .lazy_tensors import CheckpointTensor, LazyTensor, LayoutError
+from .safetensors_io import SafetensorsCheckpoint
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """One parameter's lazy value and the checkpoint keys it reads."""
+
+    name: str
+    tensor: LazyTensor
+    hub_keys: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+
+@dataclass
+class _Problems:
+    missing: list[str]
+    unexpected: list[str]
+    duplicated: list[str]
+    shape: list[str]
+    dtype: list[str]
+
+
+def plan_load(
+    tree: ModuleTree, checkpoint: SafetensorsCheckpoint, key_map: KeyMap, dtype: np.dtype | None = None
+) -> dict[str, ParamSource]:
+    """`{parameter name: ParamSource}` in declaration order, or one error listing every mismatch.
+
+    With `dtype=None` each checkpoint tensor's dtype must equal the declared `ParamSpec.dtype`; with a
+    `dtype` the loader casts, so any dtype is accepted.
+    """
+    problems = _Problems([], [], [], [], [])
+    present = _rule_layouts_present(checkpoint.tensors, key_map)
+    claimed: dict[str, str] = {}  # checkpoint key -> parameter that reads it
+    sources: dict[str, ParamSource] = {}
+    for name, spec in tree.named_parameters():
+        source, keys = _plan_param(name, spec, checkpoint, key_map, present, problems, dtype)
+        # A parameter's keys count as used even when it has a problem, so they are not also "unexpected".
+        for key in keys:
+            if key in claimed:
+                problems.duplicated.append(f"{key}: read by both {claimed[key]} and {name}")
+            claimed[key] = name
+        if source is not None:
+            sources[name] = source
+    problems.unexpected.extend(sorted((k for k in checkpoint.tensors if k not in claimed), key=natural_key))
+    error = CheckpointMismatchError(
+        str(checkpoint.directory),
+        missing=problems.missing,
+        unexpected=problems.unexpected,
+        duplicated=problems.duplicated,
+        shape_mismatches=problems.shape,
+        dtype_mismatches=problems.dtype,
+    )
+    if error.has_problems:
+        raise error
+    return sources
+
+
+def _rule_layouts_present(tensors, key_map: KeyMap) -> set[tuple[str, int]]:
+    """`(parameter name, rule position)` for every rule with at least one hub key in the checkpoint.
+
+    One pass over the checkpoint's keys (each matched against the few hub patterns), so planning stays
+    linear in the number of keys however many parameters there are.
+    """
+    present = set()
+    for key in tensors:
+        for rule_position, rule in enumerate(key_map.rules):
+            for pattern in rule.hub:
+                values = pattern.match(key)
+                if values is not None:
+                    values.pop(EXPERT, None)
+                    present.add((rule.param.format(**values), rule_position))
+    return present
+
+
+def _plan_param(
+    name: str, spec: ParamSpec, checkpoint, key_map: KeyMap, present, problems: _Problems, dtype
+) -> tuple[ParamSource | None, list[str]]:
+    """The parameter's source (None after recording a problem) and the checkpoint keys that belong to it."""
+    rules = key_map.rules_for(name)
+    present_rules = [(position, rule, b) for position, rule, b in rules if (name, position) in present]
+    num_experts = spec.shape[0] if spec.shape else 0
+    layouts = [
+        (f"hub keys {describe_rule_keys(rule, b)}", _present(_flatten(rule.hub_keys(b, num_experts)), checkpoint))
+        for _, rule, b in present_rules
+    ]
+    if name in checkpoint.tensors:
+        layouts.append((f"{name} itself", [name]))
+    if not layouts:
+        alternatives = [describe_rule_keys(rule, bindings) for _, rule, bindings in rules]
+        if alternatives:
+            problems.missing.append(f"{name} (neither it nor {' or '.join(alternatives)} is in the checkpoint)")
+        else:
+            problems.missing.append(name)
+        return None, []
+    if len(layouts) > 1:
+        problems.duplicated.append(f"{name}: given as " + " and as ".join(text for text, _ in layouts) + "; keep one layout")
+        return None, [key for _, keys in layouts for key in keys]
+    keys = layouts[0][1]
+
+    try:
+        if present_rules:
+            _, rule, bindings = present_rules[0]
+            tensor = _tensor_from_rule(name, rule, bindings, num_experts, checkpoint, problems)
+            if tensor is None:
+                return None, keys
+        else:
+            info = checkpoint.tensors[name]
+            tensor = CheckpointTensor(checkpoint, name, info.shape, info.dtype)
+    except LayoutError as error:
+        (problems.dtype if error.kind == "dtype" else problems.shape).append(f"{name}: {error}")
+        return None, keys
+
+    if tensor.shape != spec.shape:
+        problems.shape.append(
+            f"{name}: checkpoint gives {list(tensor.shape)} ({tensor.describe()}), the model declares {list(spec.shape)}"
+        )
+        return None, keys
+    if dtype is None and tensor.dtype != np.dtype(spec.dtype):
+        problems.dtype.append(
+            f"{name}: checkpoint stores {tensor.dtype} ({tensor.describe()}), the model declares {spec.dtype}"
+        )
+        return None, keys
+    return ParamSource(name, tensor, tuple(keys)), keys
+
+
+def _tensor_from_rule(name, rule: KeyRule, bindings, num_experts: int, checkpoint, problems: _Problems):
+    """The lazy tensor of a rule, or None after recording the hub keys it lacks."""
+    expected = rule.hub_keys(bindings, num_experts)
+    absent = [key for key in _flatten(expected) if key not in checkpoint.tensors]
+    if absent:
+        problems.missing.extend(f"{key} (for {name})" for key in absent)
+        return None
+
+    def leaf(key: str) -> CheckpointTensor:
+        info = checkpoint.tensors[key]
+        return CheckpointTensor(checkpoint, key, info.shape, info.dtype)
+
+    return rule.build([[leaf(key) for key in keys] if isinstance(keys, list) else leaf(keys) for keys in expected])
+
+
+def _present(keys: list[str], checkpoint) -> list[str]:
+    return [key for key in keys if key in checkpoint.tensors]
+
+
+def _flatten(keys: list[list[str] | str]) -> list[str]:
+    flat: list[str] = []
+    for entry in keys:
+        flat.extend(entry if isinstance(entry, list) else [entry])
+    return flat

@@ -1,0 +1,210 @@
+"""Mixtral (HF `mixtral`): config, module tree with HF names, plans, and the forward math.
+
+    layer i:  x += attention(rms_norm(x))       no bias, no q/k norm; sliding window on every layer when
+                                                `sliding_window` is set
+              x += sparse_moe(rms_norm(x))      every layer
+    router:   logits = x @ gate.T (model dtype); p = softmax(fp32(logits)); w, idx = top_k(p); w /= sum(w)
+              (always renormalised; w stays fp32, so the expert outputs are summed in fp32)
+    jitter:   training only, router_jitter_noise = j > 0: x *= U(1 - j, 1 + j) before router and experts
+
+The in-memory names are HF 5.x's (`mlp.gate`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), not
+the checkpoint's `block_sparse_moe.*`; converting a checkpoint's names is the loader's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ..distributed.tree import ModuleTree
+from ..nn.activations import get_activation
+from ..nn.attention import attention
+from ..nn.embedding import embed
+from ..nn.linear import linear
+from ..nn.moe import sparse_moe_block
+from ..nn.norms import rms_norm
+from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
+from ..ops.experts import swiglu_experts
+from ..ops.routing import mixtral_top_k
+from .base import MoeForCausalLM, register_model
+
+
+@dataclass(frozen=True)
+class MixtralConfig:
+    """The fields of HF's `MixtralConfig` the model reads (defaults are HF's).
+
+    `num_experts` is an alias of `num_local_experts` (HF's `attribute_map`).
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096 * 32
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    num_experts_per_tok: int = 2
+    num_local_experts: int = 8
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.router_jitter_noise < 0:
+            raise ValueError(f"router_jitter_noise must be >= 0, got {self.router_jitter_noise}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> MixtralConfig:
+        known = {f.name for f in fields(cls)} - {"raw"}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        if "num_experts" in values:
+            if "num_local_experts" in values and values["num_experts"] != values["num_local_experts"]:
+                raise ValueError(
+                    f"num_experts={values['num_experts']} and num_local_experts={values['num_local_experts']} "
+                    "disagree; Mixtral's num_experts is an alias of num_local_experts."
+                )
+            kwargs["num_local_experts"] = values["num_experts"]
+        return cls(**kwargs, raw=dict(values))
+
+    def to_dict(self) -> dict:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
+        return {**self.raw, **values, "model_type": "mixtral"}
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts
+
+
+def router_jitter(hidden_states: jax.Array, key: jax.Array, noise: float) -> jax.Array:
+    """Mixtral's training jitter: hidden_states [..., H] times U(1 - noise, 1 + noise) drawn per element in
+    the hidden dtype (HF: `hidden_states *= torch.empty_like(hidden_states).uniform_(1 - j, 1 + j)`)."""
+    factor = jax.random.uniform(key, hidden_states.shape, hidden_states.dtype, 1.0 - noise, 1.0 + noise)
+    return hidden_states * factor
+
+
+@register_model
+class MixtralForCausalLM(MoeForCausalLM):
+    model_type = "mixtral"
+    config_class = MixtralConfig
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+
+    def sparse_layers(self) -> list[int]:
+        return list(range(self.config.num_hidden_layers))
+
+    def declare_tree(self) -> ModuleTree:
+        c = self.config
+        hidden, head_dim = c.hidden_size, c.head_dim
+        tree = ModuleTree()
+
+        def linear_module(name, out_features, in_features):
+            with tree.module(name):
+                tree.param("weight", (out_features, in_features))
+
+        def norm_module(name, size):
+            with tree.module(name):
+                tree.param("weight", (size,), init="ones")
+
+        with tree.module("model"):
+            with tree.module("embed_tokens"):
+                tree.param("weight", (c.vocab_size, hidden))
+            with tree.module("layers"):
+                for layer in range(c.num_hidden_layers):
+                    with tree.module(layer):
+                        with tree.module("self_attn"):
+                            linear_module("q_proj", c.num_attention_heads * head_dim, hidden)
+                            linear_module("k_proj", c.num_key_value_heads * head_dim, hidden)
+                            linear_module("v_proj", c.num_key_value_heads * head_dim, hidden)
+                            linear_module("o_proj", hidden, c.num_attention_heads * head_dim)
+                        with tree.module("mlp"):
+                            linear_module("gate", c.num_local_experts, hidden)
+                            with tree.module("experts"):
+                                tree.param("gate_up_proj", (c.num_local_experts, 2 * c.intermediate_size, hidden))
+                                tree.param("down_proj", (c.num_local_experts, hidden, c.intermediate_size))
+                                tree.module_without_params("act_fn")
+                        norm_module("input_layernorm", hidden)
+                        norm_module("post_attention_layernorm", hidden)
+            norm_module("norm", hidden)
+            tree.module_without_params("rotary_emb")
+        with tree.module("lm_head"):
+            if not c.tie_word_embeddings:
+                tree.param("weight", (c.vocab_size, hidden))
+        return tree
+
+    def experts_fn(self):
+        return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
+
+    def route(self, router_logits):
+        """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
+        return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
+
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, jitter_key=None):
+        """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per layer,
+        dispatch statistics per layer).
+
+        jitter_key: PRNG key for the router jitter, needed when `router_jitter_noise > 0` and not `inference`
+        (each layer draws from `fold_in(jitter_key, layer)`); ignored otherwise.
+        """
+        c = self.config
+        jitter = c.router_jitter_noise > 0 and not inference
+        if jitter and jitter_key is None:
+            raise NotImplementedError(
+                f"Mixtral's router jitter (router_jitter_noise={c.router_jitter_noise}) scales the MoE input by "
+                "U(1 - j, 1 + j) noise in training and needs a PRNG key per forward, which "
+                "MoeForCausalLM.forward does not pass yet. Run with inference=True (no jitter, as HF's eval "
+                "mode) or set router_jitter_noise=0."
+            )
+        model = params["model"]
+        batch, sequence = input_ids.shape
+        x = embed(model["embed_tokens"], input_ids)
+        rope = rope_parameters_from_config(c.to_dict())
+        inv_freq, scaling = rope_inverse_frequencies(rope)
+        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
+        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
+        router_logits, statistics = [], []
+        for layer in range(c.num_hidden_layers):
+            weights = model["layers"][str(layer)]
+            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
+            x = x + attention(
+                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
+                sliding_window=c.sliding_window,
+            )
+            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
+            if jitter:
+                h = router_jitter(h, jax.random.fold_in(jitter_key, layer), c.router_jitter_noise)
+            out, logits, layer_statistics = sparse_moe_block(
+                weights["mlp"], h, route=self.route, run_experts=run_experts[layer], inference=inference
+            )
+            router_logits.append(logits)
+            statistics.append(layer_statistics)
+            x = x + out
+        x = rms_norm(model["norm"], x, c.rms_norm_eps)
+        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
+        return linear(head, x), router_logits, statistics

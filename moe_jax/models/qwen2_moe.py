@@ -1,0 +1,246 @@
+"""Qwen2-MoE (HF `qwen2_moe`): config, module tree with HF names, plans, and the forward math.
+
+    layer i:  x += attention(rms_norm(x))                       q/k/v bias (`qkv_bias`), no q/k norm;
+                                                                sliding window iff layer_types[i] == "sliding_attention"
+              x += moe(rms_norm(x))   if i not in mlp_only_layers and num_experts > 0
+                                         and (i + 1) % decoder_sparse_step == 0
+                   mlp(rms_norm(x))   otherwise
+    moe(h):   experts(h) + sigmoid(shared_expert_gate(h)) * shared_expert(h)
+    router:   p = softmax(h @ gate.T in fp32); w, idx = top_k(p); w /= sum(w) if norm_topk_prob
+
+The shared expert is a dense gated MLP of width `shared_expert_intermediate_size` that every token runs; its
+gate is a `Linear(H, 1)` without bias. Neither has a TP rule in HF's plan, so both stay whole under TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import partial
+
+import jax.numpy as jnp
+
+from ..distributed.tree import ModuleTree
+from ..nn.activations import get_activation
+from ..nn.attention import attention
+from ..nn.embedding import embed
+from ..nn.linear import linear
+from ..nn.mlp import mlp
+from ..nn.moe import shared_expert_output, sparse_moe_block
+from ..nn.norms import rms_norm
+from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
+from ..ops.experts import swiglu_experts
+from ..ops.routing import softmax_top_k
+from .base import MoeForCausalLM, register_model
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Qwen2MoeConfig:
+    """The fields of HF's `Qwen2MoeConfig` the model reads (defaults are HF's).
+
+    As in HF's `__post_init__`: `sliding_window` is stored as 0 when `use_sliding_window` is False, and
+    `layer_types` defaults to "sliding_attention" for even layers below `max_window_layers` when
+    `use_sliding_window` is True, "full_attention" elsewhere.
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 16
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 1408
+    shared_expert_intermediate_size: int = 5632
+    num_experts_per_tok: int = 4
+    num_experts: int = 60
+    norm_topk_prob: bool = False
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    mlp_only_layers: tuple[int, ...] = ()
+    qkv_bias: bool = True
+    layer_types: tuple[str, ...] | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        set_field = partial(object.__setattr__, self)
+        set_field("mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if self.num_key_value_heads is None:
+            set_field("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            set_field("head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.use_sliding_window:
+            set_field("sliding_window", 0)
+        if self.layer_types is None:
+            set_field("layer_types", tuple(
+                "sliding_attention" if (i + 1) % 2 and i < self.max_window_layers and self.use_sliding_window
+                else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ))
+        else:
+            set_field("layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}; "
+                "give one of 'full_attention' / 'sliding_attention' per layer, or leave it None."
+            )
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types contains {unknown}; Qwen2-MoE layers are one of {LAYER_TYPES}.")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError(
+                f"layer_types marks layers {[i for i, t in enumerate(self.layer_types) if t == 'sliding_attention']} "
+                f"as 'sliding_attention' but sliding_window={self.sliding_window!r} (use_sliding_window="
+                f"{self.use_sliding_window}); set use_sliding_window=True and a positive sliding_window."
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Qwen2MoeConfig:
+        known = {f.name for f in fields(cls)} - {"raw"}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        return cls(**kwargs, raw=dict(values))
+
+    def to_dict(self) -> dict:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
+        values["mlp_only_layers"] = list(self.mlp_only_layers)
+        values["layer_types"] = list(self.layer_types)
+        return {**self.raw, **values, "model_type": "qwen2_moe"}
+
+    def attention_window(self, layer: int) -> int | None:
+        """Keys visible per query in `layer` (itself included), None for full causal attention."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+
+@register_model
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    model_type = "qwen2_moe"
+    config_class = Qwen2MoeConfig
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+
+    def is_sparse(self, layer: int) -> bool:
+        c = self.config
+        return layer not in c.mlp_only_layers and c.num_experts > 0 and (layer + 1) % c.decoder_sparse_step == 0
+
+    def sparse_layers(self) -> list[int]:
+        return [layer for layer in range(self.config.num_hidden_layers) if self.is_sparse(layer)]
+
+    def declare_tree(self) -> ModuleTree:
+        c = self.config
+        hidden, head_dim = c.hidden_size, c.head_dim
+        tree = ModuleTree()
+
+        def linear_module(name, out_features, in_features, bias=False):
+            with tree.module(name):
+                tree.param("weight", (out_features, in_features))
+                if bias:
+                    tree.param("bias", (out_features,), init="zeros")
+
+        def norm_module(name, size):
+            with tree.module(name):
+                tree.param("weight", (size,), init="ones")
+
+        def mlp_modules(intermediate):
+            linear_module("gate_proj", intermediate, hidden)
+            linear_module("up_proj", intermediate, hidden)
+            linear_module("down_proj", hidden, intermediate)
+            tree.module_without_params("act_fn")
+
+        with tree.module("model"):
+            with tree.module("embed_tokens"):
+                tree.param("weight", (c.vocab_size, hidden))
+            with tree.module("layers"):
+                for layer in range(c.num_hidden_layers):
+                    with tree.module(layer):
+                        with tree.module("self_attn"):
+                            linear_module("q_proj", c.num_attention_heads * head_dim, hidden, c.qkv_bias)
+                            linear_module("k_proj", c.num_key_value_heads * head_dim, hidden, c.qkv_bias)
+                            linear_module("v_proj", c.num_key_value_heads * head_dim, hidden, c.qkv_bias)
+                            linear_module("o_proj", hidden, c.num_attention_heads * head_dim)
+                        with tree.module("mlp"):
+                            if self.is_sparse(layer):
+                                linear_module("gate", c.num_experts, hidden)
+                                with tree.module("experts"):
+                                    tree.param("gate_up_proj", (c.num_experts, 2 * c.moe_intermediate_size, hidden))
+                                    tree.param("down_proj", (c.num_experts, hidden, c.moe_intermediate_size))
+                                    tree.module_without_params("act_fn")
+                                with tree.module("shared_expert"):
+                                    mlp_modules(c.shared_expert_intermediate_size)
+                                linear_module("shared_expert_gate", 1, hidden)
+                            else:
+                                mlp_modules(c.intermediate_size)
+                        norm_module("input_layernorm", hidden)
+                        norm_module("post_attention_layernorm", hidden)
+            norm_module("norm", hidden)
+            tree.module_without_params("rotary_emb")
+        with tree.module("lm_head"):
+            if not c.tie_word_embeddings:
+                tree.param("weight", (c.vocab_size, hidden))
+        return tree
+
+    def experts_fn(self):
+        return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
+
+    def route(self, router_logits):
+        """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
+        return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
+
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference):
+        """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per sparse layer,
+        dispatch statistics per sparse layer)."""
+        c = self.config
+        model = params["model"]
+        batch, sequence = input_ids.shape
+        x = embed(model["embed_tokens"], input_ids)
+        rope = rope_parameters_from_config(c.to_dict())
+        inv_freq, scaling = rope_inverse_frequencies(rope)
+        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
+        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
+        dense_mlp = partial(mlp, act=c.hidden_act)
+        router_logits, statistics = [], []
+        for layer in range(c.num_hidden_layers):
+            weights = model["layers"][str(layer)]
+            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
+            x = x + attention(
+                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
+                sliding_window=c.attention_window(layer), qk_norm_kind=None,
+            )
+            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
+            if layer in run_experts:
+                out, logits, layer_statistics = sparse_moe_block(
+                    weights["mlp"], h, route=self.route, run_experts=run_experts[layer], inference=inference
+                )
+                out = out + shared_expert_output(weights["mlp"], h, dense_mlp)
+                router_logits.append(logits)
+                statistics.append(layer_statistics)
+            else:
+                out = dense_mlp(weights["mlp"], h)
+            x = x + out
+        x = rms_norm(model["norm"], x, c.rms_norm_eps)
+        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
+        return linear(head, x), router_logits, statistics

@@ -1,0 +1,60 @@
+"""Hugging Face checkpoints in and out of moe_jax models (the layer above `converters/` and `models/`).
+
+    model = AutoModelForCausalLM.from_pretrained("Qwen3-30B-A3B/", DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4))
+    model.save_pretrained("out/")        # HF layout: per-expert keys, sharded safetensors + index + config.json
+
+Loading computes every parameter's sharding first and reads only the bytes each device needs; experts a
+device does not own are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from converters import load_params, save_params
+
+from .models.auto import _local_checkpoint, model_class_for, read_config
+
+# config.json names for the checkpoint dtype (transformers 5 writes "dtype", 4.x "torch_dtype").
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def checkpoint_dtype(config: dict):
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"config.json dtype {name!r} is not supported; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+def from_pretrained(path, distributed_config=None, *, model_class=None, dtype=None, progress: bool = True,
+                    **model_kwargs):
+    """Build the model on the mesh of `distributed_config` and load `path` directly into its shardings.
+
+    dtype: parameter dtype (default: the checkpoint's, from config.json).
+    """
+    directory = _local_checkpoint(path)
+    config = read_config(directory)
+    model_class = model_class or model_class_for(config)
+    dtype = dtype if dtype is not None else checkpoint_dtype(config)
+    model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
+    params = load_params(directory, model.module_tree, model.model_type, model.named_shardings(), dtype=dtype,
+                         progress=progress)
+    model.params = params
+    model._runner = None
+    return model
+
+
+def save_pretrained(model, out_dir: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+                    progress: bool = True) -> Path:
+    """Write `model.params` as an HF checkpoint (hub key layout) into `out_dir`, atomically."""
+    if model.params is None:
+        raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
+    config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
+    config.pop("distributed_config", None)  # as transformers' _remove_keys_not_serialized
+    json.dumps(config)
+    return save_params(model.params, model.model_type, out_dir, config=config, max_shard_bytes=max_shard_bytes,
+                       progress=progress)
