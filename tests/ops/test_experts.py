@@ -133,7 +133,10 @@ def test_matches_transformers_qwen3_moe_experts(with_sentinels):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     config = Qwen3MoeConfig(
-        hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K,
     )
     config._experts_implementation = "eager"
     experts = Qwen3MoeExperts(config)

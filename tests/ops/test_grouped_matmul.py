@@ -90,7 +90,7 @@ def test_backend_matches_reference_values_and_gradients(implementation, case):
     x, w, cotangent = _operands(seed=len(case))
     got = _compiled_value_and_grads(implementation)(x, w, group_sizes, cotangent)
     want = _compiled_value_and_grads("reference")(x, w, group_sizes, cotangent)
-    for name, g, r in zip(("out", "dx", "dw"), got, want):
+    for name, g, r in zip(("out", "dx", "dw"), got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
     padding = slice(int(group_sizes.sum()), None)
     assert np.all(np.asarray(got[0])[padding] == 0.0)
@@ -107,7 +107,7 @@ def test_random_group_sizes(implementation):
         group_sizes = jnp.asarray(np.diff(np.concatenate([[0], cuts, [used]])), jnp.int32)
         got = _compiled_value_and_grads(implementation)(x, w, group_sizes, cotangent)
         want = _compiled_value_and_grads("reference")(x, w, group_sizes, cotangent)
-        for g, r in zip(got, want):
+        for g, r in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
@@ -124,7 +124,9 @@ def test_mixed_dtypes_promote():
 def test_bf16_tiled_gradient_accumulates_weight_grads_in_fp32():
     x, w, cotangent = _operands(seed=10, num_rows=32, dtype=jnp.bfloat16)
     group_sizes = jnp.asarray([32, 0, 0, 0, 0], jnp.int32)
-    grad_w = jax.jit(jax.grad(lambda w: jnp.vdot(tiled_grouped_matmul(x, w, group_sizes, tile_rows=2), cotangent)))(w)
+    grad_w = jax.jit(
+        jax.grad(lambda w: jnp.vdot(tiled_grouped_matmul(x, w, group_sizes, tile_rows=2), cotangent))
+    )(w)
     want = np.einsum("mo,mh->oh", np.asarray(cotangent, np.float32), np.asarray(x, np.float32))
     assert grad_w.dtype == jnp.bfloat16
     # 16 chunks summed in fp32 then rounded once: within one bf16 ulp of the exact sum.

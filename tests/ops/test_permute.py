@@ -26,7 +26,9 @@ def test_sort_by_expert_is_stable_and_counts_only_real_experts(with_sentinels):
     order, group_sizes = sort_by_expert(jnp.asarray(top_k_index), NUM_EXPERTS)
     flat = top_k_index.reshape(-1)
     np.testing.assert_array_equal(np.asarray(order), np.argsort(flat, kind="stable"))
-    np.testing.assert_array_equal(np.asarray(group_sizes), np.bincount(flat, minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS])
+    np.testing.assert_array_equal(
+        np.asarray(group_sizes), np.bincount(flat, minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
+    )
     assert order.dtype == jnp.int32 and group_sizes.dtype == jnp.int32
     # Sentinel pairs are the tail, after every counted row.
     assert np.all(flat[np.asarray(order)][int(group_sizes.sum()) :] == NUM_EXPERTS)
@@ -49,7 +51,9 @@ def test_gather_rows_value_and_gradient_match_plain_indexing():
     got, got_vjp = jax.vjp(lambda x: gather_rows(x, order, TOP_K), x)
     want, want_vjp = jax.vjp(plain, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    np.testing.assert_allclose(np.asarray(got_vjp(cotangent)[0]), np.asarray(want_vjp(cotangent)[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got_vjp(cotangent)[0]), np.asarray(want_vjp(cotangent)[0]), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_gather_rows_backward_has_no_scatter():
@@ -78,7 +82,7 @@ def test_unpermute_value_and_gradients_match_plain_version():
     got, got_vjp = jax.vjp(lambda y, w: unpermute(y, order, w), y_sorted, weights)
     want, want_vjp = jax.vjp(plain, y_sorted, weights)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    for g, w in zip(got_vjp(cotangent), want_vjp(cotangent)):
+    for g, w in zip(got_vjp(cotangent), want_vjp(cotangent), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
