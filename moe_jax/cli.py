@@ -83,6 +83,23 @@ command("plan", "show the resolved plans, each parameter's PartitionSpec and sha
 )
 
 
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-dir", default=None, help="where to write the tiny checkpoint (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    difference = run_demo(args.output_dir, args.seed)
+    return 0 if difference <= 1e-4 else 1
+
+
+command("demo", "build a tiny Qwen3-MoE checkpoint, load it on 8 devices (tp=2 fsdp=4 ep=4), compare with 1 device")(
+    (_demo_arguments, _run_demo)
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
