@@ -100,6 +100,23 @@ command("demo", "build a tiny Qwen3-MoE checkpoint, load it on 8 devices (tp=2 f
 )
 
 
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
+    from .convert_job import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from .convert_job import run
+
+    return run(args)
+
+
+command("convert", "convert parameters between HF safetensors and orbax checkpoints, onto any layout")(
+    (_convert_arguments, _run_convert)
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)

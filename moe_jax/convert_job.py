@@ -1,0 +1,171 @@
+"""`moe-jax convert`: Hugging Face safetensors <-> orbax parameter checkpoints.
+
+    moe-jax convert --from hf --to orbax Qwen3-30B-A3B/ qwen3-orbax/ --fsdp 8 --ep 8
+    moe-jax convert --from orbax --to hf qwen3-orbax/ qwen3-hf/ --tp 2 --fsdp 4 --ep 4
+    python scripts/convert.py ...            # the same job without the installed command
+
+The parameters are held on the layout given by the layout flags while they pass through (default: one
+device): sharded as they are read, never whole on one device. An orbax checkpoint written on one layout
+restores onto any other. `--dtype` casts the parameters on the way (default: the source checkpoint's dtype).
+
+On a CPU-only machine a layout of N devices uses N virtual CPU devices: the job asks XLA for them before JAX
+starts (`XLA_FLAGS=--xla_force_host_platform_device_count=N`); if JAX has already started with fewer, it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+FORMATS = ("hf", "orbax")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source_format", choices=FORMATS, required=True,
+                        help="format of SRC: hf (safetensors + config.json) or orbax (written by --to orbax)")
+    parser.add_argument("--to", dest="target_format", choices=FORMATS, required=True, help="format to write DST in")
+    parser.add_argument("source", metavar="SRC", help="checkpoint directory to read")
+    parser.add_argument("destination", metavar="DST", help="directory to create (absent or empty)")
+    parser.add_argument("--tp", type=int, default=None, help="tp_size of the layout holding the parameters")
+    parser.add_argument("--fsdp", type=int, default=None, help="fsdp_size of that layout")
+    parser.add_argument("--ep", type=int, default=None, help="ep_size of that layout")
+    parser.add_argument("--dp-replicate", type=int, default=None, help="dp_replicate_size of that layout")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                        help="parameter dtype to write (default: the source checkpoint's)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The job behind `moe-jax convert`; prints `error: ...` and returns 2 on a bad request or checkpoint."""
+    from .distributed.config import DistributedConfig
+
+    try:
+        distributed_config = DistributedConfig(
+            tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate
+        )
+        convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
+                dtype=args.dtype, progress=not args.no_progress)
+    except (OSError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def convert(source_format: str, target_format: str, source, destination, distributed_config=None, *,
+            dtype: str | None = None, progress: bool = True) -> Path:
+    """Read `source` in `source_format` onto the layout of `distributed_config`, write `destination` in
+    `target_format`. Returns `destination` as a Path."""
+    from .distributed.config import DistributedConfig
+    from .distributed.mesh import DeviceLayout
+
+    source, destination = Path(source), Path(destination)
+    for name, value in (("source format", source_format), ("target format", target_format)):
+        if value not in FORMATS:
+            raise ValueError(f"Unknown {name} {value!r}; use one of {list(FORMATS)}.")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"Unsupported dtype {dtype!r}; use one of {list(DTYPE_NAMES)}.")
+    _check_source(source)
+    _check_destination(destination)
+    distributed_config = distributed_config or DistributedConfig()
+    devices = conversion_devices(DeviceLayout.from_config(distributed_config).num_devices)
+
+    print(f"[1/2] reading the {source_format} checkpoint {source} onto {len(devices)} {devices[0].platform} "
+          f"device(s) ({describe_layout(distributed_config)})")
+    start = time.perf_counter()
+    model = load_model(source_format, source, distributed_config, devices, dtype=dtype, progress=progress)
+    print(f"      {len(model.params)} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
+          f"{model.dtype.name}, in {time.perf_counter() - start:.1f} s")
+
+    print(f"[2/2] writing the {target_format} checkpoint {destination}")
+    start = time.perf_counter()
+    save_model(target_format, model, destination, progress=progress)
+    print(f"      done in {time.perf_counter() - start:.1f} s")
+    return destination
+
+
+def load_model(source_format: str, source: Path, distributed_config, devices, *, dtype: str | None = None,
+               progress: bool = True):
+    """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
+    from converters.orbax_params import read_orbax_config, restore_orbax_params
+
+    from .models.auto import AutoModelForCausalLM
+    from .pretrained import checkpoint_dtype
+
+    if source_format == "hf":
+        return AutoModelForCausalLM.from_pretrained(source, distributed_config, devices=devices, dtype=dtype,
+                                                    progress=progress)
+    config = read_orbax_config(source)
+    model = AutoModelForCausalLM.from_config(config, distributed_config, devices=devices,
+                                             dtype=dtype or checkpoint_dtype(config))
+    model.set_params(restore_orbax_params(source, model))
+    return model
+
+
+def save_model(target_format: str, model, destination: Path, *, progress: bool = True) -> None:
+    from converters.orbax_params import save_orbax_params
+
+    if target_format == "hf":
+        model.save_pretrained(destination, progress=progress)
+    else:
+        save_orbax_params(model.params, destination, config=hf_config_of(model))
+
+
+def hf_config_of(model) -> dict:
+    """The model's HF config as `save_pretrained` writes it: its dtype set, no `distributed_config`."""
+    config = {**model.config.to_dict(), "dtype": model.dtype.name}
+    config.pop("distributed_config", None)
+    return config
+
+
+def conversion_devices(count: int) -> list:
+    """The first `count` devices of the default platform; on CPU, virtual devices are requested first."""
+    if count > 1:
+        from .demo import ensure_virtual_cpu_devices
+
+        ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
+    import jax
+
+    devices = jax.devices()
+    if len(devices) >= count:
+        return devices[:count]
+    platform = devices[0].platform
+    if platform == "cpu":
+        raise ValueError(
+            f"The layout needs {count} devices but JAX started with {len(devices)} CPU device(s). Set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts (e.g. in the shell: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} moe-jax convert ...), or use a smaller layout."
+        )
+    raise ValueError(
+        f"The layout needs {count} devices but JAX sees {len(devices)} {platform} device(s); choose --tp, --fsdp "
+        f"and --dp-replicate whose product is at most {len(devices)}."
+    )
+
+
+def describe_layout(distributed_config) -> str:
+    return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
+            f"dp_replicate={distributed_config.dp_replicate_size}")
+
+
+def parameter_bytes(params: dict) -> int:
+    return sum(array.size * array.dtype.itemsize for array in params.values())
+
+
+def _check_source(source: Path) -> None:
+    if not source.exists():
+        raise FileNotFoundError(
+            f"Source {source} does not exist. Pass a local checkpoint directory (for a Hugging Face Hub model, "
+            "download it first: huggingface-cli download REPO_ID --local-dir DIR)."
+        )
+    if not source.is_dir():
+        raise NotADirectoryError(f"Source {source} is a file; pass the checkpoint directory that holds config.json.")
+
+
+def _check_destination(destination: Path) -> None:
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise FileExistsError(
+            f"Destination {destination} already exists and is not an empty directory; choose a new directory "
+            "or remove it first."
+        )
