@@ -32,6 +32,7 @@ from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..distributed.tree import ModuleTree
+from ..ops.routing import load_balancing_loss
 
 MODEL_CLASSES: dict[str, type[MoeForCausalLM]] = {}
 
@@ -44,14 +45,19 @@ def register_model(model_class: type[MoeForCausalLM]) -> type[MoeForCausalLM]:
 
 @dataclass
 class ForwardOutput:
-    """logits: [B, S, V]; router_logits: per sparse layer [B*S, E]; statistics: dispatch counts."""
+    """logits: [B, S, V]; router_logits: per sparse layer [B*S, E]; aux_loss: the router load-balancing loss
+    (HF's `load_balancing_loss_func`, unscaled: multiply by `router_aux_loss_coef` as HF does with labels);
+    statistics: dispatch counts summed over layers and devices."""
 
     logits: jax.Array
     router_logits: list[jax.Array]
+    aux_loss: jax.Array
     statistics: DispatchStatistics
 
 
-jax.tree_util.register_dataclass(ForwardOutput, data_fields=["logits", "router_logits", "statistics"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    ForwardOutput, data_fields=["logits", "router_logits", "aux_loss", "statistics"], meta_fields=[]
+)
 
 
 def unflatten(flat: dict[str, Any]) -> dict:
@@ -218,7 +224,10 @@ class MoeForCausalLM(PlannedModel):
                 total = DispatchStatistics(total.dropped + layer_statistics.dropped,
                                            total.padded + layer_statistics.padded,
                                            jnp.maximum(total.capacity, layer_statistics.capacity))
-            return ForwardOutput(logits, router_logits, total)
+            aux_loss = load_balancing_loss(
+                router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            return ForwardOutput(logits, router_logits, aux_loss, total)
 
         batch = self.batch_sharding()
         return jax.jit(forward, in_shardings=(self.named_shardings(), batch, batch))
@@ -245,8 +254,9 @@ class MoeForCausalLM(PlannedModel):
             self._runner.inference = inference
         output = self._runner(params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32))
         if padded != batch:
-            output = ForwardOutput(output.logits[:batch], [r.reshape(padded, sequence, -1)[:batch].reshape(batch * sequence, -1)
-                                                           for r in output.router_logits], output.statistics)
+            router_logits = [r.reshape(padded, sequence, -1)[:batch].reshape(batch * sequence, -1)
+                             for r in output.router_logits]
+            output = ForwardOutput(output.logits[:batch], router_logits, output.aux_loss, output.statistics)
         return output
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:

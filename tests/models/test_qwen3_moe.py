@@ -93,3 +93,19 @@ def test_from_pretrained_on_8_devices_and_save_round_trip(tmp_path):
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     np.testing.assert_array_equal(hf_logits(reloaded, input_ids), expected)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("layout", [None, dict(fsdp_size=8, ep_size=8)], ids=["single", "fsdp8-ep8"])
+def test_router_aux_loss_matches_pytorch(reference, layout):
+    torch = pytest.importorskip("torch")
+    state, input_ids, _ = reference
+    hf_model = tiny_hf_model("qwen3_moe", TINY_QWEN3_MOE)
+    mask = np.ones_like(input_ids)
+    mask[:3, :4] = 0  # left padding on some rows
+    with torch.no_grad():
+        expected = hf_model(input_ids=torch.as_tensor(input_ids), attention_mask=torch.as_tensor(mask),
+                            output_router_logits=True).aux_loss.item()
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(**layout) if layout else None)
+    model.set_params(state)
+    assert abs(float(model.forward(input_ids, mask).aux_loss) - expected) < 1e-5
