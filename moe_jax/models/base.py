@@ -13,6 +13,7 @@ experts module from the plans, and runs the forward under `jax.jit` with droples
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -116,6 +117,14 @@ class MoeForCausalLM(PlannedModel):
         self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
         self.resolved_plans = resolve_parallel_plans(self, self.distributed_config)
         self.param_layouts = parameter_shardings(self.module_tree, self.resolved_plans, self.distributed_config)
+        if self.resolved_plans.ep and "ep_dispatch_experts" not in self.resolved_plans.ep.values():
+            # The reference silently skips such a plan; we follow it but say so.
+            warnings.warn(
+                f"ep_size={self.distributed_config.ep_size} but the EP plan has no `ep_dispatch_experts` rule: expert "
+                "weights are sharded by its parameter rules and gathered to run on every device, without token "
+                "dispatch. Add `'<...>.mlp.experts': 'ep_dispatch_experts'` to ep_plan to dispatch tokens.",
+                UserWarning, stacklevel=2,
+            )
         self.experts_backend = experts_backend
         self.params: dict | None = None
         self._runner: DroplessRunner | None = None
