@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .key_patterns import KeyPattern
-from .lazy_tensors import LazyTensor, LayoutError
+from .lazy_tensors import LayoutError, LazyTensor
 from .transforms import ConcatGateUp, StackExperts, Transform, is_tensor_value
 
 EXPERT = "expert"  # the placeholder numbering per-expert hub tensors

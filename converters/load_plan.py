@@ -22,7 +22,7 @@ from moe_jax.distributed.tree import ModuleTree, ParamSpec
 from .errors import CheckpointMismatchError
 from .key_maps import EXPERT, KeyMap, KeyRule, describe_rule_keys
 from .key_patterns import natural_key
-from .lazy_tensors import CheckpointTensor, LazyTensor, LayoutError
+from .lazy_tensors import CheckpointTensor, LayoutError, LazyTensor
 from .safetensors_io import SafetensorsCheckpoint
 
 

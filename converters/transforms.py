@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .lazy_tensors import ConcatenatedTensor, LazyTensor, LayoutError, StackedTensor
+from .lazy_tensors import ConcatenatedTensor, LayoutError, LazyTensor, StackedTensor
 
 
 class Transform(ABC):

@@ -5,7 +5,7 @@ import pytest
 
 from converters.key_maps import KEY_MAPS, KeyMap, KeyRule, key_map_for, rename
 from converters.key_patterns import KeyPattern
-from converters.lazy_tensors import LazyTensor, LayoutError
+from converters.lazy_tensors import LayoutError, LazyTensor
 from converters.safetensors_io import normalize_index
 from converters.transforms import ConcatGateUp, StackExperts
 

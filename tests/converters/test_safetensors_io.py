@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from converters.errors import CheckpointFormatError
-from converters.safetensors_io import SafetensorsCheckpoint, read_header, record_reads, read_request
+from converters.safetensors_io import SafetensorsCheckpoint, read_header, read_request, record_reads
 
 from .tiny_checkpoints import BFLOAT16, same_bits, write_checkpoint
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
+from moe_jax.distributed.dropless import DroplessRunner, capacity_ladder
 from moe_jax.distributed.expert_parallel import (
     AllToAllEP,
     EPImplementation,
@@ -13,7 +14,6 @@ from moe_jax.distributed.expert_parallel import (
     ExpertGroups,
     build_ep_implementation,
 )
-from moe_jax.distributed.dropless import DroplessRunner, capacity_ladder
 from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, TENSOR_PARALLEL, ShardedExperts
 from moe_jax.distributed.mesh import MESH_AXES, DeviceLayout, build_mesh
 
