@@ -141,8 +141,9 @@ class MoeForCausalLM(PlannedModel):
         raise NotImplementedError
 
     def forward_math(self, params: dict, input_ids, attention_mask, run_experts: dict[int, Callable],
-                     inference: bool) -> tuple[jax.Array, list, list]:
-        """-> (logits [B, S, V], router_logits per sparse layer, statistics per sparse layer)."""
+                     inference: bool, rng: jax.Array | None = None) -> tuple[jax.Array, list, list]:
+        """-> (logits [B, S, V], router_logits per sparse layer, statistics per sparse layer).
+        `rng` feeds training-time randomness (Mixtral's router jitter); families without any ignore it."""
         raise NotImplementedError
 
     # ---- shardings -----------------------------------------------------------------------------------
@@ -224,9 +225,9 @@ class MoeForCausalLM(PlannedModel):
         runners = self.experts_runners(capacity_bucket)
         run_experts = dict(runners)
 
-        def forward(flat_params, input_ids, attention_mask):
+        def forward(flat_params, input_ids, attention_mask, rng=None):
             logits, router_logits, statistics = self.forward_math(
-                unflatten(flat_params), input_ids, attention_mask, run_experts, inference
+                unflatten(flat_params), input_ids, attention_mask, run_experts, inference, rng=rng
             )
             total = DispatchStatistics.zeros()
             for layer_statistics in statistics:
@@ -239,12 +240,14 @@ class MoeForCausalLM(PlannedModel):
             return ForwardOutput(logits, router_logits, aux_loss, total)
 
         batch = self.batch_sharding()
-        return jax.jit(forward, in_shardings=(self.named_shardings(), batch, batch))
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(forward, in_shardings=(self.named_shardings(), batch, batch, replicated))
 
     def forward(self, input_ids, attention_mask=None, *, params: dict | None = None,
-                inference: bool = True) -> ForwardOutput:
+                inference: bool = True, rng: jax.Array | None = None) -> ForwardOutput:
         """input_ids: [B, S] -> ForwardOutput (logits [B, S, V]). Dropless: an overflowing dispatch bucket is
-        rerun at the next one. B is padded to a multiple of the data-parallel size and cut back."""
+        rerun at the next one (with the same `rng`, so the rerun is the same computation). B is padded to a
+        multiple of the data-parallel size and cut back. `rng`: key for training-time randomness."""
         params = self.params if params is None else params
         if params is None:
             raise ValueError("The model has no parameters: call init_params(), set_params() or from_pretrained().")
@@ -261,7 +264,7 @@ class MoeForCausalLM(PlannedModel):
                 statistics_of=lambda output: output.statistics,
             )
             self._runner.inference = inference
-        output = self._runner(params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32))
+        output = self._runner(params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32), rng)
         if padded != batch:
             router_logits = [r.reshape(padded, sequence, -1)[:batch].reshape(batch * sequence, -1)
                              for r in output.router_logits]

@@ -64,6 +64,11 @@ class MixtralConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"sliding_window={self.sliding_window} must be a positive number of keys per query or None "
+                "(full causal attention)."
+            )
         if self.router_jitter_noise < 0:
             raise ValueError(f"router_jitter_noise must be >= 0, got {self.router_jitter_noise}")
 
@@ -164,21 +169,21 @@ class MixtralForCausalLM(MoeForCausalLM):
         """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
         return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, jitter_key=None):
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
         """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per layer,
         dispatch statistics per layer).
 
-        jitter_key: PRNG key for the router jitter, needed when `router_jitter_noise > 0` and not `inference`
-        (each layer draws from `fold_in(jitter_key, layer)`); ignored otherwise.
+        rng: PRNG key for the router jitter, needed when `router_jitter_noise > 0` and not `inference`
+        (each layer draws from `fold_in(rng, layer)`); ignored otherwise.
         """
         c = self.config
         jitter = c.router_jitter_noise > 0 and not inference
-        if jitter and jitter_key is None:
-            raise NotImplementedError(
+        if jitter and rng is None:
+            raise ValueError(
                 f"Mixtral's router jitter (router_jitter_noise={c.router_jitter_noise}) scales the MoE input by "
-                "U(1 - j, 1 + j) noise in training and needs a PRNG key per forward, which "
-                "MoeForCausalLM.forward does not pass yet. Run with inference=True (no jitter, as HF's eval "
-                "mode) or set router_jitter_noise=0."
+                "U(1 - j, 1 + j) noise in training and needs a PRNG key: call "
+                "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with inference=True "
+                "(no jitter, as HF's eval mode), or set router_jitter_noise=0."
             )
         model = params["model"]
         batch, sequence = input_ids.shape
@@ -198,7 +203,7 @@ class MixtralForCausalLM(MoeForCausalLM):
             )
             h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
             if jitter:
-                h = router_jitter(h, jax.random.fold_in(jitter_key, layer), c.router_jitter_noise)
+                h = router_jitter(h, jax.random.fold_in(rng, layer), c.router_jitter_noise)
             out, logits, layer_statistics = sparse_moe_block(
                 weights["mlp"], h, route=self.route, run_experts=run_experts[layer], inference=inference
             )

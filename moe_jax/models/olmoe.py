@@ -173,7 +173,7 @@ class OlmoeForCausalLM(MoeForCausalLM):
         """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference):
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
         """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per layer,
         dispatch statistics per layer)."""
         c = self.config

@@ -1,7 +1,7 @@
 """Qwen2-MoE (HF `qwen2_moe`): config, module tree with HF names, plans, and the forward math.
 
-    layer i:  x += attention(rms_norm(x))                       q/k/v bias (`qkv_bias`), no q/k norm;
-                                                                sliding window iff layer_types[i] == "sliding_attention"
+    layer i:  x += attention(rms_norm(x))   q/k/v bias (`qkv_bias`), no q/k norm; sliding window
+                                            iff layer_types[i] == "sliding_attention"
               x += moe(rms_norm(x))   if i not in mlp_only_layers and num_experts > 0
                                          and (i + 1) % decoder_sparse_step == 0
                    mlp(rms_norm(x))   otherwise
@@ -209,7 +209,7 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
         """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference):
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
         """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per sparse layer,
         dispatch statistics per sparse layer)."""
         c = self.config

@@ -167,7 +167,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     def route(self, router_logits):
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference):
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
         c = self.config
         model = params["model"]
         batch, sequence = input_ids.shape

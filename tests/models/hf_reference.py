@@ -11,6 +11,28 @@ TINY_QWEN3_MOE = dict(
     max_position_embeddings=256,
 )
 
+# Qwen2-MoE: dense layer 0, shared experts, q/k/v bias, sliding window on layers 0 and 2 (max_window_layers=3).
+TINY_QWEN2_MOE = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=False,
+    qkv_bias=True, use_sliding_window=True, sliding_window=4, max_window_layers=3, tie_word_embeddings=False,
+    max_position_embeddings=256,
+)
+# OLMoE: full-width q/k norms with clip_qkv=1.0 (clamps 25-35% of the normalised q/k entries). No pad token:
+# HF's default (1) zeroes that embedding row, and a zero hidden state ties all router logits at position 0.
+TINY_OLMOE = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, clip_qkv=1.0,
+    tie_word_embeddings=False, max_position_embeddings=256, pad_token_id=None, eos_token_id=2,
+)
+# Mixtral: head_dim (16) != hidden_size / num_attention_heads (8), sliding window 5 on every layer.
+TINY_MIXTRAL = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+    router_jitter_noise=0.0, tie_word_embeddings=False, max_position_embeddings=256,
+)
+
 
 def tiny_hf_model(model_type: str, config_values: dict, seed: int = 0):
     import torch
@@ -41,3 +63,46 @@ def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = 
             attention_mask=None if attention_mask is None else torch.as_tensor(attention_mask),
         )
     return output.logits.float().numpy()
+
+
+def perturb_vector_params(model, scale: float = 0.3, seed: int = 1) -> None:
+    """Add N(0, scale^2) noise to every 1-D parameter (norm weights start at 1, biases at 0), so a wrong
+    norm or bias layout shows in the logits."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+def hf_named_modules(model) -> list[str]:
+    return [name for name, _ in model.named_modules()]
+
+
+def hf_resolved_plans(model_type: str, config_values: dict, distributed_kwargs: dict) -> dict[str, list]:
+    """HF's `_resolve_parallel_plans` on the tiny model built on the meta device:
+    {"tp" | "ep" | "fsdp": [(name, style), ...]}."""
+    import torch
+    import transformers
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config_class = transformers.AutoConfig.for_model(model_type).__class__
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config_class(**config_values))
+    tp, ep, fsdp = model._resolve_parallel_plans(DistributedConfig(**distributed_kwargs))
+    return {"tp": list(tp.items()), "ep": list(ep.items()), "fsdp": list(fsdp.items())}
+
+
+def hf_aux_loss(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> float:
+    """The unscaled router load-balancing loss HF returns with `output_router_logits=True`."""
+    import torch
+
+    with torch.no_grad():
+        output = model(
+            input_ids=torch.as_tensor(input_ids),
+            attention_mask=None if attention_mask is None else torch.as_tensor(attention_mask),
+            output_router_logits=True,
+        )
+    return float(output.aux_loss)
