@@ -64,6 +64,18 @@ class ModuleTree:
             raise ValueError(f"Parameter {full_name!r} is declared twice.")
         self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), dtype, init)
 
+    def linear(self, name: str, out_features: int, in_features: int, bias: bool = False) -> None:
+        """An `nn.Linear` module: `weight [out, in]` (HF layout) and optionally `bias [out]`."""
+        with self.module(name):
+            self.param("weight", (out_features, in_features))
+            if bias:
+                self.param("bias", (out_features,), init="zeros")
+
+    def norm(self, name: str, size: int) -> None:
+        """An RMSNorm module: `weight [size]`, initialised to ones."""
+        with self.module(name):
+            self.param("weight", (size,), init="ones")
+
     def named_modules(self) -> list[str]:
         return list(self.modules)
 

@@ -14,22 +14,12 @@ the checkpoint's `block_sparse_moe.*`; converting a checkpoint's names is the lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 
-from ..distributed.tree import ModuleTree
-from ..nn.activations import get_activation
-from ..nn.attention import attention
-from ..nn.embedding import embed
-from ..nn.linear import linear
-from ..nn.moe import sparse_moe_block
-from ..nn.norms import rms_norm
-from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
-from ..ops.experts import swiglu_experts
 from ..ops.routing import mixtral_top_k
-from .base import MoeForCausalLM, register_model
+from .base import register_model
+from .decoder import MoeDecoderForCausalLM
 
 
 @dataclass(frozen=True)
@@ -102,7 +92,7 @@ def router_jitter(hidden_states: jax.Array, key: jax.Array, noise: float) -> jax
 
 
 @register_model
-class MixtralForCausalLM(MoeForCausalLM):
+class MixtralForCausalLM(MoeDecoderForCausalLM):
     model_type = "mixtral"
     config_class = MixtralConfig
     base_model_tp_plan = {
@@ -120,96 +110,28 @@ class MixtralForCausalLM(MoeForCausalLM):
         "layers.*.mlp.experts": "ep_dispatch_experts",
     }
 
-    def sparse_layers(self) -> list[int]:
-        return list(range(self.config.num_hidden_layers))
+    @property
+    def experts_intermediate_size(self) -> int:
+        return self.config.intermediate_size
 
-    def declare_tree(self) -> ModuleTree:
-        c = self.config
-        hidden, head_dim = c.hidden_size, c.head_dim
-        tree = ModuleTree()
-
-        def linear_module(name, out_features, in_features):
-            with tree.module(name):
-                tree.param("weight", (out_features, in_features))
-
-        def norm_module(name, size):
-            with tree.module(name):
-                tree.param("weight", (size,), init="ones")
-
-        with tree.module("model"):
-            with tree.module("embed_tokens"):
-                tree.param("weight", (c.vocab_size, hidden))
-            with tree.module("layers"):
-                for layer in range(c.num_hidden_layers):
-                    with tree.module(layer):
-                        with tree.module("self_attn"):
-                            linear_module("q_proj", c.num_attention_heads * head_dim, hidden)
-                            linear_module("k_proj", c.num_key_value_heads * head_dim, hidden)
-                            linear_module("v_proj", c.num_key_value_heads * head_dim, hidden)
-                            linear_module("o_proj", hidden, c.num_attention_heads * head_dim)
-                        with tree.module("mlp"):
-                            linear_module("gate", c.num_local_experts, hidden)
-                            with tree.module("experts"):
-                                tree.param("gate_up_proj", (c.num_local_experts, 2 * c.intermediate_size, hidden))
-                                tree.param("down_proj", (c.num_local_experts, hidden, c.intermediate_size))
-                                tree.module_without_params("act_fn")
-                        norm_module("input_layernorm", hidden)
-                        norm_module("post_attention_layernorm", hidden)
-            norm_module("norm", hidden)
-            tree.module_without_params("rotary_emb")
-        with tree.module("lm_head"):
-            if not c.tie_word_embeddings:
-                tree.param("weight", (c.vocab_size, hidden))
-        return tree
-
-    def experts_fn(self):
-        return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
+    def attention_options(self, layer: int) -> dict:
+        return {"sliding_window": self.config.sliding_window}
 
     def route(self, router_logits):
         """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
         return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
-        """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per layer,
-        dispatch statistics per layer).
-
-        rng: PRNG key for the router jitter, needed when `router_jitter_noise > 0` and not `inference`
-        (each layer draws from `fold_in(rng, layer)`); ignored otherwise.
-        """
-        c = self.config
-        jitter = c.router_jitter_noise > 0 and not inference
-        if jitter and rng is None:
-            raise ValueError(
-                f"Mixtral's router jitter (router_jitter_noise={c.router_jitter_noise}) scales the MoE input by "
-                "U(1 - j, 1 + j) noise in training and needs a PRNG key: call "
-                "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with inference=True "
-                "(no jitter, as HF's eval mode), or set router_jitter_noise=0."
-            )
-        model = params["model"]
-        batch, sequence = input_ids.shape
-        x = embed(model["embed_tokens"], input_ids)
-        rope = rope_parameters_from_config(c.to_dict())
-        inv_freq, scaling = rope_inverse_frequencies(rope)
-        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
-        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
-        router_logits, statistics = [], []
-        for layer in range(c.num_hidden_layers):
-            weights = model["layers"][str(layer)]
-            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
-            x = x + attention(
-                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
-                sliding_window=c.sliding_window,
-            )
-            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
-            if jitter:
-                h = router_jitter(h, jax.random.fold_in(rng, layer), c.router_jitter_noise)
-            out, logits, layer_statistics = sparse_moe_block(
-                weights["mlp"], h, route=self.route, run_experts=run_experts[layer], inference=inference
-            )
-            router_logits.append(logits)
-            statistics.append(layer_statistics)
-            x = x + out
-        x = rms_norm(model["norm"], x, c.rms_norm_eps)
-        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
-        return linear(head, x), router_logits, statistics
+    def moe_output(self, weights, hidden, run_experts, inference, rng, layer):
+        """Router jitter in training (needs `rng`; each layer draws from `fold_in(rng, layer)`), then the
+        block: hidden [B, S, H] -> [B, S, H]."""
+        noise = self.config.router_jitter_noise
+        if noise > 0 and not inference:
+            if rng is None:
+                raise ValueError(
+                    f"Mixtral's router jitter (router_jitter_noise={noise}) scales the MoE input by "
+                    "U(1 - j, 1 + j) noise in training and needs a PRNG key: call "
+                    "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with "
+                    "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
+                )
+            hidden = router_jitter(hidden, jax.random.fold_in(rng, layer), noise)
+        return super().moe_output(weights, hidden, run_experts, inference, rng, layer)

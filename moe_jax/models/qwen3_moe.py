@@ -9,22 +9,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import partial
-
-import jax.numpy as jnp
 
 from ..distributed.tree import ModuleTree
-from ..nn.activations import get_activation
-from ..nn.attention import attention
-from ..nn.embedding import embed
-from ..nn.linear import linear
-from ..nn.mlp import mlp
-from ..nn.moe import sparse_moe_block
-from ..nn.norms import rms_norm
-from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
-from ..ops.experts import swiglu_experts
 from ..ops.routing import softmax_top_k
-from .base import MoeForCausalLM, register_model
+from .base import register_model
+from .decoder import MoeDecoderForCausalLM
 
 
 @dataclass(frozen=True)
@@ -82,7 +71,7 @@ class Qwen3MoeConfig:
 
 
 @register_model
-class Qwen3MoeForCausalLM(MoeForCausalLM):
+class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
     model_type = "qwen3_moe"
     config_class = Qwen3MoeConfig
     base_model_tp_plan = {
@@ -109,92 +98,22 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
         c = self.config
         return layer not in c.mlp_only_layers and c.num_experts > 0 and (layer + 1) % c.decoder_sparse_step == 0
 
-    def sparse_layers(self) -> list[int]:
-        return [layer for layer in range(self.config.num_hidden_layers) if self.is_sparse(layer)]
+    def declare_attention(self, tree: ModuleTree) -> None:
+        c, hidden = self.config, self.config.hidden_size
+        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden, c.attention_bias)
+        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
+        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
+        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim, c.attention_bias)
+        tree.norm("q_norm", c.head_dim)
+        tree.norm("k_norm", c.head_dim)
 
-    def declare_tree(self) -> ModuleTree:
-        c = self.config
-        hidden, head_dim = c.hidden_size, c.head_dim
-        tree = ModuleTree()
+    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
+        self.declare_experts(tree)  # HF registers the experts before the router here
+        self.declare_router(tree)
 
-        def linear_module(name, out_features, in_features, bias=False):
-            with tree.module(name):
-                tree.param("weight", (out_features, in_features))
-                if bias:
-                    tree.param("bias", (out_features,), init="zeros")
-
-        def norm_module(name, size):
-            with tree.module(name):
-                tree.param("weight", (size,), init="ones")
-
-        with tree.module("model"):
-            with tree.module("embed_tokens"):
-                tree.param("weight", (c.vocab_size, hidden))
-            with tree.module("layers"):
-                for layer in range(c.num_hidden_layers):
-                    with tree.module(layer):
-                        with tree.module("self_attn"):
-                            linear_module("q_proj", c.num_attention_heads * head_dim, hidden, c.attention_bias)
-                            linear_module("k_proj", c.num_key_value_heads * head_dim, hidden, c.attention_bias)
-                            linear_module("v_proj", c.num_key_value_heads * head_dim, hidden, c.attention_bias)
-                            linear_module("o_proj", hidden, c.num_attention_heads * head_dim, c.attention_bias)
-                            norm_module("q_norm", head_dim)
-                            norm_module("k_norm", head_dim)
-                        with tree.module("mlp"):
-                            if self.is_sparse(layer):
-                                with tree.module("experts"):
-                                    tree.param("gate_up_proj", (c.num_experts, 2 * c.moe_intermediate_size, hidden))
-                                    tree.param("down_proj", (c.num_experts, hidden, c.moe_intermediate_size))
-                                    tree.module_without_params("act_fn")
-                                linear_module("gate", c.num_experts, hidden)
-                            else:
-                                linear_module("gate_proj", c.intermediate_size, hidden)
-                                linear_module("up_proj", c.intermediate_size, hidden)
-                                linear_module("down_proj", hidden, c.intermediate_size)
-                                tree.module_without_params("act_fn")
-                        norm_module("input_layernorm", hidden)
-                        norm_module("post_attention_layernorm", hidden)
-            norm_module("norm", hidden)
-            tree.module_without_params("rotary_emb")
-        with tree.module("lm_head"):
-            if not c.tie_word_embeddings:
-                tree.param("weight", (c.vocab_size, hidden))
-        return tree
-
-    def experts_fn(self):
-        return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
+    def attention_options(self, layer: int) -> dict:
+        return {"qk_norm_kind": "per_head", "sliding_window": self.config.attention_window}
 
     def route(self, router_logits):
+        """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
-
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
-        c = self.config
-        model = params["model"]
-        batch, sequence = input_ids.shape
-        x = embed(model["embed_tokens"], input_ids)
-        rope = rope_parameters_from_config({**c.raw, **c.to_dict()})
-        inv_freq, scaling = rope_inverse_frequencies(rope)
-        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
-        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
-        router_logits, statistics = [], []
-        for layer in range(c.num_hidden_layers):
-            weights = model["layers"][str(layer)]
-            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
-            x = x + attention(
-                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
-                sliding_window=c.attention_window, qk_norm_kind="per_head", rms_norm_eps=c.rms_norm_eps,
-            )
-            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
-            if layer in run_experts:
-                out, logits, layer_statistics = sparse_moe_block(
-                    weights["mlp"], h, route=self.route, run_experts=run_experts[layer], inference=inference
-                )
-                router_logits.append(logits)
-                statistics.append(layer_statistics)
-            else:
-                out = mlp(weights["mlp"], h, c.hidden_act)
-            x = x + out
-        x = rms_norm(model["norm"], x, c.rms_norm_eps)
-        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
-        return linear(head, x), router_logits, statistics

@@ -27,7 +27,7 @@ def loss_and_grads(model, params, input_ids, targets):
     mask = jnp.ones_like(input_ids)
 
     def loss(params):
-        logits = forward(params, input_ids, mask).logits
+        logits = forward(params, input_ids, mask, None).logits
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 

@@ -1,0 +1,144 @@
+"""The decoder every family here shares, written once; a family file fills in what differs.
+
+    x = embed(ids)
+    for each layer:  x += attention(rms_norm(x), **attention_options(layer))
+                     x += moe_output(...)  if the layer is sparse, else mlp(rms_norm(x))
+    logits = lm_head(rms_norm(x))
+
+Hooks a family overrides: `attention_options(layer)` (q/k norm kind, window, clip), `declare_attention`
+(bias flags, q/k norm shapes), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared
+experts, router jitter), `route`, `is_sparse`, `experts_intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+
+from ..distributed.tree import ModuleTree
+from ..nn.activations import get_activation
+from ..nn.attention import attention
+from ..nn.embedding import embed
+from ..nn.linear import linear
+from ..nn.mlp import mlp
+from ..nn.moe import sparse_moe_block
+from ..nn.norms import rms_norm
+from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
+from ..ops.experts import swiglu_experts
+from .base import MoeForCausalLM
+
+
+class MoeDecoderForCausalLM(MoeForCausalLM):
+    """A pre-norm decoder with RoPE attention, sparse MoE and dense MLP layers (Qwen/OLMoE/Mixtral)."""
+
+    # ---- structure ---------------------------------------------------------------------------------
+    def is_sparse(self, layer: int) -> bool:
+        return True
+
+    def sparse_layers(self) -> list[int]:
+        return [layer for layer in range(self.config.num_hidden_layers) if self.is_sparse(layer)]
+
+    @property
+    def experts_intermediate_size(self) -> int:
+        return self.config.moe_intermediate_size
+
+    def declare_attention(self, tree: ModuleTree) -> None:
+        """q/k/v/o projections (no bias); families add biases and q/k norms."""
+        c, hidden = self.config, self.config.hidden_size
+        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden)
+        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden)
+        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden)
+        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim)
+
+    def declare_router(self, tree: ModuleTree) -> None:
+        tree.linear("gate", self.config.num_experts, self.config.hidden_size)
+
+    def declare_experts(self, tree: ModuleTree) -> None:
+        c = self.config
+        with tree.module("experts"):
+            tree.param("gate_up_proj", (c.num_experts, 2 * self.experts_intermediate_size, c.hidden_size))
+            tree.param("down_proj", (c.num_experts, c.hidden_size, self.experts_intermediate_size))
+            tree.module_without_params("act_fn")
+
+    def declare_dense_mlp(self, tree: ModuleTree, intermediate: int) -> None:
+        hidden = self.config.hidden_size
+        tree.linear("gate_proj", intermediate, hidden)
+        tree.linear("up_proj", intermediate, hidden)
+        tree.linear("down_proj", hidden, intermediate)
+        tree.module_without_params("act_fn")
+
+    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
+        """The MoE block's modules in the order HF lists them (router first by default)."""
+        self.declare_router(tree)
+        self.declare_experts(tree)
+
+    def declare_tree(self) -> ModuleTree:
+        c = self.config
+        tree = ModuleTree()
+        with tree.module("model"):
+            with tree.module("embed_tokens"):
+                tree.param("weight", (c.vocab_size, c.hidden_size))
+            with tree.module("layers"):
+                for layer in range(c.num_hidden_layers):
+                    with tree.module(layer):
+                        with tree.module("self_attn"):
+                            self.declare_attention(tree)
+                        with tree.module("mlp"):
+                            if self.is_sparse(layer):
+                                self.declare_sparse_mlp(tree)
+                            else:
+                                self.declare_dense_mlp(tree, c.intermediate_size)
+                        tree.norm("input_layernorm", c.hidden_size)
+                        tree.norm("post_attention_layernorm", c.hidden_size)
+            tree.norm("norm", c.hidden_size)
+            tree.module_without_params("rotary_emb")
+        with tree.module("lm_head"):
+            if not c.tie_word_embeddings:
+                tree.param("weight", (c.vocab_size, c.hidden_size))
+        return tree
+
+    # ---- math --------------------------------------------------------------------------------------
+    def experts_fn(self):
+        return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
+
+    def attention_options(self, layer: int) -> dict:
+        """Keyword arguments of `moe_jax.nn.attention.attention` for this layer (besides shapes)."""
+        return {}
+
+    def moe_output(self, weights: dict, hidden, run_experts, inference: bool, rng, layer: int):
+        """hidden: [B, S, H] -> (output [B, S, H], router_logits [B*S, E], dispatch statistics)."""
+        return sparse_moe_block(weights, hidden, route=self.route, run_experts=run_experts, inference=inference)
+
+    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
+        """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per sparse layer,
+        dispatch statistics per sparse layer)."""
+        c = self.config
+        model = params["model"]
+        batch, sequence = input_ids.shape
+        x = embed(model["embed_tokens"], input_ids)
+        inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
+        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
+        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
+        router_logits, statistics = [], []
+        for layer in range(c.num_hidden_layers):
+            weights = model["layers"][str(layer)]
+            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
+            x = x + attention(
+                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
+                rms_norm_eps=c.rms_norm_eps, **self.attention_options(layer),
+            )
+            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
+            if layer in run_experts:
+                out, logits, layer_statistics = self.moe_output(
+                    weights["mlp"], h, run_experts[layer], inference, rng, layer
+                )
+                router_logits.append(logits)
+                statistics.append(layer_statistics)
+            else:
+                out = mlp(weights["mlp"], h, c.hidden_act)
+            x = x + out
+        x = rms_norm(model["norm"], x, c.rms_norm_eps)
+        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
+        return linear(head, x), router_logits, statistics
