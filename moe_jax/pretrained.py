@@ -44,7 +44,7 @@ def from_pretrained(path, distributed_config=None, *, model_class=None, dtype=No
     params = load_params(directory, model.module_tree, model.model_type, model.named_shardings(), dtype=dtype,
                          progress=progress)
     model.params = params
-    model._runner = None
+    model._runners = {}
     return model
 
 

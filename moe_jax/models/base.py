@@ -127,7 +127,8 @@ class MoeForCausalLM(PlannedModel):
             )
         self.experts_backend = experts_backend
         self.params: dict | None = None
-        self._runner: DroplessRunner | None = None
+        # One dropless runner per mode (inference / training): each keeps its capacity bucket and compiles.
+        self._runners: dict[bool, DroplessRunner] = {}
 
     # ---- to implement per family -------------------------------------------------------------------
     def declare_tree(self) -> ModuleTree:
@@ -175,7 +176,7 @@ class MoeForCausalLM(PlannedModel):
             return params
 
         self.params = jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
-        self._runner = None
+        self._runners = {}
         return self.params
 
     def set_params(self, params: dict[str, jax.Array]) -> None:
@@ -191,7 +192,7 @@ class MoeForCausalLM(PlannedModel):
             )
         shardings = self.named_shardings()
         self.params = {name: jax.device_put(jnp.asarray(params[name], self.dtype), shardings[name]) for name in specs}
-        self._runner = None
+        self._runners = {}
 
     # ---- checkpoints (implemented in moe_jax.pretrained, the layer above converters/) -----------------
     @classmethod
@@ -222,8 +223,7 @@ class MoeForCausalLM(PlannedModel):
         return runners
 
     def _build_forward(self, capacity_bucket: float, inference: bool):
-        runners = self.experts_runners(capacity_bucket)
-        run_experts = dict(runners)
+        run_experts = self.experts_runners(capacity_bucket)
 
         def forward(flat_params, input_ids, attention_mask, rng=None):
             logits, router_logits, statistics = self.forward_math(
@@ -258,13 +258,14 @@ class MoeForCausalLM(PlannedModel):
         if padded != batch:
             input_ids = np.concatenate([input_ids, np.zeros((padded - batch, sequence), input_ids.dtype)])
             attention_mask = np.concatenate([attention_mask, np.zeros((padded - batch, sequence), attention_mask.dtype)])
-        if self._runner is None or self._runner.inference != inference:
-            self._runner = DroplessRunner(
-                lambda bucket: self._build_forward(bucket, inference), max(self.layout.ep_size, 1),
+        if inference not in self._runners:
+            self._runners[inference] = DroplessRunner(
+                lambda bucket: self._build_forward(bucket, inference), self.layout.ep_size,
                 statistics_of=lambda output: output.statistics,
             )
-            self._runner.inference = inference
-        output = self._runner(params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32), rng)
+        output = self._runners[inference](
+            params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32), rng
+        )
         if padded != batch:
             router_logits = [r.reshape(padded, sequence, -1)[:batch].reshape(batch * sequence, -1)
                              for r in output.router_logits]
