@@ -16,8 +16,8 @@ Registered:
     "all_to_all"  token dispatch: each TP rank of a batch sends a disjoint slice of its rows to the devices
                   owning their experts (`jax.lax.all_to_all` over the ep group), results come back the same
                   way, weighted on the sender, gathered over tp. Works for every layout (ep > tp too).
-    "all_reduce"  every device of the ep group runs its own experts on the shared batch with the others'
-                  routes masked, then `psum`. Needs ep_size == tp_size.
+    "all_reduce"  every device of the ep group runs its own experts on the pairs of the shared batch routed
+                  to them (compacted into a static buffer), then `psum`. Needs ep_size == tp_size.
     "auto"        all_reduce at inference when the ep group shares one batch, all_to_all otherwise.
     "deepgemm_megamoe"  DeepGEMM's fused kernel: CUDA/PyTorch only, raises here.
 
@@ -32,6 +32,7 @@ busiest (sender, receiver) pair overflowed reports `dropped > 0`; `DroplessRunne
 the next rung and stays there. Balanced routing runs at the first rung with buffers ~1.25x the routed rows;
 every pair on one expert climbs to the last rung (buffers ep x S, exact).
 With `capacity_factor` set, pairs beyond capacity are dropped on purpose (their output is 0) and counted.
+all_reduce sizes its buffer of local pairs the same way and uses the same ladder.
 
 (An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
 collectives in our tests, so overflow is handled at the step boundary instead.)
@@ -147,17 +148,17 @@ def tp_row_slice(rows: int, tp_size: int) -> int:
     return -(-rows // tp_size) if rows else 0
 
 
-class AllToAllEP(EPImplementation):
-    """Token dispatch with `jax.lax.all_to_all` (see the module docstring for the capacity policy).
+class CapacityBuffers:
+    """Static per-device buffers sized from the routed pairs (shared by all_to_all and all_reduce).
 
     Options: `capacity_factor` (float | None): None = dropless (capacity from `capacity_bucket`, overflow
-    reported for a rerun at the next rung); a number = `round_up(capacity_factor * S / ep, 8)` rows per
-    peer, overflow dropped. `capacity_bucket`: the dropless ladder's rung (default 1.25).
+    reported as `dropped` for a rerun at the next rung); a number = `round_up(capacity_factor * S / ep, 8)`
+    rows, overflow dropped on purpose. `capacity_bucket`: the dropless ladder's rung (default 1.25).
     """
 
-    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
-                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
-        super().__init__(experts_forward, num_local_experts, groups, **options)
+    accepts_capacity_options: ClassVar[bool] = True
+
+    def _init_capacity(self, capacity_factor, capacity_bucket) -> None:
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless dispatch).")
         if capacity_bucket <= 0:
@@ -170,10 +171,20 @@ class AllToAllEP(EPImplementation):
         return self.capacity_factor is None
 
     def capacity(self, pairs: int) -> int:
-        """Rows per peer buffer for `pairs` (token, expert) pairs sent by one device."""
+        """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device:
+        the balanced share `pairs / ep` times the factor, rounded up to 8, at most all of them."""
         factor = self.capacity_bucket if self.dropless else self.capacity_factor
         return min(_round_up(math.ceil(factor * pairs / self.groups.ep_size), CAPACITY_MULTIPLE),
                    _round_up(pairs, CAPACITY_MULTIPLE))
+
+
+class AllToAllEP(CapacityBuffers, EPImplementation):
+    """Token dispatch with `jax.lax.all_to_all` (see the module docstring for the capacity policy)."""
+
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
+                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
+        super().__init__(experts_forward, num_local_experts, groups, **options)
+        self._init_capacity(capacity_factor, capacity_bucket)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats)."""
@@ -251,31 +262,69 @@ class AllToAllEP(EPImplementation):
         return gathered[:rows]
 
 
-class AllReduceEP(EPImplementation):
-    """Masked local experts on the shared batch, summed over the ep group (needs ep_size == tp_size)."""
+class AllReduceEP(CapacityBuffers, EPImplementation):
+    """Local experts on the shared batch, summed over the ep group (needs ep_size == tp_size).
+
+    Each device compacts the (token, expert) pairs routed to its own experts into a buffer of
+    `capacity(T * K)` rows (about 1/ep of the pairs, see `CapacityBuffers`), runs its experts on those rows
+    only, adds the weighted results back to their tokens and `psum`s over the ep group. No tokens move
+    between devices and no host sync is needed.
+    """
 
     needs_shared_batch = True
 
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
+                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
+        super().__init__(experts_forward, num_local_experts, groups, **options)
+        self._init_capacity(capacity_factor, capacity_bucket)
+
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats)."""
+        rows, top_k = top_k_index.shape
+        pairs = rows * top_k
+        if pairs == 0:
+            return jnp.zeros_like(hidden_states), DispatchStatistics.zeros()
         num_local = self.num_local_experts
-        off_device = (top_k_index // num_local) != self.ep_rank()
-        local_index = jnp.where(off_device, num_local, top_k_index % num_local)
-        local_weights = jnp.where(off_device, jnp.zeros_like(top_k_weights), top_k_weights)
-        output = self.experts_forward(hidden_states, local_index, local_weights)
+        index = top_k_index.reshape(pairs)
+        mine = (index // num_local) == self.ep_rank()  # [S]
+        slot_of_pair = jnp.cumsum(mine) - 1
+        capacity = self.capacity(pairs)
+        kept = mine & (slot_of_pair < capacity)
+        # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
+        slot_pair = jnp.full((capacity,), pairs, jnp.int32).at[jnp.where(kept, slot_of_pair, capacity)].set(
+            jnp.arange(pairs, dtype=jnp.int32), mode="drop"
+        )
+        slot_valid = slot_pair < pairs
+        pair = jnp.minimum(slot_pair, pairs - 1)
+        tokens = hidden_states[pair // top_k]  # [C, H]
+        local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
+        expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((capacity, 1), hidden_states.dtype))
+        # Routing weights applied here, in the promoted dtype (fp32 for Mixtral), as the sender does in all_to_all.
+        weight = jnp.where(slot_valid, top_k_weights.reshape(pairs)[pair], 0)
+        accumulate = jnp.result_type(hidden_states.dtype, top_k_weights.dtype)
+        output = jnp.zeros((rows, hidden_states.shape[-1]), accumulate).at[
+            jnp.where(slot_valid, pair // top_k, rows)
+        ].add(expert_out.astype(accumulate) * weight[:, None].astype(accumulate), mode="drop")
         output = jax.lax.psum(output, self.groups.ep_axes)
-        return output, DispatchStatistics.zeros()
+        local_pairs, sent = jnp.sum(mine), jnp.sum(kept)
+        statistics = DispatchStatistics(
+            dropped=(local_pairs - sent).astype(jnp.int32),
+            padded=(capacity - sent).astype(jnp.int32),
+            capacity=jnp.asarray(capacity, jnp.int32),
+        )
+        return output, statistics
 
 
 class AutoEP(EPImplementation):
     """all_reduce at inference when the ep group shares a batch; all_to_all otherwise (training always)."""
 
     uses_inference_flag = True
+    accepts_capacity_options = True
 
     def __init__(self, experts_forward, num_local_experts, groups, **options):
         super().__init__(experts_forward, num_local_experts, groups, **options)
         self.all_to_all = AllToAllEP(experts_forward, num_local_experts, groups, **options)
-        self.all_reduce = AllReduceEP(experts_forward, num_local_experts, groups) if self.shares_batch else None
+        self.all_reduce = AllReduceEP(experts_forward, num_local_experts, groups, **options) if self.shares_batch else None
 
     def choose(self, inference: bool) -> EPImplementation:
         return self.all_reduce if (inference and self.all_reduce is not None) else self.all_to_all
@@ -363,6 +412,6 @@ def build_ep_implementation(
             "`EPImplementationInterface.register`."
         )
     implementation_class = implementations[name]
-    if not issubclass(implementation_class, (AllToAllEP, AutoEP)):
+    if not getattr(implementation_class, "accepts_capacity_options", False):
         options = {key: value for key, value in options.items() if key not in ("capacity_factor", "capacity_bucket")}
     return implementation_class(experts_forward, num_local_experts, groups, **options)
