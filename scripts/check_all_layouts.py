@@ -16,6 +16,10 @@ import time
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
+
 from tests.models.test_fixture_parity import (  # noqa: E402
     FAMILIES,
     check_against_fixture,
