@@ -28,9 +28,18 @@ from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, r
 from ..ops.experts import swiglu_experts
 from .base import MoeForCausalLM
 
+# Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
+EXPERTS_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
+
 
 class MoeDecoderForCausalLM(MoeForCausalLM):
     """A pre-norm decoder with RoPE attention, sparse MoE and dense MLP layers (Qwen/OLMoE/Mixtral)."""
+
+    base_model_ep_plan = EXPERTS_EP_PLAN
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:

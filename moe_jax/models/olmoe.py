@@ -104,11 +104,6 @@ class OlmoeForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
     }
-    base_model_ep_plan = {
-        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.down_proj": "grouped_gemm",
-        "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
 
     @property
     def experts_intermediate_size(self) -> int:

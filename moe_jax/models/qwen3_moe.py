@@ -88,11 +88,6 @@ class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
-    base_model_ep_plan = {
-        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-        "layers.*.mlp.experts.down_proj": "grouped_gemm",
-        "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
 
     def is_sparse(self, layer: int) -> bool:
         c = self.config
