@@ -24,7 +24,7 @@ from moe_jax.distributed.mesh import build_mesh
 from moe_jax.distributed.plans import resolve_parallel_plans
 from moe_jax.distributed.sharding import parameter_shardings
 from moe_jax.distributed.tree import ModuleTree
-from tests.distributed.tiny_qwen3_moe import TinyQwen3MoeForCausalLM, declare_tree
+from tests.distributed.tiny_qwen3_moe import TinyQwen3MoeForCausalLM
 
 QWEN3_CONFIG = dict(
     vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -39,7 +39,7 @@ SPARSE_LAYER = "model.layers.1"  # layer 0 is dense in QWEN3_CONFIG (mlp_only_la
 
 
 def qwen3_tree(dtype: str = "float32", **changes) -> ModuleTree:
-    tree = declare_tree({**QWEN3_CONFIG, **changes})
+    tree = TinyQwen3MoeForCausalLM(**{**QWEN3_CONFIG, **changes}).module_tree
     if dtype != "float32":
         for name, spec in tree.params.items():
             tree.params[name] = type(spec)(spec.shape, dtype, spec.init)
