@@ -222,6 +222,17 @@ class MoeForCausalLM(PlannedModel):
             )
         return runners
 
+    def jitted_forward(self, capacity_bucket: float | None = None, *, inference: bool = True):
+        """The jitted `(flat_params, input_ids [B, S], attention_mask [B, S], rng) -> ForwardOutput` for
+        use inside your own programs (e.g. `jax.grad`, a train step). Shapes are static, so dispatch
+        buffers have a fixed capacity: `capacity_bucket=None` takes the ladder's last rung, which never
+        drops (buffers hold everything a device sends); a smaller bucket is faster and reports overflow
+        in `statistics.dropped` (rerun with `DroplessRunner`, as `forward` does). B must be a multiple
+        of `data_parallel_size`."""
+        if capacity_bucket is None:
+            capacity_bucket = float(self.layout.ep_size)
+        return self._build_forward(capacity_bucket, inference)
+
     def _build_forward(self, capacity_bucket: float, inference: bool):
         run_experts = self.experts_runners(capacity_bucket)
 

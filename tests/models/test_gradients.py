@@ -23,7 +23,7 @@ LAYOUTS = [
 def loss_and_grads(model, params, input_ids, targets):
     """Mean token cross-entropy and its gradient wrt every parameter (capacity: the ladder's last rung, so
     no rerun is needed inside a gradient)."""
-    forward = model._build_forward(float(model.layout.ep_size), inference=False)
+    forward = model.jitted_forward(inference=False)
     mask = jnp.ones_like(input_ids)
 
     def loss(params):
