@@ -13,17 +13,19 @@ the checkpoint's `block_sparse_moe.*`; converting a checkpoint's names is the lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import jax
 
 from ..ops.routing import mixtral_top_k
 from .base import register_model
+from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
 
 
 @dataclass(frozen=True)
-class MixtralConfig:
+class MixtralConfig(HFConfigMixin):
     """The fields of HF's `MixtralConfig` the model reads (defaults are HF's).
 
     `num_experts` is an alias of `num_local_experts` (HF's `attribute_map`).
@@ -49,6 +51,9 @@ class MixtralConfig:
     router_jitter_noise: float = 0.0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    model_type: ClassVar[str] = "mixtral"
+    attribute_map: ClassVar[dict[str, str]] = {"num_experts": "num_local_experts"}
+
     def __post_init__(self):
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
@@ -61,23 +66,6 @@ class MixtralConfig:
             )
         if self.router_jitter_noise < 0:
             raise ValueError(f"router_jitter_noise must be >= 0, got {self.router_jitter_noise}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> MixtralConfig:
-        known = {f.name for f in fields(cls)} - {"raw"}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        if "num_experts" in values:
-            if "num_local_experts" in values and values["num_experts"] != values["num_local_experts"]:
-                raise ValueError(
-                    f"num_experts={values['num_experts']} and num_local_experts={values['num_local_experts']} "
-                    "disagree; Mixtral's num_experts is an alias of num_local_experts."
-                )
-            kwargs["num_local_experts"] = values["num_experts"]
-        return cls(**kwargs, raw=dict(values))
-
-    def to_dict(self) -> dict:
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
-        return {**self.raw, **values, "model_type": "mixtral"}
 
     @property
     def num_experts(self) -> int:

@@ -12,16 +12,18 @@ Because the q/k norms span the whole projection, HF's TP plan gathers the q/k/v 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..distributed.tree import ModuleTree
 from ..ops.routing import softmax_top_k
 from .base import register_model
+from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
 
 
 @dataclass(frozen=True)
-class OlmoeConfig:
+class OlmoeConfig(HFConfigMixin):
     """The fields of HF's `OlmoeConfig` the model reads (defaults are HF's).
 
     `num_local_experts` is an alias of `num_experts` (HF's `attribute_map`). The head size is always
@@ -48,6 +50,9 @@ class OlmoeConfig:
     norm_topk_prob: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    model_type: ClassVar[str] = "olmoe"
+    attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
+
     def __post_init__(self):
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
@@ -59,28 +64,15 @@ class OlmoeConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> OlmoeConfig:
-        known = {f.name for f in fields(cls)} - {"raw"}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        if "num_local_experts" in values:
-            if "num_experts" in values and values["num_experts"] != values["num_local_experts"]:
-                raise ValueError(
-                    f"num_experts={values['num_experts']} and num_local_experts={values['num_local_experts']} "
-                    "disagree; OLMoE's num_local_experts is an alias of num_experts."
-                )
-            kwargs["num_experts"] = values["num_local_experts"]
         head_dim = values.get("head_dim")
-        hidden = kwargs.get("hidden_size", cls.hidden_size)
-        heads = kwargs.get("num_attention_heads", cls.num_attention_heads)
+        hidden = values.get("hidden_size", cls.hidden_size)
+        heads = values.get("num_attention_heads", cls.num_attention_heads)
         if head_dim is not None and head_dim * heads != hidden:
             raise ValueError(
                 f"head_dim={head_dim} with num_attention_heads={heads} does not give hidden_size={hidden}; "
                 "OLMoE's q_norm has hidden_size weights, so head_dim must be hidden_size // num_attention_heads."
             )
-        return cls(**kwargs, raw=dict(values))
-
-    def to_dict(self) -> dict:
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
-        return {**self.raw, **values, "model_type": "olmoe"}
+        return super().from_dict(values)
 
     @property
     def head_dim(self) -> int:

@@ -14,21 +14,23 @@ gate is a `Linear(H, 1)` without bias. Neither has a TP rule in HF's plan, so bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 from ..distributed.tree import ModuleTree
 from ..nn.mlp import mlp
 from ..nn.moe import shared_expert_output
 from ..ops.routing import softmax_top_k
 from .base import register_model
+from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
-class Qwen2MoeConfig:
+class Qwen2MoeConfig(HFConfigMixin):
     """The fields of HF's `Qwen2MoeConfig` the model reads (defaults are HF's).
 
     As in HF's `__post_init__`: `sliding_window` is stored as 0 when `use_sliding_window` is False, and
@@ -64,6 +66,9 @@ class Qwen2MoeConfig:
     layer_types: tuple[str, ...] | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    model_type: ClassVar[str] = "qwen2_moe"
+    attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
+
     def __post_init__(self):
         set_field = partial(object.__setattr__, self)
         set_field("mlp_only_layers", tuple(self.mlp_only_layers or ()))
@@ -94,18 +99,6 @@ class Qwen2MoeConfig:
                 f"as 'sliding_attention' but sliding_window={self.sliding_window!r} (use_sliding_window="
                 f"{self.use_sliding_window}); set use_sliding_window=True and a positive sliding_window."
             )
-
-    @classmethod
-    def from_dict(cls, values: dict) -> Qwen2MoeConfig:
-        known = {f.name for f in fields(cls)} - {"raw"}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        return cls(**kwargs, raw=dict(values))
-
-    def to_dict(self) -> dict:
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
-        values["mlp_only_layers"] = list(self.mlp_only_layers)
-        values["layer_types"] = list(self.layer_types)
-        return {**self.raw, **values, "model_type": "qwen2_moe"}
 
     def attention_window(self, layer: int) -> int | None:
         """Keys visible per query in `layer` (itself included), None for full causal attention."""

@@ -8,16 +8,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..distributed.tree import ModuleTree
 from ..ops.routing import softmax_top_k
 from .base import register_model
+from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(HFConfigMixin):
     """The fields of HF's `Qwen3MoeConfig` the model reads (defaults are HF's)."""
 
     vocab_size: int = 151936
@@ -45,25 +47,13 @@ class Qwen3MoeConfig:
     mlp_only_layers: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @classmethod
-    def from_dict(cls, values: dict) -> Qwen3MoeConfig:
-        known = {f.name for f in fields(cls)} - {"raw"}
-        # HF's attribute_map: config.json stores num_experts as num_local_experts.
-        values = {"num_experts": values["num_local_experts"], **values} if "num_local_experts" in values else values
-        kwargs = {k: v for k, v in values.items() if k in known}
-        if kwargs.get("mlp_only_layers") is not None:
-            kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
-        else:
-            kwargs.pop("mlp_only_layers", None)
-        if kwargs.get("head_dim") is None:
-            kwargs["head_dim"] = values.get("hidden_size", cls.hidden_size) // values.get(
-                "num_attention_heads", cls.num_attention_heads)
-        return cls(**kwargs, raw=dict(values))
+    model_type: ClassVar[str] = "qwen3_moe"
+    attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
 
-    def to_dict(self) -> dict:
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "raw"}
-        values["mlp_only_layers"] = list(self.mlp_only_layers)
-        return {**self.raw, **values, "model_type": "qwen3_moe"}
+    def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     @property
     def attention_window(self) -> int | None:
