@@ -106,3 +106,40 @@ def hf_aux_loss(model, input_ids: np.ndarray, attention_mask: np.ndarray | None 
             output_router_logits=True,
         )
     return float(output.aux_loss)
+
+
+# Checks every family's parity test file runs the same way.
+def assert_tree_matches_hf(model, hf_model, state: dict) -> None:
+    """Module names in order, and parameter names, shapes and order, equal HF's."""
+    assert model.module_tree.named_modules() == hf_named_modules(hf_model)
+    assert [(name, spec.shape) for name, spec in model.module_tree.named_parameters()] == [
+        (name, tuple(array.shape)) for name, array in state.items()
+    ]
+
+
+def assert_plans_match_hf(model_class, model_type: str, config_values: dict, layout: dict) -> None:
+    """Our resolved plans (dict and order) equal HF's `_resolve_parallel_plans` for `layout`."""
+    import jax
+
+    from moe_jax import DistributedConfig
+    from moe_jax.distributed.mesh import DeviceLayout
+
+    expected = hf_resolved_plans(model_type, config_values, layout)
+    config = DistributedConfig(**layout)
+    devices = jax.devices()[: DeviceLayout.from_config(config).num_devices]
+    plans = model_class(config_values, config, devices=devices).resolved_plans
+    assert {"tp": list(plans.tp.items()), "ep": list(plans.ep.items()), "fsdp": list(plans.fsdp.items())} == expected
+
+
+def assert_padded_batch_matches_hf(model, hf_model, input_ids: np.ndarray, real_tokens_only: bool = False) -> None:
+    """With right padding on every other row, logits (all positions, or only real tokens) and the router
+    aux loss equal HF's."""
+    attention_mask = np.ones_like(input_ids)
+    attention_mask[::2, -4:] = 0
+    output = model.forward(input_ids, attention_mask)
+    logits, expected = np.asarray(output.logits), hf_logits(hf_model, input_ids, attention_mask)
+    if real_tokens_only:
+        real = attention_mask.astype(bool)
+        logits, expected = logits[real], expected[real]
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+    assert abs(float(output.aux_loss) - hf_aux_loss(hf_model, input_ids, attention_mask)) < 1e-5

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.distributed.mesh import DeviceLayout
 from moe_jax.models import MODEL_CLASSES, MixtralConfig, MixtralForCausalLM
 from moe_jax.models.base import unflatten
 from moe_jax.models.mixtral import router_jitter
@@ -18,10 +17,10 @@ from moe_jax.nn.moe import local_experts_runner
 
 from .hf_reference import (
     TINY_MIXTRAL,
-    hf_aux_loss,
+    assert_padded_batch_matches_hf,
+    assert_plans_match_hf,
+    assert_tree_matches_hf,
     hf_logits,
-    hf_named_modules,
-    hf_resolved_plans,
     hf_state_dict,
     perturb_vector_params,
     tiny_hf_model,
@@ -145,22 +144,14 @@ def test_config_defaults_and_fields_match_hf():
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
     hf_model, state, _, _ = reference
-    model = MixtralForCausalLM(TINY_MIXTRAL)
-    assert model.module_tree.named_modules() == hf_named_modules(hf_model)
-    assert [(name, spec.shape) for name, spec in model.module_tree.named_parameters()] == [
-        (name, tuple(array.shape)) for name, array in state.items()
-    ]
+    assert_tree_matches_hf(MixtralForCausalLM(TINY_MIXTRAL), hf_model, state)
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize("layout", PLAN_LAYOUTS, ids=layout_id)
 def test_resolved_plans_match_hf(layout):
     pytest.importorskip("torch")
-    expected = hf_resolved_plans("mixtral", TINY_MIXTRAL, layout)
-    config = DistributedConfig(**layout)
-    devices = jax.devices()[: DeviceLayout.from_config(config).num_devices]
-    plans = MixtralForCausalLM(TINY_MIXTRAL, config, devices=devices).resolved_plans
-    assert {"tp": list(plans.tp.items()), "ep": list(plans.ep.items()), "fsdp": list(plans.fsdp.items())} == expected
+    assert_plans_match_hf(MixtralForCausalLM, "mixtral", TINY_MIXTRAL, layout)
 
 
 @pytest.mark.reference
@@ -175,12 +166,7 @@ def test_logits_match_pytorch(reference, layout):
 @pytest.mark.reference
 def test_padding_mask_logits_and_aux_loss_match_pytorch_without_jitter_at_inference(reference):
     hf_model, state, input_ids, _ = reference
-    attention_mask = np.ones_like(input_ids)
-    attention_mask[::2, -4:] = 0  # right padding on every other row
     # HF's eval mode never jitters: router_jitter_noise > 0 changes nothing at inference.
     model = MixtralForCausalLM(JITTERED)
     model.set_params(state)
-    output = model.forward(input_ids, attention_mask)
-    np.testing.assert_allclose(np.asarray(output.logits), hf_logits(hf_model, input_ids, attention_mask),
-                               atol=1e-4, rtol=0)
-    assert abs(float(output.aux_loss) - hf_aux_loss(hf_model, input_ids, attention_mask)) < 1e-5
+    assert_padded_batch_matches_hf(model, hf_model, input_ids)

@@ -3,20 +3,18 @@ device and on 8-device layouts (shared expert, q/k/v bias, per-layer sliding win
 
 from dataclasses import fields
 
-import jax
 import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.distributed.mesh import DeviceLayout
 from moe_jax.models import MODEL_CLASSES, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from .hf_reference import (
     TINY_QWEN2_MOE,
-    hf_aux_loss,
+    assert_padded_batch_matches_hf,
+    assert_plans_match_hf,
+    assert_tree_matches_hf,
     hf_logits,
-    hf_named_modules,
-    hf_resolved_plans,
     hf_state_dict,
     perturb_vector_params,
     tiny_hf_model,
@@ -85,22 +83,14 @@ def test_config_defaults_and_fields_match_hf():
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
     hf_model, state, _, _ = reference
-    model = Qwen2MoeForCausalLM(TINY_QWEN2_MOE)
-    assert model.module_tree.named_modules() == hf_named_modules(hf_model)
-    assert [(name, spec.shape) for name, spec in model.module_tree.named_parameters()] == [
-        (name, tuple(array.shape)) for name, array in state.items()
-    ]
+    assert_tree_matches_hf(Qwen2MoeForCausalLM(TINY_QWEN2_MOE), hf_model, state)
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize("layout", PLAN_LAYOUTS, ids=layout_id)
 def test_resolved_plans_match_hf(layout):
     pytest.importorskip("torch")
-    expected = hf_resolved_plans("qwen2_moe", TINY_QWEN2_MOE, layout)
-    config = DistributedConfig(**layout)
-    devices = jax.devices()[: DeviceLayout.from_config(config).num_devices]
-    plans = Qwen2MoeForCausalLM(TINY_QWEN2_MOE, config, devices=devices).resolved_plans
-    assert {"tp": list(plans.tp.items()), "ep": list(plans.ep.items()), "fsdp": list(plans.fsdp.items())} == expected
+    assert_plans_match_hf(Qwen2MoeForCausalLM, "qwen2_moe", TINY_QWEN2_MOE, layout)
 
 
 @pytest.mark.reference
@@ -115,13 +105,7 @@ def test_logits_match_pytorch(reference, layout):
 @pytest.mark.reference
 def test_padding_mask_logits_and_aux_loss_match_pytorch(reference):
     hf_model, state, input_ids, _ = reference
-    attention_mask = np.ones_like(input_ids)
-    attention_mask[::2, -4:] = 0  # right padding on every other row
     model = Qwen2MoeForCausalLM(TINY_QWEN2_MOE)
     model.set_params(state)
-    output = model.forward(input_ids, attention_mask)
-    expected = hf_logits(hf_model, input_ids, attention_mask)
     # Padded queries whose window holds only padding see no key: their output is meaningless on both sides.
-    real = attention_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(output.logits)[real], expected[real], atol=1e-4, rtol=0)
-    assert abs(float(output.aux_loss) - hf_aux_loss(hf_model, input_ids, attention_mask)) < 1e-5
+    assert_padded_batch_matches_hf(model, hf_model, input_ids, real_tokens_only=True)
