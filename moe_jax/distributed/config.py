@@ -35,6 +35,21 @@ def _is_rank_zero() -> bool:
     return jax.process_index() == 0
 
 
+def _check_ep_implementation(name: str) -> None:
+    """An unknown name fails here, where the user wrote it, rather than at the first forward."""
+    # Imported here: expert_parallel pulls in JAX and the ops, which import this module.
+    from .expert_parallel import EPImplementationInterface
+
+    implementations = EPImplementationInterface()
+    if name not in implementations:
+        # The same text as build_ep_implementation's, so both places read alike.
+        raise ValueError(
+            f"`ep_implementation={name!r}` names no registered implementation: use one of "
+            f"{', '.join(repr(n) for n in implementations)}, or register an `EPImplementation` with "
+            "`EPImplementationInterface.register`."
+        )
+
+
 @dataclass
 class DistributedConfig:
     """How a model is sharded: tensor (`tp`), expert (`ep`), fully-sharded data (`fsdp`) parallelism, HSDP
@@ -66,8 +81,9 @@ class DistributedConfig:
             `fsdp_size * tp_size`. Default 1.
         ep_plan: overrides of the model's expert-parallel plan, applied when `ep_size > 1`.
         ep_implementation: how tokens reach the experts: "auto", "all_to_all", "all_reduce",
-            "deepgemm_megamoe" or a name registered in `EPImplementationInterface`. Checked when the model is
-            built, not here (as the reference does).
+            "deepgemm_megamoe" or a name registered in `EPImplementationInterface` (register it before
+            building the config). Checked here, after the reference's checks; the reference defers the
+            check to the first forward.
     """
 
     tp_size: int | None = None
@@ -160,6 +176,7 @@ class DistributedConfig:
                 "Combining FSDP with pipeline parallelism is not supported yet. "
                 "Use DistributedConfig(tp_size=N, fsdp_size=M), or combine TP and PP."
             )
+        _check_ep_implementation(self.ep_implementation)
 
     def _validate_resolved_ep_plan(self, ep_plan: dict[str, str]) -> None:
         """Checks that need the merged EP plan (called by plan resolution).

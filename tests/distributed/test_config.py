@@ -40,6 +40,12 @@ def test_config_case_matches_reference(case, monkeypatch):
         result = _build(kwargs, world_size, monkeypatch)
         assert result["to_dict"]["tp_size"] == 8
         return
+    if case == "ep_implementation_not_checked":
+        # The reference accepts any name and fails at the first forward; we refuse it here (docs/design.md).
+        assert _build(kwargs, world_size, monkeypatch)["error"].startswith(
+            "ValueError: `ep_implementation='nonsense'` names no registered implementation"
+        )
+        return
     assert _build(kwargs, world_size, monkeypatch) == expected
 
 
@@ -111,8 +117,37 @@ def test_enable_expert_parallel_reflects_ep_size():
     assert DistributedConfig(enable_expert_parallel=False, tp_size=2).enable_expert_parallel is False
 
 
-def test_ep_implementation_is_not_validated_by_the_config():
-    assert DistributedConfig(ep_implementation="nonsense").ep_implementation == "nonsense"
+def test_unknown_ep_implementation_is_refused_naming_the_registered_ones():
+    with pytest.raises(ValueError) as error:
+        DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4, ep_implementation="nonsense")
+    assert str(error.value) == (
+        "`ep_implementation='nonsense'` names no registered implementation: use one of 'auto', 'all_to_all', "
+        "'all_reduce', 'deepgemm_megamoe', or register an `EPImplementation` with "
+        "`EPImplementationInterface.register`."
+    )
+    # The reference's own checks still come first.
+    with pytest.raises(ValueError, match="`ep_size` must divide"):
+        DistributedConfig(ep_size=2, ep_implementation="nonsense")
+
+
+def test_ep_implementation_error_reads_as_the_forward_time_one():
+    from moe_jax.distributed.expert_parallel import build_ep_implementation
+
+    with pytest.raises(ValueError) as at_config:
+        DistributedConfig(ep_implementation="fastest")
+    with pytest.raises(ValueError) as at_build:
+        build_ep_implementation("fastest", None, 1, None)
+    assert str(at_config.value) == str(at_build.value)
+
+
+def test_registered_ep_implementation_is_accepted():
+    from moe_jax.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
+
+    EPImplementationInterface.register("mine_for_config", AllToAllEP)
+    try:
+        assert DistributedConfig(ep_implementation="mine_for_config").ep_implementation == "mine_for_config"
+    finally:
+        del EPImplementationInterface._global_mapping["mine_for_config"]
 
 
 def test_serialization_round_trip(tmp_path):
