@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import ml_dtypes
+import numpy as np
 import pytest
 
-from converters.orbax_params import read_orbax_config, stored_shapes
+from converters.orbax_params import read_orbax_config, restore_orbax_params, stored_shapes
 from moe_jax import AutoModelForCausalLM
 from moe_jax.convert_job import add_arguments, run
 from tests.converters.tiny_checkpoints import read_checkpoint, same_bits
@@ -62,11 +63,18 @@ def test_dtype_flag_casts_and_is_recorded_in_config(hf_checkpoint, tmp_path):
         assert same_bits(converted[key], original[key].astype(ml_dtypes.bfloat16)), key
 
 
-def test_orbax_to_orbax_reshards_without_changing_names_or_shapes(hf_checkpoint, tmp_path):
+def test_orbax_to_orbax_through_an_hsdp_layout_keeps_every_value(hf_checkpoint, tmp_path):
     assert convert("--from", "hf", "--to", "orbax", str(hf_checkpoint), str(tmp_path / "a"), "--tp", "2") == 0
     assert convert("--from", "orbax", "--to", "orbax", str(tmp_path / "a"), str(tmp_path / "b"),
                    "--dp-replicate", "2", "--fsdp", "2", "--tp", "2", "--ep", "2") == 0
     assert stored_shapes(tmp_path / "b" / "params") == stored_shapes(tmp_path / "a" / "params")
+
+    original = AutoModelForCausalLM.from_pretrained(hf_checkpoint, progress=False).params
+    for checkpoint in ("a", "b"):
+        restored = restore_orbax_params(tmp_path / checkpoint, AutoModelForCausalLM.from_config(CONFIG))
+        assert restored.keys() == original.keys()
+        for name, array in restored.items():
+            assert same_bits(np.asarray(array), np.asarray(original[name])), f"{checkpoint}: {name}"
 
 
 def test_bad_requests_print_an_error_and_exit_2(hf_checkpoint, tmp_path, capsys):

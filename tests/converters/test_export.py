@@ -163,3 +163,16 @@ def test_transformers_round_trip_is_bit_identical_and_gives_identical_logits(tmp
     tokens = torch.tensor([[3, 17, 5, 60, 2, 9]])
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, reloaded(tokens).logits)
+
+
+class _ArrayOnOtherProcesses(jax.Array):
+    """Stands for a parameter of a multi-process run, whose shards live partly on other hosts."""
+
+    shape, dtype, is_fully_addressable = (32,), np.dtype(np.float32), False
+
+
+def test_parameters_held_by_other_processes_are_refused_before_writing(tmp_path):
+    params = {"model.norm.weight": _ArrayOnOtherProcesses.__new__(_ArrayOnOtherProcesses)}
+    with pytest.raises(NotImplementedError, match="model.norm.weight spans devices of other processes"):
+        save_params(params, "qwen3_moe", tmp_path / "out", config={"model_type": "qwen3_moe"}, progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -23,6 +23,7 @@ from .tiny_checkpoints import read_checkpoint, same_bits
 CONFIG = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}
 SAVING_LAYOUT = dict(fsdp_size=8, ep_size=8)
 RESTORING_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
+HSDP_LAYOUT = dict(dp_replicate_size=2, fsdp_size=2, tp_size=2, ep_size=2)
 EXPERTS = "model.layers.1.mlp.experts.gate_up_proj"
 
 
@@ -45,13 +46,21 @@ def saved(hf_checkpoint, tmp_path_factory):
     return model, directory
 
 
-def restoring_model(**overrides):
-    return AutoModelForCausalLM.from_config({**CONFIG, **overrides}, DistributedConfig(**RESTORING_LAYOUT))
+def restoring_model(layout=RESTORING_LAYOUT, **overrides):
+    return AutoModelForCausalLM.from_config({**CONFIG, **overrides}, DistributedConfig(**layout))
 
 
-def test_restore_onto_another_layout_is_bit_identical_and_in_the_new_shardings(saved):
+def assert_every_shard_holds_its_slice(array, expected: np.ndarray, name: str) -> None:
+    """Each device's block equals `expected` at the block's index. `np.asarray(array)` would read one
+    replica per block only, so a wrong HSDP replica would go unseen."""
+    for shard in array.addressable_shards:
+        assert same_bits(np.asarray(shard.data), expected[shard.index]), f"{name} on {shard.device}"
+
+
+@pytest.mark.parametrize("layout", [RESTORING_LAYOUT, HSDP_LAYOUT], ids=["tp2-fsdp4-ep4", "hsdp-r2-fsdp2-tp2-ep2"])
+def test_restore_onto_another_layout_is_bit_identical_and_in_the_new_shardings(saved, layout):
     source, directory = saved
-    model = restoring_model()
+    model = restoring_model(layout)
     shardings = model.named_shardings()
     assert shardings[EXPERTS] != source.named_shardings()[EXPERTS]  # the layouts really differ
 
@@ -60,7 +69,7 @@ def test_restore_onto_another_layout_is_bit_identical_and_in_the_new_shardings(s
     assert list(restored) == [name for name, _ in model.module_tree.named_parameters()]
     for name, array in restored.items():
         assert array.sharding == shardings[name], name
-        assert same_bits(np.asarray(array), np.asarray(source.params[name])), name
+        assert_every_shard_holds_its_slice(array, np.asarray(source.params[name]), name)
 
 
 def test_orbax_to_hf_round_trip_is_bit_identical_to_the_original_safetensors(saved, hf_checkpoint, tmp_path):
@@ -181,3 +190,13 @@ def test_names_are_nested_on_dots_and_must_form_a_tree():
         nest_names({"a.b.c": 1, "a.b": 2})
     with pytest.raises(ValueError, match="empty part"):
         nest_names({"a..b": 1})
+
+
+def test_a_multi_process_job_is_refused_before_writing(saved, tmp_path, monkeypatch):
+    import jax
+
+    source, _ = saved
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(NotImplementedError, match="save_orbax_params runs in one process; this job has 2"):
+        save_orbax_params(source.params, tmp_path / "ckpt", config=CONFIG)
+    assert list(tmp_path.iterdir()) == []
