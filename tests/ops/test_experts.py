@@ -109,13 +109,40 @@ def test_custom_activation():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_hidden_with_fp32_mixtral_weights_sums_in_fp32():
+def _cancelling_problem(weights_dtype):
+    """bf16 tokens routed to experts 0 and 1, where expert 1 is expert 0 with its down projection negated
+    (y1 = -y0 exactly), with weights 0.5 + d and 0.5, d < bf16's resolution at 0.5.
+
+    Summed in fp32 the output is d * y0; in bf16 both weights round to 0.5 and the output is exactly 0.
+    """
     problem = _problem(seed=4, with_sentinels=False, dtype=jnp.bfloat16, weights_dtype=jnp.float32)
+    down = problem["down_proj"].at[1].set(-problem["down_proj"][0])
+    gate_up = problem["gate_up_proj"].at[1].set(problem["gate_up_proj"][0])
+    d = np.float32(2.0**-10) * (1 + np.random.default_rng(4).random(NUM_TOKENS, np.float32))  # [N]
+    weights = np.stack([np.float32(0.5) + d, np.full(NUM_TOKENS, 0.5, np.float32)], axis=1)  # [N, 2]
+    expert_ids = jnp.asarray(np.tile([0, 1], (NUM_TOKENS, 1)), jnp.int32)
+    problem.update(expert_ids=expert_ids, weights=jnp.asarray(weights, weights_dtype), gate_up_proj=gate_up,
+                   down_proj=down)
+    return problem, d
+
+
+def test_bf16_hidden_with_fp32_mixtral_weights_sums_in_fp32():
+    problem, d = _cancelling_problem(jnp.float32)
     out = jax.jit(swiglu_experts)(**problem)
     assert out.dtype == jnp.bfloat16
+    # Expert 0 alone, in fp32, scaled by d: what an fp32 sum of the two choices leaves.
     upcast = {k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in problem.items()}
-    want = swiglu_experts_reference(**upcast)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
+    upcast.update(expert_ids=problem["expert_ids"][:, :1], weights=jnp.asarray(d[:, None]))
+    want = np.asarray(swiglu_experts_reference(**upcast))
+    assert np.abs(want).max() > 1e-3  # far from 0, so a bf16 sum (exactly 0) cannot pass
+    # bf16 rounding of the expert outputs (2^-8 relative) dominates the tolerance.
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=1e-5)
+
+
+def test_the_fp32_sum_test_fails_on_a_bf16_sum():
+    """The same problem with bf16 routing weights sums in bf16 (the promoted dtype): the choices cancel."""
+    problem, _ = _cancelling_problem(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(jax.jit(swiglu_experts)(**problem), np.float32), 0.0)
 
 
 def test_shape_errors_name_the_shapes():
