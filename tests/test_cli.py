@@ -24,4 +24,15 @@ def test_plan_command_reports_bad_layouts_and_models(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--tp", "2"]) == 2
     assert "model_type='llama' is not supported" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "nowhere"), "--tp", "2"]) == 2
-    assert "No config.json" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    # The config reader resolves no hub repo ids, so the message must not offer them.
+    assert "nowhere does not exist" in error and "download its config first" in error
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", "--model", str(tmp_path / "empty")]) == 2
+    assert "No config.json at" in capsys.readouterr().err
+
+
+def test_plan_command_reads_a_config_json_path(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--fsdp", "8", "--ep", "8"]) == 0
+    assert "model.layers.*.mlp.experts: ep_dispatch_experts" in capsys.readouterr().out

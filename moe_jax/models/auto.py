@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from .base import MODEL_CLASSES, MoeForCausalLM
@@ -14,12 +15,18 @@ def read_config(path_or_config: str | os.PathLike | dict) -> dict:
     if isinstance(path_or_config, dict):
         return dict(path_or_config)
     path = Path(path_or_config)
+    if not path.exists():
+        # Only from_pretrained resolves hub repo ids (it downloads the weights too); configs are read locally.
+        raise FileNotFoundError(
+            f"{path} does not exist. Pass a local checkpoint directory or config.json path; for a Hugging Face "
+            "Hub model, download its config first: huggingface-cli download REPO_ID config.json --local-dir DIR."
+        )
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"No config.json at {path}. Pass a checkpoint directory (config.json + safetensors), a config.json "
-            "path, or a Hugging Face repo id with huggingface_hub installed and network access."
+            f"No config.json at {path}. Pass a checkpoint directory that holds config.json, or the path of a "
+            "config.json."
         )
     return json.loads(path.read_text())
 
@@ -48,11 +55,20 @@ class AutoModelForCausalLM:
         return from_pretrained(path, distributed_config, **kwargs)
 
 
+# Hub repo ids are "name" or "org/name"; anything else that does not exist is a mistyped local path.
+_REPO_ID = re.compile(r"(?:\w[\w.-]*/)?\w[\w.-]*")
+
+
 def _local_checkpoint(path: str | os.PathLike) -> Path:
     """A local directory as is; otherwise a hub repo id resolved through huggingface_hub (when installed)."""
     local = Path(path)
     if local.exists():
         return local
+    if not _REPO_ID.fullmatch(str(path)):
+        raise FileNotFoundError(
+            f"{path} does not exist. Pass a local checkpoint directory (config.json + safetensors) or a Hugging "
+            "Face Hub repo id of the form 'org/name'."
+        )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
