@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 FORMATS = ("hf", "orbax")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp", type=int, default=None, help="fsdp_size of that layout")
     parser.add_argument("--ep", type=int, default=None, help="ep_size of that layout")
     parser.add_argument("--dp-replicate", type=int, default=None, help="dp_replicate_size of that layout")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                        help="parameter dtype to write (default: the source checkpoint's)")
+    # Checked by parameter_dtype (not argparse choices), so the flag and the Python API give the same error.
+    parser.add_argument("--dtype", default=None,
+                        help="parameter dtype to write: float32, bfloat16 or float16 (default: the source's)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -60,13 +60,14 @@ def convert(source_format: str, target_format: str, source, destination, distrib
     `target_format`. Returns `destination` as a Path."""
     from .distributed.config import DistributedConfig
     from .distributed.mesh import DeviceLayout
+    from .parameter_dtypes import parameter_dtype
 
     source, destination = Path(source), Path(destination)
     for name, value in (("source format", source_format), ("target format", target_format)):
         if value not in FORMATS:
             raise ValueError(f"Unknown {name} {value!r}; use one of {list(FORMATS)}.")
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise ValueError(f"Unsupported dtype {dtype!r}; use one of {list(DTYPE_NAMES)}.")
+    if dtype is not None:
+        parameter_dtype(dtype)
     _check_source(source)
     _check_destination(destination)
     distributed_config = distributed_config or DistributedConfig()

@@ -18,24 +18,22 @@ import jax.numpy as jnp
 from converters import load_params, save_params
 
 from .models.auto import _local_checkpoint, model_class_for, read_config
-
-# config.json names for the checkpoint dtype (transformers 5 writes "dtype", 4.x "torch_dtype").
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from .parameter_dtypes import parameter_dtype
 
 
 def checkpoint_dtype(config: dict):
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"config.json dtype {name!r} is not supported; use one of {sorted(_DTYPES)}.")
-    return _DTYPES[name]
+    """The parameter dtype config.json records (transformers 5 writes "dtype", 4.x "torch_dtype")."""
+    return parameter_dtype(config.get("dtype") or config.get("torch_dtype") or "float32", "config.json dtype")
 
 
 def from_pretrained(path, distributed_config=None, *, model_class=None, dtype=None, progress: bool = True,
                     **model_kwargs):
     """Build the model on the mesh of `distributed_config` and load `path` directly into its shardings.
 
-    dtype: parameter dtype (default: the checkpoint's, from config.json).
+    dtype: parameter dtype, "float32", "bfloat16" or "float16" ("float64" with jax_enable_x64 on); default:
+        the checkpoint's, from config.json. Checked before anything is read.
     """
+    dtype = parameter_dtype(dtype) if dtype is not None else None
     directory = _local_checkpoint(path)
     config = read_config(directory)
     model_class = model_class or model_class_for(config)

@@ -1,0 +1,82 @@
+"""from_pretrained / save_pretrained: dtypes refused before anything is read; every family's export loads in
+transformers and gives our logits."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import moe_jax
+from moe_jax import DistributedConfig
+from moe_jax.parameter_dtypes import parameter_dtype
+
+from .models.hf_reference import LOGITS_ATOL, hf_logits
+from .models.test_fixture_parity import FAMILIES, FIXTURES
+
+SUPPORTED = "use one of 'float32', 'bfloat16', 'float16'."
+
+
+def test_an_integer_dtype_is_refused_before_loading():
+    """int8 used to load as all-zero weights and fail later with a TypeError."""
+    with pytest.raises(ValueError) as caught:
+        moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", dtype="int8", progress=False)
+    assert str(caught.value) == f"dtype 'int8' is not a supported parameter dtype; {SUPPORTED}"
+    with pytest.raises(ValueError, match="dtype 'nonsense' is not a supported parameter dtype"):
+        parameter_dtype("nonsense")
+
+
+def test_float64_needs_64_bit_jax_and_is_honoured_with_it():
+    """float64 used to become float32 silently."""
+    with pytest.raises(ValueError, match=r"dtype 'float64' needs 64-bit JAX: call jax.config.update\('jax_enable_x64'"):
+        moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", dtype=np.float64, progress=False)
+    with jax.enable_x64(True):
+        model = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", dtype="float64", progress=False)
+        assert {array.dtype for array in model.params.values()} == {jnp.dtype("float64")}
+
+
+def test_config_json_dtype_is_checked_too(tmp_path):
+    checkpoint = shutil.copytree(FIXTURES / "qwen3_moe", tmp_path / "qwen3_moe")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "dtype": "int8"}))
+    with pytest.raises(ValueError) as caught:
+        moe_jax.AutoModelForCausalLM.from_pretrained(checkpoint, progress=False)
+    assert str(caught.value) == f"config.json dtype 'int8' is not a supported parameter dtype; {SUPPORTED}"
+
+
+def test_a_missing_local_path_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist. Pass a local checkpoint directory"):
+        moe_jax.AutoModelForCausalLM.from_pretrained(tmp_path / "nowhere", progress=False)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_transformers_loads_our_export_and_gives_our_logits(model_type, tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    reference = np.load(FIXTURES / model_type / "reference.npz")
+    model = moe_jax.AutoModelForCausalLM.from_pretrained(
+        FIXTURES / model_type, DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4), progress=False
+    )
+    ours = np.asarray(model(reference["input_ids"], reference["attention_mask"]))
+    model.save_pretrained(tmp_path / "export", progress=False)
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    theirs = hf_logits(reloaded, reference["input_ids"], reference["attention_mask"])
+    real = reference["attention_mask"].astype(bool)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=LOGITS_ATOL, rtol=0)
+    exported, original = checkpoint_tensors(tmp_path / "export"), checkpoint_tensors(FIXTURES / model_type)
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+
+
+def checkpoint_tensors(directory) -> dict[str, np.ndarray]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
