@@ -42,12 +42,7 @@ def _layout_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_layout(args: argparse.Namespace) -> int:
     from .distributed.picture import layout_picture
 
-    try:
-        config = _config_from_args(args)
-        print(layout_picture(config, args.num_experts))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    print(layout_picture(_config_from_args(args), args.num_experts))
     return 0
 
 
@@ -65,16 +60,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .distributed.plan_report import plan_report
     from .models.auto import AutoModelForCausalLM
 
-    try:
-        config = DistributedConfig(
-            tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate,
-            pp_size=args.pp, ep_implementation=args.ep_implementation,
-        )
-        model = AutoModelForCausalLM.from_config(args.model, config, abstract=True)
-        print(plan_report(model))
-    except (ValueError, FileNotFoundError, NotImplementedError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    config = DistributedConfig(
+        tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate,
+        pp_size=args.pp, ep_implementation=args.ep_implementation,
+    )
+    model = AutoModelForCausalLM.from_config(args.model, config, abstract=True)
+    print(plan_report(model))
     return 0
 
 
@@ -125,9 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a bad request (flags, paths, checkpoints, layouts) raises; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand. A bad request prints one `error: ...` line on stderr and returns 2, as argparse
+    does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree)."""
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command][1](args)
+    try:
+        return COMMANDS[args.command][1](args)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

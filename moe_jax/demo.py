@@ -39,15 +39,32 @@ def demo_devices(count: int = 8):
         return accelerators[:count]
     cpus = jax.devices("cpu")
     if len(cpus) < count:
-        raise RuntimeError(
-            f"The demo needs {count} devices but JAX started with {len(cpus)} CPU devices; run it in a fresh "
-            f"process (XLA_FLAGS=--xla_force_host_platform_device_count={count} is set before JAX starts)."
+        raise ValueError(
+            f"The demo needs {count} devices but JAX started with {len(cpus)} CPU device(s) "
+            f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}); run it with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count}, or without that flag in XLA_FLAGS "
+            f"(the demo then asks for {count} itself)."
         )
     return cpus[:count]
 
 
+def checkpoint_directory(output_dir: str | None) -> Path:
+    """Where the demo writes its checkpoint; refuses a directory an earlier run already filled."""
+    workdir = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="moe_jax_demo_"))
+    checkpoint = workdir / "tiny-qwen3-moe"
+    if checkpoint.exists():
+        raise FileExistsError(
+            f"{checkpoint} already exists (an earlier demo run?); pass another --output-dir or remove it first."
+        )
+    return checkpoint
+
+
 def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
-    """Returns the max abs difference between sharded and single-device logits (printed too)."""
+    """Returns the max abs difference between sharded and single-device logits (printed too).
+
+    Raises ValueError when JAX has fewer than 8 devices and FileExistsError when `output_dir` already holds
+    a demo checkpoint, before anything is written.
+    """
     ensure_virtual_cpu_devices()
     import numpy as np
 
@@ -55,8 +72,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     from .distributed.plan_report import plan_report
 
     devices = demo_devices()
-    workdir = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="moe_jax_demo_"))
-    checkpoint = workdir / "tiny-qwen3-moe"
+    checkpoint = checkpoint_directory(output_dir)
 
     print(f"[1/4] building a tiny random Qwen3-MoE and saving it as an HF checkpoint in {checkpoint}")
     reference = AutoModelForCausalLM.from_config(DEMO_CONFIG, devices=devices[:1])
@@ -86,6 +102,6 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     difference = float(np.max(np.abs(logits - expected)))
     print(f"      logits {list(logits.shape)}: max |sharded - single device| = {difference:.2e}")
     print(f"      dispatch: dropped pairs {int(output.statistics.dropped)}, padded slots "
-          f"{int(output.statistics.padded)}, per-peer capacity {int(output.statistics.capacity)}")
+          f"{int(output.statistics.padded)}, largest buffer {int(output.statistics.buffer_rows)} rows")
     print("      agreement: " + ("OK" if difference <= 1e-4 else "MISMATCH"))
     return difference

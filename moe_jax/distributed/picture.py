@@ -6,6 +6,15 @@ from .config import DistributedConfig
 from .mesh import DeviceLayout, check_experts_divisible
 
 
+def check_num_experts(num_experts: int) -> None:
+    # 0 divides every ep_size, so without this check the picture shows an empty experts column.
+    if num_experts < 1:
+        raise ValueError(
+            f"num_experts={num_experts}: a MoE layer needs at least one expert; pass the model's experts per "
+            "layer (e.g. 8)."
+        )
+
+
 def _format_experts(experts: range) -> str:
     if len(experts) <= 4:
         return " ".join(f"E{e}" for e in experts)
@@ -22,6 +31,7 @@ def layout_rows(config: DistributedConfig, num_experts: int) -> list[dict[str, o
     `experts` are the global ids the device owns whole (with `efsdp_size > 1` it stores a 1/efsdp slice of
     each and gathers them for compute).
     """
+    check_num_experts(num_experts)
     check_experts_divisible(num_experts, config.ep_size)
     layout = DeviceLayout.from_config(config)
     ep_groups = layout.device_groups("ep")
