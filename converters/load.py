@@ -18,9 +18,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from moe_jax.distributed.tree import ModuleTree
+from moe_jax.module_tree import ModuleTree
 
 from .key_maps import KeyMap, key_map_for
+from .lazy_tensors import StackedTensor
 from .load_plan import ParamSource, plan_load
 from .safetensors_io import SafetensorsCheckpoint, normalize_index, read_request
 
@@ -32,6 +33,7 @@ def load_params(
     shardings: Mapping[str, jax.sharding.Sharding] | None = None,
     dtype=None,
     progress: bool = True,
+    layer_stack=None,
 ) -> dict[str, jax.Array]:
     """Load every parameter `tree` declares from the safetensors checkpoint in `checkpoint_dir`.
 
@@ -44,9 +46,12 @@ def load_params(
         dtype: cast to this dtype after reading (per device block). None keeps the checkpoint's dtype, which
             must then equal each parameter's declared dtype.
         progress: show a tqdm bar over parameters.
+        layer_stack: a `moe_jax.models.layer_stack.LayerStack`: return its storage layout instead, each
+            scanned run's per-layer tensors stacked on a leading layer axis as they are read (a device
+            still reads only its slices of each layer); `shardings` are then keyed by storage name.
 
     Returns:
-        `{dotted name: jax.Array}` in the tree's declaration order.
+        `{dotted name: jax.Array}` in the tree's declaration order (storage names with `layer_stack`).
 
     Raises:
         CheckpointFormatError: unreadable files or index (names the file and the fault).
@@ -54,14 +59,30 @@ def load_params(
     """
     key_map = key_map_for(key_map)
     target_dtype = None if dtype is None else np.dtype(dtype)
-    placements = _check_shardings(tree, shardings)
+    names = list(tree.params) if layer_stack is None else list(layer_stack.members)
+    placements = _check_shardings(names, shardings)
     with SafetensorsCheckpoint(checkpoint_dir) as checkpoint:
         sources = plan_load(tree, checkpoint, key_map, target_dtype)
+        if layer_stack is not None:
+            sources = stack_layer_sources(sources, layer_stack)
         params = {}
         for name, source in tqdm(sources.items(), desc="Loading parameters", unit="param", disable=not progress):
             dtype_on_device = source.tensor.dtype if target_dtype is None else target_dtype
             params[name] = _device_array(source, placements[name], dtype_on_device)
     return params
+
+
+def stack_layer_sources(sources: dict[str, ParamSource], layer_stack) -> dict[str, ParamSource]:
+    """Per-layer sources -> one source per storage name (a scanned run: a lazy stack over its layers)."""
+    stacked = {}
+    for storage, members in layer_stack.members.items():
+        parts = [sources[name] for name in members]
+        if not layer_stack.is_stacked(storage):
+            stacked[storage] = parts[0]
+            continue
+        tensor = StackedTensor([part.tensor for part in parts])
+        stacked[storage] = ParamSource(storage, tensor, tuple(key for part in parts for key in part.hub_keys))
+    return stacked
 
 
 def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
@@ -83,14 +104,14 @@ def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: n
 
 
 def _check_shardings(
-    tree: ModuleTree, shardings: Mapping[str, jax.sharding.Sharding] | None
+    names: list[str], shardings: Mapping[str, jax.sharding.Sharding] | None
 ) -> Mapping[str, jax.sharding.Sharding]:
-    names = [name for name, _ in tree.named_parameters()]
     if shardings is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return dict.fromkeys(names, single)
     lacking = [name for name in names if name not in shardings]
-    foreign = [name for name in shardings if name not in tree.params]
+    declared = set(names)
+    foreign = [name for name in shardings if name not in declared]
     if lacking or foreign:
         raise ValueError(
             "`shardings` must give one jax Sharding per declared parameter; "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_jax.distributed.tree import ModuleTree, ParamSpec
+from moe_jax.module_tree import ModuleTree, ParamSpec
 
 from .errors import CheckpointMismatchError
 from .key_maps import EXPERT, KeyMap, KeyRule, describe_rule_keys

@@ -77,7 +77,7 @@ def convert(source_format: str, target_format: str, source, destination, distrib
           f"device(s) ({describe_layout(distributed_config)})")
     start = time.perf_counter()
     model = load_model(source_format, source, distributed_config, devices, dtype=dtype, progress=progress)
-    print(f"      {len(model.params)} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
+    print(f"      {len(model.hf_params())} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
           f"{model.dtype.name}, in {time.perf_counter() - start:.1f} s")
 
     print(f"[2/2] writing the {target_format} checkpoint {destination}")
@@ -111,7 +111,7 @@ def save_model(target_format: str, model, destination: Path, *, progress: bool =
     if target_format == "hf":
         model.save_pretrained(destination, progress=progress)
     else:
-        save_orbax_params(model.params, destination, config=hf_config_of(model))
+        save_orbax_params(model.hf_params(), destination, config=hf_config_of(model))
 
 
 def hf_config_of(model) -> dict:

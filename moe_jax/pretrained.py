@@ -39,10 +39,8 @@ def from_pretrained(path, distributed_config=None, *, model_class=None, dtype=No
     model_class = model_class or model_class_for(config)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
-    params = load_params(directory, model.module_tree, model.model_type, model.named_shardings(), dtype=dtype,
-                         progress=progress)
-    model.params = params
-    model._runners = {}
+    model.params = load_params(directory, model.module_tree, model.model_type, model.storage_shardings(),
+                               dtype=dtype, progress=progress, layer_stack=model.layer_stack)
     return model
 
 
@@ -54,5 +52,5 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, max_shard_bytes: int =
     config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
     config.pop("distributed_config", None)  # as transformers' _remove_keys_not_serialized
     json.dumps(config)
-    return save_params(model.params, model.model_type, out_dir, config=config, max_shard_bytes=max_shard_bytes,
+    return save_params(model.hf_params(), model.model_type, out_dir, config=config, max_shard_bytes=max_shard_bytes,
                        progress=progress)

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moe_jax import DistributedConfig  # noqa: E402
+from moe_jax.distributed.capacity import DEFAULT_FIRST_CAPACITY  # noqa: E402
 from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, ShardedExperts  # noqa: E402
 from moe_jax.distributed.mesh import DeviceLayout, build_mesh  # noqa: E402
 from moe_jax.ops.experts import swiglu_experts  # noqa: E402
@@ -58,11 +60,11 @@ def make_problem(args):
     return hidden, index, weights, params
 
 
-def layer_step(experts: ShardedExperts):
-    """Forward + backward of the expert layer (what a training step pays)."""
+def layer_step(experts: ShardedExperts, capacity: float):
+    """Forward + backward of the expert layer (what a training step pays) at a dispatch capacity."""
 
     def loss(hidden, weights, params, index):
-        output, _ = experts(hidden, index, weights, params)
+        output, _ = experts(hidden, index, weights, params, capacity=capacity)
         return jnp.sum(output * output)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -77,8 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="tiled,ragged_dot")
-    parser.add_argument("--capacity-bucket", type=float, default=None,
-                        help="dispatch capacity bucket (default: the ladder's first rung)")
+    parser.add_argument("--capacity", type=float, default=DEFAULT_FIRST_CAPACITY,
+                        help=f"dispatch capacity (default: the ladder's first, {DEFAULT_FIRST_CAPACITY})")
     args = parser.parse_args(argv)
 
     hidden, index, weights, params = make_problem(args)
@@ -97,10 +99,8 @@ def main(argv=None) -> int:
     print(f"{'backend':<11} {'what':<34} {'ms':>9} {'GFLOP/s':>9} {'ratio':>18}")
 
     for backend in args.backends.split(","):
-        def experts_fn(tokens, ids, w, gate_up_proj, down_proj, backend=backend):
-            return swiglu_experts(tokens, ids, w, gate_up_proj, down_proj, backend=backend)
-
-        forward = jax.jit(lambda h, i, w, p: experts_fn(h, i, w, **p))
+        experts_forward = partial(swiglu_experts, backend=backend)
+        forward = jax.jit(lambda h, i, w, p: experts_forward(h, i, w, **p))
         experts_time = median_seconds(forward, hidden, index, weights, params, repeats=args.repeats)
         rate = expert_flops / experts_time / 1e9
         print(f"{backend:<11} {'experts forward, 1 device':<34} {experts_time * 1e3:9.1f} {rate:9.1f} "
@@ -116,10 +116,9 @@ def main(argv=None) -> int:
         for name, config, mode, implementation in layouts:
             experts = ShardedExperts(
                 mesh=build_mesh(config), layout=DeviceLayout.from_config(config), mode=mode,
-                num_experts=args.experts, experts_fn=experts_fn, ep_implementation=implementation,
-                **({"capacity_bucket": args.capacity_bucket} if args.capacity_bucket else {}),
+                num_experts=args.experts, experts_forward=experts_forward, ep_implementation=implementation,
             )
-            step = layer_step(experts)
+            step = layer_step(experts, args.capacity)
             seconds = median_seconds(step, hidden, weights, params, index, repeats=args.repeats)
             baseline = baseline or seconds
             step_rate = 3 * expert_flops / seconds / 1e9  # forward + backward ~ 3x forward FLOPs

@@ -21,26 +21,17 @@ Registered:
     "auto"        all_reduce at inference when the ep group shares one batch, all_to_all otherwise.
     "deepgemm_megamoe"  DeepGEMM's fused kernel: CUDA/PyTorch only, raises here.
 
-Dispatch in static shapes (all_to_all). Per-peer buffers hold `capacity` rows, so a layer's shapes never
-depend on the routing:
-
-    capacity = round_up(factor * S / ep, 8), at most round_up(S, 8)      S = rows * top_k sent by a device
-
-Dropless (the default, `capacity_factor=None`): `factor` is a rung of the capacity ladder
-(`moe_jax.distributed.dropless`: 1.25, 2, 4, ... up to ep, where nothing can overflow). A call whose
-busiest (sender, receiver) pair overflowed reports `dropped > 0`; `DroplessRunner` then reruns the step at
-the next rung and stays there. Balanced routing runs at the first rung with buffers ~1.25x the routed rows;
-every pair on one expert climbs to the last rung (buffers ep x S, exact).
-With `capacity_factor` set, pairs beyond capacity are dropped on purpose (their output is 0) and counted.
-all_reduce sizes its buffer of local pairs the same way and uses the same ladder.
-
-(An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
-collectives in our tests, so overflow is handled at the step boundary instead.)
+Dispatch in static shapes. Buffers hold a fixed number of rows set by the *capacity* in force (see
+`moe_jax.distributed.capacity`), so a layer's shapes never depend on the routing. Dropless (the default,
+`capacity_factor=None`): the caller passes a capacity from the ladder (1.25, 2, 4, ... up to ep, where
+nothing can overflow); a call whose busiest buffer overflowed reports `dropped > 0` and the
+`required_capacity` that would have fitted, and the caller recomputes it there. With `capacity_factor`
+set, pairs beyond `capacity_factor` x the balanced share are dropped on purpose (their output is 0) and
+counted.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -48,13 +39,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from .capacity import DispatchStatistics, buffer_rows, capacity_ladder, required_capacity
+
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-
-# First rung of the dropless capacity ladder, as a multiple of the balanced share S / ep
-# (scripts/bench_moe_layer.py reports the padding it costs).
-DEFAULT_CAPACITY_BUCKET = 1.25
-CAPACITY_MULTIPLE = 8
-
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -73,32 +60,6 @@ class ExpertGroups:
     def shares_batch(self) -> bool:
         """True when the ep group is the tp group: all its devices hold the same batch."""
         return self.ep_size == self.tp_size
-
-
-class DispatchStatistics:
-    """Counts of (token, expert) pairs for one call: `dropped` pairs (not computed: over capacity),
-    `padded` buffer slots that carried nothing, and the per-peer `capacity` used. The MoE block sums the
-    counts over all devices."""
-
-    def __init__(self, dropped, padded, capacity):
-        self.dropped = dropped
-        self.padded = padded
-        self.capacity = capacity
-
-    @classmethod
-    def zeros(cls) -> DispatchStatistics:
-        zero = jnp.zeros((), jnp.int32)
-        return cls(zero, zero, zero)
-
-    def as_dict(self) -> dict[str, jax.Array]:
-        return {"dropped": self.dropped, "padded": self.padded, "capacity": self.capacity}
-
-
-jax.tree_util.register_pytree_node(
-    DispatchStatistics,
-    lambda s: ((s.dropped, s.padded, s.capacity), None),
-    lambda _, children: DispatchStatistics(*children),
-)
 
 
 class EPImplementation:
@@ -132,17 +93,6 @@ class EPImplementation:
         return jax.lax.axis_index(self.groups.ep_axes)
 
 
-def vary_over(array: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Mark `array` as varying over `axes` inside shard_map (both branches of a `cond` must agree)."""
-    varying = jax.typeof(array).manual_axis_type.varying
-    missing = tuple(axis for axis in axes if axis not in varying)
-    return jax.lax.pcast(array, missing, to="varying") if missing else array
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return max(multiple, -(-value // multiple) * multiple)
-
-
 def tp_row_slice(rows: int, tp_size: int) -> int:
     """Rows each TP rank takes from a shared batch of `rows` (torch.chunk: trailing slices may be short)."""
     return -(-rows // tp_size) if rows else 0
@@ -151,40 +101,48 @@ def tp_row_slice(rows: int, tp_size: int) -> int:
 class CapacityBuffers:
     """Static per-device buffers sized from the routed pairs (shared by all_to_all and all_reduce).
 
-    Options: `capacity_factor` (float | None): None = dropless (capacity from `capacity_bucket`, overflow
-    reported as `dropped` for a rerun at the next rung); a number = `round_up(capacity_factor * S / ep, 8)`
-    rows, overflow dropped on purpose. `capacity_bucket`: the dropless ladder's rung (default 1.25).
+    Options: `capacity` (float, default the ladder's largest, which never drops): the dropless capacity in
+    force; `capacity_factor` (float | None): when set, buffers of that size and overflow dropped on purpose.
     """
 
     accepts_capacity_options: ClassVar[bool] = True
 
-    def _init_capacity(self, capacity_factor, capacity_bucket) -> None:
+    def _init_capacity(self, capacity, capacity_factor) -> None:
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless dispatch).")
-        if capacity_bucket <= 0:
-            raise ValueError(f"capacity_bucket={capacity_bucket} must be > 0.")
+        self.ladder = capacity_ladder(self.groups.ep_size)
+        if capacity is None:
+            capacity = self.ladder[-1]
+        if capacity <= 0:
+            raise ValueError(f"capacity={capacity} must be > 0.")
+        self.capacity = capacity
         self.capacity_factor = capacity_factor
-        self.capacity_bucket = capacity_bucket
 
-    @property
-    def dropless(self) -> bool:
-        return self.capacity_factor is None
+    def buffer_rows(self, pairs: int) -> int:
+        """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device."""
+        factor = self.capacity if self.capacity_factor is None else self.capacity_factor
+        return buffer_rows(factor, pairs, self.groups.ep_size)
 
-    def capacity(self, pairs: int) -> int:
-        """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device:
-        the balanced share `pairs / ep` times the factor, rounded up to 8, at most all of them."""
-        factor = self.capacity_bucket if self.dropless else self.capacity_factor
-        return min(_round_up(math.ceil(factor * pairs / self.groups.ep_size), CAPACITY_MULTIPLE),
-                   _round_up(pairs, CAPACITY_MULTIPLE))
+    def statistics(self, routed, kept, rows: int, busiest, pairs: int) -> DispatchStatistics:
+        """routed: pairs bound for this device's buffers; kept: those that fitted; busiest: the fullest
+        buffer's wanted rows."""
+        return DispatchStatistics(
+            dropped=(routed - kept).astype(jnp.int32),
+            padded=(rows - kept).astype(jnp.int32),
+            buffer_rows=jnp.asarray(rows // self.num_buffers, jnp.int32),
+            required_capacity=required_capacity(busiest, pairs, self.groups.ep_size, self.ladder),
+        )
 
 
 class AllToAllEP(CapacityBuffers, EPImplementation):
     """Token dispatch with `jax.lax.all_to_all` (see the module docstring for the capacity policy)."""
 
-    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
-                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
+    num_buffers = property(lambda self: self.groups.ep_size)  # one buffer per peer
+
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity=None, capacity_factor=None,
+                 **options):
         super().__init__(experts_forward, num_local_experts, groups, **options)
-        self._init_capacity(capacity_factor, capacity_bucket)
+        self._init_capacity(capacity, capacity_factor)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats)."""
@@ -205,12 +163,12 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         peer_counts = jnp.bincount(sorted_expert // num_local, length=groups.ep_size + 1)[: groups.ep_size]
         peer_starts = jnp.cumsum(peer_counts) - peer_counts
 
-        capacity = self.capacity(pairs)
-        slot = jnp.arange(capacity)
+        peer_rows = self.buffer_rows(pairs)
+        slot = jnp.arange(peer_rows)
         slot_valid = slot[None, :] < peer_counts[:, None]  # [ep, C]
         position = jnp.where(slot_valid, peer_starts[:, None] + slot[None, :], pairs)  # [ep, C]
         pair = order[jnp.minimum(position, pairs - 1)]
-        send_tokens = hidden[pair // top_k].reshape(groups.ep_size * capacity, -1)
+        send_tokens = hidden[pair // top_k].reshape(groups.ep_size * peer_rows, -1)
         local_id = jnp.where(slot_valid, sorted_expert[jnp.minimum(position, pairs - 1)] % num_local, num_local)
         received = jax.lax.all_to_all(send_tokens, groups.ep_axes, 0, 0, tiled=True)
         received_ids = jax.lax.all_to_all(local_id.reshape(-1), groups.ep_axes, 0, 0, tiled=True)
@@ -218,7 +176,7 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
             received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype)
         )
         returned = jax.lax.all_to_all(expert_out, groups.ep_axes, 0, 0, tiled=True)
-        # Slots past a peer's count carried nothing; pairs past the capacity were not sent (dropped).
+        # Slots past a peer's count carried nothing; pairs past the buffer were not sent (dropped).
         sorted_output = jnp.zeros((pairs, hidden.shape[-1]), hidden.dtype).at[position.reshape(-1)].add(
             returned.astype(hidden.dtype), mode="drop"
         )
@@ -230,12 +188,8 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         )
         output = self._gather_tp_slices(token_output, rows)
 
-        sent = jnp.sum(jnp.minimum(peer_counts, capacity))
-        statistics = DispatchStatistics(
-            dropped=(jnp.sum(peer_counts) - sent).astype(jnp.int32),
-            padded=(groups.ep_size * capacity - sent).astype(jnp.int32),
-            capacity=jnp.asarray(capacity, jnp.int32),
-        )
+        sent = jnp.sum(jnp.minimum(peer_counts, peer_rows))
+        statistics = self.statistics(jnp.sum(peer_counts), sent, groups.ep_size * peer_rows, jnp.max(peer_counts), pairs)
         return output, statistics
 
     def _take_tp_slice(self, hidden_states, top_k_index, top_k_weights, slice_rows):
@@ -266,17 +220,18 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
     """Local experts on the shared batch, summed over the ep group (needs ep_size == tp_size).
 
     Each device compacts the (token, expert) pairs routed to its own experts into a buffer of
-    `capacity(T * K)` rows (about 1/ep of the pairs, see `CapacityBuffers`), runs its experts on those rows
+    `buffer_rows(T * K)` rows (about 1/ep of the pairs, see `CapacityBuffers`), runs its experts on those rows
     only, adds the weighted results back to their tokens and `psum`s over the ep group. No tokens move
     between devices and no host sync is needed.
     """
 
     needs_shared_batch = True
+    num_buffers = 1
 
-    def __init__(self, experts_forward, num_local_experts, groups, *, capacity_factor=None,
-                 capacity_bucket=DEFAULT_CAPACITY_BUCKET, **options):
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity=None, capacity_factor=None,
+                 **options):
         super().__init__(experts_forward, num_local_experts, groups, **options)
-        self._init_capacity(capacity_factor, capacity_bucket)
+        self._init_capacity(capacity, capacity_factor)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats)."""
@@ -288,17 +243,17 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         index = top_k_index.reshape(pairs)
         mine = (index // num_local) == self.ep_rank()  # [S]
         slot_of_pair = jnp.cumsum(mine) - 1
-        capacity = self.capacity(pairs)
-        kept = mine & (slot_of_pair < capacity)
+        slots = self.buffer_rows(pairs)
+        kept = mine & (slot_of_pair < slots)
         # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
-        slot_pair = jnp.full((capacity,), pairs, jnp.int32).at[jnp.where(kept, slot_of_pair, capacity)].set(
+        slot_pair = jnp.full((slots,), pairs, jnp.int32).at[jnp.where(kept, slot_of_pair, slots)].set(
             jnp.arange(pairs, dtype=jnp.int32), mode="drop"
         )
         slot_valid = slot_pair < pairs
         pair = jnp.minimum(slot_pair, pairs - 1)
         tokens = hidden_states[pair // top_k]  # [C, H]
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
-        expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((capacity, 1), hidden_states.dtype))
+        expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
         # Routing weights applied here, in the promoted dtype (fp32 for Mixtral), as the sender does in all_to_all.
         weight = jnp.where(slot_valid, top_k_weights.reshape(pairs)[pair], 0)
         accumulate = jnp.result_type(hidden_states.dtype, top_k_weights.dtype)
@@ -306,13 +261,8 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
             jnp.where(slot_valid, pair // top_k, rows)
         ].add(expert_out.astype(accumulate) * weight[:, None].astype(accumulate), mode="drop")
         output = jax.lax.psum(output, self.groups.ep_axes)
-        local_pairs, sent = jnp.sum(mine), jnp.sum(kept)
-        statistics = DispatchStatistics(
-            dropped=(local_pairs - sent).astype(jnp.int32),
-            padded=(capacity - sent).astype(jnp.int32),
-            capacity=jnp.asarray(capacity, jnp.int32),
-        )
-        return output, statistics
+        local_pairs = jnp.sum(mine)
+        return output, self.statistics(local_pairs, jnp.sum(kept), slots, local_pairs, pairs)
 
 
 class AutoEP(EPImplementation):
@@ -413,5 +363,5 @@ def build_ep_implementation(
         )
     implementation_class = implementations[name]
     if not getattr(implementation_class, "accepts_capacity_options", False):
-        options = {key: value for key, value in options.items() if key not in ("capacity_factor", "capacity_bucket")}
+        options = {key: value for key, value in options.items() if key not in ("capacity", "capacity_factor")}
     return implementation_class(experts_forward, num_local_experts, groups, **options)

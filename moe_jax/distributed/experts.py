@@ -9,7 +9,7 @@ Three ways, decided by the plans (never by model code):
              intermediate dim of every expert on the shared batch; outputs are summed over tp.
     "local"  neither: each device runs all experts on its own batch (FSDP shards gathered by XLA).
 
-    experts_fn(tokens [N, H], expert_ids [N, K], weights [N, K], **local_params) -> [N, H]
+    experts_forward(tokens [N, H], expert_ids [N, K], weights [N, K], **local_params) -> [N, H]
 
 is the experts module's math (e.g. `moe_jax.ops.experts.swiglu_experts`); ids are local and the sentinel
 `num_local_experts` contributes nothing.
@@ -17,15 +17,16 @@ is the experts module's math (e.g. `moe_jax.ops.experts.swiglu_experts`); ids ar
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .expert_parallel import DispatchStatistics, ExpertGroups, build_ep_implementation, vary_over
-from .mesh import MESH_AXES, DeviceLayout
+from .capacity import DispatchStatistics
+from .expert_parallel import ExpertGroups, build_ep_implementation
+from .mesh import MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
 
 EP_DISPATCH = "ep"
 TENSOR_PARALLEL = "tp"
@@ -41,18 +42,13 @@ def experts_mode(module_name: str, tp_plan: dict[str, str], ep_plan: dict[str, s
     return LOCAL
 
 
-def _spec_entry(axes: tuple[str, ...]):
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
-
-
 class ShardedExperts:
-    """One experts module bound to a mesh: `__call__(hidden, top_k_index, top_k_weights, params)`.
+    """One experts module bound to a mesh: `__call__(hidden, top_k_index, top_k_weights, params, ...)`.
 
     `params` are the module's global arrays (`{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`);
-    `param_layout` says which dim of each is the expert dim (0) and which is the intermediate dim split
-    by tp in "tp" mode, e.g. `{"gate_up_proj": "packed", "down_proj": 2}`.
+    `intermediate_dims` says which dim of each is the intermediate dim split by tp in "tp" mode, e.g.
+    `{"gate_up_proj": "packed", "down_proj": 2}`. `ep_options` go to the EP implementation
+    (`capacity_factor`, or a user implementation's own options).
     """
 
     def __init__(
@@ -62,7 +58,7 @@ class ShardedExperts:
         layout: DeviceLayout,
         mode: str,
         num_experts: int,
-        experts_fn: Callable,
+        experts_forward: Callable,
         ep_implementation: str = "auto",
         intermediate_dims: dict[str, int | str] | None = None,
         **ep_options,
@@ -71,62 +67,52 @@ class ShardedExperts:
         self.layout = layout
         self.mode = mode
         self.num_experts = num_experts
-        self.experts_fn = experts_fn
+        self.experts_forward = experts_forward
+        self.ep_implementation = ep_implementation
         self.intermediate_dims = intermediate_dims or {"gate_up_proj": "packed", "down_proj": 2}
-        self._bound_params: dict | None = None
-        self.implementation = None
+        self.ep_options = ep_options
+        self.groups = ExpertGroups(
+            ep_axes=layout.ep_axes, tp_axes=layout.tp_axes, ep_size=layout.ep_size, tp_size=layout.tp_size,
+            all_axes=MESH_AXES,
+        )
         if mode == EP_DISPATCH:
-            groups = ExpertGroups(
-                ep_axes=layout.ep_axes,
-                tp_axes=layout.tp_axes,
-                ep_size=layout.ep_size,
-                tp_size=layout.tp_size,
-                all_axes=MESH_AXES,
-            )
-            if num_experts % layout.ep_size:
-                raise ValueError(
-                    f"Cannot evenly shard {num_experts} experts across {layout.ep_size} expert-parallel ranks."
-                )
-            self.implementation = build_ep_implementation(
-                ep_implementation, self._experts_forward, num_experts // layout.ep_size, groups, **ep_options
-            )
+            check_experts_divisible(num_experts, layout.ep_size)
+            self.implementation(experts_forward, capacity=None)  # unknown names and bad options fail here
 
-    @contextlib.contextmanager
-    def _bind(self, local_params: dict):
-        self._bound_params = local_params
-        try:
-            yield
-        finally:
-            self._bound_params = None
-
-    def _experts_forward(self, tokens, expert_ids, weights):
-        """The experts' forward on this device's weights (the reference's `experts_forward`)."""
-        return self.experts_fn(tokens, expert_ids, weights, **self._bound_params)
+    def implementation(self, experts_forward: Callable, capacity: float | None):
+        """The EP implementation for one call, bound to this device's expert weights (`experts_forward`)."""
+        return build_ep_implementation(
+            self.ep_implementation, experts_forward, self.num_experts // self.layout.ep_size, self.groups,
+            capacity=capacity, **self.ep_options,
+        )
 
     # Sharding of the inputs of the shard_map body.
     def _batch_spec(self) -> P:
-        return P(_spec_entry(self.layout.batch_axes), None)
+        return P(spec_entry(self.layout.batch_axes), None)
 
     def _param_spec_and_view(self, name: str, array: jax.Array):
         """(array view, PartitionSpec) the body receives for one expert parameter."""
         if self.mode == EP_DISPATCH:
-            return array, P(_spec_entry(self.layout.ep_axes), *([None] * (array.ndim - 1)))
+            return array, P(spec_entry(self.layout.ep_axes), *([None] * (array.ndim - 1)))
         if self.mode == TENSOR_PARALLEL:
             dim = self.intermediate_dims.get(name)
             if dim == "packed":
                 # [E, 2I, H] -> [E, 2, I, H]: tp splits I, so each device holds matching gate and up rows.
                 experts, fused, hidden = array.shape
                 view = array.reshape(experts, 2, fused // 2, hidden)
-                return view, P(None, None, _spec_entry(self.layout.tp_axes), None)
+                return view, P(None, None, spec_entry(self.layout.tp_axes), None)
             if dim is not None:
                 entries = [None] * array.ndim
-                entries[dim] = _spec_entry(self.layout.tp_axes)
+                entries[dim] = spec_entry(self.layout.tp_axes)
                 return array, P(*entries)
         return array, P(*([None] * array.ndim))
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights, params: dict, *, inference: bool = False):
+    def __call__(self, hidden_states, top_k_index, top_k_weights, params: dict, *, inference: bool = False,
+                 capacity: float | None = None):
         """hidden_states: [N, H]; top_k_index: [N, K] global ids; top_k_weights: [N, K]
-        -> (output [N, H] in hidden dtype, DispatchStatistics summed over all devices)."""
+        -> (output [N, H] in hidden dtype, DispatchStatistics summed over all devices).
+
+        capacity: the dispatch capacity in force (`moe_jax.distributed.capacity`); None = the largest."""
         names = list(params)
         views, specs = zip(*(self._param_spec_and_view(name, params[name]) for name in names))
         batch = self._batch_spec()
@@ -136,15 +122,10 @@ class ShardedExperts:
             if self.mode == TENSOR_PARALLEL and self.intermediate_dims.get("gate_up_proj") == "packed":
                 view = local_params["gate_up_proj"]
                 local_params["gate_up_proj"] = view.reshape(view.shape[0], -1, view.shape[-1])
-            with self._bind(local_params):
-                output, statistics = self._run_local(hidden, index, weights, inference)
+            experts_forward = partial(self.experts_forward, **local_params)
+            output, statistics = self._run_on_device(experts_forward, hidden, index, weights, inference, capacity)
             # Counts are per device (TP ranks count disjoint slices), so the sum over every device is the total.
-            statistics = DispatchStatistics(
-                dropped=jax.lax.psum(vary_over(statistics.dropped, MESH_AXES), MESH_AXES),
-                padded=jax.lax.psum(vary_over(statistics.padded, MESH_AXES), MESH_AXES),
-                capacity=jax.lax.pmax(vary_over(statistics.capacity, MESH_AXES), MESH_AXES),
-            )
-            return output.astype(hidden.dtype), statistics
+            return output.astype(hidden.dtype), statistics.over_devices(MESH_AXES)
 
         run = jax.shard_map(
             body,
@@ -154,17 +135,15 @@ class ShardedExperts:
         )
         return run(hidden_states, top_k_index, top_k_weights, *views)
 
-    def _run_local(self, hidden, index, weights, inference):
+    def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
         if self.mode == EP_DISPATCH:
-            implementation = self.implementation
+            implementation = self.implementation(experts_forward, capacity)
             if getattr(implementation, "uses_inference_flag", False):
                 result = implementation(hidden, index, weights, inference=inference)
             else:
                 result = implementation(hidden, index, weights)
-            if isinstance(result, tuple):
-                return result
-            return result, DispatchStatistics.zeros()
-        output = self._experts_forward(hidden, index.astype(jnp.int32), weights)
+            return result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
+        output = experts_forward(hidden, index.astype(jnp.int32), weights)
         if self.mode == TENSOR_PARALLEL:
             output = jax.lax.psum(output, self.layout.tp_axes)
         return output, DispatchStatistics.zeros()

@@ -181,6 +181,13 @@ class DeviceLayout:
         return range(start, start + local)
 
 
+def spec_entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for mesh `axes`: None, one axis name, or a tuple of them."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
 def check_experts_divisible(num_experts: int, ep_size: int) -> None:
     if num_experts % ep_size:
         raise ValueError(f"Cannot evenly shard {num_experts} experts across {ep_size} expert-parallel ranks.")

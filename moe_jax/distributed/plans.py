@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 from itertools import chain
 
+from ..module_tree import ModuleTree
 from .config import DistributedConfig
 from .styles import ALL_FSDP_STYLES, ALL_PARALLEL_STYLES, unsupported_styles_error
-from .tree import ModuleTree
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from jax.sharding import PartitionSpec
 
+from ..module_tree import ModuleTree
 from .config import DistributedConfig
-from .mesh import DeviceLayout, check_experts_divisible
+from .mesh import DeviceLayout, check_experts_divisible, spec_entry
 from .plans import ResolvedPlans
 from .styles import ALL_PARALLEL_STYLES
-from .tree import ModuleTree
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def parameter_sharding(
         else:
             apply_fsdp = False  # no dimension splits evenly: the parameter stays whole on each fsdp device
 
-    spec = PartitionSpec(*(_spec_entry(axes) for axes in dims))
+    spec = PartitionSpec(*(spec_entry(axes) for axes in dims))
     local_shape = tuple(size // _size_of(axes, layout) for size, axes in zip(shape, dims))
     return ParamSharding(name, tuple(shape), style_name, apply_fsdp, spec, local_shape)
 
@@ -91,12 +91,6 @@ def _size_of(axes: tuple[str, ...], layout: DeviceLayout) -> int:
     for axis in axes:
         total *= sizes[axis]
     return total
-
-
-def _spec_entry(axes: tuple[str, ...]):
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
 
 
 def parameter_shardings(tree: ModuleTree, plans: ResolvedPlans, config: DistributedConfig) -> dict[str, ParamSharding]:

@@ -1,39 +1,44 @@
-"""What every MoE causal LM shares: plans -> mesh -> shardings -> parameters -> jitted forward.
+"""What every MoE causal LM shares: plans -> mesh -> shardings -> parameters -> one pure step function.
 
 A model family (one file in this package) supplies its config class, its declared module tree with HF
-names, its plans (as the HF config/model classes declare them) and `forward_math` (model math only). This
-base turns a `DistributedConfig` into a mesh, resolves the plans, derives one `NamedSharding` per
-parameter, creates or loads parameters directly into those shardings, builds one `ShardedExperts` per
-experts module from the plans, and runs the forward under `jax.jit` with dropless dispatch.
+names, its plans (as the HF config/model classes declare them) and its math (`forward_math`, model math
+only). This base turns a `DistributedConfig` into a mesh, resolves the plans, derives one `NamedSharding`
+per parameter, creates or loads parameters directly into those shardings, builds one `ShardedExperts`
+per experts module from the plans, and exposes the step:
 
     model = Qwen3MoeForCausalLM(config, DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4))
-    model.init_params(seed=0)               # or AutoModelForCausalLM.from_pretrained(path, ...)
-    logits = model(input_ids)               # [B, S, V], B padded internally to the data-parallel size
+    model.init_params(seed=0)                 # or AutoModelForCausalLM.from_pretrained(path, ...)
+    out = model.apply(model.params, ids)      # pure: jit / grad / scan it; capacity is the caller's
+    logits = model(ids)                       # eager and exact: [B, S, V], B padded internally
+
+`apply` is jitted once per model; its compilations are cached per static key (capacity, inference,
+return_hidden) and per input shapes, dtypes and shardings, so a step called again never recompiles.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..distributed.activations import ActivationLayouts
+from ..distributed.capacity import CapacitySchedule, DispatchStatistics
 from ..distributed.config import DistributedConfig
-from ..distributed.dropless import DroplessRunner
-from ..distributed.expert_parallel import DispatchStatistics
 from ..distributed.experts import ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
-from ..distributed.tree import ModuleTree
+from ..module_tree import ModuleTree
 from ..ops.routing import load_balancing_loss
+from .layer_stack import LayerStack, resolve_scan_option
 
 MODEL_CLASSES: dict[str, type[MoeForCausalLM]] = {}
 
@@ -45,41 +50,58 @@ def register_model(model_class: type[MoeForCausalLM]) -> type[MoeForCausalLM]:
 
 
 @dataclass
-class ForwardOutput:
-    """logits: [B, S, V]; router_logits: per sparse layer [B*S, E]; aux_loss: the router load-balancing loss
-    (HF's `load_balancing_loss_func`, unscaled: multiply by `router_aux_loss_coef` as HF does with labels);
-    statistics: dispatch counts summed over layers and devices."""
+class ModelOutput:
+    """What one step returns (a pytree).
 
-    logits: jax.Array
+    logits: [B, S, V] (None with `return_hidden=True`); hidden_states: [B, S, H] after the final norm, the
+    lm_head's input (None unless `return_hidden=True`); router_logits: per sparse layer [B*S, E]; aux_loss:
+    the router load-balancing loss (HF's `load_balancing_loss_func`, unscaled: multiply by
+    `router_aux_loss_coef` as HF does with labels); statistics: dispatch counts summed over layers and
+    devices; cache: the updated KV cache (None: no cache was given).
+    """
+
+    logits: jax.Array | None
+    hidden_states: jax.Array | None
     router_logits: list[jax.Array]
     aux_loss: jax.Array
     statistics: DispatchStatistics
+    cache: Any = None
 
 
 jax.tree_util.register_dataclass(
-    ForwardOutput, data_fields=["logits", "router_logits", "aux_loss", "statistics"], meta_fields=[]
+    ModelOutput,
+    data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache"],
+    meta_fields=[],
 )
+ForwardOutput = ModelOutput  # the name of earlier releases
 
 
-def unflatten(flat: dict[str, Any]) -> dict:
+def unflatten(flat: Mapping[str, Any]) -> dict:
     """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (layer numbers stay string keys)."""
-    return traverse_util.unflatten_dict(flat, sep=".")
+    return traverse_util.unflatten_dict(dict(flat), sep=".")
 
 
 def flatten(nested: dict) -> dict[str, Any]:
     return traverse_util.flatten_dict(nested, sep=".")
 
 
-_INITIALIZERS: dict[str, Callable] = {
+INITIALIZERS: dict[str, Callable] = {
     "normal": lambda key, shape, dtype, std: std * jax.random.normal(key, shape, dtype),
     "zeros": lambda key, shape, dtype, std: jnp.zeros(shape, dtype),
     "ones": lambda key, shape, dtype, std: jnp.ones(shape, dtype),
 }
 
+# remat policies of the decoder layers: what a layer keeps for the backward pass.
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,                                                  # keep everything (no recompute)
+    "full": jax.checkpoint_policies.nothing_saveable,              # keep only the layer input
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
 
 class MoeForCausalLM(PlannedModel):
     """Base of the MoE causal LMs. Subclasses set the class attributes below and implement
-    `declare_tree`, `sparse_layers` and `forward_math`."""
+    `declare_tree`, `sparse_layers`, `layer_signature`, `experts_forward` and `forward_math`."""
 
     model_type: ClassVar[str]
     config_class: ClassVar[type]
@@ -93,14 +115,22 @@ class MoeForCausalLM(PlannedModel):
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
-                 devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False):
-        """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools."""
+                 devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
+                 scan_layers: bool | str | None = "auto", remat: str = "none"):
+        """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
+
+        scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
+            (True / False / "auto": from 4 layers on). remat: what each layer keeps for the backward pass,
+            one of `REMAT_POLICIES` ("none", "full", "dots_saveable")."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
             distributed_config = DistributedConfig.from_dict(distributed_config)
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r} is not a remat policy; use one of {sorted(REMAT_POLICIES)}.")
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.remat = remat
         self.module_tree: ModuleTree = self.declare_tree()
         if getattr(config, "tie_word_embeddings", False):
             self.tied_embedding_modules = ("model.embed_tokens", "lm_head")
@@ -125,10 +155,18 @@ class MoeForCausalLM(PlannedModel):
                 "dispatch. Add `'<...>.mlp.experts': 'ep_dispatch_experts'` to ep_plan to dispatch tokens.",
                 UserWarning, stacklevel=2,
             )
+        self.layer_stack = LayerStack.plan(
+            self.module_tree, config.num_hidden_layers,
+            resolve_scan_option(scan_layers, config.num_hidden_layers), self._layer_signature,
+        )
         self.experts_backend = experts_backend
+        self.activation_layouts = ActivationLayouts(self.mesh, self.layout, self.resolved_plans.tp)
+        self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
+        self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.params: dict | None = None
-        # One dropless runner per mode (inference / training): each keeps its capacity bucket and compiles.
-        self._runners: dict[bool, DroplessRunner] = {}
+        self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden"))
+        # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
+        self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
 
     # ---- to implement per family -------------------------------------------------------------------
     def declare_tree(self) -> ModuleTree:
@@ -137,20 +175,50 @@ class MoeForCausalLM(PlannedModel):
     def sparse_layers(self) -> list[int]:
         raise NotImplementedError
 
-    def experts_fn(self) -> Callable:
-        """`experts_fn(tokens, expert_ids, weights, **experts_params) -> [N, H]` of this family."""
+    def layer_signature(self, layer: int) -> tuple:
+        """What besides its parameters makes a layer's math differ from another's (attention options, ...):
+        consecutive layers with equal signatures and parameters can share one scan."""
         raise NotImplementedError
 
-    def forward_math(self, params: dict, input_ids, attention_mask, run_experts: dict[int, Callable],
-                     inference: bool, rng: jax.Array | None = None) -> tuple[jax.Array, list, list]:
-        """-> (logits [B, S, V], router_logits per sparse layer, statistics per sparse layer).
-        `rng` feeds training-time randomness (Mixtral's router jitter); families without any ignore it."""
+    @property
+    def experts_forward(self) -> Callable:
+        """`experts_forward(tokens, expert_ids, weights, **experts_params) -> [N, H]` of this family."""
         raise NotImplementedError
 
-    # ---- shardings -----------------------------------------------------------------------------------
+    def forward_math(self, params: dict, input_ids, attention_mask, positions, step) -> tuple:
+        """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router
+        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer). `step` is a `StepOptions`."""
+        raise NotImplementedError
+
+    def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """hidden: [B, S, H] after the final norm -> logits [B, S, V]."""
+        raise NotImplementedError
+
+    # ---- layout --------------------------------------------------------------------------------------
+    def _layer_signature(self, layer: int) -> tuple:
+        prefix = f"model.layers.{layer}."
+        specs = tuple(str(layout.spec) for name, layout in self.param_layouts.items() if name.startswith(prefix))
+        return self.layer_signature(layer), specs
+
     def named_shardings(self) -> dict[str, NamedSharding]:
-        """Flat name -> NamedSharding of every parameter."""
+        """HF name -> NamedSharding of every parameter (one layer each, as checkpoints hold them)."""
         return {name: NamedSharding(self.mesh, layout.spec) for name, layout in self.param_layouts.items()}
+
+    def storage_shardings(self) -> dict[str, NamedSharding]:
+        """Storage name -> NamedSharding of `model.params` (a scanned run: its layers' spec behind an
+        unsharded layer axis)."""
+        shardings = {}
+        for storage, names in self.layer_stack.members.items():
+            spec = self.param_layouts[names[0]].spec
+            if self.layer_stack.is_stacked(storage):
+                spec = P(None, *spec)
+            shardings[storage] = NamedSharding(self.mesh, spec)
+        return shardings
+
+    def storage_shapes(self) -> dict[str, tuple[int, ...]]:
+        specs = dict(self.module_tree.named_parameters())
+        return {storage: ((len(names),) if self.layer_stack.is_stacked(storage) else ()) + specs[names[0]].shape
+                for storage, names in self.layer_stack.members.items()}
 
     def batch_sharding(self) -> NamedSharding:
         axes = self.layout.batch_axes
@@ -164,23 +232,25 @@ class MoeForCausalLM(PlannedModel):
     # ---- parameters ----------------------------------------------------------------------------------
     def init_params(self, seed: int = 0) -> dict:
         """Random parameters (HF's initialisation: normal(0, initializer_range), norms 1), each created
-        directly in its sharding: nothing is materialised whole on one device."""
+        directly in its sharding: nothing is materialised whole on one device. The values of each HF
+        parameter do not depend on `scan_layers`."""
+        self._require_mesh("init_params")
         specs = dict(self.module_tree.named_parameters())
-        shardings = self.named_shardings()
         std = getattr(self.config, "initializer_range", 0.02)
 
         def create(key):
             params = {}
             for index, (name, spec) in enumerate(specs.items()):
-                params[name] = _INITIALIZERS[spec.init](jax.random.fold_in(key, index), spec.shape, self.dtype, std)
-            return params
+                params[name] = INITIALIZERS[spec.init](jax.random.fold_in(key, index), spec.shape, self.dtype, std)
+            return self.layer_stack.stack(params)
 
-        self.params = jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
-        self._runners = {}
+        self.params = jax.jit(create, out_shardings=self.storage_shardings())(jax.random.key(seed))
         return self.params
 
-    def set_params(self, params: dict[str, jax.Array]) -> None:
-        """Use `params` (flat HF names), placing each in its sharding; names and shapes must match."""
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Use `params` (flat HF names, one array per layer, as checkpoints hold them), placing each in its
+        sharding and stacking scanned runs; names and shapes must match."""
+        self._require_mesh("set_params")
         specs = dict(self.module_tree.named_parameters())
         missing, unexpected = specs.keys() - params.keys(), params.keys() - specs.keys()
         wrong_shape = [f"{n}: {tuple(params[n].shape)} != {specs[n].shape}" for n in specs.keys() & params.keys()
@@ -188,11 +258,27 @@ class MoeForCausalLM(PlannedModel):
         if missing or unexpected or wrong_shape:
             raise ValueError(
                 f"Parameters do not match {type(self).__name__}: missing {sorted(missing)}, unexpected "
-                f"{sorted(unexpected)}, wrong shapes {wrong_shape}."
+                f"{sorted(unexpected)}, wrong shapes {wrong_shape}. set_params takes HF names, one array per layer "
+                "(model.hf_params() gives them)."
             )
         shardings = self.named_shardings()
-        self.params = {name: jax.device_put(jnp.asarray(params[name], self.dtype), shardings[name]) for name in specs}
-        self._runners = {}
+        placed = {name: jax.device_put(jnp.asarray(params[name], self.dtype), shardings[name]) for name in specs}
+        self.params = jax.jit(self.layer_stack.stack, out_shardings=self.storage_shardings())(placed)
+
+    def hf_params(self, params: Mapping[str, Any] | None = None) -> Mapping[str, jax.Array]:
+        """`params` (default `model.params`) under HF names, one array per layer, in declaration order;
+        stacked layers are sliced lazily, one at a time, when looked up."""
+        params = self.params if params is None else params
+        if params is None:
+            raise ValueError(_NO_PARAMS)
+        return self.layer_stack.unstack(params)
+
+    def _require_mesh(self, what: str) -> None:
+        if self.mesh is None:
+            raise ValueError(
+                f"{type(self).__name__} was built with abstract=True (no mesh), so {what} has no devices to "
+                "place parameters on. Build it with a DistributedConfig and devices instead."
+            )
 
     # ---- checkpoints (implemented in moe_jax.pretrained, the layer above converters/) -----------------
     @classmethod
@@ -208,82 +294,216 @@ class MoeForCausalLM(PlannedModel):
 
         return save_pretrained(self, out_dir, **kwargs)
 
-    # ---- forward -------------------------------------------------------------------------------------
-    def experts_runners(self, capacity_bucket: float) -> dict[int, ShardedExperts]:
-        """One runner per experts module, its mode read from the resolved plans."""
-        runners = {}
-        for layer in self.sparse_layers():
-            module = f"model.layers.{layer}.mlp.experts"
-            runners[layer] = ShardedExperts(
+    # ---- the step ------------------------------------------------------------------------------------
+    def _build_sharded_experts(self) -> dict[int, ShardedExperts]:
+        """One experts module per sparse layer, its mode read from the resolved plans."""
+        return {
+            layer: ShardedExperts(
                 mesh=self.mesh, layout=self.layout,
-                mode=experts_mode(module, self.resolved_plans.tp, self.resolved_plans.ep),
-                num_experts=self.config.num_experts, experts_fn=self.experts_fn(),
-                ep_implementation=self.distributed_config.ep_implementation, capacity_bucket=capacity_bucket,
+                mode=experts_mode(f"model.layers.{layer}.mlp.experts", self.resolved_plans.tp, self.resolved_plans.ep),
+                num_experts=self.config.num_experts, experts_forward=self.experts_forward,
+                ep_implementation=self.distributed_config.ep_implementation,
             )
-        return runners
+            for layer in self.sparse_layers()
+        }
 
-    def jitted_forward(self, capacity_bucket: float | None = None, *, inference: bool = True):
-        """The jitted `(flat_params, input_ids [B, S], attention_mask [B, S], rng) -> ForwardOutput` for
-        use inside your own programs (e.g. `jax.grad`, a train step). Shapes are static, so dispatch
-        buffers have a fixed capacity: `capacity_bucket=None` takes the ladder's last rung, which never
-        drops (buffers hold everything a device sends); a smaller bucket is faster and reports overflow
-        in `statistics.dropped` (rerun with `DroplessRunner`, as `forward` does). B must be a multiple
-        of `data_parallel_size`."""
-        if capacity_bucket is None:
-            capacity_bucket = float(self.layout.ep_size)
-        return self._build_forward(capacity_bucket, inference)
+    def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
+              capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
+              return_hidden: bool = False) -> ModelOutput:
+        """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
+        run one cached compilation per static key. Never reads a device value on the host.
 
-    def _build_forward(self, capacity_bucket: float, inference: bool):
-        run_experts = self.experts_runners(capacity_bucket)
-
-        def forward(flat_params, input_ids, attention_mask, rng=None):
-            logits, router_logits, statistics = self.forward_math(
-                unflatten(flat_params), input_ids, attention_mask, run_experts, inference, rng=rng
+        params: `model.params` layout (storage names: scanned runs stacked; `model.hf_params()` / `set_params`
+            convert from HF names). input_ids: [B, S] ints, numpy or jax (global arrays spanning processes
+            too); B must be a multiple of `data_parallel_size`. attention_mask: [B, S], 1 = real token.
+        positions: [B, S] RoPE positions (default 0..S-1). capacity: the dispatch capacity in force, a value
+            of `model.capacity_schedule.ladder` (None: the largest, which never drops but has the largest
+            buffers); overflow shows in `statistics.dropped` / `statistics.required_capacity`, and a call
+            that dropped pairs must be recomputed at a larger capacity (`CapacitySchedule`). rng: key for
+            training-time randomness (Mixtral's router jitter). return_hidden: return the final hidden states
+            instead of logits (for a chunked loss that never holds [B, S, V]).
+        """
+        if cache is not None:
+            raise NotImplementedError(
+                "apply(cache=...): KV-cache decoding is not implemented yet (the inference issue); call apply "
+                "without a cache on the whole sequence."
             )
-            total = DispatchStatistics.zeros()
-            for layer_statistics in statistics:
-                total = DispatchStatistics(total.dropped + layer_statistics.dropped,
-                                           total.padded + layer_statistics.padded,
-                                           jnp.maximum(total.capacity, layer_statistics.capacity))
-            aux_loss = load_balancing_loss(
-                router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+        self._require_mesh("apply")
+        self._check_params(params)
+        self._check_batch(input_ids.shape)
+        capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
+        if self.layout.ep_size == 1:
+            capacity = None  # no dispatch buffers: one compilation whatever the caller holds
+        return self._apply_jit(params, input_ids, attention_mask, positions, rng,
+                               capacity=capacity, inference=inference, return_hidden=return_hidden)
+
+    def _check_params(self, params) -> None:
+        if params is None:
+            raise ValueError(_NO_PARAMS)
+        expected = self.layer_stack.members.keys()
+        if params.keys() != expected:
+            hf_layout = params.keys() == self.param_layouts.keys()
+            raise ValueError(
+                "params do not have this model's storage layout"
+                + (" (they are per-layer HF names; pass model.layer_stack.stack(params), or use set_params)"
+                   if hf_layout else
+                   f": missing {sorted(expected - params.keys())[:5]}, unexpected {sorted(params.keys() - expected)[:5]}")
+                + "."
             )
-            return ForwardOutput(logits, router_logits, aux_loss, total)
 
-        batch = self.batch_sharding()
-        replicated = NamedSharding(self.mesh, P())
-        return jax.jit(forward, in_shardings=(self.named_shardings(), batch, batch, replicated))
+    def _check_batch(self, shape) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(shape)}.")
+        if shape[0] % self.data_parallel_size:
+            raise ValueError(
+                f"batch size {shape[0]} cannot be split over the {self.data_parallel_size} data-parallel groups "
+                f"of this layout; use a multiple of {self.data_parallel_size} (forward() pads for you)."
+            )
 
-    def forward(self, input_ids, attention_mask=None, *, params: dict | None = None,
-                inference: bool = True, rng: jax.Array | None = None) -> ForwardOutput:
-        """input_ids: [B, S] -> ForwardOutput (logits [B, S, V]). Dropless: an overflowing dispatch bucket is
-        rerun at the next one (with the same `rng`, so the rerun is the same computation). B is padded to a
-        multiple of the data-parallel size and cut back. `rng`: key for training-time randomness."""
+    def _apply(self, params, input_ids, attention_mask, positions, rng, *, capacity, inference, return_hidden):
+        layouts = self.activation_layouts
+        input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
+        batch, sequence = input_ids.shape
+        attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
+                          else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
+        positions = layouts.batch(jnp.asarray(positions, jnp.int32))
+        step = StepOptions(
+            run_experts={layer: partial(experts, inference=inference, capacity=capacity)
+                         for layer, experts in self.sharded_experts.items()},
+            inference=inference, rng=rng, remat=self.remat, layouts=layouts,
+        )
+        nested = unflatten(params)
+        hidden, router_logits, statistics = self.forward_math(nested, input_ids, attention_mask, positions, step)
+        total = DispatchStatistics.zeros()
+        for layer_statistics in statistics:
+            total = total.combine(layer_statistics)
+        aux_loss = load_balancing_loss(
+            router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+        )
+        if return_hidden:
+            return ModelOutput(None, hidden, router_logits, aux_loss, total)
+        logits = layouts.output(self.head_logits(nested, hidden), "lm_head")
+        return ModelOutput(logits, None, router_logits, aux_loss, total)
+
+    def jitted_forward(self, capacity: float | None = None, *, inference: bool = True):
+        """`(params, input_ids [B, S], attention_mask [B, S], rng) -> ModelOutput` at a fixed `capacity`
+        (None: the largest), for earlier callers; it is `apply` with those arguments bound."""
+
+        def forward(params, input_ids, attention_mask=None, rng=None):
+            return self.apply(params, input_ids, attention_mask=attention_mask, rng=rng, capacity=capacity,
+                              inference=inference)
+
+        return forward
+
+    def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
+                inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:
+        """input_ids: [B, S] -> a `DroplessOutput` (fields as `ModelOutput`: logits [B, S, V], ...), exact.
+
+        Runs `apply` at the model's current capacity for this mode and returns at once; the first field
+        read checks the call's dispatch statistics (one scalar) and, if it overflowed, recomputes it at the
+        capacity it required (same `rng`: the same computation), so results are always those of the
+        unsharded model. B is padded to a multiple of the data-parallel size and cut back.
+        """
         params = self.params if params is None else params
         if params is None:
-            raise ValueError("The model has no parameters: call init_params(), set_params() or from_pretrained().")
-        input_ids = np.asarray(input_ids)
-        batch, sequence = input_ids.shape
-        attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
-        padded = -(-batch // self.data_parallel_size) * self.data_parallel_size
-        if padded != batch:
-            input_ids = np.concatenate([input_ids, np.zeros((padded - batch, sequence), input_ids.dtype)])
-            attention_mask = np.concatenate([attention_mask, np.zeros((padded - batch, sequence), attention_mask.dtype)])
-        if inference not in self._runners:
-            self._runners[inference] = DroplessRunner(
-                lambda bucket: self._build_forward(bucket, inference), self.layout.ep_size,
-                statistics_of=lambda output: output.statistics,
-            )
-        output = self._runners[inference](
-            params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32), rng
-        )
-        if padded != batch:
-            router_logits = [r.reshape(padded, sequence, -1)[:batch].reshape(batch * sequence, -1)
-                             for r in output.router_logits]
-            output = ForwardOutput(output.logits[:batch], router_logits, output.aux_loss, output.statistics)
-        return output
+            raise ValueError(_NO_PARAMS)
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}.")
+        batch = input_ids.shape[0]
+        attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
+        padding = -batch % self.data_parallel_size
+        if padding:
+            pad = lambda array: jnp.pad(array, ((0, padding), (0, 0)))  # noqa: E731
+            input_ids, attention_mask = pad(input_ids), pad(attention_mask)
+            positions = None if positions is None else pad(jnp.asarray(positions))
+        call = partial(self.apply, params, input_ids, attention_mask=attention_mask, positions=positions,
+                       rng=rng, inference=inference, return_hidden=return_hidden)
+        return DroplessOutput(self, call, inference, batch)
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:
         """input_ids: [B, S] -> logits [B, S, V]."""
         return self.forward(input_ids, attention_mask, **kwargs).logits
 
+
+_NO_PARAMS = "The model has no parameters: call init_params(), set_params() or from_pretrained() first."
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What the family's `forward_math` needs besides parameters and inputs, for one traced step.
+
+    run_experts: per sparse layer, `(tokens [N, H], top_k_index, top_k_weights, experts_params) -> (out,
+    statistics)`; layouts: activation sharding constraints from the plans; remat: a `REMAT_POLICIES` name.
+    """
+
+    run_experts: dict[int, Callable]
+    inference: bool
+    rng: jax.Array | None
+    remat: str
+    layouts: ActivationLayouts
+
+    def layer_rng(self, layer) -> jax.Array | None:
+        """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""
+        return None if self.rng is None else jax.random.fold_in(self.rng, layer)
+
+
+class DroplessOutput:
+    """The result of `forward`: dispatched at once, checked for overflow on first read, cut to the batch.
+
+    Read fields as from a `ModelOutput` (`.logits`, `.router_logits`, ...) or get the whole verified
+    `ModelOutput` with `.result()`; `.recomputed` counts the reruns its call needed."""
+
+    _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache")
+
+    def __init__(self, model: MoeForCausalLM, call: Callable[..., ModelOutput], inference: bool, batch: int):
+        self._model, self._call, self._inference, self._batch = model, call, inference, batch
+        self.capacity = model.forward_capacity[inference].capacity
+        self._output = call(capacity=self.capacity)
+        self._verified: ModelOutput | None = None
+        self.recomputed = 0
+
+    def result(self) -> ModelOutput:
+        if self._verified is None:
+            self._verified = self._cut_to_batch(self._exact_output())
+        return self._verified
+
+    def _exact_output(self) -> ModelOutput:
+        model, schedule = self._model, self._model.capacity_schedule
+        output, capacity = self._output, self.capacity
+        while True:
+            dropped, required = (float(v) for v in jax.device_get(
+                (output.statistics.dropped, output.statistics.required_capacity)))
+            if not dropped:
+                break
+            if capacity >= schedule.largest:
+                raise RuntimeError(
+                    f"{int(dropped)} (token, expert) pairs were dropped at the largest capacity ({capacity}); "
+                    "its buffers hold every pair a device sends, so this is a bug in the EP implementation."
+                )
+            capacity = schedule.check(max(required, schedule.ladder[schedule.ladder.index(capacity) + 1]))
+            output = self._call(capacity=capacity)
+            self.recomputed += 1
+        model.forward_capacity[self._inference] = schedule.update(model.forward_capacity[self._inference], required)
+        self.capacity = capacity
+        return output
+
+    def _cut_to_batch(self, output: ModelOutput) -> ModelOutput:
+        padded = (output.logits if output.logits is not None else output.hidden_states).shape[0]
+        if padded == self._batch:
+            return output
+        batch = self._batch
+        router_logits = [r.reshape(padded, -1, r.shape[-1])[:batch].reshape(-1, r.shape[-1])
+                         for r in output.router_logits]
+        return ModelOutput(
+            None if output.logits is None else output.logits[:batch],
+            None if output.hidden_states is None else output.hidden_states[:batch],
+            router_logits, output.aux_loss, output.statistics, output.cache,
+        )
+
+    def __getattr__(self, name: str):
+        if name in DroplessOutput._FIELDS:
+            return getattr(self.result(), name)
+        raise AttributeError(name)

@@ -8,15 +8,19 @@
 Hooks a family overrides: `attention_options(layer)` (q/k norm kind, window, clip), `declare_attention`
 (bias flags, q/k norm shapes), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared
 experts, router jitter), `route`, `is_sparse`, `experts_intermediate_size`.
+
+Each run of identical layers (`LayerStack`) is one `jax.lax.scan` over its stacked parameters; single
+layers run unrolled. Every layer is wrapped in `jax.checkpoint` with the model's remat policy.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 
-from ..distributed.tree import ModuleTree
+from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
 from ..nn.attention import attention
 from ..nn.embedding import embed
@@ -26,7 +30,8 @@ from ..nn.moe import sparse_moe_block
 from ..nn.norms import rms_norm
 from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 from ..ops.experts import swiglu_experts
-from .base import MoeForCausalLM
+from .base import REMAT_POLICIES, MoeForCausalLM, StepOptions
+from .layer_stack import LayerRun
 
 # Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
 EXPERTS_EP_PLAN = {
@@ -107,47 +112,91 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
                 tree.param("weight", (c.vocab_size, c.hidden_size))
         return tree
 
+    def layer_signature(self, layer: int) -> tuple:
+        return self.is_sparse(layer), tuple(sorted(self.attention_options(layer).items()))
+
     # ---- math --------------------------------------------------------------------------------------
-    def experts_fn(self):
+    @property
+    def experts_forward(self):
         return partial(swiglu_experts, act=get_activation(self.config.hidden_act), backend=self.experts_backend)
 
     def attention_options(self, layer: int) -> dict:
         """Keyword arguments of `moe_jax.nn.attention.attention` for this layer (besides shapes)."""
         return {}
 
-    def moe_output(self, weights: dict, hidden, run_experts, inference: bool, rng, layer: int):
-        """hidden: [B, S, H] -> (output [B, S, H], router_logits [B*S, E], dispatch statistics)."""
-        return sparse_moe_block(weights, hidden, route=self.route, run_experts=run_experts, inference=inference)
+    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng):
+        """hidden: [B, S, H] -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
+        `rng`: this layer's key for training-time randomness (or None)."""
+        return sparse_moe_block(weights, hidden, route=self.route, run_experts=run_experts)
 
-    def forward_math(self, params, input_ids, attention_mask, run_experts, inference, rng=None):
-        """input_ids, attention_mask: [B, S] -> (logits [B, S, V], router logits [B*S, E] per sparse layer,
-        dispatch statistics per sparse layer)."""
+    def decoder_layer(self, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
+                      step: StepOptions):
+        """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None).
+
+        `layer` is static (options, experts module: the same for every layer of a scanned run);
+        `layer_index` is the layer's number, traced inside a scan (per-layer randomness)."""
+        c, layouts = self.config, step.layouts
+        layer_name = "model.layers.*"
+        cos, sin = rope
+        h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
+        x = x + attention(
+            weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
+            rms_norm_eps=c.rms_norm_eps,
+            constrain=lambda y, name: layouts.output(y, f"{layer_name}.self_attn.{name}"),
+            **self.attention_options(layer),
+        )
+        h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
+        router_logits = statistics = None
+        if self.is_sparse(layer):
+            out, router_logits, statistics = self.moe_output(
+                weights["mlp"], h, step.run_experts[layer], inference=step.inference,
+                rng=step.layer_rng(layer_index),
+            )
+        else:
+            out = mlp(weights["mlp"], h, c.hidden_act,
+                      constrain=lambda y, name: layouts.output(y, f"{layer_name}.mlp.{name}"))
+        return layouts.batch(x + out), router_logits, statistics
+
+    def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions):
+        """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer)."""
+        layer_fn = partial(self.decoder_layer, layer=run.start, rope=rope, attention_mask=attention_mask, step=step)
+        policy = REMAT_POLICIES[step.remat]
+        if step.remat != "none":
+            layer_fn = jax.checkpoint(layer_fn, policy=policy)
+        if not run.scanned:
+            x, logits, statistics = layer_fn(weights, x, layer_index=run.start)
+            return x, [logits] if logits is not None else [], [statistics] if statistics is not None else []
+
+        def body(carry, inputs):
+            layer_weights, index = inputs
+            carry, logits, statistics = layer_fn(layer_weights, carry, layer_index=index)
+            return carry, (logits, statistics)
+
+        x, (logits, statistics) = jax.lax.scan(body, x, (weights, jnp.arange(run.start, run.stop)))
+        if logits is None:
+            return x, [], []
+        count = run.stop - run.start
+        per_layer = [jax.tree.map(lambda leaf, i=i: leaf[i], statistics) for i in range(count)]
+        return x, [logits[i] for i in range(count)], per_layer
+
+    def forward_math(self, params, input_ids, attention_mask, positions, step: StepOptions):
+        """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router
+        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer)."""
         c = self.config
         model = params["model"]
-        batch, sequence = input_ids.shape
-        x = embed(model["embed_tokens"], input_ids)
+        x = step.layouts.batch(embed(model["embed_tokens"], input_ids))
         inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
-        positions = jnp.broadcast_to(jnp.arange(sequence)[None, :], (batch, sequence))
-        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
+        rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
         router_logits, statistics = [], []
-        for layer in range(c.num_hidden_layers):
-            weights = model["layers"][str(layer)]
-            h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
-            x = x + attention(
-                weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
-                rms_norm_eps=c.rms_norm_eps, **self.attention_options(layer),
+        for run in self.layer_stack.runs:
+            x, run_logits, run_statistics = self._run_layers(
+                run, model["layers"][run.key], x, rope, attention_mask, step
             )
-            h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
-            if layer in run_experts:
-                out, logits, layer_statistics = self.moe_output(
-                    weights["mlp"], h, run_experts[layer], inference, rng, layer
-                )
-                router_logits.append(logits)
-                statistics.append(layer_statistics)
-            else:
-                out = mlp(weights["mlp"], h, c.hidden_act)
-            x = x + out
-        x = rms_norm(model["norm"], x, c.rms_norm_eps)
-        head = params["lm_head"] if not c.tie_word_embeddings else model["embed_tokens"]
-        return linear(head, x), router_logits, statistics
+            router_logits += run_logits
+            statistics += run_statistics
+        return rms_norm(model["norm"], x, c.rms_norm_eps), router_logits, statistics
+
+    def head_logits(self, params, hidden):
+        head = params["lm_head"] if not self.config.tie_word_embeddings else params["model"]["embed_tokens"]
+        return linear(head, hidden)

@@ -104,9 +104,9 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
         """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
         return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
 
-    def moe_output(self, weights, hidden, run_experts, inference, rng, layer):
-        """Router jitter in training (needs `rng`; each layer draws from `fold_in(rng, layer)`), then the
-        block: hidden [B, S, H] -> [B, S, H]."""
+    def moe_output(self, weights, hidden, run_experts, *, inference, rng):
+        """Router jitter in training (needs `rng`, this layer's key: `fold_in(rng, layer)`), then the block:
+        hidden [B, S, H] -> [B, S, H]."""
         noise = self.config.router_jitter_noise
         if noise > 0 and not inference:
             if rng is None:
@@ -116,5 +116,5 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
                     "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with "
                     "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
                 )
-            hidden = router_jitter(hidden, jax.random.fold_in(rng, layer), noise)
-        return super().moe_output(weights, hidden, run_experts, inference, rng, layer)
+            hidden = router_jitter(hidden, rng, noise)
+        return super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng)

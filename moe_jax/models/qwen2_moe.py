@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
 
-from ..distributed.tree import ModuleTree
+from ..module_tree import ModuleTree
 from ..nn.mlp import mlp
 from ..nn.moe import shared_expert_output
 from ..ops.routing import softmax_top_k
@@ -147,8 +147,8 @@ class Qwen2MoeForCausalLM(MoeDecoderForCausalLM):
         """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
 
-    def moe_output(self, weights, hidden, run_experts, inference, rng, layer):
+    def moe_output(self, weights, hidden, run_experts, *, inference, rng):
         """Routed experts plus the gated shared expert: hidden [B, S, H] -> [B, S, H]."""
-        out, logits, statistics = super().moe_output(weights, hidden, run_experts, inference, rng, layer)
+        out, logits, statistics = super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng)
         shared = shared_expert_output(weights, hidden, partial(mlp, act=self.config.hidden_act))
         return out + shared, logits, statistics

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..distributed.tree import ModuleTree
+from ..module_tree import ModuleTree
 from ..ops.routing import softmax_top_k
 from .base import register_model
 from .config import HFConfigMixin

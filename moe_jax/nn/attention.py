@@ -24,7 +24,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from .linear import linear
+from .linear import Constrain, linear, no_constraint
 from .norms import rms_norm
 from .rotary import apply_rotary
 
@@ -69,6 +69,7 @@ def project_qkv(
     qk_norm_kind: QkNormKind | None = None,
     rms_norm_eps: float = 1e-6,
     clip_qkv: float | None = None,
+    constrain: Constrain = no_constraint,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Query, key and value heads before RoPE.
 
@@ -82,9 +83,9 @@ def project_qkv(
     _check_projection(params, "v_proj", num_kv_heads * head_dim, "num_kv_heads * head_dim")
     _check_qk_norm(params, qk_norm_kind)
 
-    q = linear(params["q_proj"], hidden)
-    k = linear(params["k_proj"], hidden)
-    v = linear(params["v_proj"], hidden)
+    q = constrain(linear(params["q_proj"], hidden), "q_proj")
+    k = constrain(linear(params["k_proj"], hidden), "k_proj")
+    v = constrain(linear(params["v_proj"], hidden), "v_proj")
 
     if qk_norm_kind == "full_width":
         q = rms_norm(params["q_norm"], q, rms_norm_eps)
@@ -269,6 +270,7 @@ def attention(
     clip_qkv: float | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
     query_chunk_size: int | None = None,
+    constrain: Constrain = no_constraint,
 ) -> jax.Array:
     """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
 
@@ -279,6 +281,7 @@ def attention(
     sliding_window: Mixtral / Qwen2-MoE / Qwen3-MoE window (keys per query, itself included), None for full
     qk_norm_kind: "per_head" (Qwen3-MoE), "full_width" (OLMoE) or None (Qwen2-MoE, Mixtral)
     clip_qkv: OLMoE's `config.clip_qkv`
+    constrain: lays out each projection's output (`constrain(x, "q_proj")`), e.g. as the model's TP plan says
     -> [B, S, H]
 
     The logit scale is `head_dim ** -0.5`, as in all four models.
@@ -293,6 +296,7 @@ def attention(
         qk_norm_kind=qk_norm_kind,
         rms_norm_eps=rms_norm_eps,
         clip_qkv=clip_qkv,
+        constrain=constrain,
     )
     q, k = apply_rotary(q, k, cos, sin)
     # A float32 norm weight or rope table would promote q/k alone (HF would fail on the mixed-dtype matmul);
@@ -308,4 +312,4 @@ def attention(
         implementation=implementation,
         query_chunk_size=query_chunk_size,
     )
-    return linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim))
+    return constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")

@@ -6,10 +6,18 @@ the contraction is written against the input axis of that layout, which XLA fold
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+
+# (output, projection name) -> the output laid out as the model's plans say for that projection.
+Constrain = Callable[[jax.Array, str], jax.Array]
+
+
+def no_constraint(x: jax.Array, projection: str) -> jax.Array:
+    """The default `Constrain`: leave the layout to XLA (one device, or a caller without plans)."""
+    return x
 
 
 def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:

@@ -11,18 +11,21 @@ from collections.abc import Mapping
 import jax
 
 from .activations import ACTIVATIONS, Activation, get_activation
-from .linear import linear
+from .linear import Constrain, linear, no_constraint
 
 __all__ = ["ACTIVATIONS", "mlp"]
 
 
-def mlp(params: Mapping[str, Mapping[str, jax.Array]], x: jax.Array, act: str | Activation) -> jax.Array:
+def mlp(params: Mapping[str, Mapping[str, jax.Array]], x: jax.Array, act: str | Activation,
+        constrain: Constrain = no_constraint) -> jax.Array:
     """Gated MLP.
 
     params: `{"gate_proj": {"weight": [I, H]}, "up_proj": {"weight": [I, H]}, "down_proj": {"weight": [H, I]}}`
     x: [..., H]  ->  [..., H]
     act: an HF `hidden_act` name (see `ACTIVATIONS`) or a callable.
+    constrain: lays out each projection's output (`constrain(x, "gate_proj")`), e.g. as the TP plan says.
     """
     act_fn = get_activation(act)
-    gated = act_fn(linear(params["gate_proj"], x)) * linear(params["up_proj"], x)
-    return linear(params["down_proj"], gated)
+    gate = constrain(linear(params["gate_proj"], x), "gate_proj")
+    up = constrain(linear(params["up_proj"], x), "up_proj")
+    return constrain(linear(params["down_proj"], act_fn(gate) * up), "down_proj")

@@ -2,8 +2,8 @@
 
     logits = x @ gate.weight.T                 [N, E]
     weights, index = route(logits)             [N, K], [N, K]   (moe_jax.ops.routing)
-    out = run_experts(x, index, weights, experts_params)         (moe_jax.distributed.experts.ShardedExperts
-                                                                  on a mesh, or any callable with its contract)
+    out, statistics = run_experts(x, index, weights, experts_params)   (a ShardedExperts call on a mesh,
+                                                                        or any callable with its contract)
 
 `run_experts` decides nothing here about devices: the model builds it from the resolved plans.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from .linear import linear
 
@@ -24,7 +23,6 @@ def sparse_moe_block(
     *,
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
     run_experts: Callable,
-    inference: bool = False,
 ):
     """hidden_states: [B, S, H]; params: {"gate": {"weight": [E, H]}, "experts": {...}}
     -> (output [B, S, H], router_logits [B*S, E], dispatch statistics)."""
@@ -32,7 +30,7 @@ def sparse_moe_block(
     tokens = hidden_states.reshape(batch * sequence, hidden)
     router_logits = linear(params["gate"], tokens)
     top_k_weights, top_k_index = route(router_logits)
-    output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"], inference=inference)
+    output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"])
     return output.astype(hidden_states.dtype).reshape(batch, sequence, hidden), router_logits, statistics
 
 
@@ -40,14 +38,3 @@ def shared_expert_output(params: dict, hidden_states: jax.Array, mlp: Callable) 
     """Qwen2-MoE's shared expert: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`; x: [B, S, H]."""
     gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], hidden_states))
     return (gate * mlp(params["shared_expert"], hidden_states)).astype(hidden_states.dtype)
-
-
-def local_experts_runner(experts_fn: Callable) -> Callable:
-    """`run_experts` on one device (no mesh): all experts local, nothing dropped."""
-    from ..distributed.expert_parallel import DispatchStatistics
-
-    def run(tokens, top_k_index, top_k_weights, experts_params, *, inference=False):
-        output = experts_fn(tokens, top_k_index.astype(jnp.int32), top_k_weights, **experts_params)
-        return output, DispatchStatistics.zeros()
-
-    return run

@@ -17,3 +17,9 @@ def vary_like(array: jax.Array, *like) -> jax.Array:
     """`array` marked as varying over every mesh axis any of `like` varies over."""
     missing = tuple(sorted(varying_axes(*like) - varying_axes(array)))
     return jax.lax.pcast(array, missing, to="varying") if missing else array
+
+
+def vary_over(array: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`array` marked as varying over the mesh `axes` (before a collective over them)."""
+    missing = tuple(axis for axis in axes if axis not in varying_axes(array))
+    return jax.lax.pcast(array, missing, to="varying") if missing else array

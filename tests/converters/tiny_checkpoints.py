@@ -23,7 +23,7 @@ from moe_jax import DistributedConfig
 from moe_jax.distributed.mesh import build_mesh
 from moe_jax.distributed.plans import resolve_parallel_plans
 from moe_jax.distributed.sharding import parameter_shardings
-from moe_jax.distributed.tree import ModuleTree
+from moe_jax.module_tree import ModuleTree
 from tests.distributed.tiny_qwen3_moe import TinyQwen3MoeForCausalLM
 
 QWEN3_CONFIG = dict(

@@ -1,12 +1,14 @@
 """Every EP path on every legal 8-device layout gives the single-device outputs and gradients."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.distributed.dropless import DroplessRunner, capacity_ladder
+from moe_jax.distributed.capacity import CapacitySchedule, capacity_ladder
 from moe_jax.distributed.expert_parallel import (
     AllToAllEP,
     EPImplementation,
@@ -16,6 +18,7 @@ from moe_jax.distributed.expert_parallel import (
 )
 from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, TENSOR_PARALLEL, ShardedExperts
 from moe_jax.distributed.mesh import MESH_AXES, DeviceLayout, build_mesh
+from moe_jax.ops.experts import swiglu_experts
 
 from .experts_reference import reference_swiglu_experts
 from .test_mesh import LAYOUTS
@@ -77,38 +80,56 @@ def layout_cases():
     return cases
 
 
-def sharded_runner(layout_sizes, implementation, inference=False, **options):
+def sharded_runner(layout_sizes, implementation, inference=False, capacity=None,
+                   experts_forward=reference_swiglu_experts, **options):
     tp, fsdp, ep, replicate = layout_sizes
     config = DistributedConfig(tp_size=tp, fsdp_size=fsdp, ep_size=ep, dp_replicate_size=replicate)
     layout = DeviceLayout.from_config(config)
     mode = EP_DISPATCH if ep > 1 else (TENSOR_PARALLEL if tp > 1 else LOCAL)
     experts = ShardedExperts(
         mesh=build_mesh(config), layout=layout, mode=mode, num_experts=EXPERTS,
-        experts_fn=reference_swiglu_experts, ep_implementation=implementation or "auto", **options,
+        experts_forward=experts_forward, ep_implementation=implementation or "auto", **options,
     )
 
     def run(hidden, index, weights, params):
-        return experts(hidden, index, weights, params, inference=inference)
+        return experts(hidden, index, weights, params, inference=inference, capacity=capacity)
 
     return config, run
 
 
-def assert_matches_reference(layout_sizes, implementation, rows, routing, seed=0):
-    """Forward and gradients through the dropless runner equal the single-device ones."""
+def run_dropless(build, ep_size, statistics_of, *args):
+    """Climb the capacity ladder as a caller does: run at the schedule's capacity, and on overflow rerun at
+    the capacity the call required. -> (result, capacities tried)."""
+    capacity, tried = CapacitySchedule.for_ep(ep_size).start().capacity, []
+    while True:
+        tried.append(capacity)
+        result = build(capacity)(*args)
+        statistics = statistics_of(result)
+        required = float(statistics.required_capacity)
+        if not required > capacity:
+            assert int(statistics.dropped) == 0
+            return result, tried
+        assert int(statistics.dropped) > 0
+        capacity = required
+
+
+def assert_matches_reference(layout_sizes, implementation, rows, routing, seed=0,
+                             experts_forward=reference_swiglu_experts, tolerance=2e-5):
+    """Forward and gradients, climbing the capacity ladder as a caller does, equal the single-device ones."""
     hidden, index, weights, params, cotangent = make_inputs(rows, routing, seed)
     expected_out, expected_grads = single_device(hidden, index, weights, params, cotangent)
 
-    def build(bucket):
-        _, run = sharded_runner(layout_sizes, implementation, capacity_bucket=bucket)
+    def build(capacity):
+        _, run = sharded_runner(layout_sizes, implementation, capacity=capacity, experts_forward=experts_forward)
         return loss_and_grads_fn(run, index, cotangent)
 
-    runner = DroplessRunner(build, layout_sizes[2], statistics_of=lambda result: result[0][1][1])
-    (_, (output, statistics)), grads = runner(hidden, weights, params)
-    np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
+    result, tried = run_dropless(build, layout_sizes[2], lambda result: result[0][1][1], hidden, weights, params)
+    (_, (output, statistics)), grads = result
+    np.testing.assert_allclose(output, expected_out, rtol=tolerance, atol=tolerance)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
-        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
     assert int(statistics.dropped) == 0
-    return statistics, runner
+    return statistics, tried
 
 
 @pytest.mark.parametrize("layout_sizes, implementation", layout_cases())
@@ -118,6 +139,23 @@ def test_outputs_and_gradients_match_single_device(layout_sizes, implementation)
     rows = 5 * fsdp * replicate
     for seed, routing in enumerate(("random", "all_to_expert_0", "half_experts_idle")):
         assert_matches_reference(layout_sizes, implementation, rows, routing, seed)
+
+
+PRODUCTION_CASES = [
+    ((2, 4, 4, 1), "all_to_all"), ((8, 1, 8, 1), "all_reduce"), ((1, 8, 8, 1), "all_to_all"),
+    ((2, 2, 2, 2), "auto"), ((8, 1, 1, 1), None), ((1, 8, 1, 1), None),
+]
+
+
+@pytest.mark.parametrize("layout_sizes, implementation", PRODUCTION_CASES)
+def test_production_experts_match_single_device(layout_sizes, implementation):
+    """The experts the models run (SwiGLU over the platform's grouped matmul, with its custom VJP), not the
+    one-hot stand-in: outputs and gradients equal the single-device stand-in's."""
+    tp, fsdp, ep, replicate = layout_sizes
+    production = partial(swiglu_experts, act=jax.nn.silu)
+    for seed, routing in enumerate(("random", "all_to_expert_0")):
+        assert_matches_reference(layout_sizes, implementation, 6 * fsdp * replicate, routing, seed,
+                                 experts_forward=production)
 
 
 @pytest.mark.parametrize("layout_sizes, implementation", [
@@ -144,23 +182,40 @@ def test_dropless_under_adversarial_routing_climbs_the_ladder():
     index[:, 1] = 1  # every pair goes to devices 0 and 1: 32 pairs from each device to each of them
     expected_out, _ = single_device(hidden, index, weights, params, cotangent)
 
-    def build(bucket):
-        return jax.jit(sharded_runner((1, 8, 8, 1), "all_to_all", capacity_bucket=bucket)[1])
+    def build(capacity):
+        return jax.jit(sharded_runner((1, 8, 8, 1), "all_to_all", capacity=capacity)[1])
 
-    runner = DroplessRunner(build, 8)
-    output, statistics = runner(hidden, index, weights, params)
+    (output, statistics), tried = run_dropless(build, 8, lambda result: result[1], hidden, index, weights, params)
     np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
     assert int(statistics.dropped) == 0
-    # S = 64 pairs per device; buckets 1.25 and 2 hold 16 rows per peer, bucket 4 holds 32.
-    assert runner.bucket == 4.0 and runner.reruns == 2
-    # The first bucket really overflowed: the runner did not climb for nothing.
-    _, first = build(capacity_ladder(8)[0])(hidden, index, weights, params)
-    assert int(first.dropped) > 0
+    # S = 64 pairs per device; capacities 1.25 and 2 hold 16 rows per peer, 4 holds 32: the first call says
+    # it needed 4 and the caller goes there directly (one recomputation, not one per rung).
+    assert tried == [1.25, 4.0]
+    _, first = build(1.25)(hidden, index, weights, params)
+    assert int(first.dropped) > 0 and float(first.required_capacity) == 4.0
+
+
+def test_all_reduce_overflow_is_reported_and_recomputed_exactly():
+    """all_reduce's buffer of local pairs overflows like all_to_all's and the same climb makes it exact."""
+    hidden, _, weights, params, cotangent = make_inputs(64, "random")
+    index = np.zeros((64, TOP_K), np.int32)
+    index[:, 1] = 1  # every pair on device 0's experts (1 expert per device at ep=8): 128 local pairs
+    expected_out, _ = single_device(hidden, index, weights, params, cotangent)
+
+    def build(capacity):
+        return jax.jit(sharded_runner((8, 1, 8, 1), "all_reduce", capacity=capacity)[1])
+
+    _, first = build(1.25)(hidden, index, weights, params)
+    # 128 pairs per device, balanced share 16: 1.25 -> 24 rows; device 0 and 1 hold 64 each -> 4 fits 64.
+    assert int(first.dropped) == 2 * (64 - 24) and float(first.required_capacity) == 4.0
+    (output, statistics), tried = run_dropless(build, 8, lambda result: result[1], hidden, index, weights, params)
+    assert tried == [1.25, 4.0] and int(statistics.dropped) == 0
+    np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
 
 
 def test_capacity_ladder():
-    assert capacity_ladder(8) == [1.25, 2.0, 4.0, 8.0]
-    assert capacity_ladder(2) == [1.25, 2.0]
+    assert capacity_ladder(8) == (1.25, 2.0, 4.0, 8.0)
+    assert capacity_ladder(2) == (1.25, 2.0)
 
 
 def test_capacity_factor_drops_and_counts_exactly():
@@ -170,7 +225,7 @@ def test_capacity_factor_drops_and_counts_exactly():
     output, statistics = jax.jit(run)(hidden, index, weights, params)
     pairs = rows_per_device * TOP_K
     implementation = AllToAllEP(None, 1, ExpertGroups(("ep_fsdp",), ("tp",), 8, 1, MESH_AXES), capacity_factor=1.0)
-    capacity = implementation.capacity(pairs)
+    capacity = implementation.buffer_rows(pairs)
     # Independent count: per sender, pairs beyond `capacity` to one peer are dropped, in sorted order.
     expected_dropped, kept = 0, np.zeros((8 * rows_per_device, TOP_K), bool)
     for device in range(8):
@@ -252,7 +307,7 @@ def test_efsdp_sharded_expert_weights_give_single_device_results(layout_sizes):
     from jax.sharding import PartitionSpec as P
 
     tp, fsdp, ep, replicate = layout_sizes
-    config, run = sharded_runner(layout_sizes, "all_to_all", capacity_bucket=float(ep))
+    config, run = sharded_runner(layout_sizes, "all_to_all", capacity=float(ep))
     layout = DeviceLayout.from_config(config)
     mesh = build_mesh(config)
     assert config.efsdp_size > 1

@@ -26,7 +26,7 @@ class ParamSpec:
 
     shape: tuple[int, ...]
     dtype: str = "float32"
-    init: str = "normal"  # name in `moe_jax.nn.init` (normal, zeros, ones)
+    init: str = "normal"  # an initializer name: "normal", "zeros" or "ones" (models.base.INITIALIZERS)
 
 
 @dataclass

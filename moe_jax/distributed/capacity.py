@@ -1,0 +1,191 @@
+"""Dispatch capacity: static buffer sizes for token dispatch, what a call needed, and when to change them.
+
+A jitted step has static shapes, so the buffers that carry (token, expert) pairs between devices have a
+fixed number of rows. Their size is set by the *capacity*, a multiple of the balanced share:
+
+    buffer_rows(capacity, pairs, ep) = min(round_up(capacity * pairs / ep, 8), round_up(pairs, 8))
+
+where `pairs` = rows * top_k a device sends (all_to_all: per peer; all_reduce: its local pairs). The
+dropless *ladder* lists the capacities a step may be compiled for, doubling up to `ep`, whose buffers hold
+everything a device sends (nothing can overflow there):
+
+    capacity_ladder(8) == (1.25, 2.0, 4.0, 8.0)
+
+Every call reports, in `DispatchStatistics`, how many pairs it `dropped` at the capacity in force and the
+`required_capacity`: the lowest ladder capacity whose buffers would have held its busiest peer. The
+caller keeps the capacity as its own state and moves it with a `CapacitySchedule`: straight up to the
+required capacity after an overflow (that call must then be recomputed: its output lacks the dropped
+pairs), and one step down after `patience` calls in a row that all fitted the lower capacity, so one
+skewed batch does not pin the largest buffers forever.
+
+(An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
+collectives, so overflow is handled between calls; see docs/design.md, "Capacity".)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from ..ops.varying import vary_over
+
+# The ladder's first capacity: buffers 1.25x the balanced share (scripts/bench_moe_layer.py reports the
+# padding it costs).
+DEFAULT_FIRST_CAPACITY = 1.25
+# Buffer rows are rounded up to this many (sublane-friendly tiles).
+ROW_MULTIPLE = 8
+# Calls in a row that must fit the lower capacity before the schedule steps down.
+DEFAULT_PATIENCE = 16
+
+
+def capacity_ladder(ep_size: int, first: float = DEFAULT_FIRST_CAPACITY) -> tuple[float, ...]:
+    """Capacities from `first` doubling up to `ep_size` (buffers that hold everything; never overflow)."""
+    if first <= 0:
+        raise ValueError(f"The first capacity must be > 0, got {first}.")
+    ladder = [float(first)]
+    while ladder[-1] < ep_size:
+        ladder.append(min(float(ep_size), 2.0 ** (int(ladder[-1]).bit_length())))
+    return tuple(ladder)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+def buffer_rows(capacity: float, pairs: int, ep_size: int) -> int:
+    """Rows of a dispatch buffer for `pairs` pairs held by one device at `capacity` (static)."""
+    return min(_round_up(math.ceil(capacity * pairs / ep_size), ROW_MULTIPLE), _round_up(pairs, ROW_MULTIPLE))
+
+
+def required_capacity(peak: jax.Array, pairs: int, ep_size: int, ladder: tuple[float, ...]) -> jax.Array:
+    """The lowest capacity of `ladder` whose buffers hold `peak` rows (float32 scalar, traced).
+
+    peak: the busiest buffer's row count of this call. The last capacity always fits when it is `ep_size`.
+    """
+    rows = jnp.asarray([buffer_rows(capacity, pairs, ep_size) for capacity in ladder], jnp.int32)
+    index = jnp.minimum(jnp.sum(peak > rows), len(ladder) - 1)
+    return jnp.asarray(ladder, jnp.float32)[index]
+
+
+class DispatchStatistics:
+    """Counts of one call (token, expert) pairs, summed over devices and layers:
+
+    dropped            pairs not computed because a buffer was full (0 for a dropless result)
+    padded             buffer rows that carried nothing
+    buffer_rows        the largest buffer's rows (per peer for all_to_all, per device for all_reduce)
+    required_capacity  the lowest ladder capacity that would have dropped nothing (max over devices/layers)
+    """
+
+    def __init__(self, dropped, padded, buffer_rows, required_capacity):
+        self.dropped = dropped
+        self.padded = padded
+        self.buffer_rows = buffer_rows
+        self.required_capacity = required_capacity
+
+    @classmethod
+    def zeros(cls) -> DispatchStatistics:
+        zero = jnp.zeros((), jnp.int32)
+        return cls(zero, zero, zero, jnp.zeros((), jnp.float32))
+
+    def combine(self, other: DispatchStatistics) -> DispatchStatistics:
+        """Both calls' counts together (e.g. two layers)."""
+        return DispatchStatistics(
+            self.dropped + other.dropped, self.padded + other.padded,
+            jnp.maximum(self.buffer_rows, other.buffer_rows),
+            jnp.maximum(self.required_capacity, other.required_capacity),
+        )
+
+    def over_devices(self, axes: tuple[str, ...]) -> DispatchStatistics:
+        """Inside shard_map: totals over the mesh `axes` (sums of counts, maxima of sizes)."""
+        total = lambda value, reduce: reduce(vary_over(value, axes), axes)  # noqa: E731
+        return DispatchStatistics(
+            total(self.dropped, jax.lax.psum), total(self.padded, jax.lax.psum),
+            total(self.buffer_rows, jax.lax.pmax), total(self.required_capacity, jax.lax.pmax),
+        )
+
+    def as_dict(self) -> dict[str, jax.Array]:
+        return {"dropped": self.dropped, "padded": self.padded, "buffer_rows": self.buffer_rows,
+                "required_capacity": self.required_capacity}
+
+    def __repr__(self) -> str:
+        return f"DispatchStatistics({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
+
+
+jax.tree_util.register_pytree_node(
+    DispatchStatistics,
+    lambda s: ((s.dropped, s.padded, s.buffer_rows, s.required_capacity), None),
+    lambda _, children: DispatchStatistics(*children),
+)
+
+
+@dataclass(frozen=True)
+class CapacityState:
+    """The caller's dispatch capacity and its calm streak (calls in a row that fitted the lower capacity,
+    and the largest capacity they required)."""
+
+    capacity: float
+    calm_calls: int = 0
+    calm_peak: float = 0.0
+
+
+@dataclass(frozen=True)
+class CapacitySchedule:
+    """When to change the capacity: up at once on overflow, one step down after `patience` calm calls.
+
+        schedule = CapacitySchedule.for_ep(8)
+        state = schedule.start()
+        out = model.apply(params, ids, capacity=state.capacity)
+        required = float(out.statistics.required_capacity)        # a host read, when convenient
+        if schedule.overflowed(state, required):                   # out lacks dropped pairs: recompute
+            ...
+        state = schedule.update(state, required)
+    """
+
+    ladder: tuple[float, ...]
+    patience: int = DEFAULT_PATIENCE
+
+    def __post_init__(self):
+        if not self.ladder or list(self.ladder) != sorted(set(self.ladder)):
+            raise ValueError(f"The capacity ladder must be increasing and non-empty, got {self.ladder}.")
+        if self.patience < 1:
+            raise ValueError(f"patience={self.patience} must be >= 1 (calls that fit before stepping down).")
+
+    @classmethod
+    def for_ep(cls, ep_size: int, *, first: float = DEFAULT_FIRST_CAPACITY,
+               patience: int = DEFAULT_PATIENCE) -> CapacitySchedule:
+        return cls(capacity_ladder(ep_size, first), patience)
+
+    @property
+    def largest(self) -> float:
+        """The capacity that never overflows."""
+        return self.ladder[-1]
+
+    def start(self) -> CapacityState:
+        return CapacityState(self.ladder[0])
+
+    def check(self, capacity: float) -> float:
+        """`capacity` if it is on the ladder; a clear error otherwise."""
+        for value in self.ladder:
+            if math.isclose(value, capacity):
+                return value
+        raise ValueError(f"capacity={capacity} is not on the dispatch capacity ladder {list(self.ladder)}.")
+
+    def overflowed(self, state: CapacityState, required: float) -> bool:
+        """Whether a call made at `state.capacity` dropped pairs (its results must be recomputed)."""
+        return required > state.capacity + 1e-6
+
+    def update(self, state: CapacityState, required: float) -> CapacityState:
+        """The state after a call made at `state.capacity` that required `required`."""
+        if self.overflowed(state, required):
+            return CapacityState(self.check(required))
+        position = self.ladder.index(self.check(state.capacity))
+        lower = self.ladder[position - 1] if position > 0 else None
+        if lower is None or required > lower + 1e-6:
+            return CapacityState(state.capacity)
+        calm_calls, calm_peak = state.calm_calls + 1, max(state.calm_peak, required)
+        if calm_calls >= self.patience:
+            return CapacityState(lower)
+        return CapacityState(state.capacity, calm_calls, calm_peak)

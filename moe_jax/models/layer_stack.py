@@ -1,0 +1,150 @@
+"""Which decoder layers run as one `jax.lax.scan`, and how their parameters are stored for it.
+
+Contiguous layers with the same structure (the same parameters, shapes and shardings, and the same
+attention options) form a *run*. A scanned run stores each parameter once, stacked on a new leading
+layer axis that is never sharded, under a storage name that spells the run's layers:
+
+    HF names (plans, checkpoints, `moe-jax plan`)      storage (model.params, apply, train state)
+    model.layers.1.mlp.experts.gate_up_proj [8, 32, 32]
+    model.layers.2.mlp.experts.gate_up_proj [8, 32, 32] -> model.layers.1-2.mlp.experts.gate_up_proj [2, 8, 32, 32]
+    model.layers.0.mlp.gate_proj.weight                 -> model.layers.0.mlp.gate_proj.weight (a run of one)
+
+Everything HF-facing keeps per-layer names: the converters stack while loading (each device still reads
+only its slices) and unstack while exporting; `LayerStack.stack` / `unstack` convert in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from ..module_tree import ModuleTree
+
+LAYERS_PREFIX = "model.layers"
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# "auto" scans when the model has at least this many layers (below it, unrolled compiles just as fast).
+AUTO_SCAN_MIN_LAYERS = 4
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Layers [start, stop); `scanned` runs store stacked parameters under `key`."""
+
+    start: int
+    stop: int
+    scanned: bool
+
+    @property
+    def key(self) -> str:
+        """The layers' segment in storage names: "3" for one unrolled layer, "1-47" for a scanned run."""
+        return f"{self.start}-{self.stop - 1}" if self.scanned else str(self.start)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+def split_layer_name(name: str) -> tuple[int, str] | None:
+    """"model.layers.3.self_attn.q_proj.weight" -> (3, "self_attn.q_proj.weight"); None outside layers."""
+    match = _LAYER_NAME.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def resolve_scan_option(scan_layers: bool | str | None, num_layers: int) -> bool:
+    """`scan_layers`: True, False, or "auto"/None (scan from AUTO_SCAN_MIN_LAYERS layers on)."""
+    if scan_layers in (None, "auto"):
+        return num_layers >= AUTO_SCAN_MIN_LAYERS
+    if isinstance(scan_layers, bool):
+        return scan_layers
+    raise ValueError(f"scan_layers={scan_layers!r}: use True, False or 'auto'.")
+
+
+class LayerStack:
+    """The runs of a model's layers and the map between HF parameter names and storage names."""
+
+    def __init__(self, runs: tuple[LayerRun, ...], tree: ModuleTree):
+        self.runs = runs
+        self._run_of_layer = {layer: run for run in runs for layer in run.layers}
+        # storage name -> HF names it holds (one, or one per layer of a scanned run, in layer order)
+        self.members: dict[str, tuple[str, ...]] = {}
+        self._storage_of: dict[str, str] = {}
+        for name, _ in tree.named_parameters():
+            storage = self.storage_name(name)
+            self.members[storage] = (*self.members.get(storage, ()), name)
+            self._storage_of[name] = storage
+
+    @classmethod
+    def plan(cls, tree: ModuleTree, num_layers: int, scan: bool,
+             layer_signature: Callable[[int], Hashable]) -> LayerStack:
+        """Maximal runs of consecutive layers whose parameters (names, shapes, `layer_signature`) agree;
+        runs of two or more layers are scanned when `scan`."""
+        shapes: dict[int, list] = {layer: [] for layer in range(num_layers)}
+        for name, spec in tree.named_parameters():
+            parts = split_layer_name(name)
+            if parts is not None:
+                shapes[parts[0]].append((parts[1], spec.shape, spec.dtype))
+        signatures = [(tuple(shapes[layer]), layer_signature(layer)) for layer in range(num_layers)]
+        runs, start = [], 0
+        for layer in range(1, num_layers + 1):
+            if layer == num_layers or signatures[layer] != signatures[start]:
+                if scan and layer - start > 1:
+                    runs.append(LayerRun(start, layer, scanned=True))
+                else:
+                    runs.extend(LayerRun(single, single + 1, scanned=False) for single in range(start, layer))
+                start = layer
+        return cls(tuple(runs), tree)
+
+    @property
+    def scanned(self) -> bool:
+        return any(run.scanned for run in self.runs)
+
+    def storage_name(self, name: str) -> str:
+        parts = split_layer_name(name)
+        if parts is None:
+            return name
+        layer, rest = parts
+        return f"{LAYERS_PREFIX}.{self._run_of_layer[layer].key}.{rest}"
+
+    def storage_of(self, name: str) -> str:
+        """The storage name holding HF parameter `name`."""
+        if name not in self._storage_of:
+            raise KeyError(f"{name!r} is not a parameter of this model.")
+        return self._storage_of[name]
+
+    def is_stacked(self, storage_name: str) -> bool:
+        parts = storage_name.split(".")
+        return storage_name.startswith(LAYERS_PREFIX + ".") and "-" in parts[2]
+
+    def stack(self, params: Mapping[str, object]) -> dict[str, object]:
+        """HF-named parameters -> storage layout (stacked runs: `jnp.stack` over the run's layers)."""
+        return {
+            storage: jnp.stack([params[name] for name in names]) if self.is_stacked(storage) else params[names[0]]
+            for storage, names in self.members.items()
+        }
+
+    def unstack(self, params: Mapping[str, object]) -> Mapping[str, object]:
+        """Storage layout -> HF-named parameters in declaration order. Lazy: a stacked run's layer is sliced
+        when it is looked up, so an exporter walking the names holds one extra layer at a time."""
+        return UnstackedParams(self, params)
+
+
+class UnstackedParams(Mapping):
+    """HF-named view of storage-layout parameters (see `LayerStack.unstack`)."""
+
+    def __init__(self, stack: LayerStack, params: Mapping[str, object]):
+        self._stack, self._params = stack, params
+
+    def __getitem__(self, name: str):
+        storage = self._stack.storage_of(name)
+        if not self._stack.is_stacked(storage):
+            return self._params[storage]
+        return self._params[storage][self._stack.members[storage].index(name)]
+
+    def __iter__(self):
+        return iter(self._stack._storage_of)
+
+    def __len__(self) -> int:
+        return len(self._stack._storage_of)
