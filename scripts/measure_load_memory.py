@@ -1,28 +1,35 @@
-"""Peak host memory while loading a sharded checkpoint, and bytes read per device.
+"""Peak host memory while loading a sharded checkpoint, and the bytes each device's read requests pulled.
 
     python scripts/measure_load_memory.py [--layers 16] [--experts 32] [--hidden 512] [--moe-intermediate 256]
+                                          [--shard-mb 256]
 
-1. Writes a Qwen3-MoE HF checkpoint of a few hundred MB (random weights, fp32, 1 GB shards) to a temp dir.
+1. Writes a Qwen3-MoE HF checkpoint of a few hundred MB (random weights, fp32, `--shard-mb` shards) to a
+   temp dir.
 2. In a fresh process: loads it onto 8 virtual CPU devices with DistributedConfig(fsdp_size=8, ep_size=8),
    recording
    - tracemalloc's peak of host (numpy) buffers alive at once during the load: the transient memory the
      loader needs on top of the devices' own memory (on a CPU "device", the loaded shards themselves live
      in host RAM too; those are XLA buffers, not counted by tracemalloc);
-   - bytes read from the checkpoint per device, for expert tensors and in total.
+   - every read the loader makes, attributed to the device whose block JAX was asking for when it was made
+     (`reads_by_device`), per file: bytes read from the checkpoint, and bytes of the blocks delivered.
 Prints the figures; docs/benchmarks.md records them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERTS = ".mlp.experts."
+REPLICATED = "replicated"  # a fully replicated parameter: JAX asks once for all devices
 
 
 def write_checkpoint(directory: Path, args) -> int:
@@ -39,8 +46,70 @@ def write_checkpoint(directory: Path, args) -> int:
     )
     model = AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1])
     model.init_params(0)
-    model.save_pretrained(directory, max_shard_bytes=2**30, progress=False)
+    model.save_pretrained(directory, max_shard_bytes=args.shard_mb * 2**20, progress=False)
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def reads_by_device():
+    """Attribute every checkpoint read made inside the block to the device that requested it.
+
+    Yields `{"read": {(device, file, kind): bytes}, "delivered": {(device, kind): bytes}}`: kind is "experts"
+    or "other", device a device id or REPLICATED.
+
+    The loader builds each parameter with `jax.make_array_from_callback`, which calls the loader's callback
+    once per addressable device, in the order of `sharding.addressable_devices_indices_map(shape)` (once for
+    all devices when the sharding is fully replicated). The wrapper installed here walks the same order,
+    checks that every call asks for the index JAX assigns to that device, and counts the `TensorRead`s the
+    call makes for that device. A block two devices share is read on the first request only (the loader
+    keeps it), so "read" is what left the files on each device's behalf and "delivered" what each received.
+    """
+    import jax
+
+    from converters import record_reads
+    from converters.safetensors_io import normalize_index
+
+    real_make_array = jax.make_array_from_callback
+    read: dict = defaultdict(int)
+    delivered: dict = defaultdict(int)
+
+    def kind_of(key: str) -> str:
+        return "experts" if EXPERTS in key else "other"
+
+    with record_reads() as reads:
+
+        def make_array_from_callback(shape, sharding, data_callback, dtype=None):
+            if sharding.is_fully_replicated:
+                requests = [(REPLICATED, (slice(None),) * len(shape))]
+            else:
+                requests = [(device.id, index) for device, index in
+                            sharding.addressable_devices_indices_map(shape).items()]
+            pending, blocks, first_read = iter(requests), [], len(reads)
+
+            def callback(index):
+                device, expected = next(pending)
+                if normalize_index(index, shape) != normalize_index(expected, shape):
+                    raise AssertionError(f"JAX asked for {index} where device {device} holds {expected}")
+                start = len(reads)
+                block = data_callback(index)
+                for record in reads[start:]:
+                    read[device, record.path.name, kind_of(record.key)] += record.nbytes
+                blocks.append((device, block.nbytes))
+                return block
+
+            array = real_make_array(shape, sharding, callback, dtype=dtype)
+            if next(pending, None) is not None:
+                raise AssertionError("JAX asked for fewer blocks than the sharding has devices")
+            kind = kind_of(reads[first_read].key)  # one parameter: all its reads are of one kind
+            for device, nbytes in blocks:
+                delivered[device, kind] += nbytes
+            return array
+
+        jax.make_array_from_callback = make_array_from_callback
+        try:
+            yield {"read": read, "delivered": delivered}
+        finally:
+            jax.make_array_from_callback = real_make_array
 
 
 def measure(directory: Path) -> dict:
@@ -50,28 +119,57 @@ def measure(directory: Path) -> dict:
 
     import jax
 
-    from converters import record_reads
     from moe_jax import AutoModelForCausalLM, DistributedConfig
 
     jax.devices()
     tracemalloc.start()
-    with record_reads() as reads:
+    with reads_by_device() as counts:
         model = AutoModelForCausalLM.from_pretrained(directory, DistributedConfig(fsdp_size=8, ep_size=8),
                                                      progress=False)
         jax.block_until_ready(model.params)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    expert_bytes = sum(r.nbytes for r in reads if ".mlp.experts." in r.key)
-    total_read = sum(r.nbytes for r in reads)
-    experts_per_device = {}
-    for r in reads:
-        if ".mlp.experts." in r.key:
-            expert = int(r.key.split(".mlp.experts.")[1].split(".")[0])
-            device = expert // (model.config.num_experts // 8)
-            experts_per_device[device] = experts_per_device.get(device, 0) + r.nbytes
-    param_bytes = sum(x.nbytes for x in model.params.values())
-    return {"peak_host_buffers": peak, "bytes_read": total_read, "expert_bytes_read": expert_bytes,
-            "expert_bytes_per_device": experts_per_device, "param_bytes": param_bytes}
+    return {
+        "peak_host_buffers": peak,
+        "param_bytes": sum(x.nbytes for x in model.params.values()),
+        "read": [[str(device), file, kind, nbytes] for (device, file, kind), nbytes in sorted(
+            counts["read"].items(), key=lambda item: str(item[0]))],
+        "delivered": [[str(device), kind, nbytes] for (device, kind), nbytes in sorted(
+            counts["delivered"].items(), key=lambda item: str(item[0]))],
+    }
+
+
+def report(figures: dict, size: int, args) -> None:
+    mb = 2**20
+    read, devices = defaultdict(int), sorted({row[0] for row in figures["read"]}, key=lambda d: (len(d), d))
+    files = sorted({row[1] for row in figures["read"]})
+    for device, file, kind, nbytes in figures["read"]:
+        read[device, file, kind] += nbytes
+    total = sum(row[3] for row in figures["read"])
+    experts_total = sum(row[3] for row in figures["read"] if row[2] == "experts")
+    print(f"checkpoint: {size / mb:.1f} MiB in {len(files)} safetensors files ({args.layers} layers, "
+          f"{args.experts} experts, {args.shard_mb} MiB shards)")
+    print(f"loaded parameters (all devices): {figures['param_bytes'] / mb:.1f} MiB")
+    print(f"peak host buffers alive during the load (tracemalloc): {figures['peak_host_buffers'] / mb:.1f} MiB "
+          f"= {figures['peak_host_buffers'] / size:.3f} x checkpoint")
+    print(f"bytes read: {total / mb:.1f} MiB = {total / figures['param_bytes']:.3f} x the parameters' bytes")
+    print("\nbytes read on each device's requests (MiB), expert tensors / other tensors, per file "
+          f"(file k = model-0000k-of-{len(files):05d}.safetensors):")
+    print("| device | " + " | ".join(f"file {k}" for k in range(1, len(files) + 1))
+          + " | experts total | share of all expert bytes | other total |")
+    print("|---" * (len(files) + 4) + "|")
+    for device in devices:
+        cells = [f"{read[device, file, 'experts'] / mb:.1f} / {read[device, file, 'other'] / mb:.1f}" for file in files]
+        experts = sum(read[device, file, "experts"] for file in files)
+        other = sum(read[device, file, "other"] for file in files)
+        print(f"| {device} | " + " | ".join(cells) + f" | {experts / mb:.2f} | {experts / experts_total:.4f} | "
+              f"{other / mb:.2f} |")
+    delivered = defaultdict(int)
+    for device, kind, nbytes in figures["delivered"]:
+        delivered[device, kind] += nbytes
+    print("\nbytes delivered to each device (MiB), expert / other blocks: " + ", ".join(
+        f"{device}: {delivered[device, 'experts'] / mb:.2f} / {delivered[device, 'other'] / mb:.2f}"
+        for device in devices))
 
 
 def main(argv=None) -> int:
@@ -80,6 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--moe-intermediate", type=int, default=256)
+    parser.add_argument("--shard-mb", type=int, default=256, help="largest safetensors file (MiB)")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
@@ -91,18 +190,7 @@ def main(argv=None) -> int:
         result = subprocess.run([sys.executable, __file__, "--measure", str(directory)], capture_output=True,
                                 text=True, check=True)
         figures = json.loads(result.stdout.strip().splitlines()[-1])
-    mb = 2**20
-    print(f"checkpoint: {size / mb:.1f} MiB in safetensors ({args.layers} layers, {args.experts} experts)")
-    print(f"loaded parameters (all devices): {figures['param_bytes'] / mb:.1f} MiB")
-    print(f"peak host buffers alive during the load (tracemalloc): {figures['peak_host_buffers'] / mb:.1f} MiB "
-          f"= {figures['peak_host_buffers'] / size:.3f} x checkpoint")
-    print(f"bytes read: {figures['bytes_read'] / mb:.1f} MiB = {figures['bytes_read'] / figures['param_bytes']:.3f} x "
-          "the parameters' bytes (replicated parameters are read once per distinct block)")
-    per_device = figures["expert_bytes_per_device"]
-    print("expert bytes read per owning device (MiB): " + ", ".join(
-        f"{int(d)}: {b / mb:.1f}" for d, b in sorted(per_device.items(), key=lambda item: int(item[0]))))
-    print(f"  = {min(per_device.values()) / figures['expert_bytes_read']:.4f} .. "
-          f"{max(per_device.values()) / figures['expert_bytes_read']:.4f} of all expert bytes (ideal 1/8 = 0.125)")
+    report(figures, size, args)
     return 0
 
 
