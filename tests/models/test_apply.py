@@ -1,0 +1,211 @@
+"""The step engine (`model.apply`, `forward`, capacity as the caller's state) on a tiny Qwen3-MoE.
+
+apply is pure and traceable, never reads a device value on the host, compiles once per static key, and a
+train-style step (value_and_grad on hidden states, optax, donated state) runs without recompiling; forward
+stays exact when a dispatch overflows, and the capacity comes back down after balanced batches.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_jax import DistributedConfig
+from moe_jax.distributed.capacity import CapacitySchedule
+from moe_jax.models import Qwen3MoeForCausalLM
+from moe_jax.models.base import ModelOutput
+
+from .hf_reference import TINY_QWEN3_MOE
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA backend compilations inside the block: `with count_compilations() as count: ...; count[0]`."""
+    count = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def tokens(batch, sequence, seed=0):
+    return np.random.default_rng(seed).integers(0, TINY_QWEN3_MOE["vocab_size"], (batch, sequence)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def single():
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, scan_layers=False)
+    model.init_params(seed=5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sharded(single):
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4),
+                                scan_layers=True)
+    model.set_params(single.hf_params())
+    return model
+
+
+def test_apply_never_reads_a_device_value_on_the_host(sharded, single):
+    ids = jax.device_put(tokens(8, 7), sharded.batch_sharding())  # a global array already on the mesh
+    with jax.transfer_guard_device_to_host("disallow"):
+        output = sharded.apply(sharded.params, ids, capacity=sharded.capacity_schedule.largest)
+        assert isinstance(output, ModelOutput)
+    expected = single.apply(single.params, tokens(8, 7)).logits
+    np.testing.assert_allclose(np.asarray(output.logits), np.asarray(expected), atol=1e-5, rtol=0)
+    assert int(output.statistics.dropped) == 0
+
+
+def test_apply_called_again_with_the_same_shapes_does_not_recompile(sharded):
+    ids = tokens(8, 7, seed=1)
+    sharded.apply(sharded.params, ids, capacity=2.0)
+    with count_compilations() as count:
+        for seed in range(3):
+            jax.block_until_ready(sharded.apply(sharded.params, tokens(8, 7, seed), capacity=2.0).logits)
+    assert count[0] == 0
+
+
+def test_return_hidden_gives_the_head_input_and_positions_shift_rope(single):
+    ids = tokens(4, 6)
+    full = single.apply(single.params, ids)
+    hidden = single.apply(single.params, ids, return_hidden=True)
+    assert full.hidden_states is None and hidden.logits is None
+    head = single.params["lm_head.weight"]
+    np.testing.assert_allclose(np.asarray(hidden.hidden_states @ head.T), np.asarray(full.logits), atol=1e-5)
+    default = np.broadcast_to(np.arange(6), (4, 6))
+    same = single.apply(single.params, ids, positions=default).logits
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(full.logits))
+    # RoPE is relative: a constant shift changes nothing, stretched distances change the logits.
+    shifted = single.apply(single.params, ids, positions=default + 3).logits
+    np.testing.assert_allclose(np.asarray(shifted), np.asarray(full.logits), atol=1e-5, rtol=0)
+    stretched = single.apply(single.params, ids, positions=default * 2).logits
+    assert not np.allclose(np.asarray(stretched), np.asarray(full.logits), atol=1e-3)
+
+
+def test_train_style_step_compiles_once_and_runs_five_steps_with_donated_state(sharded, single):
+    """value_and_grad of a loss on `apply(..., return_hidden=True)`, an optax update, donated state."""
+    optimizer = optax.adamw(1e-3)
+
+    def loss_fn(params, ids):
+        output = sharded.apply(params, ids, return_hidden=True, inference=False, capacity=sharded.capacity_schedule.largest)
+        logits = output.hidden_states @ params["lm_head.weight"].T
+        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
+        return nll + 0.001 * output.aux_loss, output.statistics
+
+    def train_step(state, ids):
+        params, opt_state = state
+        (loss, statistics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ids)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss, statistics.dropped
+
+    params = jax.tree.map(jnp.copy, sharded.params)
+    state = (params, jax.jit(optimizer.init)(params))
+    # The state keeps its layout from step to step (optimizer state laid out like its parameters).
+    replicated = NamedSharding(sharded.mesh, P())
+    state_shardings = jax.tree.map(
+        lambda array: array.sharding if isinstance(array.sharding, NamedSharding) else replicated, state)
+    state = jax.device_put(state, state_shardings)
+    train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None, None))
+    losses = []
+    batches = [jnp.asarray(tokens(8, 7, seed=step)) for step in range(5)]
+    for step, batch in enumerate(batches):
+        old_params = state[0]
+        with count_compilations() as count:
+            state, loss, dropped = train_step(state, batch)
+            loss = float(loss)
+        assert step == 0 or count[0] == 0, f"step {step} compiled {count[0]} times"
+        losses.append(loss)
+        assert int(dropped) == 0
+        assert old_params["lm_head.weight"].is_deleted()  # the state really was donated
+    assert train_step._cache_size() == 1
+    assert all(np.isfinite(losses)) and losses[-1] != losses[0]
+
+
+def test_batch_the_data_parallel_size_cannot_split_is_refused_by_apply(sharded):
+    with pytest.raises(ValueError, match=r"batch size 3 cannot be split over the 4 data-parallel groups of this "
+                                         r"layout; use a multiple of 4 \(forward\(\) pads for you\)"):
+        sharded.apply(sharded.params, tokens(3, 5))
+
+
+def test_capacity_off_the_ladder_and_params_in_the_wrong_layout_are_refused(sharded):
+    with pytest.raises(ValueError, match=r"capacity=3.0 is not on the dispatch capacity ladder \[1.25, 2.0, 4.0\]"):
+        sharded.apply(sharded.params, tokens(4, 5), capacity=3.0)
+    with pytest.raises(ValueError, match="they are per-layer HF names; pass model.layer_stack.stack"):
+        sharded.apply(dict(sharded.hf_params()), tokens(4, 5))
+    with pytest.raises(NotImplementedError, match="KV-cache decoding is not implemented yet"):
+        sharded.apply(sharded.params, tokens(4, 5), cache={})
+
+
+def test_forward_and_set_params_before_and_with_wrong_parameters():
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE)
+    with pytest.raises(ValueError, match=r"The model has no parameters: call init_params\(\), set_params\(\) or "
+                                         r"from_pretrained\(\) first."):
+        model.forward(tokens(2, 3))
+    params = dict(Qwen3MoeForCausalLM(TINY_QWEN3_MOE).init_params(seed=0))
+    params["model.layers.9.mlp.gate.weight"] = params.pop("model.layers.1.mlp.gate.weight")
+    params["model.norm.weight"] = np.zeros((7,), np.float32)
+    with pytest.raises(ValueError) as error:
+        model.set_params(params)
+    message = str(error.value)
+    assert "missing ['model.layers.1.mlp.gate.weight']" in message
+    assert "unexpected ['model.layers.9.mlp.gate.weight']" in message
+    assert "wrong shapes ['model.norm.weight: (7,) != (32,)']" in message
+
+
+def skewed_copy(single, gate_scale):
+    """A copy of `single` on fsdp8/ep8 whose routers send (almost) every token to expert 0."""
+    params = dict(single.hf_params())
+    for name in list(params):
+        if name.endswith("mlp.gate.weight"):
+            weight = np.zeros(params[name].shape, np.float32)
+            weight[0] = gate_scale  # expert 0 wins for every token with positive feature sum
+            params[name] = weight
+    return params
+
+
+def test_forward_recomputes_an_overflowing_call_and_the_capacity_comes_back_down(single):
+    """Through the schedule: an adversarial batch overflows at the first capacity and is recomputed exactly;
+    after `patience` balanced batches the capacity steps back down."""
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=True)
+    model.capacity_schedule = CapacitySchedule.for_ep(8, patience=2)
+    model.set_params(single.hf_params())
+    # Skewed: every token of every device picks expert 0 (one-hot embedding trick: all gates equal but one).
+    skewed_params = skewed_copy(single, gate_scale=1.0)
+    reference = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, scan_layers=False)
+    reference.set_params(skewed_params)
+    skewed = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=True)
+    skewed.capacity_schedule = model.capacity_schedule
+    skewed.set_params(skewed_params)
+
+    ids = tokens(8, 16, seed=3)
+    first = skewed.forward(ids)
+    assert first.capacity == 1.25  # dispatched at the first capacity ...
+    np.testing.assert_allclose(np.asarray(first.logits), np.asarray(reference(ids)), atol=1e-5, rtol=0)
+    assert first.recomputed == 1 and first.capacity > 1.25  # ... overflowed, recomputed where it fitted
+    climbed = skewed.forward_capacity[True].capacity
+    assert climbed == first.capacity
+
+    # The same schedule on balanced routing: after `patience` calm calls, one step down.
+    model.forward_capacity[True] = skewed.forward_capacity[True]
+    capacities = []
+    for seed in range(4):  # 256 tokens per device: the busiest peer stays within 2x the balanced share
+        output = model.forward(tokens(8, 256, seed=10 + seed))
+        np.testing.assert_allclose(np.asarray(output.logits), np.asarray(single(tokens(8, 256, seed=10 + seed))),
+                                   atol=1e-5, rtol=0)
+        capacities.append(model.forward_capacity[True].capacity)
+    assert capacities[0] == climbed and capacities[-1] < climbed, capacities
