@@ -24,6 +24,7 @@ from tests.models.hf_reference import (  # noqa: E402
     TINY_OLMOE,
     TINY_QWEN2_MOE,
     TINY_QWEN3_MOE,
+    fixture_arrays,
     perturb_vector_params,
     tiny_hf_model,
 )
@@ -32,30 +33,15 @@ FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": T
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 
 
-def reference_inputs(vocab_size: int):
-    rng = np.random.default_rng(0)
-    input_ids = rng.integers(3, vocab_size, (8, 12))
-    attention_mask = np.ones_like(input_ids)
-    attention_mask[1, :3] = 0  # left padding
-    attention_mask[5, :7] = 0
-    return input_ids, attention_mask
-
-
 def main() -> int:
-    import torch
-
     for model_type, config in FAMILIES.items():
         model = tiny_hf_model(model_type, config)
         perturb_vector_params(model)
         directory = FIXTURES / model_type
         shutil.rmtree(directory, ignore_errors=True)
         model.save_pretrained(directory)
-        input_ids, attention_mask = reference_inputs(config["vocab_size"])
-        with torch.no_grad():
-            output = model(input_ids=torch.as_tensor(input_ids), attention_mask=torch.as_tensor(attention_mask),
-                           output_router_logits=True)
-        np.savez(directory / "reference.npz", input_ids=input_ids, attention_mask=attention_mask,
-                 logits=output.logits.float().numpy(), aux_loss=np.float32(output.aux_loss.item()))
+        # The same computation tests/models/test_fixture_drift.py reruns on the saved checkpoint.
+        np.savez(directory / "reference.npz", **fixture_arrays(model))
         size = sum(f.stat().st_size for f in directory.iterdir())
         print(f"{model_type}: {size / 1024:.0f} KiB in {directory.relative_to(ROOT)}")
     return 0

@@ -77,6 +77,29 @@ def perturb_vector_params(model, scale: float = 0.3, seed: int = 1) -> None:
                 parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
 
 
+def fixture_inputs(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs of every committed fixture: input_ids [8, 12], attention_mask [8, 12] left-padding rows 1, 5."""
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(3, vocab_size, (8, 12))
+    attention_mask = np.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    attention_mask[5, :7] = 0
+    return input_ids, attention_mask
+
+
+def fixture_arrays(model) -> dict[str, np.ndarray]:
+    """What `reference.npz` holds for the HF `model`: its inputs, logits [8, 12, V] and unscaled router aux
+    loss (scripts/make_model_fixtures.py writes it; test_fixture_drift.py recomputes it)."""
+    import torch
+
+    input_ids, attention_mask = fixture_inputs(model.config.vocab_size)
+    with torch.no_grad():
+        output = model(input_ids=torch.as_tensor(input_ids), attention_mask=torch.as_tensor(attention_mask),
+                       output_router_logits=True)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, logits=output.logits.float().numpy(),
+                aux_loss=np.float32(output.aux_loss.item()))
+
+
 def hf_named_modules(model) -> list[str]:
     return [name for name, _ in model.named_modules()]
 

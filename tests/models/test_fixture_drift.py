@@ -1,0 +1,34 @@
+"""The committed PyTorch fixtures still are what transformers computes from their committed checkpoints.
+
+test_fixture_parity.py trusts `tests/fixtures/models/<model_type>/reference.npz` without torch; here (CI
+installs torch) each one is recomputed from the checkpoint beside it with `fixture_arrays`, the function
+scripts/make_model_fixtures.py wrote it with, so a checkpoint or logits file changed alone shows up.
+"""
+
+import numpy as np
+import pytest
+
+from .hf_reference import fixture_arrays
+from .test_fixture_parity import FAMILIES, FIXTURES
+
+# PyTorch recomputing the same fp32 logits on another machine or thread count differs by ~1.2e-7; a 1% change
+# to any family's routed experts moves them by 4e-5 or more (test_fixture_parity.py).
+RECOMPUTE_ATOL = 1e-6
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_fixture_logits_are_recomputed_from_its_checkpoint(model_type):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    directory = FIXTURES / model_type
+    committed = np.load(directory / "reference.npz")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    recomputed = fixture_arrays(model)
+
+    assert sorted(committed.files) == sorted(recomputed)
+    np.testing.assert_array_equal(committed["input_ids"], recomputed["input_ids"])
+    np.testing.assert_array_equal(committed["attention_mask"], recomputed["attention_mask"])
+    np.testing.assert_allclose(committed["logits"], recomputed["logits"], atol=RECOMPUTE_ATOL, rtol=0)
+    assert abs(float(committed["aux_loss"]) - float(recomputed["aux_loss"])) < 1e-6
