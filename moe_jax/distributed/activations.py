@@ -46,6 +46,22 @@ class ActivationLayouts:
         """x: [B, ...] with B on the batch axes and every other dim whole."""
         return self._constrain(x)
 
+    def token_local(self, fn):
+        """`fn` over rows [N, ...] -> pytree of [N, ...], run on each device's own rows (in `shard_map`).
+
+        For per-token ops XLA's partitioner does not keep local (`top_k` on a batch-sharded operand is
+        gathered whole first): routing stays on the devices that hold the tokens."""
+        if self.mesh is None or self.mesh.size == 1:
+            return fn
+
+        def run(*rows):
+            if any(row.shape[0] % self.layout.group_size("batch") for row in rows):
+                return fn(*rows)
+            spec = P(spec_entry(self.layout.batch_axes))
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec)(*rows)
+
+        return run
+
     def output(self, x: jax.Array, module: str) -> jax.Array:
         """x: [B, ..., F], the output of `module` (HF name, `*` for the layer), laid out as its style says."""
         style_name = self.styles.get(module)

@@ -124,10 +124,11 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         """Keyword arguments of `moe_jax.nn.attention.attention` for this layer (besides shapes)."""
         return {}
 
-    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng):
+    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
         """hidden: [B, S, H] -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
-        `rng`: this layer's key for training-time randomness (or None)."""
-        return sparse_moe_block(weights, hidden, route=self.route, run_experts=run_experts)
+        `rng`: this layer's key for training-time randomness (or None); `constrain`: the plans' layouts;
+        `route`: the family's router, run where the tokens are."""
+        return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
     def decoder_layer(self, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
                       step: StepOptions):
@@ -148,14 +149,15 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         )
         h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
         router_logits = statistics = None
+        constrain_mlp = lambda y, name: layouts.output(y, f"{layer_name}.mlp.{name}")  # noqa: E731
         if self.is_sparse(layer):
             out, router_logits, statistics = self.moe_output(
                 weights["mlp"], h, step.run_experts[layer], inference=step.inference,
-                rng=step.layer_rng(layer_index),
+                rng=step.layer_rng(layer_index), constrain=constrain_mlp,
+                route=layouts.token_local(self.route),
             )
         else:
-            out = mlp(weights["mlp"], h, c.hidden_act,
-                      constrain=lambda y, name: layouts.output(y, f"{layer_name}.mlp.{name}"))
+            out = mlp(weights["mlp"], h, c.hidden_act, constrain=constrain_mlp)
         return layouts.batch(x + out), router_logits, statistics
 
     def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions):

@@ -104,7 +104,7 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
         """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
         return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
 
-    def moe_output(self, weights, hidden, run_experts, *, inference, rng):
+    def moe_output(self, weights, hidden, run_experts, *, inference, rng, constrain, route):
         """Router jitter in training (needs `rng`, this layer's key: `fold_in(rng, layer)`), then the block:
         hidden [B, S, H] -> [B, S, H]."""
         noise = self.config.router_jitter_noise
@@ -117,4 +117,5 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
                     "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
                 )
             hidden = router_jitter(hidden, rng, noise)
-        return super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng)
+        return super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng, constrain=constrain,
+                                  route=route)

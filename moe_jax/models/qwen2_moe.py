@@ -147,8 +147,9 @@ class Qwen2MoeForCausalLM(MoeDecoderForCausalLM):
         """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
         return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
 
-    def moe_output(self, weights, hidden, run_experts, *, inference, rng):
+    def moe_output(self, weights, hidden, run_experts, *, inference, rng, constrain, route):
         """Routed experts plus the gated shared expert: hidden [B, S, H] -> [B, S, H]."""
-        out, logits, statistics = super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng)
+        out, logits, statistics = super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng,
+                                                     constrain=constrain, route=route)
         shared = shared_expert_output(weights, hidden, partial(mlp, act=self.config.hidden_act))
         return out + shared, logits, statistics

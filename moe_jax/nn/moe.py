@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import jax
 
-from .linear import linear
+from .linear import Constrain, linear, no_constraint
 
 
 def sparse_moe_block(
@@ -23,12 +23,14 @@ def sparse_moe_block(
     *,
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
     run_experts: Callable,
+    constrain: Constrain = no_constraint,
 ):
     """hidden_states: [B, S, H]; params: {"gate": {"weight": [E, H]}, "experts": {...}}
-    -> (output [B, S, H], router_logits [B*S, E], dispatch statistics)."""
+    -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
+    constrain: lays out the router's output (`constrain(x, "gate")`), e.g. as the model's plans say."""
     batch, sequence, hidden = hidden_states.shape
     tokens = hidden_states.reshape(batch * sequence, hidden)
-    router_logits = linear(params["gate"], tokens)
+    router_logits = constrain(linear(params["gate"], tokens), "gate")
     top_k_weights, top_k_index = route(router_logits)
     output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"])
     return output.astype(hidden_states.dtype).reshape(batch, sequence, hidden), router_logits, statistics
