@@ -4,7 +4,7 @@ The registry holds the reference's style names in its registration order (the or
 "Unsupported styles" error). A style says two things:
 
 - `param_dims(shape)`: which dimension of a parameter is split, and over which logical device group
-  ("tp" or "ep"); a `PartitionSpec` is built from it by `parameter_partition_spec` with the mesh axes of
+  ("tp" or "ep"); a `PartitionSpec` is built from it by `moe_jax.distributed.sharding.parameter_sharding` with the mesh axes of
   `moe_jax.distributed.mesh.DeviceLayout`.
 - `output`: the layout of the module's output activation ("replicated", "sharded_last_dim", ...), used to
   constrain activations and documented in `moe-jax plan`.

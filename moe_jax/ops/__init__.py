@@ -1,23 +1,19 @@
 """Pure array ops for mixture-of-experts layers: routing, permutation, grouped matmul, experts."""
 
-from .experts import swiglu_experts, swiglu_experts_reference
+from .experts import swiglu_experts
 from .grouped_matmul import (
     GROUPED_MATMUL_BACKENDS,
-    capacity_matmul,
     default_backend,
     grouped_matmul,
     register_grouped_matmul_backend,
 )
 from .permute import gather_rows, invert_permutation, sort_by_expert, unpermute
-from .routing import ROUTERS, get_router, load_balancing_loss, mixtral_top_k, softmax_top_k
+from .routing import load_balancing_loss, mixtral_top_k, softmax_top_k
 
 __all__ = [
     "GROUPED_MATMUL_BACKENDS",
-    "ROUTERS",
-    "capacity_matmul",
     "default_backend",
     "gather_rows",
-    "get_router",
     "grouped_matmul",
     "invert_permutation",
     "load_balancing_loss",
@@ -26,6 +22,5 @@ __all__ = [
     "softmax_top_k",
     "sort_by_expert",
     "swiglu_experts",
-    "swiglu_experts_reference",
     "unpermute",
 ]

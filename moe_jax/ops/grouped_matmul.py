@@ -125,21 +125,3 @@ def grouped_matmul(
     # every backend's result dtype the same.
     dtype = jnp.result_type(x.dtype, w.dtype)
     return fn(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
-
-
-def capacity_matmul(x_cells: jax.Array, w: jax.Array) -> jax.Array:
-    """Every expert's fixed-size block of cells times that expert's weight.
-
-    x_cells: [E, C, H] (C cells per expert; unused cells are whatever the
-             dispatch left there, usually 0)
-    w: [E, O, H]
-    returns [E, C, O] = einsum("ech,eoh->eco")
-    """
-    if x_cells.ndim != 3 or w.ndim != 3:
-        raise ValueError(f"x_cells must be [E, C, H] and w [E, O, H], got {x_cells.shape} and {w.shape}.")
-    if x_cells.shape[0] != w.shape[0] or x_cells.shape[2] != w.shape[2]:
-        raise ValueError(
-            f"x_cells {x_cells.shape} = [E, C, H] and w {w.shape} = [E, O, H] disagree on E or H; "
-            "both must come from the same expert shard and hidden size."
-        )
-    return jnp.einsum("ech,eoh->eco", x_cells, w)

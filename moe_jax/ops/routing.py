@@ -11,7 +11,7 @@ differ from the PyTorch reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,24 +68,6 @@ def mixtral_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     top_k_weights, top_k_index = jax.lax.top_k(probs, top_k)
     top_k_weights = top_k_weights / jnp.sum(top_k_weights, axis=-1, keepdims=True)
     return top_k_weights, top_k_index.astype(jnp.int32)
-
-
-Router = Callable[..., tuple[jax.Array, jax.Array]]
-
-# Router kind -> function(router_logits, top_k, **options). Options differ per kind:
-# "softmax_top_k" takes `normalize`, "mixtral_top_k" takes none.
-ROUTERS: dict[str, Router] = {
-    "softmax_top_k": softmax_top_k,
-    "mixtral_top_k": mixtral_top_k,
-}
-
-
-def get_router(kind: str) -> Router:
-    """The router function registered under `kind` (see `ROUTERS`)."""
-    try:
-        return ROUTERS[kind]
-    except KeyError:
-        raise KeyError(f"unknown router kind {kind!r}; choose one of {sorted(ROUTERS)}") from None
 
 
 def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> jax.Array:

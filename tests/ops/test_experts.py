@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.experts import swiglu_experts, swiglu_experts_reference
+from moe_jax.ops.experts import swiglu_experts
 from moe_jax.ops.grouped_matmul import GROUPED_MATMUL_BACKENDS
 from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available
+
+from .experts_reference import swiglu_experts_reference
 
 NUM_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN, INTERMEDIATE = 19, 2, 4, 8, 6
 SENTINEL = NUM_EXPERTS

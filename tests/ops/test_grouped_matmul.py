@@ -10,7 +10,6 @@ import pytest
 
 from moe_jax.ops.grouped_matmul import (
     GROUPED_MATMUL_BACKENDS,
-    capacity_matmul,
     default_backend,
     grouped_matmul,
     register_grouped_matmul_backend,
@@ -139,17 +138,6 @@ def test_zero_rows():
     for backend in _runnable_backends():
         out = grouped_matmul(x, w, jnp.zeros((NUM_EXPERTS,), jnp.int32), backend=backend)
         assert out.shape == (0, OUT_FEATURES)
-
-
-def test_capacity_matmul():
-    rng = np.random.default_rng(11)
-    cells = rng.standard_normal((NUM_EXPERTS, 3, IN_FEATURES)).astype(np.float32)
-    w = rng.standard_normal((NUM_EXPERTS, OUT_FEATURES, IN_FEATURES)).astype(np.float32)
-    out = capacity_matmul(jnp.asarray(cells), jnp.asarray(w))
-    want = np.stack([cells[e] @ w[e].T for e in range(NUM_EXPERTS)])
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="disagree on E or H"):
-        capacity_matmul(jnp.asarray(cells), jnp.asarray(w[:2]))
 
 
 def test_default_tile_rows_follow_average_group_size():

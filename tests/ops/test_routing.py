@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 from moe_jax.ops.routing import (
-    ROUTERS,
-    get_router,
     load_balancing_loss,
     mixtral_top_k,
     softmax_top_k,
@@ -66,14 +64,6 @@ def test_ties_go_to_the_lower_expert_id():
 def test_bad_top_k_names_the_value(top_k):
     with pytest.raises(ValueError, match=f"top_k={top_k}"):
         softmax_top_k(jnp.asarray(_logits()), top_k, normalize=True)
-
-
-def test_router_registry():
-    assert get_router("softmax_top_k") is softmax_top_k
-    assert get_router("mixtral_top_k") is mixtral_top_k
-    assert set(ROUTERS) == {"softmax_top_k", "mixtral_top_k"}
-    with pytest.raises(KeyError, match="sigmoid_top_k"):
-        get_router("sigmoid_top_k")
 
 
 def test_load_balancing_loss_accepts_list_or_stacked_layers():
