@@ -178,7 +178,7 @@ class DistributedConfig:
             )
         _check_ep_implementation(self.ep_implementation)
 
-    def _validate_resolved_ep_plan(self, ep_plan: dict[str, str]) -> None:
+    def validate_resolved_ep_plan(self, ep_plan: dict[str, str]) -> None:
         """Checks that need the merged EP plan (called by plan resolution).
 
         The reference also requires torch>=2.7 here; JAX has no such floor.

@@ -136,6 +136,20 @@ class PlannedModel:
     def pp_plan(self, plan: dict | None) -> None:
         self._set_plan("pp_plan", plan, None)
 
+    def merge_plan_overrides(self, config: DistributedConfig) -> None:
+        """Merge `config`'s `tp_plan` / `ep_plan` / `fsdp_plan` overrides into this model's plans, key by key
+        (an empty `tp_plan={}` clears the TP plan), as the reference's model does; the merged plans stay on
+        the model. Keys that match no module or parameter raise."""
+        names = self.plan_names()
+        for plan_name in ("tp_plan", "ep_plan", "fsdp_plan"):
+            override = getattr(config, plan_name)
+            if isinstance(override, dict):
+                plan = getattr(self, plan_name)
+                if unknown := override.keys() - names - plan.keys():
+                    raise ValueError(f"`{plan_name}` keys {sorted(unknown)} match nothing in {type(self).__name__}.")
+                merged = {} if plan_name == "tp_plan" and not override else plan | override
+                setattr(self, f"_{plan_name}", merged)
+
     def _set_plan(self, plan_name: str, plan: dict | None, styles) -> None:
         if plan is None:
             setattr(self, f"_{plan_name}", {})
@@ -221,21 +235,14 @@ def _resolve_tied_embedding_fsdp_plan(model: PlannedModel, fsdp_plan: dict[str, 
 def resolve_parallel_plans(model: PlannedModel, config: DistributedConfig) -> ResolvedPlans:
     """The TP, EP and FSDP plans `config` applies to `model`, expanded to concrete names.
 
-    Overrides in `config` are merged into the model's plans key by key (and persist on the model, as in
-    the reference); unknown override keys raise before anything is sharded. A module with an EP rule keeps
-    no TP rule. The reference's FSDP2 dtype groups (`_keep_in_fp32_modules`) are a PyTorch wrapping
+    Overrides in `config` are first merged into the model's plans (`PlannedModel.merge_plan_overrides`:
+    they persist on the model, as in the reference); unknown override keys raise before anything is
+    sharded. A module with an EP rule keeps no TP rule. The reference's FSDP2 dtype groups (`_keep_in_fp32_modules`) are a PyTorch wrapping
     constraint with no JAX counterpart and are not added.
     """
     tree = model.module_tree
     names = model.plan_names()
-    for plan_name in ("tp_plan", "ep_plan", "fsdp_plan"):
-        override = getattr(config, plan_name)
-        if isinstance(override, dict):
-            plan = getattr(model, plan_name)
-            if unknown := override.keys() - names - plan.keys():
-                raise ValueError(f"`{plan_name}` keys {sorted(unknown)} match nothing in {type(model).__name__}.")
-            merged = {} if plan_name == "tp_plan" and not override else plan | override
-            setattr(model, f"_{plan_name}", merged)
+    model.merge_plan_overrides(config)
 
     tp_plan = dict(model.tp_plan) if config.tp_size > 1 else {}
     ep_plan = dict(model.ep_plan) if config.ep_size > 1 else {}
@@ -261,7 +268,7 @@ def resolve_parallel_plans(model: PlannedModel, config: DistributedConfig) -> Re
     model._validate_parallel_plan(tp_plan, ALL_PARALLEL_STYLES, "tp_plan", names)
     model._validate_parallel_plan(ep_plan, ALL_PARALLEL_STYLES, "ep_plan", names)
     model._validate_parallel_plan(fsdp_plan, ALL_FSDP_STYLES, "fsdp_plan", names)
-    config._validate_resolved_ep_plan(ep_plan)
+    config.validate_resolved_ep_plan(ep_plan)
 
     fsdp_plan = _resolve_tied_embedding_fsdp_plan(model, fsdp_plan)
 
