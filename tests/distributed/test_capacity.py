@@ -44,7 +44,7 @@ def test_schedule_climbs_straight_to_what_was_required():
     assert schedule.update(state, 4.0) == CapacityState(4.0)
 
 
-def test_schedule_steps_down_one_rung_after_patience_calm_calls():
+def test_schedule_steps_down_one_capacity_after_patience_calm_calls():
     schedule = CapacitySchedule.for_ep(8, patience=3)
     state = CapacityState(8.0)
     for _ in range(2):

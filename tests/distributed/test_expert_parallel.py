@@ -189,7 +189,7 @@ def test_dropless_under_adversarial_routing_climbs_the_ladder():
     np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
     assert int(statistics.dropped) == 0
     # S = 64 pairs per device; capacities 1.25 and 2 hold 16 rows per peer, 4 holds 32: the first call says
-    # it needed 4 and the caller goes there directly (one recomputation, not one per rung).
+    # it needed 4 and the caller goes there directly (one recomputation, not one per capacity of the ladder).
     assert tried == [1.25, 4.0]
     _, first = build(1.25)(hidden, index, weights, params)
     assert int(first.dropped) > 0 and float(first.required_capacity) == 4.0

@@ -70,6 +70,14 @@ def test_apply_never_reads_a_device_value_on_the_host(sharded, single):
     assert int(output.statistics.dropped) == 0
 
 
+def test_forward_dispatches_without_a_host_read_and_checks_on_first_read(sharded, single):
+    ids = jax.device_put(tokens(8, 7), sharded.batch_sharding())
+    with jax.transfer_guard_device_to_host("disallow"):
+        pending = sharded.forward(ids)  # dispatched; nothing read back yet
+    np.testing.assert_allclose(np.asarray(pending.logits), np.asarray(single(tokens(8, 7))), atol=1e-5, rtol=0)
+    assert int(pending.statistics.dropped) == 0 and pending.result() is pending.result()
+
+
 def test_apply_called_again_with_the_same_shapes_does_not_recompile(sharded):
     ids = tokens(8, 7, seed=1)
     sharded.apply(sharded.params, ids, capacity=2.0)
