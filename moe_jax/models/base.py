@@ -380,7 +380,8 @@ class MoeForCausalLM(PlannedModel):
         for layer_statistics in statistics:
             total = total.combine(layer_statistics)
         aux_loss = load_balancing_loss(
-            router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask,
+            per_token=layouts.token_local,
         )
         if return_hidden:
             return ModelOutput(None, hidden, router_logits, aux_loss, total)

@@ -11,7 +11,8 @@ differ from the PyTorch reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -86,11 +87,21 @@ def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> j
     return stacked
 
 
+def _picks_and_probs(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """logits: [T, E] -> (picks [T, E]: 1 where the expert is among the token's top k, probs [T, E] fp32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    _, selected = jax.lax.top_k(probs, top_k)  # [T, K]
+    picks = jnp.sum(jax.nn.one_hot(selected, logits.shape[-1], dtype=jnp.float32), axis=-2)
+    return picks, probs.astype(jnp.float32)
+
+
 def load_balancing_loss(
     router_logits_per_layer: Sequence[jax.Array] | jax.Array | None,
     num_experts: int,
     top_k: int,
     attention_mask: jax.Array | None = None,
+    *,
+    per_token: Callable[[Callable], Callable] = lambda fn: fn,
 ) -> jax.Array:
     """Switch-Transformer auxiliary loss, as transformers' `load_balancing_loss_func`.
 
@@ -107,7 +118,8 @@ def load_balancing_loss(
     which is what PyTorch's reduced-precision softmax kernels produce; the sums are
     fp32. `None` gives 0, as the reference does when a model returns no router logits.
     Gradients flow only through the probability sums (the counts are discrete), as
-    in the reference.
+    in the reference. `per_token` wraps the per-token part ([T, E] -> picks, probs),
+    e.g. to run it where the tokens live (`ActivationLayouts.token_local`).
     """
     if router_logits_per_layer is None:
         return jnp.zeros((), jnp.float32)
@@ -120,11 +132,8 @@ def load_balancing_loss(
         )
     _check_top_k(top_k, num_experts)
 
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
-    _, selected = jax.lax.top_k(probs, top_k)  # [L, T, K]
-    # [L, T, E]: how many of a token's K picks went to each expert (0 or 1 per expert).
-    picks = jnp.sum(jax.nn.one_hot(selected, num_experts, dtype=jnp.float32), axis=-2)
-    probs = probs.astype(jnp.float32)
+    token_terms = per_token(partial(_picks_and_probs, top_k=top_k))
+    picks, probs = (jnp.stack(terms) for terms in zip(*(token_terms(layer) for layer in logits)))
 
     if attention_mask is None:
         token_weight = jnp.ones((num_tokens,), jnp.float32)

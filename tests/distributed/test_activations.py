@@ -102,3 +102,15 @@ def test_tp2_fsdp4_ep4_reduces_once_over_tp_and_gathers_weights_over_fsdp():
 def test_dense_layouts_never_gather_activations(layout):
     counts = layer_collectives(layout)
     assert ("all-gather", "activation") not in counts and ("all-to-all", "activation") not in counts, counts
+
+
+def test_whole_step_on_fsdp8_ep8_never_gathers_activations():
+    """Embedding, routing of every layer, the aux loss and the head: the batch stays where it is."""
+    model = Qwen3MoeForCausalLM(dict(CONFIG, num_hidden_layers=2), DistributedConfig(fsdp_size=8, ep_size=8),
+                                scan_layers=True)
+    model.init_params(seed=0)
+    ids = jnp.ones((BATCH, SEQUENCE), jnp.int32)
+    text = jax.jit(lambda params, ids: model.apply(params, ids, capacity=2.0)).lower(model.params, ids).compile().as_text()
+    gathered = [shape for shape, kind in COLLECTIVE.findall(text)
+                if kind == "all-gather" and any(int(d) % SEQUENCE == 0 for d in re.findall(r"\[([\d,]+)\]", shape)[0].split(","))]
+    assert gathered == [], gathered
