@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from moe_jax.module_tree import ModuleTree
-
 from .key_maps import KeyMap, key_map_for
 from .lazy_tensors import StackedTensor
 from .load_plan import ParamSource, plan_load
 from .safetensors_io import SafetensorsCheckpoint, normalize_index, read_request
+
+if TYPE_CHECKING:  # converters depend on no moe_jax module at import time
+    from moe_jax.module_tree import ModuleTree
 
 
 def load_params(

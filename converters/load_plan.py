@@ -14,16 +14,18 @@ collected and raised as one `CheckpointMismatchError`:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-
-from moe_jax.module_tree import ModuleTree, ParamSpec
 
 from .errors import CheckpointMismatchError
 from .key_maps import EXPERT, KeyMap, KeyRule, describe_rule_keys
 from .key_patterns import natural_key
 from .lazy_tensors import CheckpointTensor, LayoutError, LazyTensor
 from .safetensors_io import SafetensorsCheckpoint
+
+if TYPE_CHECKING:  # converters depend on no moe_jax module at import time
+    from moe_jax.module_tree import ModuleTree, ParamSpec
 
 
 @dataclass(frozen=True)

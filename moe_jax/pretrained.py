@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from converters import load_params, save_params
 
-from .models.auto import _local_checkpoint, model_class_for, read_config
+from .checkpoint_files import local_checkpoint, read_config
 from .parameter_dtypes import parameter_dtype
 
 
@@ -26,17 +26,17 @@ def checkpoint_dtype(config: dict):
     return parameter_dtype(config.get("dtype") or config.get("torch_dtype") or "float32", "config.json dtype")
 
 
-def from_pretrained(path, distributed_config=None, *, model_class=None, dtype=None, progress: bool = True,
+def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, progress: bool = True,
                     **model_kwargs):
-    """Build the model on the mesh of `distributed_config` and load `path` directly into its shardings.
+    """Build a `model_class` on the mesh of `distributed_config` and load `path` directly into its shardings
+    (`AutoModelForCausalLM.from_pretrained` picks the class from config.json).
 
     dtype: parameter dtype, "float32", "bfloat16" or "float16" ("float64" with jax_enable_x64 on); default:
         the checkpoint's, from config.json. Checked before anything is read.
     """
     dtype = parameter_dtype(dtype) if dtype is not None else None
-    directory = _local_checkpoint(path)
+    directory = local_checkpoint(path)
     config = read_config(directory)
-    model_class = model_class or model_class_for(config)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.params = load_params(directory, model.module_tree, model.model_type, model.storage_shardings(),

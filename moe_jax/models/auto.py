@@ -2,42 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from pathlib import Path
 
-from .base import MODEL_CLASSES, MoeForCausalLM
-
-
-def read_config(path_or_config: str | os.PathLike | dict) -> dict:
-    """A config dict from a dict, a `config.json` path, or a checkpoint directory holding one."""
-    if isinstance(path_or_config, dict):
-        return dict(path_or_config)
-    path = Path(path_or_config)
-    if not path.exists():
-        # Only from_pretrained resolves hub repo ids (it downloads the weights too); configs are read locally.
-        raise FileNotFoundError(
-            f"{path} does not exist. Pass a local checkpoint directory or config.json path; for a Hugging Face "
-            "Hub model, download its config first: huggingface-cli download REPO_ID config.json --local-dir DIR."
-        )
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"No config.json at {path}. Pass a checkpoint directory that holds config.json, or the path of a "
-            "config.json."
-        )
-    return json.loads(path.read_text())
-
-
-def model_class_for(config: dict) -> type[MoeForCausalLM]:
-    model_type = config.get("model_type")
-    if model_type not in MODEL_CLASSES:
-        raise ValueError(
-            f"model_type={model_type!r} is not supported; moe_jax supports {sorted(MODEL_CLASSES)}."
-        )
-    return MODEL_CLASSES[model_type]
+from ..checkpoint_files import local_checkpoint, read_config
+from ..parameter_dtypes import parameter_dtype
+from .base import MoeForCausalLM
+from .registry import model_class_for
 
 
 class AutoModelForCausalLM:
@@ -50,30 +20,7 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, distributed_config=None, **kwargs) -> MoeForCausalLM:
-        from ..pretrained import from_pretrained
-
-        return from_pretrained(path, distributed_config, **kwargs)
-
-
-# Hub repo ids are "name" or "org/name"; anything else that does not exist is a mistyped local path.
-_REPO_ID = re.compile(r"(?:\w[\w.-]*/)?\w[\w.-]*")
-
-
-def _local_checkpoint(path: str | os.PathLike) -> Path:
-    """A local directory as is; otherwise a hub repo id resolved through huggingface_hub (when installed)."""
-    local = Path(path)
-    if local.exists():
-        return local
-    if not _REPO_ID.fullmatch(str(path)):
-        raise FileNotFoundError(
-            f"{path} does not exist. Pass a local checkpoint directory (config.json + safetensors) or a Hugging "
-            "Face Hub repo id of the form 'org/name'."
-        )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise FileNotFoundError(
-            f"{path} is not a local directory, and huggingface_hub is not installed to resolve it as a repo id "
-            "(pip install huggingface_hub)."
-        ) from None
-    return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+        if kwargs.get("dtype") is not None:
+            parameter_dtype(kwargs["dtype"])  # a bad dtype is refused before any file is looked at
+        directory = local_checkpoint(path)
+        return model_class_for(read_config(directory)).from_pretrained(directory, distributed_config, **kwargs)

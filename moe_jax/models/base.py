@@ -38,15 +38,8 @@ from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, reso
 from ..distributed.sharding import parameter_shardings
 from ..module_tree import ModuleTree
 from ..ops.routing import load_balancing_loss
+from ..pretrained import from_pretrained, save_pretrained
 from .layer_stack import LayerStack, resolve_scan_option
-
-MODEL_CLASSES: dict[str, type[MoeForCausalLM]] = {}
-
-
-def register_model(model_class: type[MoeForCausalLM]) -> type[MoeForCausalLM]:
-    """Make a model family loadable by `AutoModelForCausalLM` under its HF `model_type`."""
-    MODEL_CLASSES[model_class.model_type] = model_class
-    return model_class
 
 
 @dataclass
@@ -280,18 +273,14 @@ class MoeForCausalLM(PlannedModel):
                 "place parameters on. Build it with a DistributedConfig and devices instead."
             )
 
-    # ---- checkpoints (implemented in moe_jax.pretrained, the layer above converters/) -----------------
+    # ---- checkpoints (moe_jax.pretrained: converters/ applied to a model) -----------------------------
     @classmethod
     def from_pretrained(cls, path, distributed_config=None, **kwargs) -> MoeForCausalLM:
         """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`."""
-        from ..pretrained import from_pretrained
-
         return from_pretrained(path, distributed_config, model_class=cls, **kwargs)
 
     def save_pretrained(self, out_dir, **kwargs):
         """Write an HF checkpoint (per-expert keys, sharded safetensors, index, config.json)."""
-        from ..pretrained import save_pretrained
-
         return save_pretrained(self, out_dir, **kwargs)
 
     # ---- the step ------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from typing import ClassVar
 import jax
 
 from ..ops.routing import mixtral_top_k
-from .base import register_model
 from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
+from .registry import register_model
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from ..module_tree import ModuleTree
 from ..nn.mlp import mlp
 from ..nn.moe import shared_expert_output
 from ..ops.routing import softmax_top_k
-from .base import register_model
 from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
+from .registry import register_model
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -13,9 +13,9 @@ from typing import ClassVar
 
 from ..module_tree import ModuleTree
 from ..ops.routing import softmax_top_k
-from .base import register_model
 from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
+from .registry import register_model
 
 
 @dataclass(frozen=True)
