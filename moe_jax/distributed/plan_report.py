@@ -17,6 +17,16 @@ def _layers_text(layers: list[str]) -> str:
     return "layers " + ",".join(str(n) for n in numbers)
 
 
+def _layer_runs_text(model) -> str:
+    """How the layers run: scanned runs store their parameters stacked on an unsharded leading layer axis."""
+    stack = getattr(model, "layer_stack", None)
+    if stack is None or not stack.scanned:
+        return "layers: unrolled (one compiled copy per layer)"
+    parts = [f"{run.start}-{run.stop - 1} scanned" if run.scanned else f"{run.start}" for run in stack.runs]
+    return ("layers: " + ", ".join(parts) + " (a scanned run stores each parameter as [layers, ...]; the "
+            "layer axis is never sharded, so every PartitionSpec above gets a leading None)")
+
+
 def plan_report(model, num_experts: int | None = None) -> str:
     """model: a `MoeForCausalLM` (abstract is enough). Parameters that differ only in their layer number
     share a line."""
@@ -43,6 +53,8 @@ def plan_report(model, num_experts: int | None = None) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.append("")
+    lines.append(_layer_runs_text(model))
     lines.append("")
     lines.append(layout_picture(config, num_experts or model.config.num_experts))
     return "\n".join(lines)
