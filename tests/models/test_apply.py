@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
 from moe_jax.distributed.capacity import CapacitySchedule
+from moe_jax.distributed.expert_parallel import AllToAllEP, EPImplementation, EPImplementationInterface
 from moe_jax.models import Qwen3MoeForCausalLM
 from moe_jax.models.base import ModelOutput
 
@@ -217,3 +218,34 @@ def test_forward_recomputes_an_overflowing_call_and_the_capacity_comes_back_down
                                    atol=1e-5, rtol=0)
         capacities.append(model.forward_capacity[True].capacity)
     assert capacities[0] == climbed and capacities[-1] < climbed, capacities
+
+
+class AlwaysDropsEP(EPImplementation):
+    """A broken implementation: right outputs, but it claims to drop a pair at every capacity."""
+
+    accepts_capacity_options = True
+
+    def __init__(self, experts_forward, num_local_experts, groups, *, capacity=None, **options):
+        super().__init__(experts_forward, num_local_experts, groups, **options)
+        self.inner = AllToAllEP(experts_forward, num_local_experts, groups, capacity=capacity)
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        output, statistics = self.inner(hidden_states, top_k_index, top_k_weights)
+        statistics.dropped = statistics.dropped + 1
+        statistics.required_capacity = jnp.full_like(statistics.required_capacity, 8.0)
+        return output, statistics
+
+
+def test_a_drop_at_the_largest_capacity_is_an_error_not_a_wrong_result(single):
+    EPImplementationInterface.register("always_drops", AlwaysDropsEP)
+    try:
+        model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8,
+                                                                      ep_implementation="always_drops"))
+        model.set_params(single.hf_params())
+        output = model.forward(tokens(8, 5))
+        with pytest.raises(RuntimeError, match=r"pairs were dropped at the largest capacity \(8.0\); its buffers "
+                                               r"hold every pair a device sends, so this is a bug"):
+            output.logits
+        assert output.recomputed == 1  # climbed straight from 1.25 to 8.0, then refused
+    finally:
+        del EPImplementationInterface._global_mapping["always_drops"]
