@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from .layout_flags import add_layout_flags, distributed_config_from_flags
+
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {}
 
 
@@ -18,31 +20,15 @@ def command(name: str, help_text: str):
     return register
 
 
-def _add_layout_sizes(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=None, help="tp_size")
-    parser.add_argument("--fsdp", type=int, default=None, help="fsdp_size")
-    parser.add_argument("--ep", type=int, default=None, help="ep_size")
-    parser.add_argument("--dp-replicate", type=int, default=None, help="dp_replicate_size (HSDP replicas)")
-    parser.add_argument("--pp", type=int, default=None, help="pp_size")
-
-
-def _config_from_args(args: argparse.Namespace):
-    from .distributed.config import DistributedConfig
-
-    return DistributedConfig(
-        tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate, pp_size=args.pp
-    )
-
-
 def _layout_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_layout_sizes(parser)
+    add_layout_flags(parser)
     parser.add_argument("--num-experts", type=int, default=8, help="experts per MoE layer (default 8)")
 
 
 def _run_layout(args: argparse.Namespace) -> int:
     from .distributed.picture import layout_picture
 
-    print(layout_picture(_config_from_args(args), args.num_experts))
+    print(layout_picture(distributed_config_from_flags(args), args.num_experts))
     return 0
 
 
@@ -51,20 +37,14 @@ command("layout", "print which batch, TP position and experts each device holds"
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or config.json of an HF MoE model")
-    _add_layout_sizes(parser)
-    parser.add_argument("--ep-implementation", default="auto")
+    add_layout_flags(parser, ep_implementation=True)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .distributed.config import DistributedConfig
     from .distributed.plan_report import plan_report
     from .models.auto import AutoModelForCausalLM
 
-    config = DistributedConfig(
-        tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate,
-        pp_size=args.pp, ep_implementation=args.ep_implementation,
-    )
-    model = AutoModelForCausalLM.from_config(args.model, config, abstract=True)
+    model = AutoModelForCausalLM.from_config(args.model, distributed_config_from_flags(args), abstract=True)
     print(plan_report(model))
     return 0
 

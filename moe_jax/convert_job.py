@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .layout_flags import add_layout_flags, distributed_config_from_flags
+
 FORMATS = ("hf", "orbax")
 
 
@@ -28,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", dest="target_format", choices=FORMATS, required=True, help="format to write DST in")
     parser.add_argument("source", metavar="SRC", help="checkpoint directory to read")
     parser.add_argument("destination", metavar="DST", help="directory to create (absent or empty)")
-    parser.add_argument("--tp", type=int, default=None, help="tp_size of the layout holding the parameters")
-    parser.add_argument("--fsdp", type=int, default=None, help="fsdp_size of that layout")
-    parser.add_argument("--ep", type=int, default=None, help="ep_size of that layout")
-    parser.add_argument("--dp-replicate", type=int, default=None, help="dp_replicate_size of that layout")
+    add_layout_flags(parser, pipeline=False, what=" of the layout holding the parameters")
     # Checked by parameter_dtype (not argparse choices), so the flag and the Python API give the same error.
     parser.add_argument("--dtype", default=None,
                         help="parameter dtype to write: float32, bfloat16 or float16 (default: the source's)")
@@ -40,12 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax convert`; prints `error: ...` and returns 2 on a bad request or checkpoint."""
-    from .distributed.config import DistributedConfig
-
     try:
-        distributed_config = DistributedConfig(
-            tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep, dp_replicate_size=args.dp_replicate
-        )
+        distributed_config = distributed_config_from_flags(args)
         convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
                 dtype=args.dtype, progress=not args.no_progress)
     except (OSError, ValueError, NotImplementedError) as error:
