@@ -21,7 +21,8 @@ from moe_jax.models.layer_stack import LayerRun, resolve_scan_option
 from .hf_reference import TINY_QWEN2_MOE, TINY_QWEN3_MOE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-LAYOUTS = [None, dict(tp_size=2, fsdp_size=4, ep_size=4), dict(fsdp_size=8, ep_size=8)]
+# The whole grid, scanned, is `python scripts/check_all_layouts.py --scan-layers`.
+LAYOUTS = [dict(tp_size=2, fsdp_size=4, ep_size=4), dict(fsdp_size=8, ep_size=8)]
 
 
 def test_runs_follow_layer_structure():
@@ -66,14 +67,13 @@ def test_stack_and_unstack_are_inverse_and_init_does_not_depend_on_scanning():
         np.testing.assert_array_equal(np.asarray(restacked[name]), np.asarray(value), err_msg=name)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "single" if layout is None else
-                         "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()))
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "mixtral"])
 def test_scanned_logits_match_pytorch_fixture(model_type, layout):
     directory = FIXTURES / model_type
     reference = np.load(directory / "reference.npz")
     model = moe_jax.AutoModelForCausalLM.from_pretrained(
-        directory, DistributedConfig(**layout) if layout else None, progress=False, scan_layers=True)
+        directory, DistributedConfig(**layout), progress=False, scan_layers=True)
     assert model.layer_stack.scanned
     output = model.forward(reference["input_ids"], reference["attention_mask"])
     real = reference["attention_mask"].astype(bool)
