@@ -5,15 +5,18 @@ logits PyTorch computed for it (scripts/make_model_fixtures.py). Each is loaded 
 onto the layouts below and compared on real (non-padding) tokens.
 """
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import moe_jax
 from moe_jax import DistributedConfig
 
 from ..distributed.test_mesh import LAYOUTS as ALL_LAYOUTS
+from .hf_reference import LOGITS_ATOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]
@@ -45,18 +48,42 @@ def every_layout_and_implementation():
     return cases
 
 
-def check_against_fixture(model_type: str, layout: dict | None):
-    directory = FIXTURES / model_type
-    reference = np.load(directory / "reference.npz")
+def fixture_output(model_type: str, layout: dict | None, checkpoint: Path | None = None):
+    """(our ForwardOutput on the fixture's inputs, the fixture's arrays); `checkpoint` replaces the committed
+    one (for tests that alter it)."""
+    reference = np.load(FIXTURES / model_type / "reference.npz")
     model = moe_jax.AutoModelForCausalLM.from_pretrained(
-        directory, DistributedConfig(**layout) if layout else None, progress=False
+        checkpoint or FIXTURES / model_type, DistributedConfig(**layout) if layout else None, progress=False
     )
-    output = model.forward(reference["input_ids"], reference["attention_mask"])
+    return model.forward(reference["input_ids"], reference["attention_mask"]), reference
+
+
+def logits_difference(output, reference) -> float:
+    """Max |ours - PyTorch| over real (non-padding) tokens."""
     real = reference["attention_mask"].astype(bool)
-    difference = np.max(np.abs(np.asarray(output.logits)[real] - reference["logits"][real]))
-    assert difference <= 1e-4, f"{model_type} {layout}: max abs logits difference {difference:.2e}"
+    return float(np.max(np.abs(np.asarray(output.logits)[real] - reference["logits"][real])))
+
+
+def check_against_fixture(model_type: str, layout: dict | None) -> float:
+    """Asserts parity on `layout`; returns the max abs logits difference (scripts/check_all_layouts.py
+    reports the worst)."""
+    output, reference = fixture_output(model_type, layout)
+    difference = logits_difference(output, reference)
+    assert difference <= LOGITS_ATOL, f"{model_type} {layout}: max abs logits difference {difference:.2e}"
     assert abs(float(output.aux_loss) - float(reference["aux_loss"])) < 1e-5
     assert int(output.statistics.dropped) == 0
+    return difference
+
+
+def scale_routed_experts(source: Path, destination: Path, factor: float) -> Path:
+    """A copy of the checkpoint `source` with every routed expert's down projection times `factor`."""
+    shutil.copytree(source, destination)
+    tensors = load_file(destination / "model.safetensors")
+    for key, value in tensors.items():
+        if ".experts." in key and key.endswith(("down_proj.weight", ".w2.weight")):
+            tensors[key] = value * np.asarray(factor, value.dtype)
+    save_file(tensors, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    return destination
 
 
 @pytest.mark.parametrize("layout", REPRESENTATIVE_LAYOUTS, ids=_layout_id)
@@ -70,3 +97,11 @@ def test_logits_match_pytorch_fixture(model_type, layout):
 @pytest.mark.parametrize("layout", every_layout_and_implementation(), ids=_layout_id)
 def test_qwen3_moe_on_every_legal_layout_and_implementation(layout):
     check_against_fixture("qwen3_moe", layout)
+
+
+def test_a_one_percent_change_to_routed_experts_fails_parity(tmp_path):
+    """The tolerance can see a wrong expert: Qwen2-MoE's shared expert carries most of each MoE output, so its
+    routed experts scaled by 1.01 move the logits by only ~4e-5, which the old 1e-4 tolerance let through."""
+    checkpoint = scale_routed_experts(FIXTURES / "qwen2_moe", tmp_path / "qwen2_moe", 1.01)
+    difference = logits_difference(*fixture_output("qwen2_moe", None, checkpoint))
+    assert LOGITS_ATOL < difference < 1e-4, difference

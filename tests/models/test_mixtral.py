@@ -16,6 +16,7 @@ from moe_jax.models.mixtral import router_jitter
 from moe_jax.nn.moe import local_experts_runner
 
 from .hf_reference import (
+    LOGITS_ATOL,
     TINY_MIXTRAL,
     assert_padded_batch_matches_hf,
     assert_plans_match_hf,
@@ -160,7 +161,7 @@ def test_logits_match_pytorch(reference, layout):
     _, state, input_ids, expected = reference
     model = MixtralForCausalLM(TINY_MIXTRAL, DistributedConfig(**layout) if layout else None)
     model.set_params(state)
-    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.reference

@@ -10,6 +10,7 @@ from moe_jax import DistributedConfig
 from moe_jax.models import MODEL_CLASSES, OlmoeConfig, OlmoeForCausalLM
 
 from .hf_reference import (
+    LOGITS_ATOL,
     TINY_OLMOE,
     assert_padded_batch_matches_hf,
     assert_plans_match_hf,
@@ -102,7 +103,7 @@ def test_logits_match_pytorch(reference, layout):
     _, state, input_ids, expected = reference
     model = OlmoeForCausalLM(TINY_OLMOE, DistributedConfig(**layout) if layout else None)
     model.set_params(state)
-    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.reference

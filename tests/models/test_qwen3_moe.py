@@ -6,7 +6,7 @@ import pytest
 from moe_jax import DistributedConfig
 from moe_jax.models import Qwen3MoeForCausalLM
 
-from .hf_reference import TINY_QWEN3_MOE, hf_logits, hf_state_dict, tiny_hf_model
+from .hf_reference import LOGITS_ATOL, TINY_QWEN3_MOE, hf_logits, hf_state_dict, tiny_hf_model
 
 # Live comparisons with PyTorch on one device and one mixed layout; the other layouts are compared with
 # committed PyTorch logits in test_fixture_parity.py (no torch needed there).
@@ -42,7 +42,7 @@ def test_logits_match_pytorch(reference, layout):
     model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, config)
     model.set_params(state)
     logits = np.asarray(model(input_ids))
-    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits, expected, atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.reference
@@ -50,7 +50,7 @@ def test_batch_not_divisible_by_data_parallel_size_is_padded(reference):
     state, input_ids, expected = reference
     model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8))
     model.set_params(state)
-    np.testing.assert_allclose(np.asarray(model(input_ids[:3])), expected[:3], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(input_ids[:3])), expected[:3], atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.reference
@@ -71,7 +71,7 @@ def test_from_pretrained_on_8_devices_and_save_round_trip(tmp_path):
     )
     assert model.params["model.layers.1.mlp.experts.gate_up_proj"].sharding.spec == \
         model.named_shardings()["model.layers.1.mlp.experts.gate_up_proj"].spec
-    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=LOGITS_ATOL, rtol=0)
 
     model.save_pretrained(tmp_path / "out", progress=False)
 
