@@ -1,6 +1,9 @@
 """Check every family against its PyTorch fixture on every legal 8-device layout x ep_implementation.
 
-    python scripts/check_all_layouts.py [qwen3_moe qwen2_moe olmoe mixtral]
+    python scripts/check_all_layouts.py [qwen3_moe qwen2_moe olmoe mixtral] [--scan-layers both|true|false]
+
+Each case runs with layers unrolled and with layers scanned (`--scan-layers both`, the default); a
+fixture whose layers form no run of two (Qwen2-MoE's alternating attention) is the same model both ways.
 
 CI runs this grid for Qwen3-MoE (tests/models/test_fixture_parity.py, marked slow) and a representative
 set of layouts for the other families; this script runs the full grid for any of them (about 2 minutes
@@ -9,6 +12,7 @@ per family on 2 cores).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -26,17 +30,26 @@ from tests.models.test_fixture_parity import (  # noqa: E402
     every_layout_and_implementation,
 )
 
+SCAN_MODES = {"both": (False, True), "true": (True,), "false": (False,)}
 
-def main(argv: list[str]) -> int:
-    families = argv or FAMILIES
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"any of {', '.join(FAMILIES)} (default: all)")
+    parser.add_argument("--scan-layers", choices=sorted(SCAN_MODES), default="both")
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.families) - set(FAMILIES)):
+        parser.error(f"unknown families {unknown}; choose among {FAMILIES}")
     cases = every_layout_and_implementation()
-    for family in families:
-        start = time.perf_counter()
-        worst = max(check_against_fixture(family, layout) for layout in [None, *cases])
-        print(f"{family}: logits and aux loss match PyTorch on one device and {len(cases)} layout x implementation "
-              f"cases; worst max |logits - PyTorch| {worst:.2e} ({time.perf_counter() - start:.0f} s)", flush=True)
+    for family in args.families or FAMILIES:
+        for scan in SCAN_MODES[args.scan_layers]:
+            start = time.perf_counter()
+            worst = max(check_against_fixture(family, layout, scan_layers=scan) for layout in [None, *cases])
+            print(f"{family} ({'scanned' if scan else 'unrolled'} layers): logits and aux loss match PyTorch on one "
+                  f"device and {len(cases)} layout x implementation cases; worst max |logits - PyTorch| "
+                  f"{worst:.2e} ({time.perf_counter() - start:.0f} s)", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

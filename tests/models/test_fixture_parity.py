@@ -48,12 +48,13 @@ def every_layout_and_implementation():
     return cases
 
 
-def fixture_output(model_type: str, layout: dict | None, checkpoint: Path | None = None):
+def fixture_output(model_type: str, layout: dict | None, checkpoint: Path | None = None, **model_kwargs):
     """(our ForwardOutput on the fixture's inputs, the fixture's arrays); `checkpoint` replaces the committed
-    one (for tests that alter it)."""
+    one (for tests that alter it); `model_kwargs` go to the model (e.g. `scan_layers=True`)."""
     reference = np.load(FIXTURES / model_type / "reference.npz")
     model = moe_jax.AutoModelForCausalLM.from_pretrained(
-        checkpoint or FIXTURES / model_type, DistributedConfig(**layout) if layout else None, progress=False
+        checkpoint or FIXTURES / model_type, DistributedConfig(**layout) if layout else None, progress=False,
+        **model_kwargs,
     )
     return model.forward(reference["input_ids"], reference["attention_mask"]), reference
 
@@ -64,10 +65,10 @@ def logits_difference(output, reference) -> float:
     return float(np.max(np.abs(np.asarray(output.logits)[real] - reference["logits"][real])))
 
 
-def check_against_fixture(model_type: str, layout: dict | None) -> float:
+def check_against_fixture(model_type: str, layout: dict | None, **model_kwargs) -> float:
     """Asserts parity on `layout`; returns the max abs logits difference (scripts/check_all_layouts.py
     reports the worst)."""
-    output, reference = fixture_output(model_type, layout)
+    output, reference = fixture_output(model_type, layout, **model_kwargs)
     difference = logits_difference(output, reference)
     assert difference <= LOGITS_ATOL, f"{model_type} {layout}: max abs logits difference {difference:.2e}"
     assert abs(float(output.aux_loss) - float(reference["aux_loss"])) < 1e-5
