@@ -53,8 +53,9 @@ def test_a_missing_local_path_is_not_sent_to_the_hub(tmp_path):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [family for family in FAMILIES if family != "qwen3_moe"])
 def test_transformers_loads_our_export_and_gives_our_logits(model_type, tmp_path):
+    """Qwen3-MoE's export is checked the same way in test_qwen3_moe.py."""
     torch = pytest.importorskip("torch")
     import transformers
 
