@@ -5,9 +5,9 @@
 Each case runs with layers unrolled and with layers scanned (`--scan-layers both`, the default); a
 fixture whose layers form no run of two (Qwen2-MoE's alternating attention) is the same model both ways.
 
-CI runs this grid for Qwen3-MoE (tests/models/test_fixture_parity.py, marked slow) and a representative
-set of layouts for the other families; this script runs the full grid for any of them (about 2 minutes
-per family on 2 cores).
+The test suite runs a representative set of layouts per family (tests/models/test_fixture_parity.py,
+tests/models/test_layer_stack.py); this script runs the full grid (about 2-5 minutes per family and
+layer mode on 2 cores). Run it before resolving anything that touches the model step.
 """
 
 from __future__ import annotations
