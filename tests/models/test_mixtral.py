@@ -11,9 +11,7 @@ import pytest
 
 from moe_jax import DistributedConfig
 from moe_jax.models import MODEL_CLASSES, MixtralConfig, MixtralForCausalLM
-from moe_jax.models.base import unflatten
 from moe_jax.models.mixtral import router_jitter
-from moe_jax.nn.moe import local_experts_runner
 
 from .hf_reference import (
     LOGITS_ATOL,
@@ -110,14 +108,11 @@ def test_training_forward_takes_a_key_and_is_reproducible(jittered_model):
 def test_training_jitter_with_key_perturbs_the_moe_input(jittered_model):
     model = jittered_model
     input_ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 6)), jnp.int32)
-    runners = {layer: local_experts_runner(model.experts_fn()) for layer in model.sparse_layers()}
 
     @jax.jit
     def logits(params, key):
-        jittered = model.forward_math(unflatten(params), input_ids, jnp.ones_like(input_ids), runners,
-                                      inference=False, rng=key)[0]
-        plain = model.forward_math(unflatten(params), input_ids, jnp.ones_like(input_ids), runners,
-                                   inference=True, rng=key)[0]  # inference ignores the key
+        jittered = model.apply(params, input_ids, inference=False, rng=key).logits
+        plain = model.apply(params, input_ids, inference=True, rng=key).logits  # inference ignores the key
         return jittered, plain
 
     (first, plain), (again, _), (other, _) = (logits(model.params, jax.random.key(seed)) for seed in (0, 0, 1))
