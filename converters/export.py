@@ -53,6 +53,11 @@ def save_params(
     Returns:
         `out_dir` as a Path.
     """
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"save_params runs in one process; this job has {jax.process_count()}. Multi-host export needs the "
+            "parameters gathered across processes, which is not implemented yet."
+        )
     key_map = key_map_for(key_map)
     out_dir = Path(out_dir)
     _check_destination(out_dir)

@@ -88,21 +88,25 @@ def stack_layer_sources(sources: dict[str, ParamSource], layer_stack) -> dict[st
 
 
 def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
-    """`source` laid out by `sharding`, each device's block read on its own.
+    """`source` laid out by `sharding`: each distinct block is read once, put on every device that holds
+    it, and let go before the next is read, so host memory holds one block at a time (a scanned run's
+    stacked parameter is many layers: keeping all its blocks until the array exists would hold it whole).
 
-    Devices holding the same block (replicated dims) share one read: JAX asks once per device.
+    Reads are tagged `(parameter name, block bounds, ids of the devices the block is for)` (`record_reads`).
     """
-    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-
-    def read_block(index) -> np.ndarray:
+    blocks: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list]] = {}
+    for device, index in sharding.addressable_devices_indices_map(source.shape).items():
         index = normalize_index(index, source.shape)
         bounds = tuple((s.start, s.stop) for s in index)
-        if bounds not in blocks:
-            with read_request((source.name, bounds)):
-                blocks[bounds] = source.tensor.read(index).astype(dtype, copy=False)
-        return blocks[bounds]
-
-    return jax.make_array_from_callback(source.shape, sharding, read_block, dtype=dtype)
+        blocks.setdefault(bounds, (index, []))[1].append(device)
+    shards = []
+    for bounds, (index, devices) in blocks.items():
+        with read_request((source.name, bounds, tuple(device.id for device in devices))):
+            block = source.tensor.read(index).astype(dtype, copy=False)
+        shards += [jax.device_put(block, device) for device in devices]
+        jax.block_until_ready(shards[-len(devices):])  # the transfer is done before the block is dropped
+        del block
+    return jax.make_array_from_single_device_arrays(source.shape, sharding, shards)
 
 
 def _check_shardings(

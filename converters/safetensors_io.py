@@ -58,7 +58,7 @@ class TensorRead:
     """One slice read from a checkpoint: `index` holds `(start, stop)` per dimension of tensor `key`.
 
     `request` is the label of the enclosing `read_request(...)` block (the loader uses
-    `(parameter name, device index)`), or None outside one.
+    `(parameter name, block bounds, ids of the devices that receive the block)`), or None outside one.
     """
 
     path: Path

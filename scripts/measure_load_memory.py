@@ -10,7 +10,7 @@
    - tracemalloc's peak of host (numpy) buffers alive at once during the load: the transient memory the
      loader needs on top of the devices' own memory (on a CPU "device", the loaded shards themselves live
      in host RAM too; those are XLA buffers, not counted by tracemalloc);
-   - every read the loader makes, attributed to the device whose block JAX was asking for when it was made
+   - every read the loader makes, attributed to the device(s) the loader read the block for
      (`reads_by_device`), per file: bytes read from the checkpoint, and bytes of the blocks delivered.
 Prints the figures; docs/benchmarks.md records them.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERTS = ".mlp.experts."
-REPLICATED = "replicated"  # a fully replicated parameter: JAX asks once for all devices
+REPLICATED = "replicated"  # a block several devices receive (read once for all of them)
 
 
 def write_checkpoint(directory: Path, args) -> int:
@@ -52,64 +52,30 @@ def write_checkpoint(directory: Path, args) -> int:
 
 @contextlib.contextmanager
 def reads_by_device():
-    """Attribute every checkpoint read made inside the block to the device that requested it.
+    """Attribute every checkpoint read made inside the block to the devices that requested it.
 
     Yields `{"read": {(device, file, kind): bytes}, "delivered": {(device, kind): bytes}}`: kind is "experts"
     or "other", device a device id or REPLICATED.
 
-    The loader builds each parameter with `jax.make_array_from_callback`, which calls the loader's callback
-    once per addressable device, in the order of `sharding.addressable_devices_indices_map(shape)` (once for
-    all devices when the sharding is fully replicated). The wrapper installed here walks the same order,
-    checks that every call asks for the index JAX assigns to that device, and counts the `TensorRead`s the
-    call makes for that device. A block two devices share is read on the first request only (the loader
-    keeps it), so "read" is what left the files on each device's behalf and "delivered" what each received.
+    The loader reads each distinct block of a parameter once and tags its reads with
+    `(parameter name, block bounds, ids of the devices that receive the block)`: a block for one device is
+    counted as that device's read; a block several devices share (replicated dims) as REPLICATED. Each
+    receiving device is "delivered" the block's bytes.
     """
-    import jax
-
     from converters import record_reads
-    from converters.safetensors_io import normalize_index
 
-    real_make_array = jax.make_array_from_callback
     read: dict = defaultdict(int)
     delivered: dict = defaultdict(int)
-
-    def kind_of(key: str) -> str:
-        return "experts" if EXPERTS in key else "other"
-
+    counts = {"read": read, "delivered": delivered}
     with record_reads() as reads:
-
-        def make_array_from_callback(shape, sharding, data_callback, dtype=None):
-            if sharding.is_fully_replicated:
-                requests = [(REPLICATED, (slice(None),) * len(shape))]
-            else:
-                requests = [(device.id, index) for device, index in
-                            sharding.addressable_devices_indices_map(shape).items()]
-            pending, blocks, first_read = iter(requests), [], len(reads)
-
-            def callback(index):
-                device, expected = next(pending)
-                if normalize_index(index, shape) != normalize_index(expected, shape):
-                    raise AssertionError(f"JAX asked for {index} where device {device} holds {expected}")
-                start = len(reads)
-                block = data_callback(index)
-                for record in reads[start:]:
-                    read[device, record.path.name, kind_of(record.key)] += record.nbytes
-                blocks.append((device, block.nbytes))
-                return block
-
-            array = real_make_array(shape, sharding, callback, dtype=dtype)
-            if next(pending, None) is not None:
-                raise AssertionError("JAX asked for fewer blocks than the sharding has devices")
-            kind = kind_of(reads[first_read].key)  # one parameter: all its reads are of one kind
-            for device, nbytes in blocks:
-                delivered[device, kind] += nbytes
-            return array
-
-        jax.make_array_from_callback = make_array_from_callback
-        try:
-            yield {"read": read, "delivered": delivered}
-        finally:
-            jax.make_array_from_callback = real_make_array
+        yield counts
+    for record in reads:
+        _, _, devices = record.request
+        kind = "experts" if EXPERTS in record.key else "other"
+        reader = devices[0] if len(devices) == 1 else REPLICATED
+        read[reader, record.path.name, kind] += record.nbytes
+        for device in devices:
+            delivered[device, kind] += record.nbytes
 
 
 def measure(directory: Path) -> dict:

@@ -38,16 +38,9 @@ def _is_rank_zero() -> bool:
 def _check_ep_implementation(name: str) -> None:
     """An unknown name fails here, where the user wrote it, rather than at the first forward."""
     # Imported here: expert_parallel pulls in JAX and the ops, which import this module.
-    from .expert_parallel import EPImplementationInterface
+    from .expert_parallel import check_registered
 
-    implementations = EPImplementationInterface()
-    if name not in implementations:
-        # The same text as build_ep_implementation's, so both places read alike.
-        raise ValueError(
-            f"`ep_implementation={name!r}` names no registered implementation: use one of "
-            f"{', '.join(repr(n) for n in implementations)}, or register an `EPImplementation` with "
-            "`EPImplementationInterface.register`."
-        )
+    check_registered(name)
 
 
 @dataclass

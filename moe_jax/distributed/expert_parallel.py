@@ -345,6 +345,17 @@ for _name, _implementation in (
     EPImplementationInterface.register(_name, _implementation)
 
 
+def check_registered(name: str, implementations: EPImplementationInterface | None = None) -> None:
+    """A ValueError listing the registered names unless `name` is one of them."""
+    implementations = implementations if implementations is not None else EPImplementationInterface()
+    if name not in implementations:
+        raise ValueError(
+            f"`ep_implementation={name!r}` names no registered implementation: use one of "
+            f"{', '.join(repr(n) for n in implementations)}, or register an `EPImplementation` with "
+            "`EPImplementationInterface.register`."
+        )
+
+
 def build_ep_implementation(
     name: str,
     experts_forward: ExpertsForward,
@@ -355,12 +366,7 @@ def build_ep_implementation(
 ) -> EPImplementation:
     """Look `name` up and build the implementation (the reference's `install_forward` checks)."""
     implementations = interface if interface is not None else EPImplementationInterface()
-    if name not in implementations:
-        raise ValueError(
-            f"`ep_implementation={name!r}` names no registered implementation: use one of "
-            f"{', '.join(repr(n) for n in implementations)}, or register an `EPImplementation` with "
-            "`EPImplementationInterface.register`."
-        )
+    check_registered(name, implementations)
     implementation_class = implementations[name]
     if not getattr(implementation_class, "accepts_capacity_options", False):
         options = {key: value for key, value in options.items() if key not in ("capacity", "capacity_factor")}

@@ -38,6 +38,7 @@ from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, reso
 from ..distributed.sharding import parameter_shardings
 from ..module_tree import ModuleTree
 from ..ops.routing import load_balancing_loss
+from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
 from .layer_stack import LayerStack, resolve_scan_option
 
@@ -122,7 +123,7 @@ class MoeForCausalLM(PlannedModel):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r} is not a remat policy; use one of {sorted(REMAT_POLICIES)}.")
         self.config = config
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = parameter_dtype(dtype)
         self.remat = remat
         self.module_tree: ModuleTree = self.declare_tree()
         if getattr(config, "tie_word_embeddings", False):

@@ -176,3 +176,10 @@ def test_parameters_held_by_other_processes_are_refused_before_writing(tmp_path)
     with pytest.raises(NotImplementedError, match="model.norm.weight spans devices of other processes"):
         save_params(params, "qwen3_moe", tmp_path / "out", config={"model_type": "qwen3_moe"}, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_multi_process_job_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(NotImplementedError, match="save_params runs in one process; this job has 2"):
+        save_params({"model.norm.weight": np.ones((4,), np.float32)}, "qwen3_moe", tmp_path / "out", config={})
+    assert not (tmp_path / "out").exists()

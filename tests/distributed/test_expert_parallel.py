@@ -1,5 +1,6 @@
 """Every EP path on every legal 8-device layout gives the single-device outputs and gradients."""
 
+import functools
 from functools import partial
 
 import jax
@@ -47,8 +48,11 @@ def make_inputs(rows, routing, seed=0):
     return hidden, index.astype(np.int32), weights, params, cotangent
 
 
-def loss_and_grads_fn(run, index, cotangent):
-    def loss(hidden, weights, params):
+def loss_and_grads_fn(run):
+    """Jitted `(hidden, weights, params, index, cotangent) -> ((loss, (output, statistics)), grads)`; routing
+    and cotangent are arguments, so every routing of one shape shares one compilation."""
+
+    def loss(hidden, weights, params, index, cotangent):
         output, statistics = run(hidden, index, weights, params)
         return jnp.sum(output * cotangent), (output, statistics)
 
@@ -56,16 +60,25 @@ def loss_and_grads_fn(run, index, cotangent):
 
 
 def loss_and_grads(run, hidden, index, weights, params, cotangent):
-    (_, (output, statistics)), grads = loss_and_grads_fn(run, index, cotangent)(hidden, weights, params)
+    (_, (output, statistics)), grads = loss_and_grads_fn(run)(hidden, weights, params, index, cotangent)
     return output, statistics, grads
 
 
-def single_device(hidden, index, weights, params, cotangent):
-    def run(hidden, index, weights, params):
-        return reference_swiglu_experts(hidden, index, weights, **params), None
+SINGLE_DEVICE_STEP = loss_and_grads_fn(
+    lambda hidden, index, weights, params: (reference_swiglu_experts(hidden, index, weights, **params), None)
+)
 
-    output, _, grads = loss_and_grads(run, hidden, index, weights, params, cotangent)
+
+def single_device(hidden, index, weights, params, cotangent):
+    (_, (output, _)), grads = SINGLE_DEVICE_STEP(hidden, weights, params, index, cotangent)
     return output, grads
+
+
+@functools.cache
+def sharded_step(layout_sizes, implementation, capacity, experts_forward):
+    """The sharded loss-and-grads step of one layout, implementation and capacity (compiled once)."""
+    _, run = sharded_runner(layout_sizes, implementation, capacity=capacity, experts_forward=experts_forward)
+    return loss_and_grads_fn(run)
 
 
 def layout_cases():
@@ -120,10 +133,10 @@ def assert_matches_reference(layout_sizes, implementation, rows, routing, seed=0
     expected_out, expected_grads = single_device(hidden, index, weights, params, cotangent)
 
     def build(capacity):
-        _, run = sharded_runner(layout_sizes, implementation, capacity=capacity, experts_forward=experts_forward)
-        return loss_and_grads_fn(run, index, cotangent)
+        return sharded_step(layout_sizes, implementation, capacity, experts_forward)
 
-    result, tried = run_dropless(build, layout_sizes[2], lambda result: result[0][1][1], hidden, weights, params)
+    result, tried = run_dropless(build, layout_sizes[2], lambda result: result[0][1][1], hidden, weights, params,
+                                 index, cotangent)
     (_, (output, statistics)), grads = result
     np.testing.assert_allclose(output, expected_out, rtol=tolerance, atol=tolerance)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
@@ -141,6 +154,7 @@ def test_outputs_and_gradients_match_single_device(layout_sizes, implementation)
         assert_matches_reference(layout_sizes, implementation, rows, routing, seed)
 
 
+PRODUCTION_EXPERTS = partial(swiglu_experts, act=jax.nn.silu)
 PRODUCTION_CASES = [
     ((2, 4, 4, 1), "all_to_all"), ((8, 1, 8, 1), "all_reduce"), ((1, 8, 8, 1), "all_to_all"),
     ((2, 2, 2, 2), "auto"), ((8, 1, 1, 1), None), ((1, 8, 1, 1), None),
@@ -152,10 +166,9 @@ def test_production_experts_match_single_device(layout_sizes, implementation):
     """The experts the models run (SwiGLU over the platform's grouped matmul, with its custom VJP), not the
     one-hot stand-in: outputs and gradients equal the single-device stand-in's."""
     tp, fsdp, ep, replicate = layout_sizes
-    production = partial(swiglu_experts, act=jax.nn.silu)
     for seed, routing in enumerate(("random", "all_to_expert_0")):
         assert_matches_reference(layout_sizes, implementation, 6 * fsdp * replicate, routing, seed,
-                                 experts_forward=production)
+                                 experts_forward=PRODUCTION_EXPERTS)
 
 
 @pytest.mark.parametrize("layout_sizes, implementation", [
