@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
     for backend in args.backends.split(","):
         experts_forward = partial(swiglu_experts, backend=backend)
-        forward = jax.jit(lambda h, i, w, p: experts_forward(h, i, w, **p))
+        forward = jax.jit(lambda h, i, w, p, experts_forward=experts_forward: experts_forward(h, i, w, **p))
         experts_time = median_seconds(forward, hidden, index, weights, params, repeats=args.repeats)
         rate = expert_flops / experts_time / 1e9
         print(f"{backend:<11} {'experts forward, 1 device':<34} {experts_time * 1e3:9.1f} {rate:9.1f} "

@@ -212,7 +212,7 @@ def test_forward_recomputes_an_overflowing_call_and_the_capacity_comes_back_down
     # The same schedule on balanced routing: after `patience` calm calls, one step down.
     model.forward_capacity[True] = skewed.forward_capacity[True]
     capacities = []
-    for seed in range(4):  # 256 tokens per device: the busiest peer stays within 2x the balanced share
+    for seed in range(3):  # 256 tokens per device: the busiest peer stays within 2x the balanced share
         output = model.forward(tokens(8, 256, seed=10 + seed))
         np.testing.assert_allclose(np.asarray(output.logits), np.asarray(single(tokens(8, 256, seed=10 + seed))),
                                    atol=1e-5, rtol=0)
@@ -245,7 +245,7 @@ def test_a_drop_at_the_largest_capacity_is_an_error_not_a_wrong_result(single):
         output = model.forward(tokens(8, 5))
         with pytest.raises(RuntimeError, match=r"pairs were dropped at the largest capacity \(8.0\); its buffers "
                                                r"hold every pair a device sends, so this is a bug"):
-            output.logits
+            output.result()
         assert output.recomputed == 1  # climbed straight from 1.25 to 8.0, then refused
     finally:
         del EPImplementationInterface._global_mapping["always_drops"]
