@@ -88,6 +88,23 @@ command("convert", "convert parameters between HF safetensors and orbax checkpoi
 )
 
 
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    from .train_job import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train_job import run
+
+    return run(args)
+
+
+command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any layout, with orbax checkpoints")(
+    (_train_arguments, _run_train)
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .layout_flags import add_layout_flags, distributed_config_from_flags
+from .layout_flags import add_layout_flags, describe_layout, distributed_config_from_flags, layout_devices
 
 FORMATS = ("hf", "orbax")
 
@@ -66,7 +66,7 @@ def convert(source_format: str, target_format: str, source, destination, distrib
     _check_source(source)
     _check_destination(destination)
     distributed_config = distributed_config or DistributedConfig()
-    devices = conversion_devices(DeviceLayout.from_config(distributed_config).num_devices)
+    devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "convert")
 
     print(f"[1/2] reading the {source_format} checkpoint {source} onto {len(devices)} {devices[0].platform} "
           f"device(s) ({describe_layout(distributed_config)})")
@@ -115,34 +115,6 @@ def hf_config_of(model) -> dict:
     config.pop("distributed_config", None)
     return config
 
-
-def conversion_devices(count: int) -> list:
-    """The first `count` devices of the default platform; on CPU, virtual devices are requested first."""
-    if count > 1:
-        from .demo import ensure_virtual_cpu_devices
-
-        ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
-    import jax
-
-    devices = jax.devices()
-    if len(devices) >= count:
-        return devices[:count]
-    platform = devices[0].platform
-    if platform == "cpu":
-        raise ValueError(
-            f"The layout needs {count} devices but JAX started with {len(devices)} CPU device(s). Set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts (e.g. in the shell: "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} moe-jax convert ...), or use a smaller layout."
-        )
-    raise ValueError(
-        f"The layout needs {count} devices but JAX sees {len(devices)} {platform} device(s); choose --tp, --fsdp "
-        f"and --dp-replicate whose product is at most {len(devices)}."
-    )
-
-
-def describe_layout(distributed_config) -> str:
-    return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
-            f"dp_replicate={distributed_config.dp_replicate_size}")
 
 
 def parameter_bytes(params: dict) -> int:

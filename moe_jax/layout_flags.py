@@ -35,3 +35,32 @@ def distributed_config_from_flags(args: argparse.Namespace):
 
     values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items() if hasattr(args, flag)}
     return DistributedConfig(**values)
+
+
+def layout_devices(count: int, command: str) -> list:
+    """The first `count` devices of the default platform; on CPU, virtual devices are requested first."""
+    if count > 1:
+        from .demo import ensure_virtual_cpu_devices
+
+        ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
+    import jax
+
+    devices = jax.devices()
+    if len(devices) >= count:
+        return devices[:count]
+    platform = devices[0].platform
+    if platform == "cpu":
+        raise ValueError(
+            f"The layout needs {count} devices but JAX started with {len(devices)} CPU device(s). Set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts (e.g. in the shell: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} moe-jax {command} ...), or use a smaller layout."
+        )
+    raise ValueError(
+        f"The layout needs {count} devices but JAX sees {len(devices)} {platform} device(s); choose --tp, --fsdp "
+        f"and --dp-replicate whose product is at most {len(devices)}."
+    )
+
+
+def describe_layout(distributed_config) -> str:
+    return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
+            f"dp_replicate={distributed_config.dp_replicate_size}")

@@ -39,8 +39,14 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     config = read_config(directory)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
-    model.params = load_params(directory, model.module_tree, model.model_type, model.storage_shardings(),
-                               dtype=dtype, progress=progress, layer_stack=model.layer_stack)
+    return load_weights(model, directory, progress=progress)
+
+
+def load_weights(model, path, *, progress: bool = True):
+    """Read the HF checkpoint at `path` into `model.params`, in the model's shardings and dtype."""
+    model.params = load_params(local_checkpoint(path), model.module_tree, model.model_type,
+                               model.storage_shardings(), dtype=model.dtype, progress=progress,
+                               layer_stack=model.layer_stack)
     return model
 
 

@@ -1,0 +1,254 @@
+"""`moe-jax train`: train an HF MoE checkpoint (or a built-in tiny model) on any layout.
+
+    moe-jax train --steps 100                                   # built-in tiny Qwen3-MoE, synthetic data, 1 device
+    moe-jax train --model Qwen3-30B-A3B/ --data tokens.npy --batch-size 32 --fsdp 8 --ep 8 \\
+        --checkpoint-dir ckpt/ --save-every 100 --metrics-jsonl metrics.jsonl --export-hf trained/
+    moe-jax train ... --resume                                  # continue from the latest checkpoint in ckpt/
+    python scripts/train.py ...                                 # the same job without the installed command
+
+Data: `--data FILE.npy` (int token ids [num_sequences, seq_len]; step i trains on rows i*B .. i*B+B-1,
+wrapping around), `--text FILE` (tokenised with the checkpoint's tokenizer), or a synthetic stream.
+Labels are the inputs, shifted inside the loss as the reference does. Every bad request (data file,
+sequence length, batch size, checkpoint directory, layout) is refused with one `error:` line before any
+compute. The JSONL has one object per optimizer step: step, loss (of the batch, before that step's
+update; includes the router term when the config adds it), ce_loss, aux_loss, grad_norm, tokens_per_s,
+capacity, replayed, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .layout_flags import (
+    LAYOUT_FLAGS,
+    add_layout_flags,
+    describe_layout,
+    distributed_config_from_flags,
+    layout_devices,
+)
+
+DTYPES = ("float32", "bfloat16")
+SCAN_CHOICES = {"auto": "auto", "true": True, "false": False}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint directory (default: a built-in tiny Qwen3-MoE with random weights)")
+    parser.add_argument("--steps", type=int, default=10, help="train until this optimizer step (default 10)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size in sequences (default 8)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default: the data file's; 64 for synthetic data)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--expert-lr", type=float, default=None,
+                        help="a separate learning rate for the routed experts (default: --lr)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="adamw (PyTorch's defaults) or sgd (plain: no momentum, no weight decay)")
+    parser.add_argument("--weight-decay", type=float, default=None, help="AdamW's decoupled weight decay (default 0)")
+    parser.add_argument("--grad-clip", type=float, default=1.0,
+                        help="max global gradient norm over all parameters (default 1.0, as HF Trainer; 0 = off)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    add_layout_flags(parser, pipeline=False, ep_implementation=True)
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
+    data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
+    parser.add_argument("--metrics-jsonl", default=None, help="append one JSON object per optimizer step here")
+    parser.add_argument("--checkpoint-dir", default=None, help="orbax train-state checkpoints (saved asynchronously)")
+    parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the built-in model, synthetic data and step keys")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default float32)")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="float32 master parameters and optimizer state, bfloat16 compute (needs --dtype float32)")
+    parser.add_argument("--export-hf", default=None, help="write the trained weights here as an HF checkpoint")
+    parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call in the loss")
+    parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
+                        help="run identical layers as one scan (auto: from 4 layers)")
+    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
+                        help="what each layer keeps for the backward pass")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _layout_given(args) -> bool:
+    return any(getattr(args, flag, None) is not None for flag in LAYOUT_FLAGS if flag != "ep_implementation")
+
+
+def _check_positive(args) -> None:
+    for flag in ("steps", "batch_size", "grad_accum", "save_every", "keep", "loss_chunk"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1.")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len {args.seq_len} must be >= 1.")
+    if args.grad_clip < 0:
+        raise ValueError(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off).")
+
+
+def _model_config(args) -> tuple[dict, Path | None]:
+    from .checkpoint_files import read_config
+    from .demo import DEMO_CONFIG
+
+    if args.model is None:
+        return dict(DEMO_CONFIG), None
+    directory = Path(args.model)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--model {directory}: not a checkpoint directory.")
+    return read_config(directory), directory
+
+
+def _data_source(args, config: dict, model_dir: Path | None):
+    from .training.data import SyntheticTokens, TokenRows
+
+    if args.data is not None:
+        data = TokenRows.from_file(args.data, args.batch_size, args.seq_len)
+    elif args.text is not None:
+        data = TokenRows.from_text(args.text, model_dir, args.batch_size, args.seq_len or 64)
+    else:
+        return SyntheticTokens(config["vocab_size"], args.batch_size, args.seq_len or 64, args.seed)
+    data.check_vocabulary(config["vocab_size"])
+    return data
+
+
+def _check_sequence(seq_len: int, config: dict) -> None:
+    limit = config.get("max_position_embeddings")
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"sequences of {seq_len} tokens are longer than the model's max_position_embeddings "
+                         f"({limit}); use --seq-len {limit} or less.")
+
+
+def _check_output_dir(path: str | None, flag: str) -> None:
+    if path is not None and Path(path).exists() and any(Path(path).iterdir()):
+        raise FileExistsError(f"{flag} {path} exists and is not empty; pass a new directory.")
+
+
+class _Progress:
+    """A tqdm bar with loss, tokens/s and capacity, plus the JSONL writer."""
+
+    def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
+        self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl else None  # noqa: SIM115 (closed in close())
+        self.last: dict | None = None
+
+    def __call__(self, record: dict) -> None:
+        self.last = record
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             capacity=record["capacity"], replays=record["replays"], refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The job behind `moe-jax train`; prints `error: ...` and returns 2 on a bad request."""
+    try:
+        return train(args)
+    except (OSError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def train(args: argparse.Namespace) -> int:
+    _check_positive(args)
+    config, model_dir = _model_config(args)
+    data = _data_source(args, config, model_dir)
+    _check_sequence(data.seq_len, config)
+    _check_output_dir(args.export_hf, "--export-hf")
+    if args.resume and args.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
+    if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
+        raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
+
+    import jax
+
+    from .distributed.mesh import DeviceLayout
+    from .models.auto import AutoModelForCausalLM
+    from .pretrained import load_weights
+    from .training.checkpoints import TrainCheckpoints
+    from .training.loop import TrainLoop
+    from .training.optimizers import build_optimizer
+    from .training.step import make_train_step
+
+    distributed_config = distributed_config_from_flags(args) if _layout_given(args) else None
+    if distributed_config is None:
+        devices = jax.devices()[:1]
+        print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees {len(jax.devices())} "
+              f"device(s): pass --tp / --fsdp / --ep / --dp-replicate to use them)")
+    else:
+        devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "train")
+        print(f"training on {len(devices)} {devices[0].platform} devices ({describe_layout(distributed_config)}, "
+              f"ep_implementation={distributed_config.ep_implementation})")
+    if distributed_config is None and args.ep_implementation != "auto":
+        from .distributed.config import DistributedConfig
+
+        distributed_config = DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
+    model_options = dict(devices=devices, dtype=args.dtype, scan_layers=SCAN_CHOICES[args.scan_layers],
+                         remat=args.remat)
+    model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
+    optimizer = build_optimizer(args.optimizer, args.lr, args.weight_decay, expert_learning_rate=args.expert_lr)
+    train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
+                                 grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
+                                 mixed_precision=args.mixed_precision or None)
+    if (error := train_step.batch_size_error(args.batch_size)) is not None:
+        raise ValueError(f"--batch-size {args.batch_size}: {error}")
+
+    checkpoints = None
+    if args.checkpoint_dir is not None:
+        checkpoints = TrainCheckpoints(args.checkpoint_dir, model, train_step, save_every=args.save_every,
+                                       keep=args.keep)
+        latest = checkpoints.latest_step()
+        if latest is not None and not args.resume:
+            raise FileExistsError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (latest step "
+                                  f"{latest}); pass --resume to continue from it, or a new directory.")
+        if args.resume:
+            if latest is None:
+                raise FileNotFoundError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint.")
+            checkpoints.check_compatible(checkpoints.record(latest))
+
+    capacity_state = None
+    if args.resume:
+        state, capacity_state = checkpoints.restore()
+        print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
+    else:
+        if model_dir is not None:
+            load_weights(model, model_dir, progress=not args.no_progress)
+        else:
+            model.init_params(args.seed)
+        state = train_step.init_state(seed=args.seed)
+    start = int(state.step)
+
+    progress = _Progress(start, args.steps, args.metrics_jsonl, not args.no_progress)
+    loop = TrainLoop(
+        train_step, data, on_step=progress,
+        should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
+        save=checkpoints.save if checkpoints is not None else None,
+    )
+    began = time.perf_counter()
+    try:
+        state, capacity_state = loop.run(state, args.steps, capacity_state)
+    finally:
+        progress.close()
+        if checkpoints is not None:
+            checkpoints.close()
+    seconds = time.perf_counter() - began
+    steps = args.steps - start
+    if progress.last is not None:
+        print(f"trained steps {start + 1}-{args.steps} in {seconds:.1f} s: final loss {progress.last['loss']:.4f}, "
+              f"{steps * data.batch_size * data.seq_len / seconds:.0f} tokens/s overall, "
+              f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}")
+    if args.export_hf is not None:
+        model.params = state.params
+        model.save_pretrained(args.export_hf, progress=not args.no_progress)
+        print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}")
+    return 0

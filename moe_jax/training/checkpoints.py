@@ -1,0 +1,140 @@
+"""Train-state checkpoints with orbax: async saves every N steps, the last K kept, exact resume on any layout.
+
+    checkpoints = TrainCheckpoints(directory, model, train_step, save_every=100, keep=3)
+    checkpoints.save(step, state, capacity_state)               # async: returns once arrays are copied out
+    state, capacity_state = checkpoints.restore(seed=0)         # latest step, onto this model's layout
+
+A checkpoint holds the state's arrays (params, optimizer state, step, rng, data position) and a JSON
+record: the model's type and config, its parameter shapes, the layout it was saved from, and the
+dispatch capacity in force with its calm streak. Restoring reads every array directly into the shardings
+of the *current* model and optimizer (orbax reshards), so a state saved with tp2/fsdp4/ep4 resumes with
+fsdp8/ep8. Orbax writes each step into a temporary directory and renames it when complete, so a killed
+write never damages the last complete checkpoint (an unfinished one is ignored and cleaned up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from ..distributed.capacity import CapacityState
+from .state import TrainState, abstract_train_state
+
+FORMAT = "moe_jax.train_state/1"
+
+
+def model_record(model) -> dict:
+    """What identifies a model's train state: type, config (minus the layout) and storage shapes."""
+    config = model.config.to_dict()
+    config.pop("distributed_config", None)
+    return {
+        "model_type": model.model_type,
+        "config": json.loads(json.dumps(config, default=str)),
+        "parameters": {name: list(shape) for name, shape in model.storage_shapes().items()},
+        "dtype": jnp.dtype(model.dtype).name,
+    }
+
+
+class TrainCheckpoints:
+    """Orbax `CheckpointManager` over `directory` for one model and train step."""
+
+    def __init__(self, directory, model, train_step, *, save_every: int = 1, keep: int | None = 3,
+                 async_save: bool = True):
+        if save_every < 1:
+            raise ValueError(f"save_every={save_every} must be >= 1 (steps between checkpoints).")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep} must be >= 1 (checkpoints kept), or None to keep all.")
+        self.directory = Path(directory).absolute()
+        self.model, self.train_step, self.save_every = model, train_step, save_every
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_every == 0
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: TrainState, capacity_state: CapacityState | None) -> None:
+        record = {
+            "format": FORMAT, "step": step, **model_record(self.model),
+            "layout": self.model.distributed_config.to_dict() if hasattr(self.model.distributed_config, "to_dict")
+            else {},
+            "capacity": None if capacity_state is None else {
+                "capacity": capacity_state.capacity, "calm_calls": capacity_state.calm_calls,
+                "calm_peak": capacity_state.calm_peak},
+        }
+        record = json.loads(json.dumps(record, default=str))
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state.arrays()), record=ocp.args.JsonSave(record)))
+
+    def record(self, step: int | None = None) -> dict:
+        step = self._step(step)
+        return self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+
+    def check_compatible(self, record: dict) -> None:
+        """A clear error when the checkpoint belongs to another model (type, config or parameter shapes)."""
+        ours = model_record(self.model)
+        problems = []
+        if record.get("format") != FORMAT:
+            problems.append(f"format {record.get('format')!r} is not {FORMAT!r}")
+        if record.get("model_type") != ours["model_type"]:
+            problems.append(f"model_type {record.get('model_type')!r} != {ours['model_type']!r}")
+        theirs = record.get("parameters", {})
+        if theirs != ours["parameters"]:
+            differ = sorted(name for name in theirs.keys() | ours["parameters"].keys()
+                            if theirs.get(name) != ours["parameters"].get(name))
+            problems.append(f"parameter shapes differ ({len(differ)}: {', '.join(differ[:4])}"
+                            f"{', ...' if len(differ) > 4 else ''})")
+        if record.get("dtype") != ours["dtype"]:
+            problems.append(f"dtype {record.get('dtype')} != {ours['dtype']}")
+        if problems:
+            raise ValueError(
+                f"{self.directory} holds a train state of another model: {'; '.join(problems)}. Use a new "
+                "--checkpoint-dir for this model, or the model the checkpoint was saved from."
+            )
+
+    def restore(self, step: int | None = None) -> tuple[TrainState, CapacityState | None]:
+        """The state saved at `step` (default the latest), read into this model's and step's shardings."""
+        step = self._step(step)
+        record = self.record(step)
+        self.check_compatible(record)
+        saved = record.get("capacity")
+        capacity_state = None
+        capacity = None
+        if self.model.layout.ep_size > 1:
+            schedule = self.model.capacity_schedule
+            if saved is None:
+                capacity_state = schedule.start()
+            else:  # the ladder depends on ep_size: keep the saved capacity only where this layout has it
+                try:
+                    capacity_state = CapacityState(schedule.check(saved["capacity"]), int(saved["calm_calls"]),
+                                                   float(saved["calm_peak"]))
+                except ValueError:
+                    capacity_state = CapacityState(min(c for c in schedule.ladder if c >= min(
+                        saved["capacity"], schedule.largest)))
+            capacity = capacity_state.capacity
+        target = abstract_train_state(self.model, self.train_step.optimizer, capacity,
+                                      memory_kind=self.train_step.memory_kind)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target.arrays())))["state"]
+        return TrainState(**restored, capacity=capacity), capacity_state
+
+    def _step(self, step: int | None) -> int:
+        if step is None:
+            step = self.manager.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"{self.directory} holds no complete train-state checkpoint to resume from.")
+        return step
+
+    def wait(self) -> None:
+        """Block until the last async save is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

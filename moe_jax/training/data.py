@@ -1,0 +1,111 @@
+"""Batch sources for the training loop: indexable, so a replay or a resume asks for the same batch again.
+
+    TokenRows(np.load("tokens.npy", mmap_mode="r"), batch_size=8)     # [num_sequences, seq_len] int ids
+    TokenRows.from_text("corpus.txt", tokenizer_dir, batch_size=8, seq_len=512)
+    SyntheticTokens(vocab_size=256, batch_size=8, seq_len=64, seed=0)
+
+`batch(i)` returns `{"input_ids": [B, S] int32}`; labels are the inputs (the loss shifts them, as the
+reference does). Step i of a token file trains on rows i*B .. i*B+B-1, wrapping around.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class TokenRows:
+    """Rows of token ids; batch i = rows i*B .. i*B+B-1 (mod the row count), first `seq_len` columns."""
+
+    def __init__(self, rows: np.ndarray, batch_size: int, seq_len: int | None = None, *, source: str = "tokens"):
+        rows = np.asarray(rows) if not isinstance(rows, np.memmap) else rows
+        if rows.ndim != 2:
+            raise ValueError(f"{source}: token ids must be a 2-D array [num_sequences, seq_len], got shape "
+                             f"{tuple(rows.shape)}.")
+        if not np.issubdtype(rows.dtype, np.integer):
+            raise ValueError(f"{source}: token ids must be integers, got dtype {rows.dtype}.")
+        if rows.shape[0] == 0 or rows.shape[1] == 0:
+            raise ValueError(f"{source}: holds no tokens (shape {tuple(rows.shape)}).")
+        if batch_size < 1:
+            raise ValueError(f"batch size {batch_size} must be >= 1.")
+        seq_len = rows.shape[1] if seq_len is None else seq_len
+        if not 1 <= seq_len <= rows.shape[1]:
+            raise ValueError(f"seq_len={seq_len} is not within the {rows.shape[1]} tokens per row of {source}.")
+        self.rows, self.batch_size, self.seq_len, self.source = rows, batch_size, seq_len, source
+
+    @classmethod
+    def from_file(cls, path, batch_size: int, seq_len: int | None = None) -> TokenRows:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--data {path}: no such file (a .npy of int token ids [num_sequences, seq_len]).")
+        try:
+            rows = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as error:
+            raise ValueError(f"--data {path}: not a .npy array file ({error}).") from None
+        return cls(rows, batch_size, seq_len, source=str(path))
+
+    @classmethod
+    def from_text(cls, path, tokenizer_dir, batch_size: int, seq_len: int) -> TokenRows:
+        """Tokenise a text file with the checkpoint's tokenizer and cut the token stream into rows."""
+        tokenizer = load_tokenizer(tokenizer_dir)
+        text = Path(path).read_text(encoding="utf-8")
+        ids = np.asarray(tokenizer(text), dtype=np.int64)
+        if len(ids) < seq_len:
+            raise ValueError(f"--text {path}: {len(ids)} tokens, fewer than one sequence of --seq-len {seq_len}.")
+        usable = len(ids) // seq_len * seq_len
+        return cls(ids[:usable].reshape(-1, seq_len), batch_size, seq_len, source=str(path))
+
+    @property
+    def num_sequences(self) -> int:
+        return self.rows.shape[0]
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every id must index the embedding: checked once, before any compute."""
+        low, high = int(np.min(self.rows)), int(np.max(self.rows))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"{self.source}: token ids span [{low}, {high}], outside the model's vocabulary "
+                             f"[0, {vocab_size}).")
+
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        rows = (index * self.batch_size + np.arange(self.batch_size)) % self.num_sequences
+        return {"input_ids": np.asarray(self.rows[rows, : self.seq_len], np.int32)}
+
+
+class SyntheticTokens:
+    """Uniform random token ids, batch i drawn from seed (seed, i): no data needed, same batch every time."""
+
+    def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch size {batch_size} and seq_len {seq_len} must be >= 1.")
+        self.vocab_size, self.batch_size, self.seq_len, self.seed = vocab_size, batch_size, seq_len, seed
+
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng((self.seed, index))
+        return {"input_ids": rng.integers(0, self.vocab_size, (self.batch_size, self.seq_len)).astype(np.int32)}
+
+
+def load_tokenizer(directory):
+    """`text -> list of ids` with the checkpoint's tokenizer (transformers' AutoTokenizer, else `tokenizers`)."""
+    directory = Path(directory) if directory is not None else None
+    if directory is None or not directory.is_dir():
+        raise ValueError("Text data needs the checkpoint's tokenizer: pass --model with a checkpoint directory that "
+                         "holds one, or give token ids with --data FILE.npy.")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        AutoTokenizer = None
+    if AutoTokenizer is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{directory} has no tokenizer transformers can load ({error}); give token ids with "
+                             "--data FILE.npy instead.") from None
+        return lambda text: tokenizer(text)["input_ids"]
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{directory} has no tokenizer.json; give token ids with --data FILE.npy instead.")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return lambda text: tokenizer.encode(text).ids

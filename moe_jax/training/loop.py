@@ -1,0 +1,129 @@
+"""The training loop: dispatch one step ahead, confirm one step late, replay what overflowed.
+
+    loop = TrainLoop(train_step, data, on_step=print)
+    state, capacity = loop.run(state, until_step=100)
+
+Each step is dispatched before the previous one's metrics are read, so the device never waits for the host.
+Reading step k's metrics (while step k + 1 runs) tells whether k applied its update. When k's dispatch
+overflowed, k and the step already queued behind it returned their input state (the sticky flag), so the
+loop clears the flag, raises the capacity to what k required (at least the next rung of the ladder) and
+replays k's batch and the ones after it: every batch is applied once, in order, and the results are those
+of a dropless run. The capacity moves by the model's `CapacitySchedule` (up at once, down after `patience`
+calm steps) and is part of the state, so checkpoints hold it.
+
+Data sources are indexable (`data.batch(index) -> {"input_ids": [B, S], ...}`), which makes replay and
+resume exact: the state's `data_position` is the index of the next batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..distributed.capacity import CapacitySchedule, CapacityState
+from .state import TrainState
+
+
+class BatchSource(Protocol):
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        """The global batch number `index` (deterministic: a replay or a resume asks for it again)."""
+
+
+@dataclass
+class _InFlight:
+    data_index: int
+    capacity: float | None
+    metrics: dict[str, jax.Array]
+    replayed: bool
+
+
+class TrainLoop:
+    """Runs `train_step` over `data` with lag-one confirmation and exact replay.
+
+    on_step(record): called once per applied optimizer step, in order, with a dict of floats/ints: step,
+        loss, ce_loss, aux_loss, grad_norm, tokens, tokens_per_s, capacity (that the step ran at),
+        replayed (its batch had overflowed and was run again), replays (replays so far), data_position.
+    save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
+        drains the queue first, so `state` is exactly the state after that step.
+    """
+
+    def __init__(self, train_step, data: BatchSource, *, schedule: CapacitySchedule | None = None,
+                 on_step: Callable[[dict], None] | None = None,
+                 should_save: Callable[[int], bool] | None = None,
+                 save: Callable[[int, TrainState, CapacityState | None], None] | None = None):
+        self.train_step, self.data = train_step, data
+        self.schedule = schedule or train_step.model.capacity_schedule
+        self.on_step = on_step or (lambda record: None)
+        self.should_save = should_save or (lambda step: False)
+        self.save = save
+        self.replays = 0
+
+    def run(self, state: TrainState, until_step: int, capacity_state: CapacityState | None = None
+            ) -> tuple[TrainState, CapacityState | None]:
+        """Train until `state.step == until_step`; returns the final state and capacity state."""
+        if state.capacity is not None and capacity_state is None:
+            capacity_state = CapacityState(state.capacity)
+        step, next_index = (int(v) for v in jax.device_get((state.step, state.data_position)))
+        pending: deque[_InFlight] = deque()
+        replay_until = -1          # batches up to this index are replays
+        last_confirmation = time.perf_counter()
+        while step < until_step:
+            expected = step + len(pending)
+            if expected < until_step and not (pending and self.should_save(expected)):
+                batch = self.data.batch(next_index)
+                state, metrics = self.train_step(state, batch)
+                pending.append(_InFlight(next_index, state.capacity, metrics, next_index <= replay_until))
+                next_index += 1
+                if len(pending) < 2:
+                    continue
+            entry = pending.popleft()
+            values = {name: np.asarray(value) for name, value in jax.device_get(entry.metrics).items()}
+            if not bool(values["applied"]):
+                state, capacity_state = self._raise_capacity(state, entry, float(values["required_capacity"]))
+                replay_until = max(replay_until, next_index - 1)
+                next_index = entry.data_index
+                pending.clear()
+                continue
+            step += 1
+            now = time.perf_counter()
+            record = self._record(values, entry, now - last_confirmation)
+            last_confirmation = now
+            if capacity_state is not None:
+                capacity_state = self.schedule.update(capacity_state, float(values["required_capacity"]))
+                if capacity_state.capacity != state.capacity:
+                    state = state.replace(capacity=capacity_state.capacity)
+            self.on_step(record)
+            if self.save is not None and self.should_save(step) and not pending:
+                self.save(step, state, capacity_state)
+        return state, capacity_state
+
+    def _raise_capacity(self, state: TrainState, entry: _InFlight, required: float
+                        ) -> tuple[TrainState, CapacityState]:
+        ladder = self.schedule.ladder
+        if entry.capacity is None or entry.capacity >= self.schedule.largest:
+            raise RuntimeError(
+                f"A step at the largest capacity ({entry.capacity}) dropped (token, expert) pairs; its buffers hold "
+                "every pair a device sends, so this is a bug in the EP implementation."
+            )
+        next_rung = ladder[ladder.index(self.schedule.check(entry.capacity)) + 1]
+        capacity = self.schedule.check(max(required, next_rung))
+        self.replays += 1
+        skipping = jax.device_put(jnp.zeros((), jnp.bool_), state.skipping.sharding)
+        return state.replace(capacity=capacity, skipping=skipping), CapacityState(capacity)
+
+    def _record(self, values: dict[str, np.ndarray], entry: _InFlight, seconds: float) -> dict[str, Any]:
+        tokens = int(values["tokens"])
+        return {
+            "step": int(values["step"]), "loss": float(values["loss"]), "ce_loss": float(values["ce_loss"]),
+            "aux_loss": float(values["aux_loss"]), "grad_norm": float(values["grad_norm"]), "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "capacity": entry.capacity,
+            "required_capacity": float(values["required_capacity"]), "replayed": entry.replayed,
+            "replays": self.replays, "data_position": int(values["data_position"]),
+        }

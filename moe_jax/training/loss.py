@@ -1,0 +1,94 @@
+"""Causal-LM loss as the reference computes it, from hidden states in chunks.
+
+HF's `ForCausalLMLoss`: labels are padded with -100 on the right and shifted left by one (position t
+predicts labels[t + 1]), logits are upcast to float32, cross entropy ignores -100, and the loss is the
+mean over the predicted tokens. MoE models add `router_aux_loss_coef * aux_loss` when the config has
+`output_router_logits=True` (and labels are given). Here the cross entropy is a *sum* and a *count* per
+call, so the mean can be taken over the global batch of several micro-batches; the `[B, S, V]` logits are
+never held at once: `lm_head` runs on `chunk` positions at a time inside a rematerialised scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+IGNORE_INDEX = -100
+
+
+def default_labels(input_ids: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+    """input_ids, attention_mask: [B, S] -> labels [B, S]: the inputs, -100 where the mask is 0 (padding),
+    as a causal-LM data collator makes them."""
+    if attention_mask is None:
+        return input_ids
+    return jnp.where(attention_mask > 0, input_ids, IGNORE_INDEX)
+
+
+def shift_labels(labels: jax.Array) -> jax.Array:
+    """labels: [B, S] -> targets [B, S]: targets[:, t] = labels[:, t + 1], the last position -100."""
+    pad = jnp.full((labels.shape[0], 1), IGNORE_INDEX, labels.dtype)
+    return jnp.concatenate([labels[:, 1:], pad], axis=1)
+
+
+def prediction_targets(input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                       labels: jax.Array | None = None) -> jax.Array:
+    """[B, S] -> the token each position predicts, -100 where nothing is counted: the shifted labels
+    (default: the inputs, -100 at padding), and nothing predicted *from* a padding position.
+
+    The last rule matters only for left padding: the reference counts the prediction of the first real
+    token from the last padding position, whose hidden state comes from a fully masked attention row
+    (its value depends on the attention kernel); we do not (docs/design.md, "Training")."""
+    targets = shift_labels(default_labels(input_ids, attention_mask) if labels is None else labels)
+    if attention_mask is None:
+        return targets
+    return jnp.where(attention_mask > 0, targets, IGNORE_INDEX)
+
+
+def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[[jax.Array], jax.Array],
+                          chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Summed token cross entropy and the number of counted tokens.
+
+    hidden: [B, S, H] (the lm_head's input); targets: [B, S] ints, -100 = not counted; logits_fn: [B, C, H]
+    -> [B, C, V]. Runs over ceil(S / chunk) chunks of positions; the backward pass recomputes each chunk's
+    logits instead of keeping them. Returns (sum, count), float32 and int32 scalars.
+    """
+    if chunk < 1:
+        raise ValueError(f"loss chunk={chunk} must be >= 1 (positions per lm_head call).")
+    batch, sequence, width = hidden.shape
+    chunk = min(chunk, sequence)
+    padding = -sequence % chunk
+    if padding:
+        hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, padding)), constant_values=IGNORE_INDEX)
+    chunks = (sequence + padding) // chunk
+    hidden = hidden.reshape(batch, chunks, chunk, width).swapaxes(0, 1)   # [N, B, C, H]
+    targets = targets.reshape(batch, chunks, chunk).swapaxes(0, 1)         # [N, B, C]
+
+    @jax.checkpoint
+    def chunk_loss(hidden_chunk, target_chunk):
+        logits = logits_fn(hidden_chunk).astype(jnp.float32)               # [B, C, V]
+        counted = target_chunk != IGNORE_INDEX
+        safe = jnp.where(counted, target_chunk, 0)
+        picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+        losses = jax.nn.logsumexp(logits, axis=-1) - picked
+        return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted, dtype=jnp.int32)
+
+    def body(carry, xs):
+        total, count = carry
+        chunk_sum, chunk_count = chunk_loss(*xs)
+        return (total + chunk_sum, count + chunk_count), None
+
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (total, count), _ = jax.lax.scan(body, zero, (hidden, targets))
+    return total, count
+
+
+def adds_aux_loss(config) -> bool:
+    """Whether the reference adds the router loss to the LM loss: `output_router_logits` in the config."""
+    return bool(getattr(config, "output_router_logits", False))
+
+
+def aux_loss_coefficient(config) -> float:
+    return float(getattr(config, "router_aux_loss_coef", 0.0)) if adds_aux_loss(config) else 0.0

@@ -1,0 +1,58 @@
+"""Optimizers by name, and separate settings for expert and dense parameters.
+
+    build_optimizer("adamw", learning_rate=1e-3, weight_decay=0.01)
+    experts_and_dense(optax.adamw(1e-4), optax.adamw(1e-3))     # any two optax transformations
+
+Any optax `GradientTransformation` works with `make_train_step`; these are what `moe-jax train` offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import optax
+
+EXPERT_MARKER = ".mlp.experts."
+
+
+def _adamw(learning_rate: float, weight_decay: float | None) -> optax.GradientTransformation:
+    # PyTorch's AdamW defaults (betas, eps); decoupled decay on every parameter, as torch.optim.AdamW.
+    return optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+                       weight_decay=0.0 if weight_decay is None else weight_decay)
+
+
+def _sgd(learning_rate: float, weight_decay: float | None) -> optax.GradientTransformation:
+    if weight_decay:
+        raise ValueError(f"--optimizer sgd is plain SGD (no momentum, no weight decay); got weight decay "
+                         f"{weight_decay}. Use --optimizer adamw for weight decay.")
+    return optax.sgd(learning_rate)
+
+
+OPTIMIZERS: dict[str, Callable[[float, float | None], optax.GradientTransformation]] = {
+    "adamw": _adamw,
+    "sgd": _sgd,
+}
+
+
+def build_optimizer(name: str, learning_rate: float, weight_decay: float | None = None, *,
+                    expert_learning_rate: float | None = None) -> optax.GradientTransformation:
+    """The optimizer `name` (one of `OPTIMIZERS`); with `expert_learning_rate`, the experts get their own."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not one of {sorted(OPTIMIZERS)}.")
+    if learning_rate <= 0:
+        raise ValueError(f"learning rate {learning_rate} must be > 0.")
+    dense = OPTIMIZERS[name](learning_rate, weight_decay)
+    if expert_learning_rate is None:
+        return dense
+    return experts_and_dense(OPTIMIZERS[name](expert_learning_rate, weight_decay), dense)
+
+
+def parameter_groups(params: dict) -> dict[str, str]:
+    """Storage name -> "experts" (routed expert weights) or "dense" (everything else)."""
+    return {name: "experts" if EXPERT_MARKER in name else "dense" for name in params}
+
+
+def experts_and_dense(experts: optax.GradientTransformation, dense: optax.GradientTransformation
+                      ) -> optax.GradientTransformation:
+    """`experts` for the routed experts' weights, `dense` for every other parameter (optax.multi_transform)."""
+    return optax.multi_transform({"experts": experts, "dense": dense}, parameter_groups)

@@ -1,0 +1,129 @@
+"""The train state: everything a step reads and writes, as one donated pytree.
+
+    state = init_train_state(model, optimizer, seed=0)         # params: model.params (copied)
+    state.step, state.params, state.opt_state, state.rng, state.data_position, state.skipping
+    state.capacity                                             # static: the dispatch capacity in force
+
+`capacity` is a static field (part of the pytree structure, not an array): it sets the step's dispatch
+buffer sizes, so each capacity is its own compilation and the loop switches capacity without reading the
+device. `skipping` is the sticky overflow flag: once a step's dispatch overflowed, that step and every
+later one return their input state unchanged until the loop, which reads the metrics one step late,
+clears it and replays from the overflowed step at a larger capacity (`moe_jax.training.loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """step: optimizer steps applied (int32); params: `model.params` layout; opt_state: the optimizer's
+    state, laid out like its parameters; rng: uint32[2] base key (step keys are `fold_in(rng, step)`);
+    data_position: batches consumed (int32; a replayed batch counts once); skipping: the sticky overflow
+    flag (bool); capacity: the dispatch capacity in force (static; None without dispatch buffers)."""
+
+    step: jax.Array
+    params: dict[str, jax.Array]
+    opt_state: Any
+    rng: jax.Array
+    data_position: jax.Array
+    skipping: jax.Array
+    capacity: float | None = None
+
+    def replace(self, **changes) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+    def arrays(self) -> dict[str, Any]:
+        """The checkpointed arrays (everything but the static capacity)."""
+        return {field: getattr(self, field) for field in ARRAY_FIELDS}
+
+
+ARRAY_FIELDS = ("step", "params", "opt_state", "rng", "data_position", "skipping")
+
+jax.tree_util.register_dataclass(TrainState, data_fields=list(ARRAY_FIELDS), meta_fields=["capacity"])
+
+
+def _parameter_sharding(path, leaf, parameters: dict[str, NamedSharding], shapes: dict[str, tuple],
+                        replicated: NamedSharding) -> NamedSharding:
+    """The sharding of an optimizer-state leaf: that of the parameter it belongs to (the innermost dict key
+    naming a parameter of the same shape: adam's mu / nu, momentum, ...), else replicated (counts)."""
+    for entry in reversed(path):
+        name = getattr(entry, "key", None)
+        if isinstance(name, str) and name in parameters and tuple(leaf.shape) == tuple(shapes[name]):
+            return parameters[name]
+    return replicated
+
+
+def train_state_shardings(model, optimizer: optax.GradientTransformation, capacity: float | None = None,
+                          *, memory_kind: str | None = None) -> TrainState:
+    """A `TrainState` of `NamedSharding`s: parameters as the plans lay them out, optimizer state like its
+    parameters, scalars replicated. memory_kind: where parameters and optimizer state live ("pinned_host"
+    for CPU offload; None: the device)."""
+    parameters = model.storage_shardings()
+    if memory_kind is not None:
+        parameters = {name: sharding.with_memory_kind(memory_kind) for name, sharding in parameters.items()}
+    replicated = NamedSharding(model.mesh, P())
+    abstract_params = abstract_parameters(model)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    shapes = model.storage_shapes()
+    opt_state = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _parameter_sharding(path, leaf, parameters, shapes, replicated), abstract_opt_state
+    )
+    return TrainState(step=replicated, params=parameters, opt_state=opt_state, rng=replicated,
+                      data_position=replicated, skipping=replicated, capacity=capacity)
+
+
+def abstract_parameters(model) -> dict[str, jax.ShapeDtypeStruct]:
+    shardings = model.storage_shardings()
+    return {name: jax.ShapeDtypeStruct(shape, model.dtype, sharding=shardings[name])
+            for name, shape in model.storage_shapes().items()}
+
+
+def abstract_train_state(model, optimizer: optax.GradientTransformation, capacity: float | None = None,
+                         *, memory_kind: str | None = None) -> TrainState:
+    """The state's shapes, dtypes and shardings without allocating it (restore targets, planning)."""
+    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind)
+    params = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shardings.params[name])
+              for name, leaf in abstract_parameters(model).items()}
+    opt_state = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        jax.eval_shape(optimizer.init, params), shardings.opt_state,
+    )
+    scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=shardings.step)  # noqa: E731
+    return TrainState(step=scalar(jnp.int32), params=params, opt_state=opt_state, rng=scalar(jnp.uint32, (2,)),
+                      data_position=scalar(jnp.int32), skipping=scalar(jnp.bool_), capacity=capacity)
+
+
+def init_train_state(model, optimizer: optax.GradientTransformation, *, seed: int = 0, params=None,
+                     capacity: float | None = None, memory_kind: str | None = None) -> TrainState:
+    """A fresh state: `params` (default `model.params`, copied: the state is donated to the step), the
+    optimizer's initial state created in its shardings, step and data position 0.
+
+    capacity: the dispatch capacity to start at (default the first rung of `model.capacity_schedule`;
+    None when the model has no dispatch buffers)."""
+    params = model.params if params is None else params
+    if params is None:
+        raise ValueError("The model has no parameters: call init_params(), set_params() or from_pretrained() first.")
+    if capacity is None and model.layout.ep_size > 1:
+        capacity = model.capacity_schedule.start().capacity
+    elif capacity is not None:
+        capacity = model.capacity_schedule.check(capacity)
+    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind)
+
+    def create(params):
+        params = jax.tree.map(jnp.copy, params)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=optimizer.init(params),
+                          rng=jax.random.PRNGKey(seed), data_position=zero, skipping=jnp.zeros((), jnp.bool_),
+                          capacity=capacity)
+
+    return jax.jit(create, out_shardings=shardings)(params)

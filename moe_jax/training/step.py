@@ -1,0 +1,244 @@
+"""The train step: `train_step(state, batch) -> (state, metrics)`, jitted with explicit shardings, state donated.
+
+    train_step = make_train_step(model, optax.adamw(1e-3), grad_clip=1.0, grad_accum=2)
+    state = train_step.init_state(seed=0)
+    state, metrics = train_step(state, {"input_ids": ids})        # ids: [B, S]; nothing read on the host
+
+One step: the global batch is split into `grad_accum` micro-batches (each device keeps its own rows), each
+runs `model.apply(..., inference=False, return_hidden=True)` and the chunked loss; gradients are summed
+in float32, clipped by their global norm over all parameters (PyTorch's `clip_grad_norm_` rule), and the
+optimizer is applied. The loss is the reference's: token cross entropy averaged over every predicted
+token of the global batch, plus `router_aux_loss_coef * aux_loss` (averaged over micro-batches) when the
+config has `output_router_logits=True`.
+
+Dropless without a host round trip: a step whose dispatch dropped any (token, expert) pair returns its
+input state unchanged (an elementwise select; no `lax.cond` around collectives) and sets the sticky
+`state.skipping`, which makes every later step a no-op too. The loop reads each step's metrics one step
+late and replays from the first overflowed step at a larger capacity (`moe_jax.training.loop`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..models.base import unflatten
+from .loss import aux_loss_coefficient, chunked_cross_entropy, prediction_targets
+from .state import TrainState, init_train_state, train_state_shardings
+
+BATCH_KEYS = ("input_ids", "attention_mask", "labels")
+# Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
+DEFAULT_LOSS_CHUNK = 512
+OFFLOAD_MEMORY_KIND = "pinned_host"
+
+
+@dataclass(frozen=True)
+class TrainStepOptions:
+    """grad_accum: micro-batches per step; grad_clip: max global gradient norm (None: no clipping);
+    loss_chunk: positions per lm_head call in the loss; compute_dtype: parameters are cast to it for the
+    forward and backward (None: their own dtype; bfloat16 with fp32 masters is mixed precision);
+    check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs);
+    offload: keep parameters and optimizer state in host memory between steps."""
+
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
+    compute_dtype: jnp.dtype | None = None
+    check_overflow: bool = True
+    offload: bool = False
+
+
+def clip_by_global_norm(grads, max_norm: float | None):
+    """(clipped grads, the global norm before clipping) over all parameters at once (dense and experts),
+    as `torch.nn.utils.clip_grad_norm_`: scale by min(1, max_norm / (norm + 1e-6))."""
+    norm = optax.global_norm(grads)
+    if max_norm is None:
+        return grads, norm
+    scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
+
+
+def split_micro_batches(array: jax.Array, grad_accum: int) -> jax.Array:
+    """[B, S] -> [A, B/A, S], micro-batch a = rows a, A + a, 2A + a, ...: every device keeps its own rows
+    (the batch is split over devices in contiguous blocks), so the split moves no data."""
+    batch = array.shape[0]
+    return array.reshape(batch // grad_accum, grad_accum, *array.shape[1:]).swapaxes(0, 1)
+
+
+class TrainStep:
+    """The jitted step of one model and optimizer; one compilation per (capacity, batch keys)."""
+
+    def __init__(self, model, optimizer: optax.GradientTransformation, options: TrainStepOptions):
+        if options.grad_accum < 1:
+            raise ValueError(f"grad_accum={options.grad_accum} must be >= 1 (micro-batches per step).")
+        if options.grad_clip is not None and options.grad_clip <= 0:
+            raise ValueError(f"grad_clip={options.grad_clip} must be > 0, or None for no clipping.")
+        if options.offload:
+            check_offload_supported(model)
+        self.model, self.optimizer, self.options = model, optimizer, options
+        self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
+        self.aux_coefficient = aux_loss_coefficient(model.config)
+        self._compiled: dict[tuple, callable] = {}
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def shardings(self, capacity: float | None) -> TrainState:
+        return train_state_shardings(self.model, self.optimizer, capacity, memory_kind=self.memory_kind)
+
+    def init_state(self, *, seed: int = 0, params=None, capacity: float | None = None) -> TrainState:
+        return init_train_state(self.model, self.optimizer, seed=seed, params=params, capacity=capacity,
+                                memory_kind=self.memory_kind)
+
+    def batch_size_error(self, batch_size: int) -> str | None:
+        """Why `batch_size` cannot be a global batch of this step (None when it can)."""
+        groups = self.model.data_parallel_size * self.options.grad_accum
+        if batch_size % groups:
+            return (f"batch size {batch_size} cannot be split into {self.options.grad_accum} micro-batch(es) over "
+                    f"the {self.model.data_parallel_size} data-parallel group(s) of this layout; use a multiple of "
+                    f"{groups}.")
+        return None
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        unknown = set(batch) - set(BATCH_KEYS)
+        if unknown or "input_ids" not in batch:
+            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' "
+                             f"(all [B, S]); got keys {sorted(batch)}.")
+        shape = tuple(batch["input_ids"].shape)
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
+        if (error := self.batch_size_error(shape[0])) is not None:
+            raise ValueError(error)
+        key = (state.capacity, tuple(sorted(batch)))
+        if key not in self._compiled:
+            self._compiled[key] = self._jit(state.capacity, key[1])
+        return self._compiled[key](state, batch)
+
+    def _jit(self, capacity, batch_keys):
+        batch_sharding = self.model.batch_sharding()
+        replicated = NamedSharding(self.model.mesh, P())
+        state_shardings = self.shardings(capacity)
+        return jax.jit(
+            self._step,
+            in_shardings=(state_shardings, {key: batch_sharding for key in batch_keys}),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+
+    def _on_device(self, tree, shardings):
+        if self.memory_kind is None:
+            return tree
+        return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+
+    def _step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        options = self.options
+        shardings = self.shardings(state.capacity)
+        params = self._on_device(state.params, shardings.params)
+        opt_state = self._on_device(state.opt_state, shardings.opt_state)
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        labels = batch.get("labels")
+        targets = prediction_targets(input_ids, attention_mask, labels)
+        total_tokens = jnp.maximum(jnp.sum(targets != -100), 1).astype(jnp.float32)
+        micro = {"input_ids": input_ids, "targets": targets}
+        if attention_mask is not None:
+            micro["attention_mask"] = attention_mask
+        micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
+        step_key = jax.random.fold_in(state.rng, state.step)
+
+        loss_fn = partial(self._micro_loss, capacity=state.capacity, total_tokens=total_tokens)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def accumulate(carry, inputs):
+            grads, totals = carry
+            index, micro_batch = inputs
+            (_, terms), micro_grads = grad_fn(params, micro_batch, jax.random.fold_in(step_key, index))
+            grads = jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, micro_grads)
+            totals = {
+                "ce_sum": totals["ce_sum"] + terms["ce_sum"], "aux_sum": totals["aux_sum"] + terms["aux"],
+                "dropped": totals["dropped"] + terms["statistics"].dropped,
+                "required_capacity": jnp.maximum(totals["required_capacity"], terms["statistics"].required_capacity),
+            }
+            return (grads, totals), None
+
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zero_totals = {"ce_sum": jnp.zeros((), jnp.float32), "aux_sum": jnp.zeros((), jnp.float32),
+                       "dropped": jnp.zeros((), jnp.int32), "required_capacity": jnp.zeros((), jnp.float32)}
+        (grads, totals), _ = jax.lax.scan(
+            accumulate, (zero_grads, zero_totals), (jnp.arange(options.grad_accum), micro)
+        )
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grads, grad_norm = clip_by_global_norm(grads, options.grad_clip)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        overflowed = totals["dropped"] > 0
+        applied = ~state.skipping & ~overflowed if options.check_overflow else jnp.ones((), jnp.bool_)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # noqa: E731
+        one = applied.astype(jnp.int32)
+        new_state = TrainState(
+            step=state.step + one,
+            params=keep(new_params, params),
+            opt_state=keep(new_opt_state, opt_state),
+            rng=state.rng,
+            data_position=state.data_position + one,
+            skipping=(state.skipping | overflowed) if options.check_overflow else state.skipping,
+            capacity=state.capacity,
+        )
+        ce_loss = totals["ce_sum"] / total_tokens
+        aux_loss = totals["aux_sum"] / options.grad_accum
+        metrics = {
+            "step": state.step + 1, "loss": ce_loss + self.aux_coefficient * aux_loss, "ce_loss": ce_loss,
+            "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
+            "dropped": totals["dropped"], "required_capacity": totals["required_capacity"], "applied": applied,
+            "data_position": state.data_position,
+        }
+        return new_state, metrics
+
+    def _micro_loss(self, params, micro_batch, rng, *, capacity, total_tokens):
+        model = self.model
+        if self.options.compute_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(self.options.compute_dtype), params)
+        output = model.apply(params, micro_batch["input_ids"], attention_mask=micro_batch.get("attention_mask"),
+                             capacity=capacity, rng=rng, inference=False, return_hidden=True)
+        nested = unflatten(params)
+        ce_sum, _ = chunked_cross_entropy(output.hidden_states, micro_batch["targets"],
+                                          partial(model.head_logits, nested), self.options.loss_chunk)
+        loss = ce_sum / total_tokens + self.aux_coefficient * output.aux_loss / self.options.grad_accum
+        return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}
+
+
+def check_offload_supported(model) -> None:
+    """CPU offload keeps state in `pinned_host` memory: a clear error where the backend has none."""
+    device = model.mesh.devices.flat[0]
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    if OFFLOAD_MEMORY_KIND not in kinds:
+        raise NotImplementedError(
+            f"fsdp_cpu_offload=True needs the '{OFFLOAD_MEMORY_KIND}' memory kind, which the {device.platform} "
+            f"backend ({device.device_kind}) does not offer (it has {sorted(kinds)}). Train without CPU offload."
+        )
+
+
+def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
+                    grad_clip: float | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
+                    mixed_precision: bool | None = None, offload: bool | None = None,
+                    check_overflow: bool = True) -> TrainStep:
+    """The train step of `model` with any optax `optimizer`.
+
+    mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
+    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory)."""
+    config = model.distributed_config
+    mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
+    offload = config.fsdp_cpu_offload if offload is None else offload
+    if mixed_precision and model.dtype != jnp.float32:
+        raise ValueError(f"mixed precision keeps float32 master parameters, but the model holds {model.dtype}; "
+                         "build it with dtype=float32.")
+    options = TrainStepOptions(grad_accum=grad_accum, grad_clip=grad_clip, loss_chunk=loss_chunk,
+                               compute_dtype=jnp.bfloat16 if mixed_precision else None,
+                               check_overflow=check_overflow, offload=offload)
+    return TrainStep(model, optimizer, options)
