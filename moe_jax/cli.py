@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from .layout_flags import add_layout_flags, distributed_config_from_flags
+from .layout_flags import add_layout_flags, distributed_config_from_flags, layout_devices
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {}
 
@@ -38,18 +38,46 @@ command("layout", "print which batch, TP position and experts each device holds"
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or config.json of an HF MoE model")
     add_layout_flags(parser, ep_implementation=True)
+    parser.add_argument("--train", action="store_true",
+                        help="also print the bytes of parameters and optimizer state one device holds (builds "
+                             "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
+                        help="with --train: the optimizer whose state is counted (default adamw)")
+
+
+def _train_memory_text(model, optimizer_name: str) -> str:
+    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state."""
+    from .training.memory import memory_table, train_state_memory
+    from .training.optimizers import build_optimizer
+    from .training.state import abstract_train_state
+
+    state = abstract_train_state(model, build_optimizer(optimizer_name, learning_rate=1e-3))
+    return memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters)")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from .distributed.plan_report import plan_report
     from .models.auto import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(args.model, distributed_config_from_flags(args), abstract=True)
+    if args.optimizer is not None and not args.train:
+        raise ValueError("--optimizer only applies with --train (the train-state memory table).")
+    distributed_config = distributed_config_from_flags(args)
+    if not args.train:
+        model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True)
+        print(plan_report(model))
+        return 0
+    from .distributed.mesh import DeviceLayout
+
+    devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "plan")
+    model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices)
     print(plan_report(model))
+    print()
+    print(_train_memory_text(model, args.optimizer or "adamw"))
     return 0
 
 
-command("plan", "show the resolved plans, each parameter's PartitionSpec and shard shape, and the layout")(
+command("plan", "show the resolved plans, each parameter's PartitionSpec and shard shape, and the layout "
+                "(--train: the per-device bytes of parameters and optimizer state)")(
     (_plan_arguments, _run_plan)
 )
 
