@@ -1,0 +1,69 @@
+"""Orbax train-state checkpoints: restore onto another layout, refuse another model's state, survive an
+interrupted write. (Resume after a real SIGKILL of `moe-jax train`: tests/training/test_train_job.py.)"""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM
+from moe_jax.demo import DEMO_CONFIG
+from moe_jax.training import TrainCheckpoints, TrainLoop, make_train_step
+from moe_jax.training.state import ARRAY_FIELDS
+
+from .conftest import FixtureBatches, reference_optimizer
+
+
+def run(train_step, state, until_step, checkpoints=None, capacity_state=None):
+    records = []
+    loop = TrainLoop(train_step, FixtureBatches(), on_step=records.append,
+                     should_save=checkpoints.should_save if checkpoints else None,
+                     save=checkpoints.save if checkpoints else None)
+    state, capacity_state = loop.run(state, until_step, capacity_state)
+    return state, capacity_state, records
+
+
+def test_a_state_saved_on_one_layout_resumes_on_another_with_the_same_next_losses(trainers, tmp_path):
+    _, saving_step = trainers("tp2_fsdp4_ep4")
+    checkpoints = TrainCheckpoints(tmp_path / "ckpt", saving_step.model, saving_step, save_every=3, keep=2)
+    state, _, _ = run(saving_step, saving_step.init_state(), 3, checkpoints)
+    checkpoints.wait()
+    _, _, continued = run(saving_step, state, 5)
+
+    _, restoring_step = trainers("hsdp2_fsdp2_tp2_ep2_all_reduce")
+    restored, capacity_state = TrainCheckpoints(tmp_path / "ckpt", restoring_step.model, restoring_step).restore()
+    assert int(restored.step) == 3 and int(restored.data_position) == 3
+    assert restored.params["lm_head.weight"].sharding == restoring_step.shardings(restored.capacity).params[
+        "lm_head.weight"]
+    _, _, resumed = run(restoring_step, restored, 5, capacity_state=capacity_state)
+    assert [r["step"] for r in resumed] == [4, 5]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in continued], rtol=1e-6)
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_read(trainers, tmp_path):
+    model, train_step = trainers("one_device")
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step)
+    checkpoints.save(1, train_step.init_state(), None)
+    checkpoints.close()
+    other = AutoModelForCausalLM.from_config(DEMO_CONFIG, devices=jax.devices()[:1])
+    other_step = make_train_step(other, reference_optimizer())
+    with pytest.raises(ValueError, match="holds a train state of another model: parameter shapes differ"):
+        TrainCheckpoints(tmp_path, other, other_step).restore()
+
+
+def test_an_interrupted_write_leaves_the_last_complete_checkpoint(trainers, tmp_path):
+    model, train_step = trainers("one_device")
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step, keep=3)
+    state = train_step.init_state()
+    checkpoints.save(2, state, None)
+    checkpoints.close()
+    # What a write killed half-way leaves: orbax's temporary directory, never renamed into place.
+    shutil.copytree(tmp_path / "2", tmp_path / "3.orbax-checkpoint-tmp-1764500000000000")
+    next(p for p in (tmp_path / "3.orbax-checkpoint-tmp-1764500000000000").rglob("*") if p.is_file()).write_bytes(b"")
+    reopened = TrainCheckpoints(tmp_path, model, train_step)
+    assert reopened.latest_step() == 2
+    restored, _ = reopened.restore()
+    for field in ARRAY_FIELDS:
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(getattr(restored, field)),
+                     jax.device_get(getattr(state, field)))

@@ -1,0 +1,106 @@
+"""The train step itself: no host reads, donated state, the sticky overflow flag, micro-batches, separate
+expert/dense optimizers, mixed precision and host offload."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moe_jax.training import TrainLoop
+from moe_jax.training.optimizers import experts_and_dense, parameter_groups
+
+from .conftest import FixtureBatches, build_trainer
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def test_a_step_reads_nothing_on_the_host_and_consumes_its_state(trainers):
+    model, train_step = trainers("tp2_fsdp4_ep4")
+    state = train_step.init_state()
+    batch = {name: jax.device_put(array, model.batch_sharding()) for name, array in FixtureBatches().batch(0).items()}
+    train_step(state, batch)                                      # compile outside the guard
+    state = train_step.init_state()
+    leaf = state.params["lm_head.weight"]
+    with jax.transfer_guard_device_to_host("disallow"):
+        new_state, metrics = train_step(state, batch)
+    assert leaf.is_deleted()                                      # donated: updated in place
+    assert new_state.params["lm_head.weight"].sharding == train_step.shardings(state.capacity).params["lm_head.weight"]
+    # Optimizer state is laid out like its parameter.
+    mu = new_state.opt_state[0].mu["model.layers.1.mlp.experts.gate_up_proj"]
+    assert mu.sharding == new_state.params["model.layers.1.mlp.experts.gate_up_proj"].sharding
+    assert set(host(metrics)) >= {"loss", "aux_loss", "grad_norm", "dropped", "required_capacity", "applied"}
+
+
+def test_a_skipping_state_is_returned_unchanged_and_stays_skipping(trainers):
+    _, train_step = trainers("tp2_fsdp4_ep4")
+    state = train_step.init_state()
+    state = state.replace(skipping=jax.device_put(jnp.ones((), jnp.bool_), state.skipping.sharding))
+    before = host(state.arrays())
+    state, metrics = train_step(state, FixtureBatches().batch(0))
+    after = host(state.arrays())
+    assert not bool(metrics["applied"]) and bool(after["skipping"])
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
+def test_micro_batches_give_the_step_of_the_whole_batch():
+    # Router loss off: it is averaged per micro-batch, while the cross entropy is a global-batch mean.
+    results = []
+    for grad_accum in (1, 2):
+        # SGD: the update is the gradient itself (Adam would magnify float32 noise in near-zero gradients).
+        _, train_step = build_trainer(None, grad_accum=grad_accum, optimizer=optax.sgd(0.1),
+                                      config_changes=dict(output_router_logits=False))
+        state, metrics = train_step(train_step.init_state(), FixtureBatches().batch(0))
+        results.append((host(metrics), host(state.params)))
+    (whole, whole_params), (micro, micro_params) = results
+    np.testing.assert_allclose(micro["loss"], whole["loss"], rtol=1e-6)
+    np.testing.assert_allclose(micro["grad_norm"], whole["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), micro_params, whole_params)
+
+
+def test_experts_and_dense_parameters_take_separate_optimizers():
+    model, train_step = build_trainer(None, optimizer=experts_and_dense(optax.sgd(0.0), optax.sgd(0.1)))
+    before = host(model.params)
+    state, _ = train_step(train_step.init_state(), FixtureBatches().batch(0))
+    after = host(state.params)
+    groups = parameter_groups(after)
+    assert {"experts", "dense"} == set(groups.values())
+    for name, group in groups.items():
+        changed = not np.array_equal(after[name], before[name])
+        assert changed == (group == "dense"), name
+
+
+def test_mixed_precision_keeps_float32_masters_and_computes_in_bfloat16():
+    _, full = build_trainer(None)
+    _, mixed = build_trainer(None, mixed_precision=True)
+    batch = FixtureBatches().batch(0)
+    full_state, full_metrics = full(full.init_state(), batch)
+    mixed_state, mixed_metrics = mixed(mixed.init_state(), batch)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((mixed_state.params, mixed_state.opt_state))
+               if leaf.ndim)
+    np.testing.assert_allclose(mixed_metrics["loss"], full_metrics["loss"], rtol=2e-2)
+    assert not np.isclose(float(mixed_metrics["loss"]), float(full_metrics["loss"]), rtol=1e-6, atol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-2), host(mixed_state.params),
+                 host(full_state.params))
+
+
+def test_host_offload_keeps_the_state_in_pinned_host_memory_and_trains_identically(trainers):
+    _, on_device = trainers("one_device")
+    _, offloaded = build_trainer(None, offload=True)
+    state = offloaded.init_state()
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"pinned_host"}
+    records, expected = [], []
+    state, _ = TrainLoop(offloaded, FixtureBatches(), on_step=records.append).run(state, 3)
+    TrainLoop(on_device, FixtureBatches(), on_step=expected.append).run(on_device.init_state(), 3)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {"pinned_host"}
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in expected], rtol=1e-6)
+
+
+def test_a_batch_the_layout_cannot_split_is_refused(trainers):
+    _, train_step = trainers("tp2_fsdp4_ep4")
+    with pytest.raises(ValueError, match="batch size 6 cannot be split .* 4 data-parallel group"):
+        train_step(train_step.init_state(), {"input_ids": np.zeros((6, 12), np.int32)})
+    with pytest.raises(ValueError, match="'input_ids'"):
+        train_step(train_step.init_state(), {"tokens": np.zeros((8, 12), np.int32)})

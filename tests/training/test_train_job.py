@@ -1,0 +1,147 @@
+"""`moe-jax train` as users run it: a real SIGKILL and an exact resume, the JSONL, one device by default,
+the HF export, and bad requests refused before any compute."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM
+from moe_jax.cli import main
+from moe_jax.demo import DEMO_CONFIG
+from moe_jax.training import TrainCheckpoints, make_train_step
+from moe_jax.training.optimizers import build_optimizer
+
+from .hf_training import CHECKPOINT, training_batches
+from .test_loop import ADVERSARIAL_TOKEN
+
+ROOT = Path(__file__).resolve().parents[2]
+ADVERSARIAL_STEP = 4
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    """[80, 12] token ids; the batch of step 4 (rows 24-31) is one repeated id, routed to two experts of one
+    EP device (tests/training/test_loop.py)."""
+    rows = training_batches(128)[0].reshape(-1, 12)
+    rows[(ADVERSARIAL_STEP - 1) * 8: ADVERSARIAL_STEP * 8] = ADVERSARIAL_TOKEN
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    np.save(path, rows)
+    return path
+
+
+def train_argv(token_file, *extra) -> list[str]:
+    return ["train", "--model", str(CHECKPOINT), "--data", str(token_file), "--batch-size", "8", "--fsdp", "2",
+            "--ep", "2", "--lr", "1e-2", "--no-progress", *extra]
+
+
+def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_file, tmp_path):
+    assert main(train_argv(token_file, "--steps", "10", "--metrics-jsonl", str(tmp_path / "full.jsonl"))) == 0
+    full = read_jsonl(tmp_path / "full.jsonl")
+    assert [r["step"] for r in full] == list(range(1, 11))
+    # The adversarial batch overflowed the first rung, was replayed at the top one, and the JSONL says so.
+    adversarial = full[ADVERSARIAL_STEP - 1]
+    assert adversarial["replayed"] and adversarial["capacity"] == 2.0 > full[0]["capacity"]
+    assert all(key in adversarial for key in ("loss", "aux_loss", "grad_norm", "tokens_per_s", "capacity"))
+
+    checkpoint_dir, killed_jsonl = tmp_path / "ckpt", tmp_path / "killed.jsonl"
+    checkpointing = ["--checkpoint-dir", str(checkpoint_dir), "--save-every", "1", "--keep", "2"]
+    command = [sys.executable, "-m", "moe_jax.cli",
+               *train_argv(token_file, "--steps", "10", *checkpointing, "--metrics-jsonl", str(killed_jsonl))]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed_jsonl.exists() and any(r["step"] >= 6 for r in read_jsonl(killed_jsonl))):
+        assert process.poll() is None and time.monotonic() < deadline, "the training process ended or stalled"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    killed = read_jsonl(killed_jsonl)
+    assert killed[-1]["step"] < 10, "the process finished before the kill"
+
+    resumed_jsonl = tmp_path / "resumed.jsonl"
+    assert main(train_argv(token_file, "--steps", "10", *checkpointing, "--resume",
+                           "--metrics-jsonl", str(resumed_jsonl))) == 0
+    resumed = read_jsonl(resumed_jsonl)
+    assert resumed[0]["step"] <= 7 and resumed[-1]["step"] == 10
+    expected = {r["step"]: r["loss"] for r in full}
+    assert {r["step"]: r["loss"] for r in resumed} == {step: expected[step] for step in range(resumed[0]["step"], 11)}
+    kept = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
+    assert kept == [9, 10]                                     # --keep 2
+
+
+def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoint(token_file, tmp_path, capsys):
+    export = tmp_path / "hf"
+    assert main(["train", "--model", str(CHECKPOINT), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
+                 "--optimizer", "sgd", "--lr", "0.5", "--no-progress", "--export-hf", str(export)]) == 0
+    out = capsys.readouterr().out
+    assert "training on 1 cpu device (no layout flag; JAX sees 8 device(s)" in out
+    assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
+    from safetensors.numpy import load_file
+
+    trained, original = load_file(export / "model.safetensors"), load_file(CHECKPOINT / "model.safetensors")
+    assert trained.keys() == original.keys()
+    assert not np.array_equal(trained["lm_head.weight"], original["lm_head.weight"])
+
+
+def _bad_file(tmp_path, name, array):
+    path = tmp_path / name
+    np.save(path, array)
+    return str(path)
+
+
+BAD_REQUESTS = {
+    "float data": (lambda tmp: ["--data", _bad_file(tmp, "f.npy", np.zeros((16, 12), np.float32))],
+                   "token ids must be integers, got dtype float32"),
+    "1-D data": (lambda tmp: ["--data", _bad_file(tmp, "r.npy", np.zeros(96, np.int32))],
+                 "must be a 2-D array"),
+    "ids outside the vocabulary": (lambda tmp: ["--data", _bad_file(tmp, "v.npy", np.full((16, 12), 999, np.int32))],
+                                   r"outside the model's vocabulary \[0, 128\)"),
+    "sequence too long": (lambda tmp: ["--data", _bad_file(tmp, "l.npy", np.zeros((16, 300), np.int32))],
+                          "longer than the model's max_position_embeddings \\(256\\)"),
+    "batch the layout cannot split": (lambda tmp: ["--batch-size", "6", "--fsdp", "8", "--ep", "8"],
+                                      "--batch-size 6: batch size 6 cannot be split .* 8 data-parallel"),
+    "resume without a checkpoint": (lambda tmp: ["--checkpoint-dir", str(tmp / "none"), "--resume"],
+                                    "holds no complete checkpoint"),
+    "sgd with weight decay": (lambda tmp: ["--optimizer", "sgd", "--weight-decay", "0.1"], "plain SGD"),
+}
+
+
+@pytest.mark.parametrize("request_name", list(BAD_REQUESTS))
+def test_a_bad_request_is_refused_with_one_error_line(request_name, tmp_path, capsys):
+    extra, message = BAD_REQUESTS[request_name]
+    jsonl = tmp_path / "metrics.jsonl"
+    argv = ["train", "--model", str(CHECKPOINT), "--steps", "1", "--no-progress", "--metrics-jsonl", str(jsonl),
+            *extra(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(message, err), err
+    assert not jsonl.exists()                                  # refused before the first step
+
+
+def test_a_checkpoint_directory_of_another_model_is_refused(tmp_path, capsys):
+    checkpoint_dir = tmp_path / "ckpt"
+    # A train state of the built-in demo model (a different config) ...
+    other = AutoModelForCausalLM.from_config(DEMO_CONFIG, devices=jax.devices()[:1])
+    other.init_params(0)
+    train_step = make_train_step(other, build_optimizer("adamw", 1e-3))
+    checkpoints = TrainCheckpoints(checkpoint_dir, other, train_step)
+    checkpoints.save(1, train_step.init_state(), None)
+    checkpoints.close()
+    # ... cannot be resumed by the fixture model, and a fresh run will not write over it.
+    assert main(["train", "--model", str(CHECKPOINT), "--steps", "2", "--checkpoint-dir", str(checkpoint_dir),
+                 "--resume", "--no-progress"]) == 2
+    assert "holds a train state of another model" in capsys.readouterr().err
+    assert main(["train", "--steps", "2", "--checkpoint-dir", str(checkpoint_dir), "--no-progress"]) == 2
+    assert "already holds checkpoints (latest step 1); pass --resume" in capsys.readouterr().err
