@@ -1,6 +1,8 @@
 """`moe-jax train` as users run it: a real SIGKILL and an exact resume, the JSONL, one device by default,
 the HF export, and bad requests refused before any compute."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -80,18 +82,44 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
     assert kept == [9, 10]                                     # --keep 2
 
 
-def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoint(token_file, tmp_path, capsys):
-    export = tmp_path / "hf"
-    assert main(["train", "--model", str(CHECKPOINT), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
-                 "--optimizer", "sgd", "--lr", "0.5", "--no-progress", "--export-hf", str(export)]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def one_device_run(token_file, tmp_path_factory):
+    """Two SGD steps without layout flags, exported with --export-hf: (stdout, export dir, metrics)."""
+    directory = tmp_path_factory.mktemp("one_device")
+    export, jsonl = directory / "hf", directory / "metrics.jsonl"
+    argv = ["train", "--model", str(CHECKPOINT), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
+            "--optimizer", "sgd", "--lr", "0.5", "--no-progress", "--export-hf", str(export),
+            "--metrics-jsonl", str(jsonl)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    return stdout.getvalue(), export, read_jsonl(jsonl)
+
+
+def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoint(one_device_run):
+    out, export, records = one_device_run
     assert "training on 1 cpu device (no layout flag; JAX sees 8 device(s)" in out
+    assert [r["step"] for r in records] == [1, 2] and all(r["capacity"] is None for r in records)
     assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
     from safetensors.numpy import load_file
 
     trained, original = load_file(export / "model.safetensors"), load_file(CHECKPOINT / "model.safetensors")
     assert trained.keys() == original.keys()
     assert not np.array_equal(trained["lm_head.weight"], original["lm_head.weight"])
+
+
+@pytest.mark.reference
+def test_transformers_loads_the_export_and_gives_our_logits(one_device_run, token_file):
+    pytest.importorskip("torch")
+    import transformers
+
+    from tests.models.hf_reference import hf_logits
+
+    _, export, _ = one_device_run
+    ours = AutoModelForCausalLM.from_pretrained(export, devices=jax.devices()[:1], progress=False)
+    input_ids = np.load(token_file)[:4]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    np.testing.assert_allclose(np.asarray(ours(input_ids)), hf_logits(reference, input_ids), atol=1e-5, rtol=0)
 
 
 def _bad_file(tmp_path, name, array):
@@ -114,6 +142,8 @@ BAD_REQUESTS = {
     "resume without a checkpoint": (lambda tmp: ["--checkpoint-dir", str(tmp / "none"), "--resume"],
                                     "holds no complete checkpoint"),
     "sgd with weight decay": (lambda tmp: ["--optimizer", "sgd", "--weight-decay", "0.1"], "plain SGD"),
+    "text without a tokenizer": (lambda tmp: ["--text", str(CHECKPOINT / "config.json")],
+                                 "has no tokenizer \\(none of tokenizer.json"),
 }
 
 

@@ -1,0 +1,68 @@
+"""Check the training loss curve against the reference on every legal 8-device layout x ep_implementation.
+
+    python scripts/check_training_layouts.py [--start-capacity first|largest] [--limit N]
+
+10 AdamW steps of the committed tiny Qwen3-MoE (router loss on, clipping active, padded rows) must give the
+reference's losses (torch AdamW, tests/fixtures/training/qwen3_moe_adamw.npz) within rtol 1e-4, and its
+router losses and gradient norms within 1e-3, on one device and on every case of
+`every_layout_and_implementation()` (the 48 cases of the parity grid). The suite runs three layouts
+(tests/training/test_loss_curves.py); this is the full grid, about 30-60 s per case on 2 cores (each
+capacity the loop climbs to is its own compilation; `--start-capacity largest` compiles one per case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
+
+import numpy as np  # noqa: E402
+
+from moe_jax.training import TrainLoop  # noqa: E402
+from tests.models.test_fixture_parity import every_layout_and_implementation  # noqa: E402
+from tests.training.conftest import FixtureBatches, build_trainer  # noqa: E402
+from tests.training.hf_training import CURVE, SETUP  # noqa: E402
+
+
+def curve_errors(layout: dict | None, start_capacity: str) -> tuple[float, float, float, int]:
+    """Max relative errors (loss, aux loss, grad norm) against the reference, and the replays it took."""
+    model, train_step = build_trainer(layout)
+    capacity = model.capacity_schedule.largest if start_capacity == "largest" and model.layout.ep_size > 1 else None
+    records = []
+    loop = TrainLoop(train_step, FixtureBatches(), on_step=records.append)
+    loop.run(train_step.init_state(capacity=capacity), SETUP["steps"])
+    reference = np.load(CURVE)
+    error = lambda key, ref: float(np.max(np.abs(np.array([r[key] for r in records]) / reference[ref] - 1)))  # noqa: E731
+    return error("loss", "losses"), error("aux_loss", "aux_losses"), error("grad_norm", "grad_norms"), loop.replays
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--start-capacity", choices=("first", "largest"), default="first")
+    parser.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    args = parser.parse_args(argv)
+    cases = [None, *every_layout_and_implementation()][: args.limit]
+    worst, failures = [0.0, 0.0, 0.0], []
+    for layout in cases:
+        start = time.perf_counter()
+        errors = curve_errors(layout, args.start_capacity)
+        worst = [max(w, e) for w, e in zip(worst, errors[:3])]
+        ok = errors[0] <= 1e-4 and errors[1] <= 1e-3 and errors[2] <= 1e-3
+        failures += [] if ok else [layout]
+        print(f"{'ok  ' if ok else 'FAIL'} {layout or 'one device'}: loss {errors[0]:.1e}, aux {errors[1]:.1e}, "
+              f"grad norm {errors[2]:.1e}, {errors[3]} replay(s) ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{len(cases) - len(failures)}/{len(cases)} cases follow the reference curve; worst relative error: loss "
+          f"{worst[0]:.1e}, aux loss {worst[1]:.1e}, grad norm {worst[2]:.1e}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
