@@ -5,7 +5,8 @@
 10 AdamW steps of the committed tiny Qwen3-MoE (router loss on, clipping active, padded rows) must give the
 reference's losses (torch AdamW, tests/fixtures/training/qwen3_moe_adamw.npz) within rtol 1e-4, and its
 router losses and gradient norms within 1e-3, on one device and on every case of
-`every_layout_and_implementation()` (the 48 cases of the parity grid). The suite runs three layouts
+`every_layout_and_implementation()` (the 48 cases of the parity grid); then a state saved at step 5 with
+tp2/fsdp4/ep4 is restored with fsdp8/ep8 and must finish the same curve. The suite runs three layouts
 (tests/training/test_loss_curves.py); this is the full grid, about 30-60 s per case on 2 cores (each
 capacity the loop climbs to is its own compilation; `--start-capacity largest` compiles one per case).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -26,7 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
 
 import numpy as np  # noqa: E402
 
-from moe_jax.training import TrainLoop  # noqa: E402
+from moe_jax.training import TrainCheckpoints, TrainLoop  # noqa: E402
 from tests.models.test_fixture_parity import every_layout_and_implementation  # noqa: E402
 from tests.training.conftest import FixtureBatches, build_trainer  # noqa: E402
 from tests.training.hf_training import CURVE, SETUP  # noqa: E402
@@ -42,6 +44,23 @@ def curve_errors(layout: dict | None, start_capacity: str) -> tuple[float, float
     reference = np.load(CURVE)
     error = lambda key, ref: float(np.max(np.abs(np.array([r[key] for r in records]) / reference[ref] - 1)))  # noqa: E731
     return error("loss", "losses"), error("aux_loss", "aux_losses"), error("grad_norm", "grad_norms"), loop.replays
+
+
+def restore_across_layouts(saved_with: dict, restored_with: dict, save_at: int = 5) -> float:
+    """Train to `save_at` on one layout, checkpoint, restore on another, finish the curve there: the max
+    relative loss error of the restored steps against the reference."""
+    with tempfile.TemporaryDirectory() as directory:
+        _, saving_step = build_trainer(saved_with)
+        checkpoints = TrainCheckpoints(directory, saving_step.model, saving_step, save_every=save_at)
+        TrainLoop(train_step=saving_step, data=FixtureBatches(), should_save=checkpoints.should_save,
+                  save=checkpoints.save).run(saving_step.init_state(), save_at)
+        checkpoints.close()
+        _, restoring_step = build_trainer(restored_with)
+        state, capacity_state = TrainCheckpoints(directory, restoring_step.model, restoring_step).restore()
+        records = []
+        TrainLoop(restoring_step, FixtureBatches(), on_step=records.append).run(state, SETUP["steps"], capacity_state)
+    losses = np.array([r["loss"] for r in records])
+    return float(np.max(np.abs(losses / np.load(CURVE)["losses"][save_at:] - 1)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
               f"grad norm {errors[2]:.1e}, {errors[3]} replay(s) ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"{len(cases) - len(failures)}/{len(cases)} cases follow the reference curve; worst relative error: loss "
           f"{worst[0]:.1e}, aux loss {worst[1]:.1e}, grad norm {worst[2]:.1e}")
-    return 1 if failures else 0
+    saved_with, restored_with = dict(tp_size=2, fsdp_size=4, ep_size=4), dict(fsdp_size=8, ep_size=8)
+    restored_error = restore_across_layouts(saved_with, restored_with)
+    restored_ok = restored_error <= 1e-4
+    print(f"{'ok  ' if restored_ok else 'FAIL'} saved at step 5 with {saved_with}, restored with {restored_with}: "
+          f"steps 6-10 within {restored_error:.1e} of the reference losses")
+    return 1 if failures or not restored_ok else 0
 
 
 if __name__ == "__main__":

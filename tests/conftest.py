@@ -1,14 +1,31 @@
-"""Tests run on 8 virtual CPU devices, set before JAX initialises."""
+"""Tests run on 8 virtual CPU devices, set before JAX initialises.
 
+Compiled programs are cached on disk for the session (a fresh directory per run, removed at exit), so a
+program compiled by one test and built again by another (a new model object of the same layout, the
+`moe-jax train` subprocess and its resumed run) is loaded instead of compiled again. Tests that count
+compilations count cache hits too (tests/models/test_apply.py).
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="moe_jax_tests_xla_cache_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    # Environment, not jax.config: subprocesses started by the tests share the cache.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# Parity tests compare against fp32 references: keep XLA:CPU matmuls at full precision (environment, so
+# subprocesses compile the same programs and find them in the cache).
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
-# Parity tests compare against fp32 references: keep XLA:CPU matmuls at full precision.
-jax.config.update("jax_default_matmul_precision", "highest")

@@ -10,10 +10,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
 from moe_jax.distributed.capacity import CapacitySchedule
@@ -24,22 +21,32 @@ from moe_jax.models.base import ModelOutput
 from .hf_reference import TINY_QWEN3_MOE
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# The test session caches compiled programs on disk (tests/conftest.py): a program found there is loaded
+# instead of compiled, but it was still asked for, which is what these counts are about.
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager
 def count_compilations():
-    """Counts XLA backend compilations inside the block: `with count_compilations() as count: ...; count[0]`."""
+    """Counts compilations requested inside the block (compiled, or loaded from the persistent cache):
+    `with count_compilations() as count: ...; count[0]`."""
     count = [0]
 
-    def listener(event, duration, **kwargs):
+    def on_duration(event, duration, **kwargs):
         if event == BACKEND_COMPILE_EVENT:
             count[0] += 1
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    def on_event(event, **kwargs):
+        if event == CACHE_HIT_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
     try:
         yield count
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
 
 
 def tokens(batch, sequence, seed=0):
@@ -103,46 +110,6 @@ def test_return_hidden_gives_the_head_input_and_positions_shift_rope(single):
     np.testing.assert_allclose(np.asarray(shifted), np.asarray(full.logits), atol=1e-5, rtol=0)
     stretched = single.apply(single.params, ids, positions=default * 2).logits
     assert not np.allclose(np.asarray(stretched), np.asarray(full.logits), atol=1e-3)
-
-
-def test_train_style_step_compiles_once_and_runs_five_steps_with_donated_state(sharded, single):
-    """value_and_grad of a loss on `apply(..., return_hidden=True)`, an optax update, donated state."""
-    optimizer = optax.adamw(1e-3)
-
-    def loss_fn(params, ids):
-        output = sharded.apply(params, ids, return_hidden=True, inference=False, capacity=sharded.capacity_schedule.largest)
-        logits = output.hidden_states @ params["lm_head.weight"].T
-        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        nll = -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
-        return nll + 0.001 * output.aux_loss, output.statistics
-
-    def train_step(state, ids):
-        params, opt_state = state
-        (loss, statistics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ids)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss, statistics.dropped
-
-    params = jax.tree.map(jnp.copy, sharded.params)
-    state = (params, jax.jit(optimizer.init)(params))
-    # The state keeps its layout from step to step (optimizer state laid out like its parameters).
-    replicated = NamedSharding(sharded.mesh, P())
-    state_shardings = jax.tree.map(
-        lambda array: array.sharding if isinstance(array.sharding, NamedSharding) else replicated, state)
-    state = jax.device_put(state, state_shardings)
-    train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None, None))
-    losses = []
-    batches = [jnp.asarray(tokens(8, 7, seed=step)) for step in range(5)]
-    for step, batch in enumerate(batches):
-        old_params = state[0]
-        with count_compilations() as count:
-            state, loss, dropped = train_step(state, batch)
-            loss = float(loss)
-        assert step == 0 or count[0] == 0, f"step {step} compiled {count[0]} times"
-        losses.append(loss)
-        assert int(dropped) == 0
-        assert old_params["lm_head.weight"].is_deleted()  # the state really was donated
-    assert train_step._cache_size() == 1
-    assert all(np.isfinite(losses)) and losses[-1] != losses[0]
 
 
 def test_batch_the_data_parallel_size_cannot_split_is_refused_by_apply(sharded):

@@ -14,7 +14,8 @@ ADVERSARIAL_TOKEN = 7
 
 def adversarial_batches() -> FixtureBatches:
     # Every token is id 7: identical hidden states, so every token picks the same two experts, which for id 7
-    # (after 4 steps) are experts 4 and 5 in the first sparse layer: one EP device (ep=4: 2 experts each).
+    # (after 4 steps) are experts 4 and 5 in the first sparse layer: one EP device (ep=2: 4 experts each,
+    # ep=4: 2 each).
     return FixtureBatches(replace={ADVERSARIAL_STEP - 1: np.full((8, 12), ADVERSARIAL_TOKEN, np.int32)})
 
 
