@@ -3,7 +3,7 @@
     pip install torch==2.13.0 transformers==5.23.0
     python scripts/make_training_fixtures.py
 
-Writes tests/fixtures/training/qwen3_moe_adamw.npz: 10 steps of torch AdamW (lr 1e-2, weight decay 0.01,
+Writes tests/fixtures/training/qwen3_moe_adamw.npz: 10 steps of torch AdamW (lr 3e-3, weight decay 0.01,
 clip 1.0) on batches with padded rows, with the router loss added (coefficient 0.1). tests/training/
 test_loss_curves.py compares moe_jax's curve with it on 1 device and 8-device layouts, and reruns the
 reference live when torch is installed.

@@ -12,12 +12,12 @@ from moe_jax.models import Qwen3MoeForCausalLM
 
 from .hf_reference import TINY_QWEN3_MOE
 
-# (layout, layer options): unrolled and scanned layers; remat on two. HSDP replicas: the training curve
-# (tests/training/test_loss_curves.py) and every layout's curve (scripts/check_training_layouts.py).
+# (layout, layer options): unrolled and scanned layers; remat on two. HSDP replicas and the all_reduce
+# experts: the training curve (tests/training/test_loss_curves.py) and every layout's curve
+# (scripts/check_training_layouts.py).
 CASES = [
     (dict(tp_size=2, fsdp_size=4, ep_size=4), dict(scan_layers=True, remat="full")),
-    (dict(fsdp_size=8, ep_size=8), dict(scan_layers=True)),
-    (dict(tp_size=8, ep_size=8, ep_implementation="all_reduce"), dict(scan_layers=True, remat="dots_saveable")),
+    (dict(fsdp_size=8, ep_size=8), dict(scan_layers=True, remat="dots_saveable")),
     (dict(tp_size=2, fsdp_size=4), dict(scan_layers=False)),
 ]
 
