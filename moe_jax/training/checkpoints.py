@@ -62,8 +62,7 @@ class TrainCheckpoints:
     def save(self, step: int, state: TrainState, capacity_state: CapacityState | None) -> None:
         record = {
             "format": FORMAT, "step": step, **model_record(self.model),
-            "layout": self.model.distributed_config.to_dict() if hasattr(self.model.distributed_config, "to_dict")
-            else {},
+            "layout": self.model.distributed_config.to_dict(),
             "capacity": None if capacity_state is None else {
                 "capacity": capacity_state.capacity, "calm_calls": capacity_state.calm_calls,
                 "calm_peak": capacity_state.calm_peak},
@@ -103,26 +102,26 @@ class TrainCheckpoints:
         step = self._step(step)
         record = self.record(step)
         self.check_compatible(record)
-        saved = record.get("capacity")
-        capacity_state = None
-        capacity = None
-        if self.model.layout.ep_size > 1:
-            schedule = self.model.capacity_schedule
-            if saved is None:
-                capacity_state = schedule.start()
-            else:  # the ladder depends on ep_size: keep the saved capacity only where this layout has it
-                try:
-                    capacity_state = CapacityState(schedule.check(saved["capacity"]), int(saved["calm_calls"]),
-                                                   float(saved["calm_peak"]))
-                except ValueError:
-                    capacity_state = CapacityState(min(c for c in schedule.ladder if c >= min(
-                        saved["capacity"], schedule.largest)))
-            capacity = capacity_state.capacity
+        capacity_state = self._capacity_state(record.get("capacity"))
+        capacity = None if capacity_state is None else capacity_state.capacity
         target = abstract_train_state(self.model, self.train_step.optimizer, capacity,
                                       memory_kind=self.train_step.memory_kind)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target.arrays())))["state"]
         return TrainState(**restored, capacity=capacity), capacity_state
+
+    def _capacity_state(self, saved: dict | None) -> CapacityState | None:
+        """The saved capacity and calm streak; the ladder depends on ep_size, so a capacity this layout's
+        ladder lacks becomes its lowest rung at or above it (capped at the largest), streak reset."""
+        if self.model.layout.ep_size == 1:
+            return None
+        schedule = self.model.capacity_schedule
+        if saved is None:
+            return schedule.start()
+        if any(abs(rung - saved["capacity"]) < 1e-6 for rung in schedule.ladder):
+            return CapacityState(schedule.check(saved["capacity"]), int(saved["calm_calls"]),
+                                 float(saved["calm_peak"]))
+        return CapacityState(min(rung for rung in schedule.ladder if rung >= min(saved["capacity"], schedule.largest)))
 
     def _step(self, step: int | None) -> int:
         if step is None:
