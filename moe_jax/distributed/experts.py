@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..nn.precision import is_master
+from ..ops.varying import vary_like
 from .capacity import DispatchStatistics
 from .expert_parallel import ExpertGroups, build_ep_implementation
 from .mesh import MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
@@ -31,6 +33,15 @@ from .mesh import MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
 EP_DISPATCH = "ep"
 TENSOR_PARALLEL = "tp"
 LOCAL = "local"
+
+
+def _in_compute_dtype(weight: jax.Array, hidden: jax.Array) -> jax.Array:
+    """An expert weight as the body computes with it. A wider master copy (mixed precision) is marked varying
+    over the batch axes *before* the cast, so the gradient sum over devices sharing it (the transpose of that
+    mark) runs in the master's dtype, float32, not in the compute dtype."""
+    if not is_master(weight, hidden):
+        return weight
+    return vary_like(weight, hidden).astype(hidden.dtype)
 
 
 def experts_mode(module_name: str, tp_plan: dict[str, str], ep_plan: dict[str, str]) -> str:
@@ -118,7 +129,7 @@ class ShardedExperts:
         batch = self._batch_spec()
 
         def body(hidden, index, weights, *local_arrays):
-            local_params = dict(zip(names, local_arrays))
+            local_params = {name: _in_compute_dtype(array, hidden) for name, array in zip(names, local_arrays)}
             if self.mode == TENSOR_PARALLEL and self.intermediate_dims.get("gate_up_proj") == "packed":
                 view = local_params["gate_up_proj"]
                 local_params["gate_up_proj"] = view.reshape(view.shape[0], -1, view.shape[-1])

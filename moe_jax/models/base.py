@@ -158,7 +158,8 @@ class MoeForCausalLM(PlannedModel):
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.params: dict | None = None
-        self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden"))
+        self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden",
+                                                                     "compute_dtype"))
         # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
         self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
 
@@ -299,7 +300,7 @@ class MoeForCausalLM(PlannedModel):
 
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
-              return_hidden: bool = False) -> ModelOutput:
+              return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key. Never reads a device value on the host.
 
@@ -311,7 +312,9 @@ class MoeForCausalLM(PlannedModel):
             buffers); overflow shows in `statistics.dropped` / `statistics.required_capacity`, and a call
             that dropped pairs must be recomputed at a larger capacity (`CapacitySchedule`). rng: key for
             training-time randomness (Mixtral's router jitter). return_hidden: return the final hidden states
-            instead of logits (for a chunked loss that never holds [B, S, V]).
+            instead of logits (for a chunked loss that never holds [B, S, V]). compute_dtype: the activations'
+            dtype (None: the parameters'); parameters wider than it are float32 masters of mixed precision,
+            applied in it with gradients in float32 (`moe_jax.nn.precision`).
         """
         if cache is not None:
             raise NotImplementedError(
@@ -324,8 +327,9 @@ class MoeForCausalLM(PlannedModel):
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
             capacity = None  # no dispatch buffers: one compilation whatever the caller holds
-        return self._apply_jit(params, input_ids, attention_mask, positions, rng,
-                               capacity=capacity, inference=inference, return_hidden=return_hidden)
+        compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        return self._apply_jit(params, input_ids, attention_mask, positions, rng, capacity=capacity,
+                               inference=inference, return_hidden=return_hidden, compute_dtype=compute_dtype)
 
     def _check_params(self, params) -> None:
         if params is None:
@@ -350,7 +354,8 @@ class MoeForCausalLM(PlannedModel):
                 f"of this layout; use a multiple of {self.data_parallel_size} (forward() pads for you)."
             )
 
-    def _apply(self, params, input_ids, attention_mask, positions, rng, *, capacity, inference, return_hidden):
+    def _apply(self, params, input_ids, attention_mask, positions, rng, *, capacity, inference, return_hidden,
+               compute_dtype=None):
         layouts = self.activation_layouts
         input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
         batch, sequence = input_ids.shape
@@ -362,7 +367,7 @@ class MoeForCausalLM(PlannedModel):
         step = StepOptions(
             run_experts={layer: partial(experts, inference=inference, capacity=capacity)
                          for layer, experts in self.sharded_experts.items()},
-            inference=inference, rng=rng, remat=self.remat, layouts=layouts,
+            inference=inference, rng=rng, remat=self.remat, layouts=layouts, compute_dtype=compute_dtype,
         )
         nested = unflatten(params)
         hidden, router_logits, statistics = self.forward_math(nested, input_ids, attention_mask, positions, step)
@@ -435,6 +440,7 @@ class StepOptions:
     rng: jax.Array | None
     remat: str
     layouts: ActivationLayouts
+    compute_dtype: jnp.dtype | None = None
 
     def layer_rng(self, layer) -> jax.Array | None:
         """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""

@@ -187,7 +187,10 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         logits [B*S, E] per sparse layer, dispatch statistics per sparse layer)."""
         c = self.config
         model = params["model"]
-        x = step.layouts.batch(embed(model["embed_tokens"], input_ids))
+        x = embed(model["embed_tokens"], input_ids)
+        if step.compute_dtype is not None:
+            x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
+        x = step.layouts.batch(x)
         inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
         rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
         router_logits, statistics = [], []

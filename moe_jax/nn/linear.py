@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from .precision import add_with_master, is_master, project_with_master
+
 # (output, projection name) -> the output laid out as the model's plans say for that projection.
 Constrain = Callable[[jax.Array, str], jax.Array]
 
@@ -25,6 +27,9 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
 
     params: `{"weight": [O, I], "bias"?: [O]}` (no `"bias"` key, or `None`, means no bias).
     x: [..., I]  ->  [..., O]
+
+    A weight wider than x (float32 masters under mixed precision) is applied in x's dtype and gets its
+    gradient in its own dtype (`moe_jax.nn.precision`).
     """
     weight = params["weight"]
     if x.shape[-1] != weight.shape[1]:
@@ -32,8 +37,11 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
             f"linear: input feature size {x.shape[-1]} does not match weight shape {tuple(weight.shape)} "
             "(expected [out_features, in_features], PyTorch layout; transpose weights stored as [in, out])"
         )
-    y = jnp.einsum("...i,oi->...o", x, weight)
     bias = params.get("bias")
+    if is_master(weight, x):
+        y = project_with_master(x, weight)
+        return y if bias is None else add_with_master(y, bias)
+    y = jnp.einsum("...i,oi->...o", x, weight)
     if bias is not None:
         y = y + bias
     return y

@@ -3,7 +3,8 @@
 All four (`Qwen3MoeRMSNorm`, `Qwen2MoeRMSNorm`, `OlmoeRMSNorm`, `MixtralRMSNorm`) do the same thing:
 normalise in float32, cast the normalised value back to the input dtype, *then* multiply by the weight.
 The cast-before-multiply order matters in bf16: the product is rounded once more than "multiply in fp32,
-cast once" would be, and a float32 weight promotes the result to float32 exactly as `weight * x` does in torch.
+cast once" would be. A float32 weight on bfloat16 input is a mixed-precision master copy here: applied in
+bfloat16, as the reference's FSDP2 `param_dtype` casts it (where plain torch would promote to float32).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from .precision import is_master, scale_with_master
+
 
 def rms_norm(params: Mapping[str, jax.Array], x: jax.Array, eps: float) -> jax.Array:
     """`weight * (x / sqrt(mean(x**2) + eps))`, normalised over the last axis.
 
     params: `{"weight": [H]}`
-    x: [..., H]  ->  [..., H], dtype `promote(weight.dtype, x.dtype)` as in PyTorch.
+    x: [..., H]  ->  [..., H] in x's dtype when the weight is a wider master copy (mixed precision: applied
+    in x's dtype, gradient in its own, `moe_jax.nn.precision`); otherwise `promote(weight.dtype, x.dtype)`.
     """
     weight = params["weight"]
     if x.shape[-1] != weight.shape[-1]:
@@ -30,4 +34,6 @@ def rms_norm(params: Mapping[str, jax.Array], x: jax.Array, eps: float) -> jax.A
     x32 = x.astype(jnp.float32)
     variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     normalized = x32 * jax.lax.rsqrt(variance + eps)
+    if is_master(weight, x):
+        return scale_with_master(weight, normalized.astype(input_dtype))
     return weight * normalized.astype(input_dtype)

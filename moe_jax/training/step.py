@@ -41,8 +41,9 @@ OFFLOAD_MEMORY_KIND = "pinned_host"
 @dataclass(frozen=True)
 class TrainStepOptions:
     """grad_accum: micro-batches per step; grad_clip: max global gradient norm (None: no clipping);
-    loss_chunk: positions per lm_head call in the loss; compute_dtype: parameters are cast to it for the
-    forward and backward (None: their own dtype; bfloat16 with fp32 masters is mixed precision);
+    loss_chunk: positions per lm_head call in the loss; compute_dtype: the activations' dtype (None: the
+    parameters'; bfloat16 with float32 parameters is mixed precision: each parameter is cast where it is
+    used and its gradient accumulated and reduced in float32, `moe_jax.nn.precision`);
     check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs);
     offload: keep parameters and optimizer state in host memory between steps."""
 
@@ -57,7 +58,7 @@ class TrainStepOptions:
 def clip_by_global_norm(grads, max_norm: float | None):
     """(clipped grads, the global norm before clipping) over all parameters at once (dense and experts),
     as `torch.nn.utils.clip_grad_norm_`: scale by min(1, max_norm / (norm + 1e-6))."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     if max_norm is None:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
@@ -118,6 +119,12 @@ class TrainStep:
         if key not in self._compiled:
             self._compiled[key] = self._jit(state.capacity, key[1])
         return self._compiled[key](state, batch)
+
+    def lower(self, state: TrainState, batch: dict):
+        """The step for `state`'s capacity and `batch`'s keys, lowered (`jax.stages.Lowered`): for its cost
+        and memory analyses, or `moe_jax.distributed.collectives_report`. Compiling it does not fill the
+        cache `__call__` uses."""
+        return self._jit(state.capacity, tuple(sorted(batch))).lower(state, batch)
 
     def _jit(self, capacity, batch_keys):
         batch_sharding = self.model.batch_sharding()
@@ -202,10 +209,10 @@ class TrainStep:
 
     def _micro_loss(self, params, micro_batch, rng, *, capacity, total_tokens):
         model = self.model
-        if self.options.compute_dtype is not None:
-            params = jax.tree.map(lambda p: p.astype(self.options.compute_dtype), params)
+        # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.
         output = model.apply(params, micro_batch["input_ids"], attention_mask=micro_batch.get("attention_mask"),
-                             capacity=capacity, rng=rng, inference=False, return_hidden=True)
+                             capacity=capacity, rng=rng, inference=False, return_hidden=True,
+                             compute_dtype=self.options.compute_dtype)
         nested = unflatten(params)
         ce_sum, _ = chunked_cross_entropy(output.hidden_states, micro_batch["targets"],
                                           partial(model.head_logits, nested), self.options.loss_chunk)

@@ -1,5 +1,6 @@
 """`rms_norm` against the RMSNorm modules of Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,16 +56,24 @@ def test_rms_norm_matches_hf_bf16(model_type, class_name):
     assert diff <= 1e-2  # one bf16 ulp at |y| ~ 2
 
 
-@pytest.mark.reference
-def test_rms_norm_fp32_weight_promotes_bf16_input_like_torch():
-    torch = pytest.importorskip("torch")
-    module = _norm_module("qwen3_moe", "Qwen3MoeRMSNorm", 16, eps=1e-6)
-    randomize_(module, seed=5)
-    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    expected = module(x)
-    out = rms_norm(params_of(module), to_jax(x), 1e-6)
-    assert expected.dtype == torch.float32 and out.dtype == jnp.float32
-    assert max_abs_diff(out, expected) <= 1e-6
+def test_rms_norm_fp32_master_weight_applies_in_input_dtype():
+    """A float32 weight on bf16 input is a mixed-precision master: the output equals the bf16 weight's, and
+    the weight's gradient is the float32 sum (not a bf16 one)."""
+    weight = jax.random.normal(jax.random.key(5), (16,), jnp.float32)
+    x = jax.random.normal(jax.random.key(6), (64, 16), jnp.float32).astype(jnp.bfloat16)
+    out = rms_norm({"weight": weight}, x, 1e-6)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, rms_norm({"weight": weight.astype(jnp.bfloat16)}, x, 1e-6))
+
+    def loss(w):
+        return jnp.sum(rms_norm({"weight": w}, x, 1e-6).astype(jnp.float32) * jnp.arange(16.0))
+
+    grad = jax.grad(loss)(weight)
+    assert grad.dtype == jnp.float32
+    normalized = (x.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1,
+                                                                   keepdims=True) + 1e-6)).astype(jnp.bfloat16)
+    expected = jnp.sum(normalized.astype(jnp.float32) * jnp.arange(16.0), axis=0)
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
 
 
 def test_rms_norm_normalises_the_last_axis_only():

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from moe_jax.distributed.collectives_report import REDUCTIONS, compile_with_collectives
 from moe_jax.training import TrainLoop
 from moe_jax.training.optimizers import experts_and_dense, parameter_groups
 
@@ -68,12 +69,20 @@ def test_micro_batches_give_the_step_of_the_whole_batch_and_experts_take_their_o
         assert changed == (group == "dense"), name
 
 
-def test_mixed_precision_keeps_float32_masters_and_computes_in_bfloat16():
-    _, full = build_trainer(None)
-    _, mixed = build_trainer(None, mixed_precision=True)
+def test_mixed_precision_computes_in_bfloat16_and_reduces_gradients_in_float32(trainers):
+    """fp32 masters and optimizer state, bf16 compute, fp32 gradient reduction (SPEC §6), read from the
+    partitioner's output on an HSDP + EP layout: parameters are gathered in bf16, every cross-device sum
+    (all weight gradients: there is no tp here) runs in f32. Before masters were cast at use, the same
+    program summed 60+ weight gradients in bf16."""
+    _, full = trainers("one_device")
+    _, mixed = build_trainer(dict(dp_replicate_size=2, fsdp_size=4, ep_size=4), mixed_precision=True)
     batch = FixtureBatches().batch(0)
+    state = mixed.init_state()
+    compiled, collectives = compile_with_collectives(mixed.lower(state, batch))
+    assert collectives[("all-gather", "bf16")] > 0
+    assert {dtype for (op, dtype) in collectives if op in REDUCTIONS} <= {"f32", "s32"}, collectives
+    mixed_state, mixed_metrics = compiled(state, batch)
     full_state, full_metrics = full(full.init_state(), batch)
-    mixed_state, mixed_metrics = mixed(mixed.init_state(), batch)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((mixed_state.params, mixed_state.opt_state))
                if leaf.ndim)
     np.testing.assert_allclose(mixed_metrics["loss"], full_metrics["loss"], rtol=2e-2)
