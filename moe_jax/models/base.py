@@ -182,7 +182,8 @@ class MoeForCausalLM(PlannedModel):
 
     def forward_math(self, params: dict, input_ids, attention_mask, positions, step) -> tuple:
         """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router
-        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer). `step` is a `StepOptions`."""
+        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer, `step.cache` extended by these
+        tokens or None). `step` is a `StepOptions`."""
         raise NotImplementedError
 
     def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
@@ -307,7 +308,9 @@ class MoeForCausalLM(PlannedModel):
         params: `model.params` layout (storage names: scanned runs stacked; `model.hf_params()` / `set_params`
             convert from HF names). input_ids: [B, S] ints, numpy or jax (global arrays spanning processes
             too); B must be a multiple of `data_parallel_size`. attention_mask: [B, S], 1 = real token.
-        positions: [B, S] RoPE positions (default 0..S-1). capacity: the dispatch capacity in force, a value
+        positions: [B, S] RoPE positions (default 0..S-1, after the cache's tokens with a cache). cache: a
+            `moe_jax.inference.KVCache` (`init_cache`): the new tokens attend to the stored ones and are
+            written to slots [length, length + S); the extended cache is `output.cache`. capacity: the dispatch capacity in force, a value
             of `model.capacity_schedule.ladder` (None: the largest, which never drops but has the largest
             buffers); overflow shows in `statistics.dropped` / `statistics.required_capacity`, and a call
             that dropped pairs must be recomputed at a larger capacity (`CapacitySchedule`). rng: key for
@@ -316,11 +319,6 @@ class MoeForCausalLM(PlannedModel):
             dtype (None: the parameters'); parameters wider than it are float32 masters of mixed precision,
             applied in it with gradients in float32 (`moe_jax.nn.precision`).
         """
-        if cache is not None:
-            raise NotImplementedError(
-                "apply(cache=...): KV-cache decoding is not implemented yet (the inference issue); call apply "
-                "without a cache on the whole sequence."
-            )
         self._require_mesh("apply")
         self._check_params(params)
         self._check_batch(input_ids.shape)
@@ -328,8 +326,21 @@ class MoeForCausalLM(PlannedModel):
         if self.layout.ep_size == 1:
             capacity = None  # no dispatch buffers: one compilation whatever the caller holds
         compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        return self._apply_jit(params, input_ids, attention_mask, positions, rng, capacity=capacity,
+        if cache is not None:
+            self._check_cache(cache, input_ids.shape)
+        return self._apply_jit(params, input_ids, attention_mask, positions, rng, cache, capacity=capacity,
                                inference=inference, return_hidden=return_hidden, compute_dtype=compute_dtype)
+
+    def _check_cache(self, cache, shape) -> None:
+        if cache.batch_size != shape[0]:
+            raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {shape[0]}; build it with "
+                             f"init_cache(model, batch={shape[0]}, ...).")
+        if shape[1] > cache.max_length:
+            raise ValueError(f"{shape[1]} new tokens do not fit a cache of {cache.max_length} slots.")
+        missing = {run.key for run in self.layer_stack.runs} - cache.keys.keys()
+        if missing:
+            raise ValueError(f"the cache has no keys for layer run(s) {sorted(missing)}: it was built for another "
+                             "model or layer stacking; build it with init_cache(model, ...).")
 
     def _check_params(self, params) -> None:
         if params is None:
@@ -354,23 +365,26 @@ class MoeForCausalLM(PlannedModel):
                 f"of this layout; use a multiple of {self.data_parallel_size} (forward() pads for you)."
             )
 
-    def _apply(self, params, input_ids, attention_mask, positions, rng, *, capacity, inference, return_hidden,
-               compute_dtype=None):
+    def _apply(self, params, input_ids, attention_mask, positions, rng, cache=None, *, capacity, inference,
+               return_hidden, compute_dtype=None):
         layouts = self.activation_layouts
         input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
         batch, sequence = input_ids.shape
         attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
                           else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
+            first = 0 if cache is None else cache.length
+            positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
         positions = layouts.batch(jnp.asarray(positions, jnp.int32))
         step = StepOptions(
             run_experts={layer: partial(experts, inference=inference, capacity=capacity)
                          for layer, experts in self.sharded_experts.items()},
             inference=inference, rng=rng, remat=self.remat, layouts=layouts, compute_dtype=compute_dtype,
+            cache=cache,
         )
         nested = unflatten(params)
-        hidden, router_logits, statistics = self.forward_math(nested, input_ids, attention_mask, positions, step)
+        hidden, router_logits, statistics, cache = self.forward_math(nested, input_ids, attention_mask, positions,
+                                                                     step)
         total = DispatchStatistics.zeros()
         for layer_statistics in statistics:
             total = total.combine(layer_statistics)
@@ -379,9 +393,9 @@ class MoeForCausalLM(PlannedModel):
             per_token=layouts.token_local,
         )
         if return_hidden:
-            return ModelOutput(None, hidden, router_logits, aux_loss, total)
+            return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
         logits = layouts.output(self.head_logits(nested, hidden), "lm_head")
-        return ModelOutput(logits, None, router_logits, aux_loss, total)
+        return ModelOutput(logits, None, router_logits, aux_loss, total, cache)
 
     def jitted_forward(self, capacity: float | None = None, *, inference: bool = True):
         """`(params, input_ids [B, S], attention_mask [B, S], rng) -> ModelOutput` at a fixed `capacity`
@@ -441,6 +455,7 @@ class StepOptions:
     remat: str
     layouts: ActivationLayouts
     compute_dtype: jnp.dtype | None = None
+    cache: Any = None
 
     def layer_rng(self, layer) -> jax.Array | None:
         """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""

@@ -20,9 +20,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ..inference.cache import KVCache
 from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
-from ..nn.attention import attention
+from ..nn.attention import attention, cached_attention
 from ..nn.embedding import embed
 from ..nn.linear import linear
 from ..nn.mlp import mlp
@@ -131,22 +132,32 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
     def decoder_layer(self, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
-                      step: StepOptions):
-        """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None).
+                      step: StepOptions, layer_cache: tuple | None = None):
+        """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
 
         `layer` is static (options, experts module: the same for every layer of a scanned run);
-        `layer_index` is the layer's number, traced inside a scan (per-layer randomness)."""
+        `layer_index` is the layer's number, traced inside a scan (per-layer randomness). With a cache,
+        `layer_cache` is this layer's (keys, values) [B, T, K, D] and `attention_mask` the cache's key mask
+        [B, T]; the new tokens' keys and values come back written into it (None without a cache)."""
         c, layouts = self.config, step.layouts
         layer_name = "model.layers.*"
         cos, sin = rope
         h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
-        x = x + attention(
-            weights["self_attn"], h, cos, sin, num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_mask=attention_mask,
+        attention_options = dict(
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             rms_norm_eps=c.rms_norm_eps,
             constrain=lambda y, name: layouts.output(y, f"{layer_name}.self_attn.{name}"),
             **self.attention_options(layer),
         )
+        if layer_cache is None:
+            attended = attention(weights["self_attn"], h, cos, sin, attention_mask=attention_mask, **attention_options)
+        else:
+            attended, keys, values = cached_attention(
+                weights["self_attn"], h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
+                **attention_options,
+            )
+            layer_cache = (keys, values)
+        x = x + attended
         h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
         router_logits = statistics = None
         constrain_mlp = lambda y, name: layouts.output(y, f"{layer_name}.mlp.{name}")  # noqa: E731
@@ -158,33 +169,42 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
             )
         else:
             out = mlp(weights["mlp"], h, c.hidden_act, constrain=constrain_mlp)
-        return layouts.batch(x + out), router_logits, statistics
+        return layouts.batch(x + out), router_logits, statistics, layer_cache
 
-    def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions):
-        """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer)."""
+    def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,
+                    run_cache: tuple | None):
+        """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer,
+        the run's cache (keys, values) [L, B, T, K, D] with the new tokens written, or None)."""
         layer_fn = partial(self.decoder_layer, layer=run.start, rope=rope, attention_mask=attention_mask, step=step)
         policy = REMAT_POLICIES[step.remat]
         if step.remat != "none":
             layer_fn = jax.checkpoint(layer_fn, policy=policy)
         if not run.scanned:
-            x, logits, statistics = layer_fn(weights, x, layer_index=run.start)
-            return x, [logits] if logits is not None else [], [statistics] if statistics is not None else []
+            layer_cache = None if run_cache is None else tuple(array[0] for array in run_cache)
+            x, logits, statistics, layer_cache = layer_fn(weights, x, layer_index=run.start, layer_cache=layer_cache)
+            run_cache = None if layer_cache is None else tuple(array[None] for array in layer_cache)
+            return (x, [logits] if logits is not None else [], [statistics] if statistics is not None else [],
+                    run_cache)
 
         def body(carry, inputs):
-            layer_weights, index = inputs
-            carry, logits, statistics = layer_fn(layer_weights, carry, layer_index=index)
-            return carry, (logits, statistics)
+            layer_weights, index, layer_cache = inputs
+            carry, logits, statistics, layer_cache = layer_fn(layer_weights, carry, layer_index=index,
+                                                              layer_cache=layer_cache)
+            return carry, (logits, statistics, layer_cache)
 
-        x, (logits, statistics) = jax.lax.scan(body, x, (weights, jnp.arange(run.start, run.stop)))
+        x, (logits, statistics, run_cache) = jax.lax.scan(
+            body, x, (weights, jnp.arange(run.start, run.stop), run_cache)
+        )
         if logits is None:
-            return x, [], []
+            return x, [], [], run_cache
         count = run.stop - run.start
         per_layer = [jax.tree.map(lambda leaf, i=i: leaf[i], statistics) for i in range(count)]
-        return x, [logits[i] for i in range(count)], per_layer
+        return x, [logits[i] for i in range(count)], per_layer, run_cache
 
     def forward_math(self, params, input_ids, attention_mask, positions, step: StepOptions):
         """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router
-        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer)."""
+        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer, the updated `step.cache`
+        (None without one))."""
         c = self.config
         model = params["model"]
         x = embed(model["embed_tokens"], input_ids)
@@ -193,14 +213,24 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         x = step.layouts.batch(x)
         inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
         rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
-        router_logits, statistics = [], []
+        cache = step.cache
+        key_mask = attention_mask
+        if cache is not None:
+            key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask.astype(cache.key_mask.dtype),
+                                                    (0, cache.length))
+        router_logits, statistics, keys, values = [], [], {}, {}
         for run in self.layer_stack.runs:
-            x, run_logits, run_statistics = self._run_layers(
-                run, model["layers"][run.key], x, rope, attention_mask, step
+            run_cache = None if cache is None else (cache.keys[run.key], cache.values[run.key])
+            x, run_logits, run_statistics, run_cache = self._run_layers(
+                run, model["layers"][run.key], x, rope, key_mask, step, run_cache
             )
             router_logits += run_logits
             statistics += run_statistics
-        return rms_norm(model["norm"], x, c.rms_norm_eps), router_logits, statistics
+            if run_cache is not None:
+                keys[run.key], values[run.key] = run_cache
+        if cache is not None:
+            cache = KVCache(keys=keys, values=values, key_mask=key_mask, length=cache.length + input_ids.shape[1])
+        return rms_norm(model["norm"], x, c.rms_norm_eps), router_logits, statistics, cache
 
     def head_logits(self, params, hidden):
         head = params["lm_head"] if not self.config.tie_word_embeddings else params["model"]["embed_tokens"]

@@ -313,3 +313,51 @@ def attention(
         query_chunk_size=query_chunk_size,
     )
     return constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
+
+
+def cached_attention(
+    params: Mapping,
+    hidden: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    *,
+    slot: jax.Array,
+    key_mask: jax.Array,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    qk_norm_kind: QkNormKind | None = None,
+    rms_norm_eps: float = 1e-6,
+    clip_qkv: float | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    constrain: Constrain = no_constraint,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`attention` for S new tokens against a KV cache (prefill into an empty cache, or decode).
+
+    hidden: [B, S, H]; cos, sin: [B, S, D] at the new tokens' positions
+    keys, values: [B, T, K, D], the cache; the new tokens go to slots [slot, slot + S) of every row
+    slot: int32 scalar, the first free slot; key_mask: [B, T], 1 for every stored real token, the new
+        ones included (0 for left padding and for slots not written yet)
+    -> (out [B, S, H], keys, values with the new tokens written)
+
+    Query i is the token in slot `slot + i`; masking is `attend`'s (causal by slot, sliding window, padding).
+    """
+    batch, seq, _ = hidden.shape
+    q, k, v = project_qkv(
+        params, hidden, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        qk_norm_kind=qk_norm_kind, rms_norm_eps=rms_norm_eps, clip_qkv=clip_qkv, constrain=constrain,
+    )
+    q, k = apply_rotary(q, k, cos, sin)
+    q, k = q.astype(v.dtype), k.astype(v.dtype)
+    start = (0, slot, 0, 0)
+    keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), start)
+    values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), start)
+    out = attend(
+        q, keys.astype(v.dtype), values.astype(v.dtype), scale=head_dim**-0.5, key_padding_mask=key_mask,
+        query_index=slot + jnp.arange(seq), sliding_window=sliding_window, implementation=implementation,
+    )
+    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
+    return out, keys, values

@@ -1,0 +1,97 @@
+"""The KV cache: every layer's keys and values, laid out like the attention heads that produce them.
+
+    cache = init_cache(model, batch=4, max_length=256)     # zeros, sharded; max_length bucketed
+    out = model.apply(params, prompt, attention_mask=mask, positions=pos, cache=cache)   # prefill
+    out = model.apply(params, next_ids, positions=pos + 1, cache=out.cache)              # one decode step
+
+Storage follows the model's layer runs (`moe_jax.models.layer_stack`): run "1-47" holds keys/values
+[L, B, T, K, D] for its L layers, so a scanned run carries its cache through the same scan. The batch is
+split over the data axes as the activations are, the KV heads over tp as the k/v projections' outputs are
+(replicated when tp does not divide them). Every row writes its new tokens to the same slots: `length` is
+one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..distributed.mesh import spec_entry
+
+# Cache lengths are rounded up to a multiple of this (or to a power of two below it), so generations of
+# nearby lengths share one compilation.
+LENGTH_BUCKET = 128
+
+
+@dataclass
+class KVCache:
+    """keys, values: run key -> [L, B, T, K, D]; key_mask: [B, T] int32, 1 for a stored real token;
+    length: int32 scalar, the slots written so far (the next token goes to slot `length`)."""
+
+    keys: dict[str, jax.Array]
+    values: dict[str, jax.Array]
+    key_mask: jax.Array
+    length: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.key_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_mask.shape[0]
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "key_mask", "length"], meta_fields=[])
+
+
+def bucket_length(length: int) -> int:
+    """The cache length used for `length` tokens: the next power of two up to LENGTH_BUCKET, then the next
+    multiple of LENGTH_BUCKET."""
+    if length < 1:
+        raise ValueError(f"a cache needs room for at least one token, got length {length}.")
+    if length <= LENGTH_BUCKET:
+        return 1 << (length - 1).bit_length()
+    return -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def cache_shardings(model, batch: int, max_length: int) -> KVCache:
+    """The NamedSharding of every cache array (a KVCache of shardings)."""
+    layout, config = model.layout, model.config
+    batch_entry = spec_entry(layout.batch_axes) if batch % model.data_parallel_size == 0 else None
+    heads_entry = spec_entry(layout.tp_axes) if config.num_key_value_heads % layout.tp_size == 0 else None
+    per_layer = NamedSharding(model.mesh, P(None, batch_entry, None, heads_entry, None))
+    rows = NamedSharding(model.mesh, P(batch_entry, None))
+    runs = {run.key: per_layer for run in model.layer_stack.runs}
+    return KVCache(keys=dict(runs), values=dict(runs), key_mask=rows, length=NamedSharding(model.mesh, P()))
+
+
+def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool = True) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_length` tokens (rounded up by `bucket_length`), in the
+    model's dtype (or `dtype`), placed with `cache_shardings`."""
+    if batch % model.data_parallel_size:
+        raise ValueError(f"a cache of {batch} rows cannot be split over the {model.data_parallel_size} "
+                         f"data-parallel groups of this layout; use a multiple of {model.data_parallel_size}.")
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions is not None and max_length > max_positions:
+        raise ValueError(f"a cache of {max_length} tokens is longer than the model's {max_positions} positions "
+                         "(config.max_position_embeddings); generate fewer tokens or shorten the prompt.")
+    length = bucket_length(max_length) if bucket else max_length
+    if max_positions is not None:
+        length = min(length, max_positions)
+    config = model.config
+    dtype = jnp.dtype(dtype or model.dtype)
+    shardings = cache_shardings(model, batch, length)
+
+    def zeros():
+        shape = lambda run: (run.stop - run.start, batch, length, config.num_key_value_heads, config.head_dim)  # noqa: E731
+        runs = model.layer_stack.runs
+        return KVCache(keys={run.key: jnp.zeros(shape(run), dtype) for run in runs},
+                       values={run.key: jnp.zeros(shape(run), dtype) for run in runs}, key_mask=jnp.zeros((batch, length), jnp.int32),
+                       length=jnp.zeros((), jnp.int32))
+
+    return jax.jit(zeros, out_shardings=shardings)()
