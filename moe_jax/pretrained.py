@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from converters import load_params, save_params
 
 from .checkpoint_files import local_checkpoint, read_config
+from .inference.generation_config import GenerationConfig
 from .parameter_dtypes import parameter_dtype
 
 
@@ -39,6 +40,7 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     config = read_config(directory)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
+    model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     return load_weights(model, directory, progress=progress)
 
 

@@ -36,6 +36,8 @@ from ..distributed.experts import ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
+from ..inference.generate import Generator
+from ..inference.generation_config import GenerationConfig
 from ..module_tree import ModuleTree
 from ..ops.routing import load_balancing_loss
 from ..parameter_dtypes import parameter_dtype
@@ -161,6 +163,8 @@ class MoeForCausalLM(PlannedModel):
         self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden",
                                                                      "compute_dtype"))
         # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
+        self.generation_config = GenerationConfig.from_values(self.config.raw)  # from_pretrained: the checkpoint's
+        self._generator: Generator | None = None
         self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
 
     # ---- to implement per family -------------------------------------------------------------------
@@ -432,6 +436,32 @@ class MoeForCausalLM(PlannedModel):
         call = partial(self.apply, params, input_ids, attention_mask=attention_mask, positions=positions,
                        rng=rng, inference=inference, return_hidden=return_hidden)
         return DroplessOutput(self, call, inference, batch)
+
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
+                 max_length: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
+                 pad_token_id: int | None = None, seed: int = 0, params: Mapping | None = None, streamer=None):
+        """Transformers' `generate` (greedy or sampling): input_ids [B, S] left-padded, attention_mask [B, S]
+        -> numpy [B, S + n], the prompts followed by the new tokens (after a row's EOS: `pad_token_id`).
+
+        Unset arguments come from `self.generation_config` (the checkpoint's generation_config.json, else
+        config.json's special tokens, else Transformers' defaults: max_length 20, greedy). `seed` fixes
+        sampling; `streamer(step, ids [B])` sees each step's new ids as they arrive. Details and timings:
+        `moe_jax.inference.Generator`."""
+        config = self.generation_config.updated(
+            max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )
+        return self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
+                                       on_tokens=streamer).sequences
+
+    @property
+    def generator(self) -> Generator:
+        """This model's prefill / decode programs (compiled on first use, kept for the next call)."""
+        if self._generator is None:
+            self._require_mesh("generate")
+            self._generator = Generator(self)
+        return self._generator
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:
         """input_ids: [B, S] -> logits [B, S, V]."""

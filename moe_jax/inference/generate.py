@@ -1,0 +1,195 @@
+"""`generate`: a jitted prefill, then one jitted decode step per token, the KV cache donated between them.
+
+    sequences = model.generate(input_ids, attention_mask, max_new_tokens=20)    # [B, S + n], as HF
+
+Transformers' semantics: left-padded prompts, positions counted from each row's first real token, greedy
+or sampled next tokens (`sampling.py`), rows that produced an EOS continue with `pad_token_id`, and the
+loop stops when every row has finished or after `max_new_tokens`. The result is the prompt followed by
+the new tokens.
+
+What reaches the host per step is the new token ids [B], nothing else: sampling, the EOS bookkeeping and
+the next positions stay on the device, and the host learns that every row finished from the ids it reads
+anyway. Step i + 1 is dispatched before step i's ids are read, so the device never waits for the host.
+Experts run at the largest dispatch capacity (`capacity=None`), which never drops a pair, so neither step
+climbs a capacity ladder or reads dispatch statistics. Prompts are left-padded to a bucketed length and
+the cache length is bucketed too (`cache.bucket_length`): one prefill and one decode compilation serve
+every generation of nearby sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import bucket_length, init_cache
+from .generation_config import GenerationConfig
+from .sampling import Sampling, next_tokens
+
+
+@dataclass
+class GenerationTimings:
+    """Wall seconds: compile (both programs, first use), prefill (prompt -> first ids on the host) and
+    decode (the remaining ids); token counts are over the caller's rows only."""
+
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens of the decode steps (all but the prefill's first) per second."""
+        decoded = self.new_tokens - self.new_tokens // max(self.steps, 1)
+        return decoded / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass
+class GenerationResult:
+    sequences: np.ndarray                                     # [B, S + n]
+    timings: GenerationTimings = field(default_factory=GenerationTimings)
+
+
+def prompt_positions(attention_mask: jax.Array) -> jax.Array:
+    """[B, S] mask -> RoPE positions as Transformers' generate: real tokens count from 0; padding gets 1."""
+    positions = jnp.cumsum(attention_mask, axis=-1) - 1
+    return jnp.where(attention_mask == 0, 1, positions).astype(jnp.int32)
+
+
+class Generator:
+    """Prefill and decode programs of one model; each compiles once per (rows, prompt bucket, cache
+    bucket, sampling rule)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._programs: dict[tuple, Callable] = {}
+        self.compilations = 0
+
+    # ---- the two device programs ----------------------------------------------------------------
+    def _prefill(self, params, input_ids, attention_mask, cache, key, *, sampling: Sampling, eos, pad):
+        positions = prompt_positions(attention_mask)
+        out = self.model.apply(params, input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
+        tokens = next_tokens(out.logits[:, -1], key, sampling)
+        finished = _is_eos(tokens, eos)
+        return tokens, out.cache, positions[:, -1] + 1, finished
+
+    def _decode(self, params, tokens, positions, cache, finished, key, *, sampling: Sampling, eos, pad):
+        out = self.model.apply(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
+                               positions=positions[:, None], cache=cache)
+        chosen = next_tokens(out.logits[:, -1], key, sampling)
+        chosen = jnp.where(finished, pad, chosen)
+        return chosen, out.cache, positions + 1, finished | _is_eos(chosen, eos)
+
+    def _program(self, name: str, sampling: Sampling, eos: tuple, pad: int, arguments: tuple):
+        """The jitted `name` program, compiled (and timed) on first use for these argument shapes."""
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(arguments))
+        key = (name, sampling, eos, pad, shapes)
+        compile_s = 0.0
+        if key not in self._programs:
+            function = self._prefill if name == "prefill" else self._decode
+            # Argument 3 is the cache in both programs: donated, so each step updates it in place.
+            jitted = jax.jit(partial(function, sampling=sampling, eos=eos, pad=pad), donate_argnums=(3,))
+            start = time.perf_counter()
+            self._programs[key] = jitted.lower(*arguments).compile()
+            compile_s = time.perf_counter() - start
+            self.compilations += 1
+        return self._programs[key], compile_s
+
+    # ---- the host loop ------------------------------------------------------------------------------
+    def generate(self, input_ids, attention_mask=None, *, config: GenerationConfig, seed: int = 0,
+                 params=None, on_tokens: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
+        """input_ids: [B, S] ints (left-padded), attention_mask: [B, S] (None: all real) -> the prompt and
+        the new tokens [B, S + n]. `on_tokens(step, ids [B])` sees each step's ids as they arrive."""
+        model = self.model
+        params = model.params if params is None else params
+        input_ids, attention_mask = _check_prompt(input_ids, attention_mask)
+        batch, prompt_length = input_ids.shape
+        new_tokens = config.new_tokens(prompt_length)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and prompt_length + new_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_length} tokens plus {new_tokens} new ones is longer than the "
+                             f"model's {limit} positions (config.max_position_embeddings); shorten the prompt or "
+                             "generate fewer tokens.")
+        sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.top_p)
+        eos, pad = tuple(config.eos_token_id), config.padding_token()
+
+        rows = -(-batch // model.data_parallel_size) * model.data_parallel_size
+        bucket = bucket_length(prompt_length)
+        if limit is not None:
+            bucket = max(prompt_length, min(bucket, limit - new_tokens))
+        ids = np.zeros((rows, bucket), np.int32)
+        mask = np.zeros((rows, bucket), np.int32)
+        ids[:batch, bucket - prompt_length:] = input_ids
+        mask[:batch, bucket - prompt_length:] = attention_mask
+        mask[batch:, -1] = 1  # filler rows (batch rounded up to the data-parallel size) see one key
+        cache = init_cache(model, rows, bucket + new_tokens)
+        base_key = jax.random.key(seed)
+        batch_sharding = model.batch_sharding()
+        ids, mask = jax.device_put(ids, batch_sharding), jax.device_put(mask, batch_sharding)
+
+        timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
+        prefill, compile_s = self._program("prefill", sampling, eos, pad, (params, ids, mask, cache, base_key))
+        timings.compile_s += compile_s
+        prefill_start = time.perf_counter()
+        tokens, cache, positions, finished = prefill(params, ids, mask, cache, base_key)
+        produced, done = [], np.zeros(batch, bool)
+        pending = tokens
+        for step in range(new_tokens):
+            following = None
+            if step + 1 < new_tokens:
+                arguments = (params, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1))
+                decode, compile_s = self._program("decode", sampling, eos, pad, arguments)
+                timings.compile_s += compile_s
+                following = decode(*arguments)
+            current = np.asarray(jax.device_get(pending))[:batch]
+            if step == 0:
+                timings.prefill_s = time.perf_counter() - prefill_start
+                decode_start = time.perf_counter()
+            produced.append(current)
+            if on_tokens is not None:
+                on_tokens(step, current)
+            done |= np.isin(current, eos)
+            if following is None or done.all():
+                break
+            pending, cache, positions, finished = following
+        timings.decode_s = time.perf_counter() - decode_start
+        timings.steps = len(produced)
+        timings.new_tokens = batch * len(produced)
+        sequences = np.concatenate([input_ids, np.stack(produced, axis=1)], axis=1)
+        return GenerationResult(sequences, timings)
+
+
+def _is_eos(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
+    if not eos:
+        return jnp.zeros(tokens.shape, jnp.bool_)
+    return jnp.isin(tokens, jnp.asarray(eos, jnp.int32))
+
+
+def _check_prompt(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    input_ids = np.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, sequence], got shape {input_ids.shape}.")
+    if not np.issubdtype(input_ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: generate needs at least one token per row.")
+    if attention_mask is None:
+        attention_mask = np.ones_like(input_ids)
+    attention_mask = np.asarray(attention_mask)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {attention_mask.shape}, expected {input_ids.shape}.")
+    if (attention_mask[:, -1] == 0).any():
+        raise ValueError("prompts must be left-padded (the last column of attention_mask is 0 for some row): "
+                         "tokenize with padding_side='left', as Transformers' generate expects.")
+    return input_ids.astype(np.int32), attention_mask.astype(np.int32)

@@ -1,0 +1,61 @@
+"""Choosing the next token from logits, as Transformers' `generate` does (greedy, or sampling after its
+temperature -> top-k -> top-p warpers, in that order). Sampling draws from JAX's generator: reproducible
+for a seed, not the same draws as torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Static choice of the next-token rule (hashable: one compilation per rule).
+
+    do_sample=False is greedy (argmax, lowest id on ties, as torch.argmax). top_k: 0 or None = off;
+    top_p: 1.0 = off; temperature: 1.0 = off."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.do_sample:
+            if not self.temperature > 0:
+                raise ValueError(f"temperature={self.temperature} must be > 0 when sampling (do_sample=True); "
+                                 "use do_sample=False for greedy decoding.")
+            if self.top_k is not None and self.top_k < 0:
+                raise ValueError(f"top_k={self.top_k} must be >= 0 (0 or None: no top-k filter).")
+            if not 0 < self.top_p <= 1:
+                raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1.0: no nucleus filter).")
+
+
+def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits: [B, V] float32 -> the same with filtered entries at -inf (HF's warpers, in HF's order)."""
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
+    if sampling.top_k:
+        k = min(sampling.top_k, logits.shape[-1])
+        kth = jax.lax.top_k(logits, k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)  # ties with the k-th value stay, as in HF
+    if sampling.top_p < 1.0:
+        # HF: sort ascending, drop tokens whose cumulative probability is <= 1 - top_p, keep the top one.
+        order = jnp.argsort(logits, axis=-1)
+        ascending = jnp.take_along_axis(logits, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        drop_sorted = cumulative <= 1 - sampling.top_p
+        drop_sorted = drop_sorted.at[..., -1].set(False)
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return logits
+
+
+def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits: [B, V] -> token ids [B] int32."""
+    logits = logits.astype(jnp.float32)
+    if not sampling.do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, warp(logits, sampling), axis=-1).astype(jnp.int32)
