@@ -87,11 +87,13 @@ def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool =
     dtype = jnp.dtype(dtype or model.dtype)
     shardings = cache_shardings(model, batch, length)
 
-    def zeros():
-        shape = lambda run: (run.stop - run.start, batch, length, config.num_key_value_heads, config.head_dim)  # noqa: E731
-        runs = model.layer_stack.runs
-        return KVCache(keys={run.key: jnp.zeros(shape(run), dtype) for run in runs},
-                       values={run.key: jnp.zeros(shape(run), dtype) for run in runs}, key_mask=jnp.zeros((batch, length), jnp.int32),
-                       length=jnp.zeros((), jnp.int32))
-
-    return jax.jit(zeros, out_shardings=shardings)()
+    runs = model.layer_stack.runs
+    heads = (batch, length, config.num_key_value_heads, config.head_dim)
+    # jnp.zeros straight into each sharding: created on the devices, one cached program per shape.
+    per_layer = lambda run, sharding: jnp.zeros((run.stop - run.start, *heads), dtype, device=sharding)  # noqa: E731
+    return KVCache(
+        keys={run.key: per_layer(run, shardings.keys[run.key]) for run in runs},
+        values={run.key: per_layer(run, shardings.values[run.key]) for run in runs},
+        key_mask=jnp.zeros((batch, length), jnp.int32, device=shardings.key_mask),
+        length=jnp.zeros((), jnp.int32, device=shardings.length),
+    )

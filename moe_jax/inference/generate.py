@@ -77,29 +77,29 @@ class Generator:
         self.compilations = 0
 
     # ---- the two device programs ----------------------------------------------------------------
-    def _prefill(self, params, input_ids, attention_mask, cache, key, *, sampling: Sampling, eos, pad):
+    def _prefill(self, params, input_ids, attention_mask, cache, key, eos, pad, *, sampling: Sampling):
         positions = prompt_positions(attention_mask)
         out = self.model.apply(params, input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
         return tokens, out.cache, positions[:, -1] + 1, finished
 
-    def _decode(self, params, tokens, positions, cache, finished, key, *, sampling: Sampling, eos, pad):
+    def _decode(self, params, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
         out = self.model.apply(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
                                positions=positions[:, None], cache=cache)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
         return chosen, out.cache, positions + 1, finished | _is_eos(chosen, eos)
 
-    def _program(self, name: str, sampling: Sampling, eos: tuple, pad: int, arguments: tuple):
+    def _program(self, name: str, sampling: Sampling, arguments: tuple):
         """The jitted `name` program, compiled (and timed) on first use for these argument shapes."""
         shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(arguments))
-        key = (name, sampling, eos, pad, shapes)
+        key = (name, sampling, shapes)
         compile_s = 0.0
         if key not in self._programs:
             function = self._prefill if name == "prefill" else self._decode
             # Argument 3 is the cache in both programs: donated, so each step updates it in place.
-            jitted = jax.jit(partial(function, sampling=sampling, eos=eos, pad=pad), donate_argnums=(3,))
+            jitted = jax.jit(partial(function, sampling=sampling), donate_argnums=(3,))
             start = time.perf_counter()
             self._programs[key] = jitted.lower(*arguments).compile()
             compile_s = time.perf_counter() - start
@@ -122,7 +122,10 @@ class Generator:
                              f"model's {limit} positions (config.max_position_embeddings); shorten the prompt or "
                              "generate fewer tokens.")
         sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.top_p)
-        eos, pad = tuple(config.eos_token_id), config.padding_token()
+        # Traced, not static: the EOS set and pad id change no compilation (only the number of EOS ids does).
+        eos = jnp.asarray(config.eos_token_id or (-1,), jnp.int32)
+        pad = jnp.asarray(config.padding_token(), jnp.int32)
+        eos_ids = np.asarray(config.eos_token_id, np.int64)
 
         rows = -(-batch // model.data_parallel_size) * model.data_parallel_size
         bucket = bucket_length(prompt_length)
@@ -139,17 +142,19 @@ class Generator:
         ids, mask = jax.device_put(ids, batch_sharding), jax.device_put(mask, batch_sharding)
 
         timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
-        prefill, compile_s = self._program("prefill", sampling, eos, pad, (params, ids, mask, cache, base_key))
+        arguments = (params, ids, mask, cache, base_key, eos, pad)
+        prefill, compile_s = self._program("prefill", sampling, arguments)
         timings.compile_s += compile_s
         prefill_start = time.perf_counter()
-        tokens, cache, positions, finished = prefill(params, ids, mask, cache, base_key)
+        tokens, cache, positions, finished = prefill(*arguments)
         produced, done = [], np.zeros(batch, bool)
         pending = tokens
         for step in range(new_tokens):
             following = None
             if step + 1 < new_tokens:
-                arguments = (params, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1))
-                decode, compile_s = self._program("decode", sampling, eos, pad, arguments)
+                arguments = (params, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1),
+                             eos, pad)
+                decode, compile_s = self._program("decode", sampling, arguments)
                 timings.compile_s += compile_s
                 following = decode(*arguments)
             current = np.asarray(jax.device_get(pending))[:batch]
@@ -159,7 +164,7 @@ class Generator:
             produced.append(current)
             if on_tokens is not None:
                 on_tokens(step, current)
-            done |= np.isin(current, eos)
+            done |= np.isin(current, eos_ids)
             if following is None or done.all():
                 break
             pending, cache, positions, finished = following
@@ -170,10 +175,9 @@ class Generator:
         return GenerationResult(sequences, timings)
 
 
-def _is_eos(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
-    if not eos:
-        return jnp.zeros(tokens.shape, jnp.bool_)
-    return jnp.isin(tokens, jnp.asarray(eos, jnp.int32))
+def _is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
+    """tokens: [B], eos: [n] ids (-1 where there is none) -> [B] bool."""
+    return jnp.any(tokens[:, None] == eos[None, :], axis=-1)
 
 
 def _check_prompt(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:

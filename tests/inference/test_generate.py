@@ -1,0 +1,100 @@
+"""`model.generate` against Transformers' `generate` (committed fixtures; live with torch), on one device and
+on 8-device layouts; compilation count and host transfers of decoding; batching; sampling."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from tests.models.test_apply import count_compilations
+
+from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS, hf_generate
+
+# tp = ep (the masked all_reduce path under auto), tp < ep (token dispatch), FSDP alone.
+LAYOUTS = {
+    "tp2_ep2_fsdp4": dict(tp_size=2, ep_size=2, fsdp_size=4),
+    "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),
+    "fsdp8": dict(fsdp_size=8),
+}
+
+
+def load(model_type: str, layout: dict | None = None):
+    return AutoModelForCausalLM.from_pretrained(
+        MODELS / model_type, None if layout is None else DistributedConfig(**layout),
+        devices=jax.devices()[:1] if layout is None else None, progress=False)
+
+
+def fixture(model_type: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / f"{model_type}.npz"))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    cache = {}
+
+    def get(model_type):
+        if model_type not in cache:
+            cache[model_type] = load(model_type)
+        return cache[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_tokens_equal_transformers_and_stop_at_eos(one_device, model_type):
+    model, expected = one_device(model_type), fixture(model_type)
+    prompt = expected["input_ids"], expected["attention_mask"]
+    np.testing.assert_array_equal(model.generate(*prompt, max_new_tokens=NEW_TOKENS), expected["greedy"])
+    with_eos = model.generate(*prompt, max_new_tokens=NEW_TOKENS, eos_token_id=int(expected["eos_token_id"]),
+                              pad_token_id=0)
+    np.testing.assert_array_equal(with_eos, expected["with_eos"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_tokens_equal_transformers_on_8_devices(layout):
+    """Three rows on 4-8 data-parallel groups: the batch is smaller than the data-parallel size."""
+    model, expected = load("qwen3_moe", LAYOUTS[layout]), fixture("qwen3_moe")
+    sequences = model.generate(expected["input_ids"], expected["attention_mask"], max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(sequences, expected["greedy"])
+
+
+@pytest.mark.reference
+def test_greedy_tokens_equal_live_transformers(one_device):
+    pytest.importorskip("torch")
+    live = hf_generate("olmoe")
+    model = one_device("olmoe")
+    np.testing.assert_array_equal(model.generate(live["input_ids"], live["attention_mask"],
+                                                 max_new_tokens=NEW_TOKENS), live["greedy"])
+
+
+def test_decode_compiles_once_and_reads_only_the_new_tokens(one_device):
+    model, expected = one_device("qwen3_moe"), fixture("qwen3_moe")
+    prompt = expected["input_ids"], expected["attention_mask"]
+    model.generate(*prompt, max_new_tokens=NEW_TOKENS)      # prefill and decode programs exist now
+    seen = []
+    with count_compilations() as count, jax.transfer_guard_device_to_host("disallow"):
+        # A prompt of another length in the same bucket, and a longer generation in the same cache bucket.
+        sequences = model.generate(prompt[0][:, 1:], prompt[1][:, 1:], max_new_tokens=NEW_TOKENS + 4,
+                                   streamer=lambda step, ids: seen.append(ids))
+    assert count[0] == 0
+    assert len(seen) == NEW_TOKENS + 4 and sequences.shape == (3, 6 + NEW_TOKENS + 4)
+    np.testing.assert_array_equal(np.stack(seen, axis=1), sequences[:, 6:])
+
+
+def test_a_padded_row_of_a_batch_equals_its_prompt_alone(one_device):
+    """Row 2 has 5 padding tokens before its 2 real ones; alone it has none (and another prompt bucket)."""
+    model, expected = one_device("mixtral"), fixture("mixtral")
+    alone = model.generate(expected["input_ids"][2:, 5:], max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(alone[0, 2:], expected["greedy"][2, 7:])
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(one_device):
+    model, expected = one_device("olmoe"), fixture("olmoe")
+    prompt = expected["input_ids"], expected["attention_mask"]
+    sample = lambda seed, **kw: model.generate(*prompt, max_new_tokens=12, do_sample=True, seed=seed, **kw)  # noqa: E731
+    first = sample(1, temperature=1.5, top_k=0)
+    np.testing.assert_array_equal(first, sample(1, temperature=1.5, top_k=0))
+    assert not np.array_equal(first, sample(2, temperature=1.5, top_k=0))
+    np.testing.assert_array_equal(sample(3, top_k=1), expected["greedy"][:, :7 + 12])
