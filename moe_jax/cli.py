@@ -133,6 +133,23 @@ command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any l
 )
 
 
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .generate_job import add_generate_arguments
+
+    add_generate_arguments(parser)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .generate_job import run_generate
+
+    return run_generate(args)
+
+
+command("generate", "generate text from an HF MoE checkpoint with its tokenizer, on any layout, streaming")(
+    (_generate_arguments, _run_generate)
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)

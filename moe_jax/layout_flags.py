@@ -37,6 +37,11 @@ def distributed_config_from_flags(args: argparse.Namespace):
     return DistributedConfig(**values)
 
 
+def layout_given(args: argparse.Namespace) -> bool:
+    """Whether any layout size flag was passed (without one, commands run on one device)."""
+    return any(getattr(args, flag, None) is not None for flag in LAYOUT_FLAGS if flag != "ep_implementation")
+
+
 def layout_devices(count: int, command: str) -> list:
     """The first `count` devices of the default platform; on CPU, virtual devices are requested first."""
     if count > 1:

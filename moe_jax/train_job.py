@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from .layout_flags import (
-    LAYOUT_FLAGS,
     add_layout_flags,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
+    layout_given,
 )
 
 DTYPES = ("float32", "bfloat16")
@@ -71,10 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
                         help="what each layer keeps for the backward pass")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-def _layout_given(args) -> bool:
-    return any(getattr(args, flag, None) is not None for flag in LAYOUT_FLAGS if flag != "ep_implementation")
 
 
 def _check_positive(args) -> None:
@@ -180,7 +176,7 @@ def train(args: argparse.Namespace) -> int:
     from .training.optimizers import build_optimizer
     from .training.step import make_train_step
 
-    distributed_config = distributed_config_from_flags(args) if _layout_given(args) else None
+    distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     if distributed_config is None:
         devices = jax.devices()[:1]
         print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees {len(jax.devices())} "

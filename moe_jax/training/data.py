@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..tokenization import load_checkpoint_tokenizer
+
 
 class TokenRows:
     """Rows of token ids; batch i = rows i*B .. i*B+B-1 (mod the row count), first `seq_len` columns."""
@@ -85,35 +87,6 @@ class SyntheticTokens:
         return {"input_ids": rng.integers(0, self.vocab_size, (self.batch_size, self.seq_len)).astype(np.int32)}
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def load_tokenizer(directory):
-    """`text -> list of ids` with the checkpoint's tokenizer (transformers' AutoTokenizer, else `tokenizers`),
-    read from local files only."""
-    directory = Path(directory) if directory is not None else None
-    if directory is None or not directory.is_dir():
-        raise ValueError("Text data needs the checkpoint's tokenizer: pass --model with a checkpoint directory that "
-                         "holds one, or give token ids with --data FILE.npy.")
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); give token ids with "
-                         "--data FILE.npy instead.")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        AutoTokenizer = None
-    if AutoTokenizer is not None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{directory}: transformers cannot load its tokenizer ({error}); give token ids with "
-                             "--data FILE.npy instead.") from None
-        return lambda text: tokenizer(text)["input_ids"]
-    tokenizer_file = directory / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
-                         "tokenizer files; give token ids with --data FILE.npy instead.")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    return lambda text: tokenizer.encode(text).ids
+    """`text -> list of ids` with the checkpoint's tokenizer, read from local files only."""
+    return load_checkpoint_tokenizer(directory, instead="give token ids with --data FILE.npy instead").encode

@@ -1,0 +1,135 @@
+"""`moe-jax generate`: text in, text out, through the checkpoint's tokenizer and `model.generate`.
+
+    moe-jax generate --model ckpt/ --prompt "Hello" --max-new-tokens 32 --tp 2 --ep 4 --fsdp 4
+    moe-jax generate --model ckpt/ --prompt-file prompts.txt          # one prompt per line, one batch
+
+New text streams to the terminal as each step's tokens arrive (one prompt), or each prompt's completion is
+printed at the end (several); prefill and decode tokens/s follow, compile time apart. A bad request (no
+checkpoint, no tokenizer, a prompt longer than the model's positions, an unknown EP implementation) is
+one `error:` line and exit status 2, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .layout_flags import (
+    add_layout_flags,
+    describe_layout,
+    distributed_config_from_flags,
+    layout_devices,
+    layout_given,
+)
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer files)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="a text file with one prompt per line (generated as one batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_layout_flags(parser, ep_implementation=True)
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompt_file)
+    if not path.exists() or path.is_dir():
+        raise ValueError(f"--prompt-file {path} is not a file.")
+    prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompt-file {path} holds no prompt (one per line).")
+    return prompts
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(row) for row in rows)
+    ids = np.full((len(rows), width), pad, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row):] = row
+        mask[index, width - len(row):] = 1
+    return ids, mask
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """The job behind `moe-jax generate`; prints `error: ...` and returns 2 on a bad request."""
+    try:
+        return _generate(args)
+    except (OSError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .checkpoint_files import local_checkpoint, read_config
+    from .distributed.config import DistributedConfig
+    from .distributed.mesh import DeviceLayout
+    from .inference.generation_config import GenerationConfig
+    from .models.auto import AutoModelForCausalLM
+    from .tokenization import load_checkpoint_tokenizer
+
+    directory = Path(args.model)
+    if not directory.is_dir():
+        raise ValueError(f"--model {directory} is not a checkpoint directory.")
+    config = read_config(local_checkpoint(directory))
+    tokenizer = load_checkpoint_tokenizer(directory, instead="this command needs one to turn the prompt into ids")
+    # Built (and its ep_implementation checked) before anything heavy; without layout flags: one device.
+    distributed_config = (distributed_config_from_flags(args) if layout_given(args)
+                          else DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation))
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1.")
+    prompts = [tokenizer.encode(text) for text in _read_prompts(args)]
+    if any(not ids for ids in prompts):
+        raise ValueError("a prompt encodes to no tokens; give some text.")
+    generation = GenerationConfig.for_checkpoint(directory, config).updated(max_new_tokens=args.max_new_tokens)
+    longest = max(len(ids) for ids in prompts)
+    limit = config.get("max_position_embeddings")
+    new_tokens = generation.new_tokens(longest)
+    if limit is not None and longest + new_tokens > limit:
+        raise ValueError(f"the prompt has {longest} tokens and {new_tokens} new ones are asked for: more than the "
+                         f"model's {limit} positions (max_position_embeddings); shorten it or lower --max-new-tokens.")
+
+    devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
+          file=sys.stderr)
+    input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
+    streaming = len(prompts) == 1
+    shown = list(prompts[0])  # the ids decoded so far: new text is decode(all) minus decode(before)
+    if streaming:
+        sys.stdout.write(tokenizer.decode(shown))
+
+    def stream(step: int, ids: np.ndarray) -> None:
+        if streaming and not np.isin(ids[0], generation.eos_token_id):
+            before = tokenizer.decode(shown)
+            shown.append(int(ids[0]))
+            text = tokenizer.decode(shown)
+            sys.stdout.write(text[len(before):] if text.startswith(before) else text)
+            sys.stdout.flush()
+
+    config_for_call = generation.updated(do_sample=args.do_sample or None, temperature=args.temperature,
+                                         top_k=args.top_k, top_p=args.top_p)
+    result = model.generator.generate(input_ids, attention_mask, config=config_for_call, seed=args.seed,
+                                      on_tokens=stream)
+    if streaming:
+        sys.stdout.write("\n")
+    else:
+        for prompt_ids, row in zip(prompts, result.sequences[:, input_ids.shape[1]:]):
+            kept = [int(token) for token in row if token not in generation.eos_token_id]
+            print(tokenizer.decode(list(prompt_ids) + kept))
+    timings = result.timings
+    print(f"prefill {timings.prompt_tokens} tokens: {timings.prefill_tokens_per_s:.1f} tokens/s; decode "
+          f"{timings.new_tokens} tokens in {timings.steps} steps: {timings.decode_tokens_per_s:.1f} tokens/s; "
+          f"compile {timings.compile_s:.1f} s", file=sys.stderr)
+    return 0

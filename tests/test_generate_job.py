@@ -1,0 +1,62 @@
+"""`moe-jax generate`: text through the checkpoint's tokenizer, streamed; bad requests get one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from moe_jax.cli import main
+from tests.inference.hf_generation import FIXTURES, MODELS
+
+WORDS = ["[UNK]"] + [f"w{i}" for i in range(127)]   # one word per id of the tiny vocabulary (128)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The qwen3_moe fixture with a word-level tokenizer (word `w{i}` is id i + 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("generate") / "qwen3_moe"
+    shutil.copytree(MODELS / "qwen3_moe", directory)
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, capsys):
+    expected = np.load(FIXTURES / "qwen3_moe.npz")
+    prompt_ids = expected["input_ids"][0]          # row 0 has no padding
+    prompt = " ".join(WORDS[i] for i in prompt_ids)
+    assert main(["generate", "--model", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "20",
+                 "--tp", "2", "--ep", "2", "--fsdp", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == " ".join(WORDS[i] for i in expected["greedy"][0])
+    assert "prefill 7 tokens" in err and "decode 20 tokens in 20 steps" in err and "tokens/s" in err
+
+
+BAD_REQUESTS = {
+    "missing checkpoint": (lambda ckpt: ["--model", str(ckpt.parent / "nope"), "--prompt", "w1"],
+                           "not a checkpoint directory"),
+    "no tokenizer": (lambda ckpt: ["--model", str(MODELS / "qwen3_moe"), "--prompt", "w1"],
+                     "has no tokenizer"),
+    "prompt too long": (lambda ckpt: ["--model", str(ckpt), "--prompt", " ".join(["w1"] * 250),
+                                      "--max-new-tokens", "10"], "more than the model's 256 positions"),
+    "unknown ep implementation": (lambda ckpt: ["--model", str(ckpt), "--prompt", "w1", "--ep", "2",
+                                                "--fsdp", "2", "--ep-implementation", "nope"],
+                                  "names no registered implementation"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_a_bad_request_is_one_error_line(checkpoint, capsys, case):
+    arguments, message = BAD_REQUESTS[case]
+    assert main(["generate", *arguments(checkpoint)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ")
+    assert message in err
