@@ -9,6 +9,10 @@ Storage follows the model's layer runs (`moe_jax.models.layer_stack`): run "1-47
 split over the data axes as the activations are, the KV heads over tp as the k/v projections' outputs are
 (replicated when tp does not divide them). Every row writes its new tokens to the same slots: `length` is
 one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skipped.
+
+A sliding-window run whose window is shorter than the cache keeps only its window: a ring of the last
+`sliding_window - 1` tokens in order (each step appends and drops the oldest), with its own mask in
+`window_masks` (what a query sees besides itself and the other new tokens).
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ LENGTH_BUCKET = 128
 
 @dataclass
 class KVCache:
-    """keys, values: run key -> [L, B, T, K, D]; key_mask: [B, T] int32, 1 for a stored real token;
-    length: int32 scalar, the slots written so far (the next token goes to slot `length`)."""
+    """keys, values: run key -> [L, B, T, K, D] ([L, B, R, K, D] for a window ring); key_mask: [B, T]
+    int32, 1 for a stored real token; length: int32 scalar, the tokens written so far (the next goes to slot
+    `length`); window_masks: ring run key -> [B, R], the ring's key_mask."""
 
     keys: dict[str, jax.Array]
     values: dict[str, jax.Array]
     key_mask: jax.Array
     length: jax.Array
+    window_masks: dict[str, jax.Array]
 
     @property
     def max_length(self) -> int:
@@ -46,7 +52,16 @@ class KVCache:
         return self.key_mask.shape[0]
 
 
-jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "key_mask", "length"], meta_fields=[])
+jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "key_mask", "length", "window_masks"],
+                                 meta_fields=[])
+
+
+def ring_length(model, run, max_length: int) -> int | None:
+    """The ring a sliding-window run keeps in a cache of `max_length` (None: it keeps every slot)."""
+    window = model.attention_options(run.start).get("sliding_window")
+    if window is None or window - 1 >= max_length:
+        return None
+    return max(window - 1, 1)
 
 
 def bucket_length(length: int) -> int:
@@ -67,7 +82,9 @@ def cache_shardings(model, batch: int, max_length: int) -> KVCache:
     per_layer = NamedSharding(model.mesh, P(None, batch_entry, None, heads_entry, None))
     rows = NamedSharding(model.mesh, P(batch_entry, None))
     runs = {run.key: per_layer for run in model.layer_stack.runs}
-    return KVCache(keys=dict(runs), values=dict(runs), key_mask=rows, length=NamedSharding(model.mesh, P()))
+    rings = {run.key: rows for run in model.layer_stack.runs if ring_length(model, run, max_length) is not None}
+    return KVCache(keys=dict(runs), values=dict(runs), key_mask=rows, length=NamedSharding(model.mesh, P()),
+                   window_masks=rings)
 
 
 def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool = True) -> KVCache:
@@ -88,12 +105,18 @@ def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool =
     shardings = cache_shardings(model, batch, length)
 
     runs = model.layer_stack.runs
-    heads = (batch, length, config.num_key_value_heads, config.head_dim)
+    slots = {run.key: ring_length(model, run, length) or length for run in runs}
+    heads = (config.num_key_value_heads, config.head_dim)
+
     # jnp.zeros straight into each sharding: created on the devices, one cached program per shape.
-    per_layer = lambda run, sharding: jnp.zeros((run.stop - run.start, *heads), dtype, device=sharding)  # noqa: E731
+    def per_layer(run, sharding):
+        return jnp.zeros((run.stop - run.start, batch, slots[run.key], *heads), dtype, device=sharding)
+
     return KVCache(
         keys={run.key: per_layer(run, shardings.keys[run.key]) for run in runs},
         values={run.key: per_layer(run, shardings.values[run.key]) for run in runs},
         key_mask=jnp.zeros((batch, length), jnp.int32, device=shardings.key_mask),
         length=jnp.zeros((), jnp.int32, device=shardings.length),
+        window_masks={key: jnp.zeros((batch, slots[key]), jnp.int32, device=sharding)
+                      for key, sharding in shardings.window_masks.items()},
     )

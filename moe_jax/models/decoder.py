@@ -132,13 +132,14 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
     def decoder_layer(self, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
-                      step: StepOptions, layer_cache: tuple | None = None):
+                      step: StepOptions, layer_cache: tuple | None = None, layer_run_key: str | None = None):
         """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
 
         `layer` is static (options, experts module: the same for every layer of a scanned run);
         `layer_index` is the layer's number, traced inside a scan (per-layer randomness). With a cache,
-        `layer_cache` is this layer's (keys, values) [B, T, K, D] and `attention_mask` the cache's key mask
-        [B, T]; the new tokens' keys and values come back written into it (None without a cache)."""
+        `layer_cache` is this layer's (keys, values) [B, T, K, D], `layer_run_key` its run's cache key, and
+        `attention_mask` the keys' mask (`cached_attention`); the new tokens' keys and values come back
+        stored in it (None without a cache)."""
         c, layouts = self.config, step.layouts
         layer_name = "model.layers.*"
         cos, sin = rope
@@ -152,9 +153,10 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         if layer_cache is None:
             attended = attention(weights["self_attn"], h, cos, sin, attention_mask=attention_mask, **attention_options)
         else:
+            ring = layer_run_key is not None and layer_run_key in step.cache.window_masks
             attended, keys, values = cached_attention(
-                weights["self_attn"], h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
-                **attention_options,
+                weights["self_attn"], h, cos, sin, *layer_cache, slot=None if ring else step.cache.length,
+                key_mask=attention_mask, **attention_options,
             )
             layer_cache = (keys, values)
         x = x + attended
@@ -175,7 +177,8 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
                     run_cache: tuple | None):
         """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer,
         the run's cache (keys, values) [L, B, T, K, D] with the new tokens written, or None)."""
-        layer_fn = partial(self.decoder_layer, layer=run.start, rope=rope, attention_mask=attention_mask, step=step)
+        layer_fn = partial(self.decoder_layer, layer=run.start, rope=rope, attention_mask=attention_mask, step=step,
+                           layer_run_key=run.key)
         policy = REMAT_POLICIES[step.remat]
         if step.remat != "none":
             layer_fn = jax.checkpoint(layer_fn, policy=policy)
@@ -218,18 +221,25 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         if cache is not None:
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask.astype(cache.key_mask.dtype),
                                                     (0, cache.length))
-        router_logits, statistics, keys, values = [], [], {}, {}
+        router_logits, statistics, keys, values, window_masks = [], [], {}, {}, {}
         for run in self.layer_stack.runs:
-            run_cache = None if cache is None else (cache.keys[run.key], cache.values[run.key])
+            run_cache, run_mask = None, key_mask
+            if cache is not None:
+                run_cache = (cache.keys[run.key], cache.values[run.key])
+                if run.key in cache.window_masks:  # a window ring: its mask, then the new tokens'
+                    ring = cache.window_masks[run.key]
+                    run_mask = jnp.concatenate([ring, attention_mask.astype(ring.dtype)], axis=1)
+                    window_masks[run.key] = run_mask[:, -ring.shape[1]:]
             x, run_logits, run_statistics, run_cache = self._run_layers(
-                run, model["layers"][run.key], x, rope, key_mask, step, run_cache
+                run, model["layers"][run.key], x, rope, run_mask, step, run_cache
             )
             router_logits += run_logits
             statistics += run_statistics
             if run_cache is not None:
                 keys[run.key], values[run.key] = run_cache
         if cache is not None:
-            cache = KVCache(keys=keys, values=values, key_mask=key_mask, length=cache.length + input_ids.shape[1])
+            cache = KVCache(keys=keys, values=values, key_mask=key_mask, length=cache.length + input_ids.shape[1],
+                            window_masks=window_masks)
         return rms_norm(model["norm"], x, c.rms_norm_eps), router_logits, statistics, cache
 
     def head_logits(self, params, hidden):

@@ -323,7 +323,7 @@ def cached_attention(
     keys: jax.Array,
     values: jax.Array,
     *,
-    slot: jax.Array,
+    slot: jax.Array | None,
     key_mask: jax.Array,
     num_heads: int,
     num_kv_heads: int,
@@ -338,12 +338,16 @@ def cached_attention(
     """`attention` for S new tokens against a KV cache (prefill into an empty cache, or decode).
 
     hidden: [B, S, H]; cos, sin: [B, S, D] at the new tokens' positions
-    keys, values: [B, T, K, D], the cache; the new tokens go to slots [slot, slot + S) of every row
-    slot: int32 scalar, the first free slot; key_mask: [B, T], 1 for every stored real token, the new
-        ones included (0 for left padding and for slots not written yet)
-    -> (out [B, S, H], keys, values with the new tokens written)
+    keys, values: [B, T, K, D], the cache, in one of two forms:
+      full (slot given): the new tokens go to slots [slot, slot + S) of every row;
+        key_mask: [B, T], 1 for every stored real token, the new ones included
+      window ring (slot=None, a sliding-window layer): the last T tokens in order, oldest first; the new
+        tokens are appended and the oldest dropped, so the ring stays in order;
+        key_mask: [B, T + S], the ring's mask followed by the new tokens'
+    -> (out [B, S, H], keys, values with the new tokens stored)
 
-    Query i is the token in slot `slot + i`; masking is `attend`'s (causal by slot, sliding window, padding).
+    Masking is `attend`'s (causal by key order, sliding window, padding). A ring of `sliding_window - 1`
+    tokens is all a query can see besides itself and the other new tokens.
     """
     batch, seq, _ = hidden.shape
     q, k, v = project_qkv(
@@ -352,12 +356,20 @@ def cached_attention(
     )
     q, k = apply_rotary(q, k, cos, sin)
     q, k = q.astype(v.dtype), k.astype(v.dtype)
-    start = (0, slot, 0, 0)
-    keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), start)
-    values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), start)
+    if slot is None:
+        ring = keys.shape[1]
+        all_keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=1)       # [B, T + S, K, D]
+        all_values = jnp.concatenate([values, v.astype(values.dtype)], axis=1)
+        query_index = ring + jnp.arange(seq)
+        keys, values = all_keys[:, -ring:], all_values[:, -ring:]
+    else:
+        start = (0, slot, 0, 0)
+        all_keys = keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), start)
+        all_values = values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), start)
+        query_index = slot + jnp.arange(seq)
     out = attend(
-        q, keys.astype(v.dtype), values.astype(v.dtype), scale=head_dim**-0.5, key_padding_mask=key_mask,
-        query_index=slot + jnp.arange(seq), sliding_window=sliding_window, implementation=implementation,
+        q, all_keys.astype(v.dtype), all_values.astype(v.dtype), scale=head_dim**-0.5, key_padding_mask=key_mask,
+        query_index=query_index, sliding_window=sliding_window, implementation=implementation,
     )
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
     return out, keys, values

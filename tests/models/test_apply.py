@@ -15,6 +15,7 @@ import pytest
 from moe_jax import DistributedConfig
 from moe_jax.distributed.capacity import CapacitySchedule
 from moe_jax.distributed.expert_parallel import AllToAllEP, EPImplementation, EPImplementationInterface
+from moe_jax.inference import init_cache
 from moe_jax.models import Qwen3MoeForCausalLM
 from moe_jax.models.base import ModelOutput
 
@@ -118,13 +119,15 @@ def test_batch_the_data_parallel_size_cannot_split_is_refused_by_apply(sharded):
         sharded.apply(sharded.params, tokens(3, 5))
 
 
-def test_capacity_off_the_ladder_and_params_in_the_wrong_layout_are_refused(sharded):
+def test_capacity_off_the_ladder_params_in_the_wrong_layout_and_a_mismatched_cache_are_refused(sharded):
     with pytest.raises(ValueError, match=r"capacity=3.0 is not on the dispatch capacity ladder \[1.25, 2.0, 4.0\]"):
         sharded.apply(sharded.params, tokens(4, 5), capacity=3.0)
     with pytest.raises(ValueError, match="they are per-layer HF names; pass model.layer_stack.stack"):
         sharded.apply(dict(sharded.hf_params()), tokens(4, 5))
-    with pytest.raises(NotImplementedError, match="KV-cache decoding is not implemented yet"):
-        sharded.apply(sharded.params, tokens(4, 5), cache={})
+    with pytest.raises(ValueError, match=r"the cache holds 8 rows but input_ids has 4"):
+        sharded.apply(sharded.params, tokens(4, 5), cache=init_cache(sharded, 8, 16))
+    with pytest.raises(ValueError, match=r"6 new tokens do not fit a cache of 4 slots"):
+        sharded.apply(sharded.params, tokens(4, 6), cache=init_cache(sharded, 4, 4))
 
 
 def test_forward_and_set_params_before_and_with_wrong_parameters():
