@@ -12,11 +12,11 @@ from tests.models.test_apply import count_compilations
 
 from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS, hf_generate
 
-# tp = ep (the masked all_reduce path under auto), tp < ep (token dispatch), FSDP alone.
+# tp = ep (the masked all_reduce path under auto) and tp < ep (token dispatch); every layout x
+# implementation, FSDP alone included: scripts/check_generate_layouts.py.
 LAYOUTS = {
     "tp2_ep2_fsdp4": dict(tp_size=2, ep_size=2, fsdp_size=4),
     "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),
-    "fsdp8": dict(fsdp_size=8),
 }
 
 
@@ -98,3 +98,17 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(one_device):
     np.testing.assert_array_equal(first, sample(1, temperature=1.5, top_k=0))
     assert not np.array_equal(first, sample(2, temperature=1.5, top_k=0))
     np.testing.assert_array_equal(sample(3, top_k=1), expected["greedy"][:, :7 + 12])
+
+
+def test_generation_config_json_supplies_the_defaults(tmp_path):
+    import json
+    import shutil
+
+    expected = fixture("qwen2_moe")
+    shutil.copytree(MODELS / "qwen2_moe", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": int(expected["eos_token_id"]),
+         "pad_token_id": 0}))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", devices=jax.devices()[:1], progress=False)
+    np.testing.assert_array_equal(model.generate(expected["input_ids"], expected["attention_mask"]),
+                                  expected["with_eos"])

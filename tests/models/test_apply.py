@@ -28,17 +28,19 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager
-def count_compilations():
+def count_compilations(name: str | None = None):
     """Counts compilations requested inside the block (compiled, or loaded from the persistent cache):
-    `with count_compilations() as count: ...; count[0]`."""
+    `with count_compilations() as count: ...; count[0]`. With `name`, only programs whose function name
+    contains it (the backend-compile event names its function; small eager ops a fresh process compiles
+    on first use are not counted then)."""
     count = [0]
 
-    def on_duration(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
+    def on_duration(event, duration, fun_name=None, **kwargs):
+        if event == BACKEND_COMPILE_EVENT and (name is None or (fun_name is not None and name in fun_name)):
             count[0] += 1
 
     def on_event(event, **kwargs):
-        if event == CACHE_HIT_EVENT:
+        if event == CACHE_HIT_EVENT and name is None:
             count[0] += 1
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
