@@ -1,6 +1,6 @@
 """Check mixed precision on every legal 8-device layout: bf16 compute, fp32 gradient reduction (SPEC §6).
 
-    python scripts/check_mixed_precision.py [--limit N]
+    python scripts/check_mixed_precision.py [--start K] [--limit N]
 
 For each layout of the parity grid, the mixed-precision train step of the committed tiny Qwen3-MoE is
 compiled with XLA dumping the SPMD partitioner's output (`moe_jax.distributed.collectives_report`: the
@@ -37,7 +37,8 @@ def has_activation_sums(layout: dict) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=None, help="check only the first N layouts")
+    parser.add_argument("--start", type=int, default=0, help="skip the first K layouts of the grid")
+    parser.add_argument("--limit", type=int, default=None, help="check at most N layouts")
     args = parser.parse_args()
     batch = FixtureBatches().batch(0)
     _, full = build_trainer(None)
@@ -45,7 +46,8 @@ def main() -> int:
     full_loss = float(full_metrics["loss"])
     print(f"one device, float32: loss {full_loss:.6f} (jax {jax.__version__}, {jax.devices()[0].device_kind})")
     failures = 0
-    layouts = every_layout_and_implementation()[: args.limit]
+    layouts = every_layout_and_implementation()[args.start:]
+    layouts = layouts[: args.limit]
     for layout in layouts:
         start = time.perf_counter()
         _, mixed = build_trainer(layout, mixed_precision=True)
