@@ -72,8 +72,8 @@ def test_micro_batches_give_the_step_of_the_whole_batch_and_experts_take_their_o
 def test_mixed_precision_computes_in_bfloat16_and_reduces_gradients_in_float32(trainers):
     """fp32 masters and optimizer state, bf16 compute, fp32 gradient reduction (SPEC §6), read from the
     partitioner's output on an HSDP + EP layout: parameters are gathered in bf16, every cross-device sum
-    (all weight gradients: there is no tp here) runs in f32. Before masters were cast at use, the same
-    program summed 60+ weight gradients in bf16."""
+    (all weight gradients: there is no tp here) runs in f32. Before masters were cast at use, the tp2/fsdp4
+    step ran over 60 bf16 all-reduces, most of them weight-gradient sums."""
     _, full = trainers("one_device")
     _, mixed = build_trainer(dict(dp_replicate_size=2, fsdp_size=4, ep_size=4), mixed_precision=True)
     batch = FixtureBatches().batch(0)
