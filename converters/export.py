@@ -8,6 +8,9 @@ Fused expert parameters are written back per expert (`experts.gate_up_proj [E, 2
 rules backwards, so loading and exporting can never disagree. The bytes are the parameter's bytes: a
 load -> save round trip reproduces every hub tensor bit for bit.
 
+In a multi-process job every process calls this with its part of the parameters: each tensor is gathered
+(a collective) and process 0 alone writes the files.
+
 Everything is written into a hidden temporary directory beside `out_dir` and renamed into place at the
 end; on any error the temporary directory is removed and `out_dir` is left as it was (absent or empty).
 """
@@ -17,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,6 +28,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .key_maps import KeyMap, key_map_for
+from .multihost import barrier, gather_to_host, is_writer, share_text
+from .publish import destination_problem, publish, staging_directory
 from .shard_writer import ShardedCheckpointWriter, TensorEntry
 
 CONFIG_FILE_NAME = "config.json"
@@ -53,46 +57,53 @@ def save_params(
     Returns:
         `out_dir` as a Path.
     """
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"save_params runs in one process; this job has {jax.process_count()}. Multi-host export needs the "
-            "parameters gathered across processes, which is not implemented yet."
-        )
     key_map = key_map_for(key_map)
     out_dir = Path(out_dir)
-    _check_destination(out_dir)
     try:
         config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     except TypeError as error:
         raise TypeError(f"`config` must be JSON-serialisable (a dict of plain values): {error}.") from None
     entries = _plan_hub_tensors(params, key_map)
+    refusal = share_text(destination_problem(out_dir) if is_writer() else None)
+    if refusal is not None:
+        raise FileExistsError(refusal)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    writer = None
+    # Every process gathers every tensor (a collective); process 0 writes. A write error on process 0 is
+    # kept until the gathers are done and then raised everywhere, so no process waits for a missing peer.
+    staging, writer, failure = None, None, None
     try:
-        writer = ShardedCheckpointWriter(staging, entries, max_shard_bytes)
-        for name in tqdm(params, desc="Saving parameters", unit="param", disable=not progress):
-            host_array = _gather_to_host(params[name])
-            for key, value in key_map.to_hub(name, host_array):
-                writer.write(key, value)
+        if is_writer():
+            staging = staging_directory(out_dir)
+            writer = ShardedCheckpointWriter(staging, entries, max_shard_bytes)
+        for name in tqdm(params, desc="Saving parameters", unit="param", disable=not (progress and is_writer())):
+            host_array = gather_to_host(params[name])
+            if writer is not None and failure is None:
+                try:
+                    for key, value in key_map.to_hub(name, host_array):
+                        writer.write(key, value)
+                except Exception as error:  # noqa: BLE001 (re-raised below on every process)
+                    failure = error
             del host_array  # drop the gathered copy before the next parameter is fetched
-        writer.finish()
-        (staging / CONFIG_FILE_NAME).write_text(config_text, encoding="utf-8")
-        _publish(staging, out_dir)
+        if writer is not None and failure is None:
+            try:
+                writer.finish()
+                (staging / CONFIG_FILE_NAME).write_text(config_text, encoding="utf-8")
+                publish(staging, out_dir)
+            except Exception as error:  # noqa: BLE001
+                failure = error
+        shared_failure = share_text(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if shared_failure is not None:
+            raise OSError(f"process 0 could not write {out_dir}: {shared_failure}")
     except BaseException:
         if writer is not None:
             writer.abort()
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
+    barrier("moe_jax.save_params")
     return out_dir
-
-
-def _check_destination(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(
-            f"{out_dir} already exists and is not an empty directory; choose a new directory or remove it first."
-        )
 
 
 def _plan_hub_tensors(params: Mapping[str, jax.Array], key_map: KeyMap) -> list[TensorEntry]:
@@ -104,11 +115,6 @@ def _plan_hub_tensors(params: Mapping[str, jax.Array], key_map: KeyMap) -> list[
     entries: list[TensorEntry] = []
     written_by: dict[str, str] = {}
     for name, array in params.items():
-        if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            raise NotImplementedError(
-                f"{name} spans devices of other processes; multi-host export (process_allgather) is not "
-                "supported yet. Export from a single-process run, or gather the parameters first."
-            )
         stand_in = np.broadcast_to(np.zeros((), np.dtype(array.dtype)), tuple(array.shape))
         for key, value in key_map.to_hub(name, stand_in):
             if key in written_by:
@@ -119,18 +125,3 @@ def _plan_hub_tensors(params: Mapping[str, jax.Array], key_map: KeyMap) -> list[
             written_by[key] = name
             entries.append(TensorEntry(key, tuple(value.shape), np.dtype(value.dtype)))
     return entries
-
-
-def _gather_to_host(array) -> np.ndarray:
-    """One parameter as a host numpy array (assembled from its device shards)."""
-    return np.asarray(jax.device_get(array))
-
-
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Make the finished checkpoint appear at `out_dir` in one rename."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; give it a normal directory's mode
-    if out_dir.is_dir():
-        out_dir.rmdir()  # empty (checked before writing); rename cannot replace a directory otherwise
-    os.rename(staging, out_dir)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -38,6 +37,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .errors import CheckpointMismatchError
+from .multihost import barrier, is_writer, share_text
+from .publish import destination_problem, publish, staging_directory
 
 CONFIG_FILE_NAME = "config.json"
 PARAMS_DIR_NAME = "params"
@@ -55,26 +56,35 @@ def save_orbax_params(params: Mapping[str, jax.Array], directory: str | os.PathL
     Returns:
         `directory` as an absolute Path.
     """
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"save_orbax_params runs in one process; this job has {jax.process_count()}. Multi-host saving "
-            "needs a staging directory agreed by all processes, which is not implemented yet."
-        )
     directory = Path(directory).absolute()
-    _check_destination(directory)
     config_text = _config_text(config)
     tree = nest_names(params)
+    refusal = share_text(destination_problem(directory) if is_writer() else None)
+    if refusal is not None:
+        raise FileExistsError(refusal)
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    # Every process writes its own shards through orbax into the staging directory process 0 made.
+    staging = Path(share_text(str(staging_directory(directory)) if is_writer() else None))
     try:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             checkpointer.save(epath.Path(staging / PARAMS_DIR_NAME), args=ocp.args.StandardSave(tree))
-        _write_config(staging, config_text)
-        _publish(staging, directory)
+        failure = None
+        if is_writer():
+            try:
+                _write_config(staging, config_text)
+                publish(staging, directory)
+            except Exception as error:  # noqa: BLE001 (raised below on every process)
+                failure = error
+        shared_failure = share_text(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if shared_failure is not None:
+            raise OSError(f"process 0 could not write {directory}: {shared_failure}")
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if is_writer():
+            shutil.rmtree(staging, ignore_errors=True)
         raise
+    barrier("moe_jax.save_orbax_params")
     return directory
 
 
@@ -181,13 +191,6 @@ def _check_stored_shapes(directory: Path, stored: dict[str, tuple], declared: di
         raise mismatch
 
 
-def _check_destination(directory: Path) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise FileExistsError(
-            f"{directory} already exists and is not an empty directory; choose a new directory or remove it first."
-        )
-
-
 def _config_text(config: dict) -> str:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(
@@ -202,13 +205,3 @@ def _config_text(config: dict) -> str:
 
 def _write_config(staging: Path, config_text: str) -> None:
     (staging / CONFIG_FILE_NAME).write_text(config_text, encoding="utf-8")
-
-
-def _publish(staging: Path, directory: Path) -> None:
-    """Make the finished checkpoint appear at `directory` in one rename."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; give it a normal directory's mode
-    if directory.is_dir():
-        directory.rmdir()  # empty (checked before writing); rename cannot replace a non-empty directory
-    os.rename(staging, directory)

@@ -150,6 +150,25 @@ command("generate", "generate text from an HF MoE checkpoint with its tokenizer,
 )
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    from .launch import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from .launch import run
+
+    return run(args)
+
+
+command("launch", "run a command as N local processes of one JAX multi-process job (like torchrun), output "
+                  "prefixed by process; one failure stops them all")((_launch_arguments, _run_launch))
+
+# Commands that start no JAX runtime of their own (the launcher starts processes that do).
+NO_RUNTIME_COMMANDS = frozenset({"launch"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -167,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command not in NO_RUNTIME_COMMANDS:
+            from .distributed.runtime import initialize
+
+            initialize()  # joins the job the environment names (moe-jax launch, torchrun, srun); else nothing
         return COMMANDS[args.command][1](args)
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

@@ -15,7 +15,6 @@ starts (`XLA_FLAGS=--xla_force_host_platform_device_count=N`); if JAX has alread
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -38,14 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The job behind `moe-jax convert`; prints `error: ...` and returns 2 on a bad request or checkpoint."""
-    try:
-        distributed_config = distributed_config_from_flags(args)
-        convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
-                dtype=args.dtype, progress=not args.no_progress)
-    except (OSError, ValueError, NotImplementedError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    """The job behind `moe-jax convert` (a bad request or checkpoint raises; `cli.main` prints it)."""
+    distributed_config = distributed_config_from_flags(args)
+    convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
+            dtype=args.dtype, progress=not args.no_progress)
     return 0
 
 

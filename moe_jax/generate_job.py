@@ -63,15 +63,9 @@ def _left_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarra
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """The job behind `moe-jax generate`; prints `error: ...` and returns 2 on a bad request."""
-    try:
-        return _generate(args)
-    except (OSError, ValueError, NotImplementedError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    """The job behind `moe-jax generate` (a bad request raises before any compute; `cli.main` prints it)."""
+    import jax
 
-
-def _generate(args: argparse.Namespace) -> int:
     from .checkpoint_files import local_checkpoint, read_config
     from .distributed.config import DistributedConfig
     from .distributed.mesh import DeviceLayout
@@ -105,7 +99,9 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
           file=sys.stderr)
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
-    streaming = len(prompts) == 1
+    # In a multi-process job every process generates the same ids; process 0 prints them.
+    printing = jax.process_index() == 0
+    streaming = len(prompts) == 1 and printing
     shown = list(prompts[0])  # the ids decoded so far: new text is decode(all) minus decode(before)
     if streaming:
         sys.stdout.write(tokenizer.decode(shown))
@@ -124,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
                                       on_tokens=stream)
     if streaming:
         sys.stdout.write("\n")
-    else:
+    elif printing:
         for prompt_ids, row in zip(prompts, result.sequences[:, input_ids.shape[1]:]):
             kept = [int(token) for token in row if token not in generation.eos_token_id]
             print(tokenizer.decode(list(prompt_ids) + kept))

@@ -43,14 +43,23 @@ def layout_given(args: argparse.Namespace) -> bool:
 
 
 def layout_devices(count: int, command: str) -> list:
-    """The first `count` devices of the default platform; on CPU, virtual devices are requested first."""
+    """The first `count` devices of the default platform in rank order; on CPU, virtual devices are requested
+    first. A multi-process job uses every device of the job."""
     if count > 1:
         from .demo import ensure_virtual_cpu_devices
 
         ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
     import jax
 
-    devices = jax.devices()
+    from .distributed.runtime import job_devices
+
+    devices = job_devices()
+    if jax.process_count() > 1 and count != len(devices):
+        raise ValueError(
+            f"The layout covers {count} device(s) but this job of {jax.process_count()} processes has "
+            f"{len(devices)}: a multi-process job must use all of them (every process holds some). Choose --tp, "
+            f"--fsdp, --ep and --dp-replicate whose product is {len(devices)}."
+        )
     if len(devices) >= count:
         return devices[:count]
     platform = devices[0].platform

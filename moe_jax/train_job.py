@@ -147,15 +147,7 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The job behind `moe-jax train`; prints `error: ...` and returns 2 on a bad request."""
-    try:
-        return train(args)
-    except (OSError, ValueError, NotImplementedError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
-def train(args: argparse.Namespace) -> int:
+    """The job behind `moe-jax train` (a bad request raises before any compute; `cli.main` prints it)."""
     _check_positive(args)
     config, model_dir = _model_config(args)
     data = _data_source(args, config, model_dir)
@@ -177,6 +169,9 @@ def train(args: argparse.Namespace) -> int:
     from .training.step import make_train_step
 
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
+    if distributed_config is None and jax.process_count() > 1:
+        raise ValueError(f"this job has {jax.process_count()} processes and {len(jax.devices())} devices: pass a "
+                         "layout (--tp / --fsdp / --ep / --dp-replicate) that uses all of them.")
     if distributed_config is None:
         devices = jax.devices()[:1]
         print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees {len(jax.devices())} "
@@ -224,7 +219,10 @@ def train(args: argparse.Namespace) -> int:
         state = train_step.init_state(seed=args.seed)
     start = int(state.step)
 
-    progress = _Progress(start, args.steps, args.metrics_jsonl, not args.no_progress)
+    # One process of a multi-process job keeps the record: every process sees the same metrics.
+    main_process = jax.process_index() == 0
+    progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
+                         not args.no_progress and main_process)
     loop = TrainLoop(
         train_step, data, on_step=progress,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),

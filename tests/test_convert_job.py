@@ -1,6 +1,5 @@
 """`moe-jax convert` / scripts/convert.py: HF <-> orbax end to end, on chosen layouts, with clear errors."""
 
-import argparse
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 
 from converters.orbax_params import read_orbax_config, restore_orbax_params, stored_shapes
 from moe_jax import AutoModelForCausalLM
-from moe_jax.convert_job import add_arguments, run
+from moe_jax.cli import main
 from tests.converters.tiny_checkpoints import read_checkpoint, same_bits
 from tests.models.hf_reference import TINY_QWEN3_MOE
 
@@ -22,9 +21,7 @@ CONFIG = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}
 
 
 def convert(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return run(parser.parse_args([*argv, "--no-progress"]))
+    return main(["convert", *argv, "--no-progress"])
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
+from .runtime import is_main_process
+
 
 def _world_size_for_tp() -> int:
     """The number of ranks a missing `tp_size` is derived from.
@@ -26,13 +28,6 @@ def _world_size_for_tp() -> int:
     import jax
 
     return jax.device_count()
-
-
-def _is_rank_zero() -> bool:
-    """Warnings are printed once per job, by the first process, as the reference does on rank 0."""
-    import jax
-
-    return jax.process_index() == 0
 
 
 def _check_ep_implementation(name: str) -> None:
@@ -139,7 +134,7 @@ class DistributedConfig:
             self.ep_size = self.tp_size
             if self.tp_plan is None:
                 self.tp_plan = {}
-            if _is_rank_zero():
+            if is_main_process():  # once per job, as the reference warns on rank 0
                 warnings.warn(
                     f"`enable_expert_parallel` without `ep_size` is deprecated and will be removed in v5.21. Use "
                     f"ep_size={self.ep_size}, tp_plan={{}} instead, or drop tp_plan to also shard the dense modules.",

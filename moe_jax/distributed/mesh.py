@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import DistributedConfig
+from .runtime import job_devices
 
 PP = "pp"
 DP_REPLICATE = "dp_replicate"
@@ -194,14 +195,15 @@ def check_experts_divisible(num_experts: int, ep_size: int) -> None:
 
 
 def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
-    """The `jax.sharding.Mesh` of `config` over `devices` (default: all of `jax.devices()`).
+    """The `jax.sharding.Mesh` of `config` over `devices` (default: every device of the job, in rank order:
+    `runtime.job_devices`).
 
     A config that needs one device (no parallelism) uses the first device when more are given.
     """
     import jax
 
     layout = DeviceLayout.from_config(config)
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(job_devices() if devices is None else devices)
     if layout.num_devices == 1:
         devices = devices[:1]
     if len(devices) != layout.num_devices:

@@ -20,6 +20,7 @@ from itertools import chain
 
 from ..module_tree import ModuleTree
 from .config import DistributedConfig
+from .runtime import is_main_process
 from .styles import ALL_FSDP_STYLES, ALL_PARALLEL_STYLES, unsupported_styles_error
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ def parameter_plan(name: str, plan: dict[str, str], is_weight: bool = True) -> s
         if module_name in plan:
             return plan[module_name]
     return None
-
-
-def _is_process_zero() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 class PlannedModel:
@@ -182,7 +177,7 @@ class PlannedModel:
             raise error
         names = self.plan_names() if names is None else names
         if unused := plan.keys() - names:
-            if _is_process_zero():
+            if is_main_process():
                 logger.warning(
                     f"`{plan_name}` rules {sorted(unused)} match nothing in {type(self).__name__} "
                     "and will not be applied."

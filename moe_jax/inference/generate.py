@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..distributed.host_arrays import host_to_global
 from .cache import bucket_length, init_cache
 from .generation_config import GenerationConfig
 from .sampling import Sampling, next_tokens
@@ -75,6 +76,13 @@ class Generator:
         self.model = model
         self._programs: dict[tuple, Callable] = {}
         self.compilations = 0
+        # In a multi-process job each process reads every row's new ids: the programs hand them out
+        # replicated (an all-gather of B ints per step). One process reads its own devices' copies as they are.
+        self._host_ids = (jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec())
+                          if jax.process_count() > 1 else None)
+
+    def _for_host(self, tokens: jax.Array) -> jax.Array:
+        return tokens if self._host_ids is None else jax.lax.with_sharding_constraint(tokens, self._host_ids)
 
     # ---- the two device programs ----------------------------------------------------------------
     def _prefill(self, params, input_ids, attention_mask, cache, key, eos, pad, *, sampling: Sampling):
@@ -82,14 +90,14 @@ class Generator:
         out = self.model.apply(params, input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
-        return tokens, out.cache, positions[:, -1] + 1, finished
+        return self._for_host(tokens), out.cache, positions[:, -1] + 1, finished
 
     def _decode(self, params, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
         out = self.model.apply(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
                                positions=positions[:, None], cache=cache)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
-        return chosen, out.cache, positions + 1, finished | _is_eos(chosen, eos)
+        return self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)
 
     def _program(self, name: str, sampling: Sampling, arguments: tuple):
         """The jitted `name` program, compiled (and timed) on first use for these argument shapes."""
@@ -139,7 +147,7 @@ class Generator:
         cache = init_cache(model, rows, bucket + new_tokens)
         base_key = jax.random.key(seed)
         batch_sharding = model.batch_sharding()
-        ids, mask = jax.device_put(ids, batch_sharding), jax.device_put(mask, batch_sharding)
+        ids, mask = host_to_global(ids, batch_sharding), host_to_global(mask, batch_sharding)
 
         timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
         arguments = (params, ids, mask, cache, base_key, eos, pad)

@@ -6,6 +6,10 @@
 
 `batch(i)` returns `{"input_ids": [B, S] int32}`; labels are the inputs (the loss shifts them, as the
 reference does). Step i of a token file trains on rows i*B .. i*B+B-1, wrapping around.
+
+`place_batch(data, i, sharding)` makes batch i a global array: with `batch_rows(i, rows)` (both sources
+here have it) each process reads only the rows of the batch its own devices hold, so in a multi-process
+job a token file is read in disjoint pieces.
 """
 
 from __future__ import annotations
@@ -14,7 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
+from ..distributed.host_arrays import global_rows, host_to_global, local_rows
 from ..tokenization import load_checkpoint_tokenizer
+
+
+def place_batch(data, index: int, sharding) -> dict:
+    """Batch `index` of `data` as global jax.Arrays laid out by `sharding`. Sources with `batch_rows(index,
+    rows)` and `batch_size` / `seq_len` are asked for this process's rows only; others build the whole batch
+    (the same on every process) and each process keeps its rows."""
+    if not hasattr(data, "batch_rows"):
+        return {key: host_to_global(value, sharding) for key, value in data.batch(index).items()}
+    shape = (data.batch_size, data.seq_len)
+    part = data.batch_rows(index, local_rows(shape, sharding))
+    return {key: global_rows((shape[0], *value.shape[1:]), sharding, lambda rows, value=value: value)
+            for key, value in part.items()}
 
 
 class TokenRows:
@@ -70,7 +87,11 @@ class TokenRows:
                              f"[0, {vocab_size}).")
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
-        rows = (index * self.batch_size + np.arange(self.batch_size)) % self.num_sequences
+        return self.batch_rows(index, np.arange(self.batch_size))
+
+    def batch_rows(self, index: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `rows` (positions within the batch) of batch `index`; only those are read from the file."""
+        rows = (index * self.batch_size + np.asarray(rows)) % self.num_sequences
         return {"input_ids": np.asarray(self.rows[rows, : self.seq_len], np.int32)}
 
 
@@ -85,6 +106,9 @@ class SyntheticTokens:
     def batch(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng((self.seed, index))
         return {"input_ids": rng.integers(0, self.vocab_size, (self.batch_size, self.seq_len)).astype(np.int32)}
+
+    def batch_rows(self, index: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return {"input_ids": self.batch(index)["input_ids"][np.asarray(rows)]}
 
 
 def load_tokenizer(directory):

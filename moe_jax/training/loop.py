@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.capacity import CapacitySchedule, CapacityState
+from .data import place_batch
 from .state import TrainState
 
 
@@ -64,6 +65,7 @@ class TrainLoop:
         self.should_save = should_save or (lambda step: False)
         self.save = save
         self.replays = 0
+        self.batch_sharding = train_step.model.batch_sharding()
 
     def run(self, state: TrainState, until_step: int, capacity_state: CapacityState | None = None
             ) -> tuple[TrainState, CapacityState | None]:
@@ -77,7 +79,7 @@ class TrainLoop:
         while step < until_step:
             expected = step + len(pending)
             if expected < until_step and not (pending and self.should_save(expected)):
-                batch = self.data.batch(next_index)
+                batch = place_batch(self.data, next_index, self.batch_sharding)
                 state, metrics = self.train_step(state, batch)
                 pending.append(_InFlight(next_index, state.capacity, metrics, next_index <= replay_until))
                 next_index += 1

@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..distributed.host_arrays import host_to_global
 from ..models.base import unflatten
 from .loss import aux_loss_coefficient, chunked_cross_entropy, prediction_targets
 from .state import TrainState, init_train_state, train_state_shardings
@@ -115,6 +116,9 @@ class TrainStep:
             raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
         if (error := self.batch_size_error(shape[0])) is not None:
             raise ValueError(error)
+        sharding = self.model.batch_sharding()
+        # Host arrays hold the whole global batch (the same on every process of a multi-process job).
+        batch = {name: host_to_global(value, sharding) for name, value in batch.items()}
         key = (state.capacity, tuple(sorted(batch)))
         if key not in self._compiled:
             self._compiled[key] = self._jit(state.capacity, key[1])

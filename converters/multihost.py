@@ -1,0 +1,59 @@
+"""What checkpoint writers need in a multi-process job: one writer, shared decisions, gathered tensors.
+
+In a job of several processes (`jax.process_count() > 1`) every process runs the same save call: each
+takes part in gathering every tensor (a collective), process 0 alone touches the files, and decisions made
+on process 0 (the destination is unusable, a write failed, where the staging directory is) are broadcast so
+every process returns or raises the same way instead of waiting in a collective the others never reach.
+In a one-process job these helpers reduce to plain local operations.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+MESSAGE_BYTES = 4096
+
+
+def is_writer() -> bool:
+    """The process that writes shared files (process 0)."""
+    return jax.process_index() == 0
+
+
+def multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def share_text(text: str | None) -> str | None:
+    """Process 0's `text` (None included) on every process; other processes' arguments are ignored."""
+    if not multi_process():
+        return text
+    from jax.experimental import multihost_utils
+
+    payload = np.zeros(MESSAGE_BYTES + 1, np.uint8)
+    if is_writer() and text is not None:
+        encoded = text.encode("utf-8")[:MESSAGE_BYTES]
+        payload[0] = 1
+        payload[1:1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+    if not shared[0]:
+        return None
+    return bytes(shared[1:]).rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all arrive (no-op in one process)."""
+    if multi_process():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def gather_to_host(array) -> np.ndarray:
+    """One tensor as a numpy array on every process: device shards assembled locally, or gathered across
+    processes when the array spans them (every process must call this for the same array)."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -1,0 +1,48 @@
+"""The work both sides of the multi-process test do: the 2-process job (worker.py) and the one-process run
+in the test, with the same inputs, so their results can be compared."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_jax.training import TrainLoop
+from tests.training.conftest import FixtureBatches
+
+FORWARD_LAYOUTS = {
+    "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),
+    "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
+}
+TRAIN_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
+FORWARD_IDS = np.random.default_rng(3).integers(0, 128, (8, 12)).astype(np.int32)
+GENERATE_PROMPTS = np.random.default_rng(4).integers(3, 128, (8, 6)).astype(np.int32)
+TRAIN_STEPS = 5
+
+
+def train(train_step, checkpoints=None, restore_from=None) -> tuple[np.ndarray, float]:
+    """TRAIN_STEPS steps from the start (saved at the last with `checkpoints`) or from `restore_from`'s latest
+    state; returns the losses of those steps and the loss of the step after them."""
+    records = []
+
+    def run(state, until_step, capacity_state=None):
+        loop = TrainLoop(train_step, FixtureBatches(), on_step=records.append,
+                         should_save=checkpoints.should_save if checkpoints else None,
+                         save=checkpoints.save if checkpoints else None)
+        return loop.run(state, until_step, capacity_state)
+
+    if restore_from is not None:
+        state, capacity_state = restore_from.restore()
+    else:
+        state, capacity_state = run(train_step.init_state(), TRAIN_STEPS)
+        if checkpoints is not None:
+            checkpoints.wait()
+    run(state, TRAIN_STEPS + 1, capacity_state)
+    losses = np.asarray([record["loss"] for record in records])
+    return losses[:-1], float(losses[-1])
+
+
+def generate(model) -> np.ndarray:
+    return model.generate(GENERATE_PROMPTS, max_new_tokens=6, do_sample=False, eos_token_id=[], pad_token_id=0)
+
+
+def export_loaded(model, out_dir) -> None:
+    model.save_pretrained(out_dir, max_shard_bytes=50_000, progress=False)

@@ -1,0 +1,107 @@
+"""A 2-process x 4-CPU-device job (moe-jax launch + JAX's distributed runtime over gloo) against the same
+work in this one 8-device process: logits on two layouts, 5 training steps, orbax train states restored
+across the two, byte-identical export, greedy generation, per-process checkpoint and batch reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from converters.safetensors_io import checkpoint_shards
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.training import TrainCheckpoints
+from tests.training.conftest import build_trainer
+from tests.training.hf_training import CHECKPOINT
+
+from .shared_work import FORWARD_IDS, FORWARD_LAYOUTS, TRAIN_LAYOUT, export_loaded, generate, train
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def launch(*command: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_jax.cli", "launch", *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The single-process side; it also leaves a train state in WORKDIR/state_1proc for the job to restore."""
+    workdir = tmp_path_factory.mktemp("multiprocess")
+    seen = {}
+    for name, layout in FORWARD_LAYOUTS.items():
+        model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(**layout), progress=False)
+        seen[f"{name}/logits"] = np.asarray(model(FORWARD_IDS))
+    seen["generated"] = generate(model)
+    export_loaded(model, workdir / "export_1proc")
+    model, train_step = build_trainer(TRAIN_LAYOUT)
+    seen["losses"], seen["next_loss"] = train(train_step, TrainCheckpoints(workdir / "state_1proc", model,
+                                                                           train_step, save_every=5))
+    return workdir, seen, train_step
+
+
+@pytest.fixture(scope="module")
+def two_processes(one_process):
+    workdir = one_process[0]
+    began = time.perf_counter()
+    result = launch("--nproc", "2", "--devices-per-process", "4", "--", sys.executable, str(WORKER), str(workdir))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    print(f"2-process job: {time.perf_counter() - began:.1f} s;", *(line for line in result.stdout.splitlines()
+                                                                  if line.startswith("[0]")), sep="\n")
+    return [dict(np.load(workdir / f"process_{i}.npz")) for i in range(2)]
+
+
+@pytest.mark.parametrize("layout", list(FORWARD_LAYOUTS))
+def test_logits_equal_the_one_process_run(one_process, two_processes, layout):
+    for seen in two_processes:
+        np.testing.assert_allclose(seen[f"{layout}/logits"], one_process[1][f"{layout}/logits"], rtol=0, atol=2e-6)
+
+
+def test_each_process_reads_about_half_of_the_checkpoint(two_processes):
+    total = sum(path.stat().st_size for path in checkpoint_shards(CHECKPOINT)[0])
+    for layout in FORWARD_LAYOUTS:
+        shares = [int(seen[f"{layout}/bytes_read"]) / total for seen in two_processes]
+        print(layout, "share of the checkpoint read per process:", [f"{share:.3f}" for share in shares])
+        assert all(0.4 < share < 0.6 for share in shares), shares
+
+
+def test_five_training_steps_match_and_train_states_restore_across_process_counts(one_process, two_processes):
+    workdir, seen, train_step = one_process
+    for job in two_processes:
+        np.testing.assert_allclose(job["losses"], seen["losses"], rtol=1e-6)
+        np.testing.assert_allclose(job["next_loss"], seen["next_loss"], rtol=1e-6)
+        # the job restored the state this process saved, and took the same next step
+        np.testing.assert_allclose(job["next_loss_from_1proc_state"], seen["next_loss"], rtol=1e-6)
+    # and this process restores the state the job saved
+    _, next_loss = train(train_step, restore_from=TrainCheckpoints(workdir / "state_2proc", train_step.model,
+                                                                   train_step))
+    np.testing.assert_allclose(next_loss, seen["next_loss"], rtol=1e-6)
+
+
+def test_the_export_is_byte_identical(one_process, two_processes):
+    workdir = one_process[0]
+    ours, theirs = workdir / "export_2proc", workdir / "export_1proc"
+    names = sorted(path.name for path in theirs.iterdir())
+    assert sorted(path.name for path in ours.iterdir()) == names and len(names) > 3  # sharded + index + config
+    for name in names:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+def test_greedy_generation_matches(one_process, two_processes):
+    for job in two_processes:
+        np.testing.assert_array_equal(job["generated"], one_process[1]["generated"])
+
+
+def test_each_process_reads_only_its_rows_of_a_batch(two_processes):
+    rows = np.arange(16 * 12, dtype=np.int32).reshape(16, 12)
+    asked = [set(job["rows_asked"].tolist()) for job in two_processes]
+    assert asked[0].isdisjoint(asked[1]) and asked[0] | asked[1] == set(range(8))
+    for job in two_processes:
+        np.testing.assert_array_equal(job["batch_1"], rows[8:16])
+    assert jax.process_count() == 1  # this side really is one process

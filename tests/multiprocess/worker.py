@@ -1,0 +1,81 @@
+"""One process of the 2-process x 4-device job that tests/multiprocess/test_multiprocess.py launches.
+
+    moe-jax launch --nproc 2 --devices-per-process 4 -- python tests/multiprocess/worker.py WORKDIR
+
+Loads the committed tiny Qwen3-MoE on two layouts (counting the checkpoint bytes this process reads),
+trains 5 steps with orbax checkpoints, restores the state the one-process run saved in WORKDIR, exports
+the loaded weights, generates, and feeds a token file by rows. Each process writes what it saw to
+WORKDIR/process_{i}.npz; the test compares them with the same work done in one process.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import moe_jax.distributed  # noqa: E402
+
+moe_jax.distributed.initialize()  # first: it decides which devices exist
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from converters.safetensors_io import record_reads  # noqa: E402
+from moe_jax import AutoModelForCausalLM, DistributedConfig  # noqa: E402
+from moe_jax.distributed.host_arrays import to_host  # noqa: E402
+from moe_jax.training import TrainCheckpoints  # noqa: E402
+from moe_jax.training.data import TokenRows, place_batch  # noqa: E402
+from tests.multiprocess.shared_work import (  # noqa: E402
+    FORWARD_IDS,
+    FORWARD_LAYOUTS,
+    TRAIN_LAYOUT,
+    export_loaded,
+    generate,
+    train,
+)
+from tests.training.conftest import build_trainer  # noqa: E402
+from tests.training.hf_training import CHECKPOINT  # noqa: E402
+
+
+def main(workdir: Path) -> None:
+    began = time.perf_counter()
+
+    def phase(name: str) -> None:
+        print(f"{name}: {time.perf_counter() - began:.1f} s", flush=True)
+
+    assert jax.process_count() == 2 and jax.local_device_count() == 4, (jax.process_count(), jax.local_devices())
+    seen: dict[str, np.ndarray] = {}
+    for name, layout in FORWARD_LAYOUTS.items():
+        with record_reads() as reads:
+            model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(**layout), progress=False)
+        seen[f"{name}/bytes_read"] = np.asarray(sum(read.nbytes for read in reads))
+        seen[f"{name}/logits"] = to_host(model(FORWARD_IDS))
+        phase(f"load + forward {name}")
+    seen["generated"] = generate(model)
+    phase("generate")
+    export_loaded(model, workdir / "export_2proc")
+    phase("export")
+
+    model, train_step = build_trainer(TRAIN_LAYOUT)
+    checkpoints = TrainCheckpoints(workdir / "state_2proc", model, train_step, save_every=5)
+    seen["losses"], seen["next_loss"] = train(train_step, checkpoints)
+    phase("train")
+    one_process = TrainCheckpoints(workdir / "state_1proc", model, train_step)
+    seen["next_loss_from_1proc_state"] = train(train_step, restore_from=one_process)[1]
+    phase("restore + step")
+
+    rows = np.arange(16 * 12, dtype=np.int32).reshape(16, 12)
+    asked = []
+    source = TokenRows(rows, batch_size=8)
+    reader = source.batch_rows
+    source.batch_rows = lambda index, wanted: asked.append(np.asarray(wanted)) or reader(index, wanted)
+    seen["batch_1"] = to_host(place_batch(source, 1, model.batch_sharding())["input_ids"])
+    seen["rows_asked"] = np.concatenate(asked)
+    np.savez(workdir / f"process_{jax.process_index()}.npz", **seen)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
