@@ -109,11 +109,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                f"({found.source}).")
         return found
     # Cross-process collectives on the CPU backend; the GPU and TPU backends ignore this option.
+    previous = jax.config.jax_cpu_collectives_implementation
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(found.coordinator_address, found.num_processes, found.process_id,
                                    local_device_ids=local_device_ids, initialization_timeout=initialization_timeout)
     except RuntimeError as error:
+        jax.config.update("jax_cpu_collectives_implementation", previous)
         if "before any JAX" in str(error):
             raise RuntimeError(
                 "moe_jax.distributed.initialize() must run before any JAX computation or device query in this "

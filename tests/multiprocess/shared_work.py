@@ -32,7 +32,9 @@ def train(train_step, checkpoints=None, restore_from=None) -> tuple[np.ndarray, 
     if restore_from is not None:
         state, capacity_state = restore_from.restore()
     else:
-        state, capacity_state = run(train_step.init_state(), TRAIN_STEPS)
+        # At the largest capacity: one compilation (the ladder's rungs would each compile, in both jobs).
+        largest = train_step.model.capacity_schedule.largest
+        state, capacity_state = run(train_step.init_state(capacity=largest), TRAIN_STEPS)
         if checkpoints is not None:
             checkpoints.wait()
     run(state, TRAIN_STEPS + 1, capacity_state)
