@@ -58,8 +58,9 @@ time.sleep(600)
 
 def test_a_process_killed_with_sigkill_stops_the_job_within_60_s_and_nothing_is_left(tmp_path):
     began = time.monotonic()
-    result = launch("--nproc", "2", "--devices-per-process", "1", "--", sys.executable, "-c", DYING_WORKER,
-                    str(tmp_path))
+    # JAX's runtime keeps a process alive through SIGTERM: the launcher's SIGKILL after --grace ends it.
+    result = launch("--nproc", "2", "--devices-per-process", "1", "--grace", "2", "--", sys.executable, "-c",
+                    DYING_WORKER, str(tmp_path))
     took = time.monotonic() - began
     assert result.returncode == 128 + 9, result.stderr[-3000:]
     assert "moe-jax launch: process 1 (pid" in result.stderr and "was killed by SIGKILL" in result.stderr

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_jax.distributed.host_arrays import to_host
 from moe_jax.training import TrainLoop
 from tests.training.conftest import FixtureBatches
+from tests.training.hf_training import CHECKPOINT
 
 FORWARD_LAYOUTS = {
     "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),
     "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
 }
 TRAIN_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
-FORWARD_IDS = np.random.default_rng(3).integers(0, 128, (8, 12)).astype(np.int32)
+# The PyTorch fixture's inputs: the one-process programs are the parity tests' (the compilation cache
+# shares them), and the logits can be checked against PyTorch's too.
+FORWARD_INPUTS = {name: value for name, value in np.load(CHECKPOINT / "reference.npz").items()
+                  if name in ("input_ids", "attention_mask")}
 GENERATE_PROMPTS = np.random.default_rng(4).integers(3, 128, (8, 6)).astype(np.int32)
 TRAIN_STEPS = 5
 
@@ -40,6 +45,10 @@ def train(train_step, checkpoints=None, restore_from=None) -> tuple[np.ndarray, 
     run(state, TRAIN_STEPS + 1, capacity_state)
     losses = np.asarray([record["loss"] for record in records])
     return losses[:-1], float(losses[-1])
+
+
+def forward(model) -> np.ndarray:
+    return np.asarray(to_host(model(FORWARD_INPUTS["input_ids"], FORWARD_INPUTS["attention_mask"])))
 
 
 def generate(model) -> np.ndarray:

@@ -16,10 +16,11 @@ import pytest
 from converters.safetensors_io import checkpoint_shards
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.training import TrainCheckpoints
+from tests.models.hf_reference import LOGITS_ATOL
 from tests.training.conftest import build_trainer
 from tests.training.hf_training import CHECKPOINT
 
-from .shared_work import FORWARD_IDS, FORWARD_LAYOUTS, TRAIN_LAYOUT, export_loaded, generate, train
+from .shared_work import FORWARD_LAYOUTS, TRAIN_LAYOUT, export_loaded, forward, generate, train
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -37,7 +38,7 @@ def one_process(tmp_path_factory):
     seen = {}
     for name, layout in FORWARD_LAYOUTS.items():
         model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(**layout), progress=False)
-        seen[f"{name}/logits"] = np.asarray(model(FORWARD_IDS))
+        seen[f"{name}/logits"] = forward(model)
     seen["generated"] = generate(model)
     export_loaded(model, workdir / "export_1proc")
     model, train_step = build_trainer(TRAIN_LAYOUT)
@@ -58,9 +59,19 @@ def two_processes(one_process):
 
 
 @pytest.mark.parametrize("layout", list(FORWARD_LAYOUTS))
-def test_logits_equal_the_one_process_run(one_process, two_processes, layout):
+def test_logits_equal_the_one_process_run_and_pytorch(one_process, two_processes, layout):
+    reference = np.load(CHECKPOINT / "reference.npz")
+    real = reference["attention_mask"].astype(bool)
     for seen in two_processes:
         np.testing.assert_allclose(seen[f"{layout}/logits"], one_process[1][f"{layout}/logits"], rtol=0, atol=2e-6)
+        np.testing.assert_allclose(seen[f"{layout}/logits"][real], reference["logits"][real], rtol=0,
+                                   atol=LOGITS_ATOL)
+
+
+def test_expert_parallel_groups_stay_inside_one_process(two_processes):
+    # devices are ranked process by process: EP groups of 4 and 8 consecutive ranks
+    assert two_processes[0]["tp2_fsdp4_ep4/ep_group_processes"].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert two_processes[0]["fsdp8_ep8/ep_group_processes"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
 
 
 def test_each_process_reads_about_half_of_the_checkpoint(two_processes):
@@ -105,3 +116,16 @@ def test_each_process_reads_only_its_rows_of_a_batch(two_processes):
     for job in two_processes:
         np.testing.assert_array_equal(job["batch_1"], rows[8:16])
     assert jax.process_count() == 1  # this side really is one process
+
+
+def test_moe_jax_commands_join_the_job_the_launcher_starts():
+    flags = ["plan", "--model", str(CHECKPOINT), "--train"]
+    result = launch("--nproc", "2", "--devices-per-process", "4", "--", "moe-jax", *flags, "--tp", "2", "--fsdp", "4",
+                    "--ep", "4", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for index in range(2):  # both processes built the 8-device mesh and its train state
+        assert f"[{index}] train state (adamw" in result.stdout
+    result = launch("--nproc", "2", "--devices-per-process", "4", "--", "moe-jax", *flags, "--tp", "2", timeout=300)
+    assert result.returncode == 2
+    assert "error: The layout covers 2 device(s) but this job of 2 processes has 8" in result.stderr
+    assert "moe-jax launch: process" in result.stderr and "exited with status 2" in result.stderr

@@ -29,10 +29,10 @@ from moe_jax.distributed.host_arrays import to_host  # noqa: E402
 from moe_jax.training import TrainCheckpoints  # noqa: E402
 from moe_jax.training.data import TokenRows, place_batch  # noqa: E402
 from tests.multiprocess.shared_work import (  # noqa: E402
-    FORWARD_IDS,
     FORWARD_LAYOUTS,
     TRAIN_LAYOUT,
     export_loaded,
+    forward,
     generate,
     train,
 )
@@ -52,7 +52,10 @@ def main(workdir: Path) -> None:
         with record_reads() as reads:
             model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(**layout), progress=False)
         seen[f"{name}/bytes_read"] = np.asarray(sum(read.nbytes for read in reads))
-        seen[f"{name}/logits"] = to_host(model(FORWARD_IDS))
+        seen[f"{name}/logits"] = forward(model)
+        seen[f"{name}/ep_group_processes"] = np.asarray(
+            [[model.mesh.devices.flat[rank].process_index for rank in group]
+             for group in model.layout.device_groups("ep")])
         phase(f"load + forward {name}")
     seen["generated"] = generate(model)
     phase("generate")
