@@ -29,3 +29,11 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# The longest files first: pytest-xdist (--dist loadfile) hands out files in collection order, so a long
+# file collected last would keep one worker busy after the other has finished.
+LONGEST_FIRST = ("tests/multiprocess/", "tests/training/test_train_job.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
