@@ -196,6 +196,9 @@ KEY_MAPS: dict[str, KeyMap] = {
     "qwen3_moe": KeyMap("qwen3_moe", QWEN2_MOE.rules),
     "olmoe": KeyMap("olmoe", QWEN2_MOE.rules),
     "mixtral": MIXTRAL,
+    # gpt-oss's bf16 hub checkpoints already hold the in-memory layout (fused, transposed experts with biases):
+    # every name is its own rule. (MXFP4 hub tensors: converters.mxfp4.)
+    "gpt_oss": KeyMap("gpt_oss", ()),
 }
 
 

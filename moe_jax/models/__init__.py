@@ -1,6 +1,7 @@
 """Model families. Importing this package registers each under its HF `model_type`."""
 
 from .base import MoeForCausalLM
+from .gpt_oss import GptOssConfig, GptOssForCausalLM
 from .mixtral import MixtralConfig, MixtralForCausalLM
 from .olmoe import OlmoeConfig, OlmoeForCausalLM
 from .qwen2_moe import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -8,6 +9,8 @@ from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import MODEL_CLASSES, register_model
 
 __all__ = [
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "MODEL_CLASSES",
     "MixtralConfig",
     "MixtralForCausalLM",

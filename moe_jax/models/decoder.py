@@ -58,13 +58,13 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
     def experts_intermediate_size(self) -> int:
         return self.config.moe_intermediate_size
 
-    def declare_attention(self, tree: ModuleTree) -> None:
-        """q/k/v/o projections (no bias); families add biases and q/k norms."""
+    def declare_attention(self, tree: ModuleTree, bias: bool = False) -> None:
+        """q/k/v/o projections (with `bias` on all four); families add q/k norms or sinks."""
         c, hidden = self.config, self.config.hidden_size
-        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden)
-        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden)
-        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden)
-        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim)
+        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden, bias)
+        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden, bias)
+        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden, bias)
+        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim, bias)
 
     def declare_router(self, tree: ModuleTree) -> None:
         tree.linear("gate", self.config.num_experts, self.config.hidden_size)

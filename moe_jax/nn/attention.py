@@ -186,6 +186,7 @@ def attend(
     sliding_window: int | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
     query_chunk_size: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention core (softmax in float32), via `jax.nn.dot_product_attention`.
 
@@ -198,6 +199,8 @@ def attend(
     sliding_window: keys visible per query, itself included (HF semantics), or None for full causal
     implementation: passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash attention on GPU)
     query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
+    sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
+        probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
 
     When `T == S` and no `query_index` is given (and no chunking happens), the mask is expressed as `is_causal` and
     `local_window_size` so fused kernels can skip masked blocks instead of reading an [S, T] mask.
@@ -216,9 +219,9 @@ def attend(
         key_padding_mask = key_padding_mask.astype(bool)
     if query_chunk_size is not None and query_chunk_size < 1:
         raise ValueError(f"query_chunk_size must be a positive int or None, got {query_chunk_size}")
-    in_chunks = query_chunk_size is not None and query_chunk_size < seq
+    in_chunks = query_chunk_size is not None and query_chunk_size < seq and sinks is None
 
-    if query_index is None and not in_chunks and seq == num_keys:
+    if query_index is None and not in_chunks and seq == num_keys and sinks is None:
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
         return jax.nn.dot_product_attention(
@@ -251,7 +254,32 @@ def attend(
     mask = visibility_mask(
         query_index, num_keys, key_padding_mask=key_padding_mask, sliding_window=sliding_window
     )
+    if sinks is not None:
+        return attend_with_sinks(q, k, v, mask, sinks, scale)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+
+
+def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array,
+                      scale: float) -> jax.Array:
+    """Attention whose softmax has one extra column per head, the learned sink logit, dropped after the
+    softmax (HF's gpt-oss eager attention): the sink absorbs probability, so a head may attend to little.
+
+    q: [B, S, N, D]; k, v: [B, T, K, D]; mask: [B, 1, S, T] bool; sinks: [N] -> [B, S, N, D]
+    Logits and softmax in float32; the weights are cast to v's dtype for the value sum.
+    """
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks must be [num_heads] = [{heads}], got shape {tuple(sinks.shape)}.")
+    groups = heads // kv_heads
+    grouped = q.reshape(batch, seq, kv_heads, groups, dim)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None], logits, -jnp.inf)                        # [B, K, G, S, T]
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
+                            (*logits.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v)
+    return out.reshape(batch, seq, heads, dim)
 
 
 def attention(
@@ -275,7 +303,7 @@ def attention(
     """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
 
     params: `{"q_proj", "k_proj", "v_proj", "o_proj": {"weight": [out, in], "bias"?: [out]},
-              "q_norm"?, "k_norm"?: {"weight": [D] per_head | [N*D], [K*D] full_width}}`
+              "q_norm"?, "k_norm"?: {"weight": [D] per_head | [N*D], [K*D] full_width}, "sinks"?: [N]}`
     hidden: [B, S, H]; cos, sin: [B, S, D] from `rotary_cos_sin` (positions may be arbitrary, e.g. offset)
     attention_mask: [B, S] padding mask, 1 = real token, 0 = padding (left or right)
     sliding_window: Mixtral / Qwen2-MoE / Qwen3-MoE window (keys per query, itself included), None for full
@@ -311,6 +339,7 @@ def attention(
         sliding_window=sliding_window,
         implementation=implementation,
         query_chunk_size=query_chunk_size,
+        sinks=params.get("sinks"),
     )
     return constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
 
@@ -370,6 +399,7 @@ def cached_attention(
     out = attend(
         q, all_keys.astype(v.dtype), all_values.astype(v.dtype), scale=head_dim**-0.5, key_padding_mask=key_mask,
         query_index=query_index, sliding_window=sliding_window, implementation=implementation,
+        sinks=params.get("sinks"),
     )
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
     return out, keys, values

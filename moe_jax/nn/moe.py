@@ -24,13 +24,15 @@ def sparse_moe_block(
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
     run_experts: Callable,
     constrain: Constrain = no_constraint,
+    router: str = "gate",
 ):
-    """hidden_states: [B, S, H]; params: {"gate": {"weight": [E, H]}, "experts": {...}}
+    """hidden_states: [B, S, H]; params: {router: {"weight": [E, H], "bias"?: [E]}, "experts": {...}}
     -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
-    constrain: lays out the router's output (`constrain(x, "gate")`), e.g. as the model's plans say."""
+    router: the router module's name ("gate"; gpt-oss: "router", with a bias)
+    constrain: lays out the router's output (`constrain(x, router)`), e.g. as the model's plans say."""
     batch, sequence, hidden = hidden_states.shape
     tokens = hidden_states.reshape(batch * sequence, hidden)
-    router_logits = constrain(linear(params["gate"], tokens), "gate")
+    router_logits = constrain(linear(params[router], tokens), router)
     top_k_weights, top_k_index = route(router_logits)
     output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"])
     return output.astype(hidden_states.dtype).reshape(batch, sequence, hidden), router_logits, statistics

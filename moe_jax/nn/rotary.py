@@ -31,7 +31,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # HF's `RotaryEmbeddingConfigMixin.default_theta` is 10000 except where a config class overrides it. Only
 # needed for a raw dict (e.g. config.json) that states no `rope_theta` at all.
-_DEFAULT_THETA_BY_MODEL_TYPE = {"mixtral": 1_000_000.0}
+_DEFAULT_THETA_BY_MODEL_TYPE = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
 _DEFAULT_THETA = 10_000.0
 
 

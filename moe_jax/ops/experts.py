@@ -109,3 +109,73 @@ def swiglu_experts(
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))
     return unpermute(y_sorted, order, weights).astype(hidden.dtype)
+
+
+def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's activation. gate_up: [M, 2I], gate and up interleaved (gate = [:, 0::2], up = [:, 1::2])
+    -> (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit): [M, I]."""
+    gate = jnp.minimum(gate_up[:, 0::2], limit)
+    up = jnp.clip(gate_up[:, 1::2], -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _bias_rows(bias: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """bias: [E, O], row_expert: [M] in [0, E] -> [M, O], zero for rows of expert E (padding)."""
+    return jnp.take(bias, row_expert, axis=0, mode="fill", fill_value=0)
+
+
+def biased_clamped_swiglu_experts(
+    hidden: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    gate_up_proj: jax.Array,
+    gate_up_proj_bias: jax.Array,
+    down_proj: jax.Array,
+    down_proj_bias: jax.Array,
+    *,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    backend: str | None = None,
+) -> jax.Array:
+    """gpt-oss's experts (HF's `GptOssExperts`), dropless via sort -> grouped matmul -> unsort.
+
+    hidden: [N, H]
+    expert_ids: [N, K] int, local ids in [0, E]; E means "not mine"
+    weights: [N, K] routing weights
+    gate_up_proj: [E, H, 2I]  ([in, out] per expert, gate/up interleaved on the last dim)
+    gate_up_proj_bias: [E, 2I]
+    down_proj: [E, I, H]
+    down_proj_bias: [E, H]
+    returns [N, H] in hidden's dtype:
+        out[n] = sum_k w[n, k] * ((clamped_swiglu(x[n] @ gate_up[e] + b[e]) @ down[e]) + db[e])
+    """
+    num_experts, hidden_size, two_i = gate_up_proj.shape
+    if (hidden.ndim != 2 or hidden.shape[1] != hidden_size or two_i % 2
+            or down_proj.shape != (num_experts, two_i // 2, hidden_size)
+            or gate_up_proj_bias.shape != (num_experts, two_i) or down_proj_bias.shape != (num_experts, hidden_size)):
+        raise ValueError(
+            f"gpt-oss experts need hidden [N, H], gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj "
+            f"[E, I, H], down_proj_bias [E, H]; got {hidden.shape}, {gate_up_proj.shape}, "
+            f"{gate_up_proj_bias.shape}, {down_proj.shape}, {down_proj_bias.shape}."
+        )
+    top_k = expert_ids.shape[1]
+    operands = (hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
+    hidden, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = (
+        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
+    )
+    expert_ids = vary_like(expert_ids, *operands)
+
+    order, group_sizes = sort_by_expert(expert_ids, num_experts)
+    x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
+    # Expert of each sorted row; E for the sentinel rows past sum(group_sizes), which get no bias.
+    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0]), side="right")
+    # grouped_matmul takes HF's usual [E, out, in]; gpt-oss stores [E, in, out].
+    gate_up = grouped_matmul(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), group_sizes, backend=backend)
+    gate_up = gate_up + _bias_rows(gate_up_proj_bias, row_expert)
+    gated = clamped_swiglu(gate_up, alpha, limit)
+    y_sorted = grouped_matmul(gated, jnp.swapaxes(down_proj, 1, 2), group_sizes, backend=backend)
+    y_sorted = y_sorted + _bias_rows(down_proj_bias, row_expert)
+
+    mine = expert_ids < num_experts
+    weights = jnp.where(mine, weights, jnp.zeros_like(weights))
+    return unpermute(y_sorted, order, weights).astype(hidden.dtype)

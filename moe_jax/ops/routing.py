@@ -71,6 +71,20 @@ def mixtral_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     return top_k_weights, top_k_index.astype(jnp.int32)
 
 
+def top_k_softmax(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """gpt-oss router: top-k of the (biased) logits, then softmax over the K kept values.
+
+    router_logits: [T, E]
+    returns (top_k_weights: [T, K] in router_logits' dtype, top_k_index: [T, K] int32)
+
+    The softmax runs in the logits' dtype, as the reference's `softmax(top_values, dtype=top_values.dtype)`.
+    """
+    _check_logits(router_logits)
+    _check_top_k(top_k, router_logits.shape[-1])
+    top_values, top_k_index = jax.lax.top_k(router_logits, top_k)
+    return jax.nn.softmax(top_values, axis=-1), top_k_index.astype(jnp.int32)
+
+
 def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> jax.Array:
     """router_logits_per_layer: L arrays of [T, E], or [L, T, E] -> [L, T, E]."""
     if isinstance(router_logits_per_layer, (list, tuple)):
