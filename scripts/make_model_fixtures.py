@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.models.hf_reference import (  # noqa: E402
+    TINY_GPT_OSS,
     TINY_MIXTRAL,
     TINY_OLMOE,
     TINY_QWEN2_MOE,
@@ -29,12 +30,14 @@ from tests.models.hf_reference import (  # noqa: E402
     tiny_hf_model,
 )
 
-FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE, "mixtral": TINY_MIXTRAL}
+FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE, "mixtral": TINY_MIXTRAL,
+            "gpt_oss": TINY_GPT_OSS}
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 
 
 def main() -> int:
-    for model_type, config in FAMILIES.items():
+    only = sys.argv[1:] or list(FAMILIES)  # e.g. `python scripts/make_model_fixtures.py gpt_oss`
+    for model_type, config in ((name, FAMILIES[name]) for name in only):
         model = tiny_hf_model(model_type, config)
         perturb_vector_params(model)
         directory = FIXTURES / model_type

@@ -101,8 +101,8 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
         return self.config.intermediate_size
 
     def declare_attention(self, tree: ModuleTree) -> None:
+        tree.param("sinks", (self.config.num_attention_heads,))  # a module's own parameters come first in torch
         super().declare_attention(tree, bias=self.config.attention_bias)
-        tree.param("sinks", (self.config.num_attention_heads,))
 
     def declare_router(self, tree: ModuleTree) -> None:
         with tree.module("router"):

@@ -38,6 +38,17 @@ TINY_MIXTRAL = dict(
     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
     router_jitter_noise=0.0, tie_word_embeddings=False, max_position_embeddings=256,
 )
+# gpt-oss: sliding (window 4) / full / sliding layers, attention sinks, q/k/v/o biases, biased router and
+# experts, YaRN over 64 original positions (factor 4), no pad token (as OLMoE).
+TINY_GPT_OSS = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+    tie_word_embeddings=False, max_position_embeddings=256, pad_token_id=None, eos_token_id=2,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+)
+# Router weights scaled so top-k choices are far from ties (HF module names differ by family).
+ROUTER_WEIGHT_SUFFIXES = ("mlp.gate.weight", "mlp.router.weight")
 
 
 def tiny_hf_model(model_type: str, config_values: dict, seed: int = 0):
@@ -51,7 +62,7 @@ def tiny_hf_model(model_type: str, config_values: dict, seed: int = 0):
     # Spread the router so top-k choices are far from ties (a tie could flip between implementations).
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(ROUTER_WEIGHT_SUFFIXES):
                 parameter.mul_(20.0)
     return model
 
