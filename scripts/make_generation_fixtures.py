@@ -21,7 +21,7 @@ from tests.inference.hf_generation import FAMILIES, FIXTURES, hf_generate  # noq
 
 def main() -> int:
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    for model_type in FAMILIES:
+    for model_type in sys.argv[1:] or FAMILIES:  # e.g. `python scripts/make_generation_fixtures.py gpt_oss`
         arrays = hf_generate(model_type)
         np.savez(FIXTURES / f"{model_type}.npz", **arrays)
         finished = (arrays["with_eos"][:, 7:] == arrays["eos_token_id"]).any(axis=1)
