@@ -26,6 +26,7 @@ import numpy as np
 
 from .key_patterns import KeyPattern
 from .lazy_tensors import LayoutError, LazyTensor
+from .mxfp4 import DequantizeMXFP4
 from .transforms import ConcatGateUp, StackExperts, Transform, is_tensor_value
 
 EXPERT = "expert"  # the placeholder numbering per-expert hub tensors
@@ -191,14 +192,30 @@ MIXTRAL = KeyMap(
     ),
 )
 
+# gpt-oss's bf16 hub checkpoints hold the in-memory layout (fused, transposed experts with biases), so each
+# expert weight is its own name (listed first: export writes that layout); the released MXFP4 checkpoints
+# hold `{proj}_blocks` + `{proj}_scales` instead, dequantised on load (converters/mxfp4.py, one-way).
+GPT_OSS = KeyMap(
+    "gpt_oss",
+    tuple(
+        rule
+        for proj in ("gate_up_proj", "down_proj")
+        for rule in (
+            rename(f"model.layers.{{layer}}.mlp.experts.{proj}", f"model.layers.{{layer}}.mlp.experts.{proj}"),
+            KeyRule(param=f"model.layers.{{layer}}.mlp.experts.{proj}",
+                    hub=(f"model.layers.{{layer}}.mlp.experts.{proj}_blocks",
+                         f"model.layers.{{layer}}.mlp.experts.{proj}_scales"),
+                    transforms=(DequantizeMXFP4(),)),
+        )
+    ),
+)
+
 KEY_MAPS: dict[str, KeyMap] = {
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": KeyMap("qwen3_moe", QWEN2_MOE.rules),
     "olmoe": KeyMap("olmoe", QWEN2_MOE.rules),
     "mixtral": MIXTRAL,
-    # gpt-oss's bf16 hub checkpoints already hold the in-memory layout (fused, transposed experts with biases):
-    # every name is its own rule. (MXFP4 hub tensors: converters.mxfp4.)
-    "gpt_oss": KeyMap("gpt_oss", ()),
+    "gpt_oss": GPT_OSS,
 }
 
 
