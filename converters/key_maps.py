@@ -118,15 +118,25 @@ def rename(hub: str, param: str) -> KeyRule:
 
 @dataclass(frozen=True)
 class KeyMap:
-    """An architecture's rules; parameters no rule names are stored under their own name."""
+    """An architecture's rules; parameters no rule names are stored under their own name.
+
+    `load_only` rules are further hub layouts a checkpoint may use (quantised tensors, dequantised by a
+    one-way transform); they are read, never written: export uses `rules`, else the parameter's own name.
+    """
 
     architecture: str
     rules: tuple[KeyRule, ...]
+    load_only: tuple[KeyRule, ...] = ()
 
-    def rules_for(self, param_name: str) -> list[tuple[int, KeyRule, dict[str, int]]]:
-        """Every rule that can produce `param_name`: `(rule position, rule, placeholder values)`."""
+    @property
+    def load_rules(self) -> tuple[KeyRule, ...]:
+        return self.rules + self.load_only
+
+    def rules_for(self, param_name: str, *, loading: bool = True) -> list[tuple[int, KeyRule, dict[str, int]]]:
+        """Every rule that can produce `param_name` (with `loading=False`, only those export may use):
+        `(rule position, rule, placeholder values)`."""
         found = []
-        for position, rule in enumerate(self.rules):
+        for position, rule in enumerate(self.load_rules if loading else self.rules):
             bindings = rule.param.match(param_name)
             if bindings is not None:
                 found.append((position, rule, bindings))
@@ -134,7 +144,7 @@ class KeyMap:
 
     def to_hub(self, param_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """One parameter in hub layout: `(hub key, array)` pairs (views of `array`, no copies)."""
-        matches = self.rules_for(param_name)
+        matches = self.rules_for(param_name, loading=False)
         if not matches:
             return [(param_name, array)]
         _, rule, _ = matches[0]
@@ -192,21 +202,18 @@ MIXTRAL = KeyMap(
     ),
 )
 
-# gpt-oss's bf16 hub checkpoints hold the in-memory layout (fused, transposed experts with biases), so each
-# expert weight is its own name (listed first: export writes that layout); the released MXFP4 checkpoints
-# hold `{proj}_blocks` + `{proj}_scales` instead, dequantised on load (converters/mxfp4.py, one-way).
+# gpt-oss's bf16 hub checkpoints hold the in-memory layout (fused, transposed experts with biases): every
+# parameter under its own name. The released MXFP4 checkpoints hold `{proj}_blocks` + `{proj}_scales`
+# instead, dequantised on load (converters/mxfp4.py); exports write the plain layout.
 GPT_OSS = KeyMap(
     "gpt_oss",
-    tuple(
-        rule
+    rules=(),
+    load_only=tuple(
+        KeyRule(param=f"model.layers.{{layer}}.mlp.experts.{proj}",
+                hub=(f"model.layers.{{layer}}.mlp.experts.{proj}_blocks",
+                     f"model.layers.{{layer}}.mlp.experts.{proj}_scales"),
+                transforms=(DequantizeMXFP4(),))
         for proj in ("gate_up_proj", "down_proj")
-        for rule in (
-            rename(f"model.layers.{{layer}}.mlp.experts.{proj}", f"model.layers.{{layer}}.mlp.experts.{proj}"),
-            KeyRule(param=f"model.layers.{{layer}}.mlp.experts.{proj}",
-                    hub=(f"model.layers.{{layer}}.mlp.experts.{proj}_blocks",
-                         f"model.layers.{{layer}}.mlp.experts.{proj}_scales"),
-                    transforms=(DequantizeMXFP4(),)),
-        )
     ),
 )
 

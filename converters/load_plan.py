@@ -93,7 +93,7 @@ def _rule_layouts_present(tensors, key_map: KeyMap) -> set[tuple[str, int]]:
     """
     present = set()
     for key in tensors:
-        for rule_position, rule in enumerate(key_map.rules):
+        for rule_position, rule in enumerate(key_map.load_rules):
             for pattern in rule.hub:
                 values = pattern.match(key)
                 if values is not None:
