@@ -85,6 +85,46 @@ def top_k_softmax(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     return jax.nn.softmax(top_values, axis=-1), top_k_index.astype(jnp.int32)
 
 
+def group_limited_sigmoid_top_k(router_logits: jax.Array, correction_bias: jax.Array, top_k: int, *,
+                                num_groups: int, top_k_groups: int, normalize: bool,
+                                scaling: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3 router (HF's `DeepseekV3TopkRouter` after its fp32 linear): sigmoid scores, expert choice
+    biased by `e_score_correction_bias` and limited to the best groups, weights from the unbiased scores.
+
+    router_logits: [T, E] (the reference computes them in float32); correction_bias: [E]
+    returns (top_k_weights: [T, K] float32, top_k_index: [T, K] int32)
+
+        s = sigmoid(logits); c = s + bias
+        group score = sum of the two largest c in each of `num_groups` groups of E / num_groups experts
+        keep the `top_k_groups` best groups (others' c = -inf); idx = top_k(c); w = s[idx]
+        w /= sum(w) + 1e-20 if `normalize` (norm_topk_prob); w *= `scaling` (routed_scaling_factor)
+    """
+    _check_logits(router_logits)
+    tokens, num_experts = router_logits.shape
+    if num_groups < 1 or num_experts % num_groups or num_experts // num_groups < 2:
+        raise ValueError(f"n_group={num_groups} must split the {num_experts} experts into equal groups of at least 2 "
+                         "(each group is scored by its two best experts).")
+    if not 1 <= top_k_groups <= num_groups:
+        raise ValueError(f"topk_group={top_k_groups} must be between 1 and n_group={num_groups}.")
+    per_group = num_experts // num_groups
+    if not 1 <= top_k <= top_k_groups * per_group:
+        raise ValueError(f"top_k={top_k} must be between 1 and the {top_k_groups * per_group} experts of the "
+                         f"{top_k_groups} kept group(s).")
+    if correction_bias.shape != (num_experts,):
+        raise ValueError(f"e_score_correction_bias must be [E] = [{num_experts}], got {tuple(correction_bias.shape)}.")
+    scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
+    choice = scores + correction_bias.astype(jnp.float32)
+    group_scores = jax.lax.top_k(choice.reshape(tokens, num_groups, per_group), 2)[0].sum(axis=-1)   # [T, G]
+    _, kept_groups = jax.lax.top_k(group_scores, top_k_groups)
+    kept = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], kept_groups].set(True)
+    choice = jnp.where(jnp.repeat(kept, per_group, axis=1), choice, -jnp.inf)
+    _, top_k_index = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, top_k_index, axis=1)
+    if normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, top_k_index.astype(jnp.int32)
+
+
 def _stack_layers(router_logits_per_layer: Sequence[jax.Array] | jax.Array) -> jax.Array:
     """router_logits_per_layer: L arrays of [T, E], or [L, T, E] -> [L, T, E]."""
     if isinstance(router_logits_per_layer, (list, tuple)):

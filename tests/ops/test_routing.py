@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from moe_jax.ops.routing import (
+    group_limited_sigmoid_top_k,
     load_balancing_loss,
     mixtral_top_k,
     softmax_top_k,
+    top_k_softmax,
 )
 
 NUM_TOKENS, NUM_EXPERTS, TOP_K = 24, 8, 2
@@ -160,3 +162,52 @@ def test_load_balancing_loss_and_gradient_match_transformers(with_mask):
     np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-6)
     torch_grad = np.stack([layer.grad.numpy() for layer in torch_layers])
     np.testing.assert_allclose(np.asarray(grad), torch_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_top_k_softmax_normalises_over_the_kept_logits_only():
+    logits = _logits(seed=5)
+    weights, index = top_k_softmax(jnp.asarray(logits), TOP_K)
+    kept = np.take_along_axis(logits, np.asarray(index), axis=1)
+    np.testing.assert_array_equal(np.asarray(index), np.argsort(-logits, axis=1)[:, :TOP_K])
+    np.testing.assert_allclose(np.asarray(weights), np.exp(kept) / np.exp(kept).sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_group_limited_routing_picks_only_from_the_best_groups():
+    # 8 experts in 4 groups of 2; the bias makes group 3 (experts 6, 7) win the choice, while the weights
+    # stay the unbiased sigmoid scores, renormalised and scaled.
+    logits = np.asarray([[3.0, 2.9, 0.0, 0.0, -1.0, -1.0, -2.0, -2.0]], np.float32)
+    bias = np.asarray([0, 0, 0, 0, 0, 0, 5.0, 5.0], np.float32)
+    weights, index = group_limited_sigmoid_top_k(jnp.asarray(logits), jnp.asarray(bias), 2, num_groups=4,
+                                                 top_k_groups=1, normalize=True, scaling=2.5)
+    assert sorted(np.asarray(index)[0].tolist()) == [6, 7]
+    np.testing.assert_allclose(np.asarray(weights), [[1.25, 1.25]], rtol=1e-6)
+    with pytest.raises(ValueError, match="n_group=3 must split the 8 experts"):
+        group_limited_sigmoid_top_k(jnp.asarray(logits), jnp.asarray(bias), 2, num_groups=3, top_k_groups=1,
+                                    normalize=True, scaling=1.0)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("normalize", [False, True])
+def test_group_limited_routing_matches_deepseek_v3_router(normalize):
+    torch = _torch()
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    experts = 16
+    config = DeepseekV3Config(hidden_size=experts, n_routed_experts=experts, num_experts_per_tok=4, n_group=4,
+                              topk_group=2, norm_topk_prob=normalize, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    bias = np.random.default_rng(7).normal(scale=0.3, size=experts).astype(np.float32)
+    logits = _logits(seed=6, shape=(NUM_TOKENS, experts))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        _, torch_weights, torch_index = router(torch.from_numpy(logits))
+    weights, index = group_limited_sigmoid_top_k(jnp.asarray(logits), jnp.asarray(bias), 4, num_groups=4,
+                                                 top_k_groups=2, normalize=normalize, scaling=2.5)
+    # torch.topk(sorted=False) leaves the order of the K choices open: compare (expert, weight) sets per token.
+    for ours_i, ours_w, theirs_i, theirs_w in zip(np.asarray(index), np.asarray(weights), torch_index.numpy(),
+                                                  torch_weights.numpy()):
+        order, theirs_order = np.argsort(ours_i), np.argsort(theirs_i)
+        np.testing.assert_array_equal(ours_i[order], theirs_i[theirs_order])
+        np.testing.assert_allclose(ours_w[order], theirs_w[theirs_order], rtol=1e-6)
