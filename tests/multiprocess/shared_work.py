@@ -7,6 +7,7 @@ import numpy as np
 
 from moe_jax.distributed.host_arrays import to_host
 from moe_jax.training import TrainLoop
+from tests.inference.hf_generation import NEW_TOKENS
 from tests.training.conftest import FixtureBatches
 from tests.training.hf_training import CHECKPOINT
 
@@ -19,7 +20,8 @@ TRAIN_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
 # shares them), and the logits can be checked against PyTorch's too.
 FORWARD_INPUTS = {name: value for name, value in np.load(CHECKPOINT / "reference.npz").items()
                   if name in ("input_ids", "attention_mask")}
-GENERATE_PROMPTS = np.random.default_rng(4).integers(3, 128, (8, 6)).astype(np.int32)
+# Transformers' greedy generation on this checkpoint (tests/fixtures/generation, the inference tests' fixture).
+GENERATION = dict(np.load(CHECKPOINT.parents[1] / "generation" / "qwen3_moe.npz"))
 TRAIN_STEPS = 5
 
 
@@ -52,7 +54,9 @@ def forward(model) -> np.ndarray:
 
 
 def generate(model) -> np.ndarray:
-    return model.generate(GENERATE_PROMPTS, max_new_tokens=6, do_sample=False, eos_token_id=[], pad_token_id=0)
+    """Greedy tokens for the fixture's prompts ([3, 7], left-padded; fewer rows than data-parallel groups)."""
+    return model.generate(GENERATION["input_ids"], GENERATION["attention_mask"], max_new_tokens=NEW_TOKENS,
+                          do_sample=False)
 
 
 def export_loaded(model, out_dir) -> None:

@@ -1,0 +1,220 @@
+"""moe_jax against Transformers' own distributed MoE support, side by side in one run (CPU).
+
+    pip install torch==2.13.0 transformers==5.23.0 accelerate   # the reference (its distributed loading needs
+                                                              # accelerate); needed by this script only
+    python scripts/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
+
+Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
+each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
+- the reference: Transformers on one process, and under `torchrun --nproc-per-node 4` (gloo) with
+  `DistributedConfig(...)` for tp4/ep4, fsdp4/ep4, tp2/fsdp2/ep4, each ep_implementation that applies;
+  with data parallelism each rank feeds its rows of the global batch, as the reference's docs say;
+- moe_jax on 1 and on 4 virtual CPU devices with the same layouts,
+and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
+|logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
+sequential (the machine is shared: read the ratios, not the absolute figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16,
+              num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False)
+# name -> DistributedConfig kwargs (None: one process / one device)
+LAYOUTS = {
+    "single": None,
+    "tp4_ep4": dict(tp_size=4, ep_size=4),
+    "fsdp4_ep4": dict(fsdp_size=4, ep_size=4),
+    "tp2_fsdp2_ep4": dict(tp_size=2, fsdp_size=2, ep_size=4),
+}
+LEARNING_RATE = 1e-4
+
+
+def implementations(layout: dict | None) -> list[str]:
+    """The ep_implementations that apply to `layout` (all_reduce needs ep_size == tp_size)."""
+    if layout is None:
+        return ["-"]
+    names = ["all_to_all"]
+    if layout.get("ep_size") == layout.get("tp_size", 1):
+        names.append("all_reduce")
+    return names
+
+
+def build(workdir: Path, batch: int, seq: int) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**CONFIG), dtype=torch.float32)
+    with torch.no_grad():  # a sharper router: top-k choices far from ties, so both sides route alike
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.mul_(20.0)
+    model.save_pretrained(workdir / "checkpoint")
+    ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (batch, seq)).astype(np.int64)
+    np.save(workdir / "ids.npy", ids)
+
+
+def timed(fn, steps: int) -> float:
+    """Seconds per call, after one untimed call (compilation / warm-up)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps
+
+
+# ---- the reference (one process, or one rank of a torchrun job) --------------------------------------
+def reference_worker(workdir: Path, layout_name: str, implementation: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    layout = LAYOUTS[layout_name]
+    kwargs = {"dtype": torch.float32}
+    rank, world = 0, 1
+    if layout is not None:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(**layout, ep_implementation=implementation)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", **kwargs)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    ids = torch.as_tensor(np.load(workdir / "ids.npy"))
+    tp = 1 if layout is None else layout.get("tp_size", 1)
+    data_parallel = world // tp
+    rows = ids.shape[0] // data_parallel
+    local = ids[(rank // tp) * rows:(rank // tp + 1) * rows]
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(local).logits
+        forward_s = timed(lambda: model(local), steps)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+
+    def train_step():
+        loss = model(local, labels=local).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_s = timed(train_step, steps)
+    if data_parallel > 1:  # gather every data-parallel rank's logits on rank 0
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits.contiguous())
+        logits = torch.cat(gathered[::tp])
+    if rank == 0:
+        np.save(workdir / f"logits_reference_{layout_name}_{implementation}.npy", logits.float().numpy())
+        print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
+
+
+# ---- moe_jax (one process, on as many virtual devices as the layout needs) ---------------------------
+def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int) -> None:
+    import jax
+    import optax
+
+    sys.path.insert(0, str(ROOT))
+    from moe_jax import AutoModelForCausalLM, DistributedConfig
+    from moe_jax.training import make_train_step
+
+    layout = LAYOUTS[layout_name]
+    config = None if layout is None else DistributedConfig(**layout, ep_implementation=implementation)
+    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", config, progress=False,
+                                                 devices=jax.devices()[:1] if layout is None else None)
+    ids = np.load(workdir / "ids.npy").astype(np.int32)
+    batch = jax.device_put(ids, model.batch_sharding())
+    capacity = model.capacity_schedule.largest if model.layout.ep_size > 1 else None
+    forward = jax.jit(lambda params, ids: model.apply(params, ids, capacity=capacity).logits)
+    logits = np.asarray(forward(model.params, batch))
+    forward_s = timed(lambda: jax.block_until_ready(forward(model.params, batch)), steps)
+
+    train_step = make_train_step(model, optax.adamw(LEARNING_RATE, weight_decay=0.01), grad_clip=None)
+    state = {"value": train_step.init_state(capacity=capacity)}
+
+    def step():
+        state["value"], metrics = train_step(state["value"], {"input_ids": batch})
+        jax.block_until_ready(metrics["loss"])
+
+    train_s = timed(step, steps)
+    np.save(workdir / f"logits_ours_{layout_name}_{implementation}.npy", logits)
+    print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
+
+
+# ---- driver -------------------------------------------------------------------------------------------
+def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int) -> dict:
+    arguments = [__file__, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
+                 implementation, "--steps", str(steps)]
+    environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    layout = LAYOUTS[layout_name]
+    devices = 1 if layout is None else layout.get("tp_size", 1) * layout.get("fsdp_size", 1)
+    if side == "reference" and layout is not None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), *arguments]
+    else:
+        command = [sys.executable, *arguments]
+        environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    result = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        sys.exit(f"{side} {layout_name} {implementation} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4, help="timed calls per figure (after one warm-up)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ours-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="single", help=argparse.SUPPRESS)
+    parser.add_argument("--implementation", default="-", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.reference_worker:
+        reference_worker(Path(args.reference_worker), args.layout, args.implementation, args.steps)
+        return 0
+    if args.ours_worker:
+        ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps)
+        return 0
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    build(workdir, args.batch, args.seq)
+    tokens = args.batch * args.seq
+    rows = []
+    for name in args.layouts.split(","):
+        for implementation in implementations(LAYOUTS[name]):
+            reference = run_worker("reference", workdir, name, implementation, args.steps)
+            ours = run_worker("ours", workdir, name, implementation, args.steps)
+            baseline = np.load(workdir / "logits_reference_single_-.npy")
+            differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
+                                               - baseline))) for side in ("reference", "ours")]
+            rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
+                         tokens / reference["train_s"], tokens / ours["train_s"], *differences))
+            print(f"done: {name} {implementation}", file=sys.stderr, flush=True)
+    print(f"batch {args.batch} x {args.seq} tokens; tokens/s (higher is better); max |logits - 1-process reference|")
+    print(f"{'layout':<15}{'ep_impl':<12}{'fwd ref':>10}{'fwd ours':>10}{'ratio':>8}{'train ref':>11}"
+          f"{'train ours':>11}{'ratio':>8}{'diff ref':>10}{'diff ours':>10}")
+    for name, implementation, fwd_ref, fwd_ours, train_ref, train_ours, diff_ref, diff_ours in rows:
+        print(f"{name:<15}{implementation:<12}{fwd_ref:>10.0f}{fwd_ours:>10.0f}{fwd_ours / fwd_ref:>7.2f}x"
+              f"{train_ref:>11.0f}{train_ours:>11.0f}{train_ours / train_ref:>7.2f}x{diff_ref:>10.1e}{diff_ours:>10.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
