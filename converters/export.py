@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .key_maps import KeyMap, key_map_for
-from .multihost import barrier, gather_to_host, is_writer, share_text
+from .multihost import barrier, gather_to_host, is_writer, raise_everywhere, share_text
 from .publish import destination_problem, publish, staging_directory
 from .shard_writer import ShardedCheckpointWriter, TensorEntry
 
@@ -91,11 +91,7 @@ def save_params(
                 publish(staging, out_dir)
             except Exception as error:  # noqa: BLE001
                 failure = error
-        shared_failure = share_text(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if shared_failure is not None:
-            raise OSError(f"process 0 could not write {out_dir}: {shared_failure}")
+        raise_everywhere(failure, str(out_dir))
     except BaseException:
         if writer is not None:
             writer.abort()

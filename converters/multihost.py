@@ -41,6 +41,16 @@ def share_text(text: str | None) -> str | None:
     return bytes(shared[1:]).rstrip(b"\0").decode("utf-8", errors="replace")
 
 
+def raise_everywhere(failure: Exception | None, what: str) -> None:
+    """Process 0's `failure` (None: it succeeded) raised on every process: the error itself on process 0, an
+    OSError naming it on the others. Every process must call this (it is a broadcast)."""
+    shared = share_text(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if shared is not None:
+        raise OSError(f"process 0 could not write {what}: {shared}")
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all arrive (no-op in one process)."""
     if multi_process():

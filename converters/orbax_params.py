@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .errors import CheckpointMismatchError
-from .multihost import barrier, is_writer, share_text
+from .multihost import barrier, is_writer, raise_everywhere, share_text
 from .publish import destination_problem, publish, staging_directory
 
 CONFIG_FILE_NAME = "config.json"
@@ -75,11 +75,7 @@ def save_orbax_params(params: Mapping[str, jax.Array], directory: str | os.PathL
                 publish(staging, directory)
             except Exception as error:  # noqa: BLE001 (raised below on every process)
                 failure = error
-        shared_failure = share_text(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        if shared_failure is not None:
-            raise OSError(f"process 0 could not write {directory}: {shared_failure}")
+        raise_everywhere(failure, str(directory))
     except BaseException:
         if is_writer():
             shutil.rmtree(staging, ignore_errors=True)

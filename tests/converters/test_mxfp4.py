@@ -87,3 +87,16 @@ def test_an_mxfp4_load_exports_the_plain_layout(mxfp4_checkpoint, tmp_path):
     for key, (blocks, scales) in quantised.items():
         assert f"{key}_blocks" not in exported
         np.testing.assert_array_equal(exported[key], dequantize_mxfp4(blocks, scales).transpose(0, 2, 1))
+
+
+def test_a_plain_gpt_oss_checkpoint_round_trips_bit_for_bit(tmp_path):
+    from tests.models.test_fixture_parity import FIXTURES
+
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "gpt_oss", DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False)
+    model.save_pretrained(tmp_path / "export", progress=False)
+    original, exported = load_file(FIXTURES / "gpt_oss" / "model.safetensors"), load_file(tmp_path / "export" /
+                                                                                          "model.safetensors")
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key

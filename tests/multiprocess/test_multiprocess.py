@@ -125,7 +125,11 @@ def test_moe_jax_commands_join_the_job_the_launcher_starts():
     assert result.returncode == 0, result.stderr[-3000:]
     for index in range(2):  # both processes built the 8-device mesh and its train state
         assert f"[{index}] train state (adamw" in result.stdout
-    result = launch("--nproc", "2", "--devices-per-process", "4", "--", "moe-jax", *flags, "--tp", "2", timeout=300)
-    assert result.returncode == 2
-    assert "error: The layout covers 2 device(s) but this job of 2 processes has 8" in result.stderr
-    assert "moe-jax launch: process" in result.stderr and "exited with status 2" in result.stderr
+
+
+def test_a_layout_smaller_than_the_job_is_refused(monkeypatch):
+    from moe_jax.layout_flags import layout_devices
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process's 8 devices stand for a 2-process job
+    with pytest.raises(ValueError, match="The layout covers 2 device\\(s\\) but this job of 2 processes has 8"):
+        layout_devices(2, "plan")
