@@ -20,10 +20,12 @@ duplicate); export writes the first.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .fp8 import DEFAULT_BLOCK, DequantizeFP8
 from .key_patterns import KeyPattern
 from .lazy_tensors import LayoutError, LazyTensor
 from .mxfp4 import DequantizeMXFP4
@@ -122,15 +124,34 @@ class KeyMap:
 
     `load_only` rules are further hub layouts a checkpoint may use (quantised tensors, dequantised by a
     one-way transform); they are read, never written: export uses `rules`, else the parameter's own name.
+    A layout may extend another (an FP8 weight is the plain weight's key plus its `weight_scale_inv`): it is
+    recognised by the keys the other lacks (`markers`). `ignored` are regular expressions of hub keys that
+    belong to no parameter on purpose (DeepSeek-V3's multi-token-prediction layer): loading skips them.
     """
 
     architecture: str
     rules: tuple[KeyRule, ...]
     load_only: tuple[KeyRule, ...] = ()
+    ignored: tuple[str, ...] = ()
 
     @property
     def load_rules(self) -> tuple[KeyRule, ...]:
         return self.rules + self.load_only
+
+    def markers(self, position: int) -> tuple[KeyPattern, ...]:
+        """The hub patterns of load rule `position` whose keys show that a checkpoint uses its layout: all of
+        them, less those of a layout it extends (the parameter's own name, a rule with fewer patterns)."""
+        rule = self.load_rules[position]
+        own = {str(pattern) for pattern in rule.hub}
+        extended = {str(rule.param)}
+        for other in self.load_rules:
+            other_patterns = {str(pattern) for pattern in other.hub}
+            if str(other.param) == str(rule.param) and other_patterns < own:
+                extended |= other_patterns
+        return tuple(pattern for pattern in rule.hub if str(pattern) not in extended)
+
+    def is_ignored(self, key: str) -> bool:
+        return any(re.fullmatch(pattern, key) for pattern in self.ignored)
 
     def rules_for(self, param_name: str, *, loading: bool = True) -> list[tuple[int, KeyRule, dict[str, int]]]:
         """Every rule that can produce `param_name` (with `loading=False`, only those export may use):
@@ -217,12 +238,54 @@ GPT_OSS = KeyMap(
     ),
 )
 
+# DeepSeek-V3's FP8 hub checkpoints quantise every linear layer but the router and lm_head: `{module}.weight`
+# float8 plus `{module}.weight_scale_inv`, per expert for the routed experts (converters/fp8.py). These rules
+# are load-only; exports write the plain per-expert bf16/fp32 layout of QWEN2_MOE's rules.
+DEEPSEEK_V3_FP8_LINEARS = (
+    "self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+)
+
+
+def fp8_rules(linear_modules: tuple[str, ...], block: tuple[int, int]) -> tuple[KeyRule, ...]:
+    """Load-only rules reading FP8 `weight` + `weight_scale_inv` pairs: each of `linear_modules` (under
+    `model.layers.{layer}.`) and the per-expert `gate_proj`/`up_proj`/`down_proj` of the routed experts."""
+    layer = "model.layers.{layer}"
+    experts = f"{layer}.mlp.experts.{{expert}}"
+    quantised = lambda module: (f"{module}.weight", f"{module}.weight_scale_inv")  # noqa: E731
+    plain = tuple(
+        KeyRule(param=f"{layer}.{module}.weight", hub=quantised(f"{layer}.{module}"),
+                transforms=(DequantizeFP8(block),))
+        for module in linear_modules
+    )
+    return plain + (
+        KeyRule(param=f"{layer}.mlp.experts.gate_up_proj",
+                hub=quantised(f"{experts}.gate_proj") + quantised(f"{experts}.up_proj"),
+                transforms=(DequantizeFP8(block), StackExperts(), ConcatGateUp())),
+        KeyRule(param=f"{layer}.mlp.experts.down_proj", hub=quantised(f"{experts}.down_proj"),
+                transforms=(DequantizeFP8(block), StackExperts())),
+    )
+
+
+def deepseek_v3_key_map(num_hidden_layers: int, mtp_layers: int, block: tuple[int, int] = DEFAULT_BLOCK) -> KeyMap:
+    """DeepSeek-V3's table: Qwen2-MoE's per-expert rules (the reference aliases its conversion), the FP8 layout
+    in blocks of `block` (quantization_config.weight_block_size), and the `mtp_layers` multi-token-prediction
+    layers stored after the last decoder layer ignored. The reference ignores `model.layers.61.*`, right only
+    for 61-layer models; here the layers ignored are those of the config."""
+    ignored = tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(mtp_layers))
+    return KeyMap("deepseek_v3", QWEN2_MOE.rules, load_only=fp8_rules(DEEPSEEK_V3_FP8_LINEARS, tuple(block)),
+                  ignored=ignored)
+
+
 KEY_MAPS: dict[str, KeyMap] = {
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": KeyMap("qwen3_moe", QWEN2_MOE.rules),
     "olmoe": KeyMap("olmoe", QWEN2_MOE.rules),
     "mixtral": MIXTRAL,
     "gpt_oss": GPT_OSS,
+    # Without its config: no MTP layer skipped (the model's `checkpoint_key_map` knows its layers).
+    "deepseek_v3": deepseek_v3_key_map(0, 0),
 }
 
 

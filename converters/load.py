@@ -45,8 +45,8 @@ def load_params(
         key_map: the architecture's `KeyMap`, or its name in `KEY_MAPS` ("qwen3_moe", "mixtral", ...).
         shardings: `{parameter name: jax Sharding}` covering every parameter; None puts everything on the
             first device.
-        dtype: cast to this dtype after reading (per device block). None keeps the checkpoint's dtype, which
-            must then equal each parameter's declared dtype.
+        dtype: cast to this dtype after reading (per device block), or a mapping `{name: dtype}` (names as
+            returned). None keeps the checkpoint's dtype, which must then equal each parameter's declared dtype.
         progress: show a tqdm bar over parameters.
         layer_stack: a `moe_jax.models.layer_stack.LayerStack`: return its storage layout instead, each
             scanned run's per-layer tensors stacked on a leading layer axis as they are read (a device
@@ -60,18 +60,31 @@ def load_params(
         CheckpointMismatchError: missing, unexpected, duplicated keys, shape or dtype mismatches, all at once.
     """
     key_map = key_map_for(key_map)
-    target_dtype = None if dtype is None else np.dtype(dtype)
     names = list(tree.params) if layer_stack is None else list(layer_stack.members)
+    target_dtypes = _target_dtypes(names, dtype)
     placements = _check_shardings(names, shardings)
     with SafetensorsCheckpoint(checkpoint_dir) as checkpoint:
-        sources = plan_load(tree, checkpoint, key_map, target_dtype)
+        sources = plan_load(tree, checkpoint, key_map, casts=dtype is not None)
         if layer_stack is not None:
             sources = stack_layer_sources(sources, layer_stack)
         params = {}
         for name, source in tqdm(sources.items(), desc="Loading parameters", unit="param", disable=not progress):
-            dtype_on_device = source.tensor.dtype if target_dtype is None else target_dtype
+            dtype_on_device = target_dtypes.get(name) or source.tensor.dtype
             params[name] = _device_array(source, placements[name], dtype_on_device)
     return params
+
+
+def _target_dtypes(names: list[str], dtype) -> dict[str, np.dtype]:
+    """`dtype` (one dtype, or a mapping name -> dtype covering `names`) per name; {} for None."""
+    if dtype is None:
+        return {}
+    if isinstance(dtype, Mapping):
+        missing = [name for name in names if name not in dtype]
+        if missing:
+            raise ValueError(f"dtype mapping lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}; give every "
+                             "parameter a dtype, or pass one dtype for all.")
+        return {name: np.dtype(dtype[name]) for name in names}
+    return dict.fromkeys(names, np.dtype(dtype))
 
 
 def stack_layer_sources(sources: dict[str, ParamSource], layer_stack) -> dict[str, ParamSource]:

@@ -51,19 +51,19 @@ class _Problems:
 
 
 def plan_load(
-    tree: ModuleTree, checkpoint: SafetensorsCheckpoint, key_map: KeyMap, dtype: np.dtype | None = None
+    tree: ModuleTree, checkpoint: SafetensorsCheckpoint, key_map: KeyMap, casts: bool = False
 ) -> dict[str, ParamSource]:
     """`{parameter name: ParamSource}` in declaration order, or one error listing every mismatch.
 
-    With `dtype=None` each checkpoint tensor's dtype must equal the declared `ParamSpec.dtype`; with a
-    `dtype` the loader casts, so any dtype is accepted.
+    Without `casts` each checkpoint tensor's dtype must equal the declared `ParamSpec.dtype`; with it the
+    loader casts, so any dtype is accepted.
     """
     problems = _Problems([], [], [], [], [])
     present = _rule_layouts_present(checkpoint.tensors, key_map)
     claimed: dict[str, str] = {}  # checkpoint key -> parameter that reads it
     sources: dict[str, ParamSource] = {}
     for name, spec in tree.named_parameters():
-        source, keys = _plan_param(name, spec, checkpoint, key_map, present, problems, dtype)
+        source, keys = _plan_param(name, spec, checkpoint, key_map, present, problems, casts)
         # A parameter's keys count as used even when it has a problem, so they are not also "unexpected".
         for key in keys:
             if key in claimed:
@@ -71,7 +71,8 @@ def plan_load(
             claimed[key] = name
         if source is not None:
             sources[name] = source
-    problems.unexpected.extend(sorted((k for k in checkpoint.tensors if k not in claimed), key=natural_key))
+    problems.unexpected.extend(sorted((k for k in checkpoint.tensors if k not in claimed and not key_map.is_ignored(k)),
+                                      key=natural_key))
     error = CheckpointMismatchError(
         str(checkpoint.directory),
         missing=problems.missing,
@@ -86,15 +87,17 @@ def plan_load(
 
 
 def _rule_layouts_present(tensors, key_map: KeyMap) -> set[tuple[str, int]]:
-    """`(parameter name, rule position)` for every rule with at least one hub key in the checkpoint.
+    """`(parameter name, rule position)` for every rule with at least one of its `KeyMap.markers` keys in the
+    checkpoint.
 
     One pass over the checkpoint's keys (each matched against the few hub patterns), so planning stays
     linear in the number of keys however many parameters there are.
     """
     present = set()
+    markers = [key_map.markers(position) for position in range(len(key_map.load_rules))]
     for key in tensors:
         for rule_position, rule in enumerate(key_map.load_rules):
-            for pattern in rule.hub:
+            for pattern in markers[rule_position]:
                 values = pattern.match(key)
                 if values is not None:
                     values.pop(EXPERT, None)
@@ -103,18 +106,22 @@ def _rule_layouts_present(tensors, key_map: KeyMap) -> set[tuple[str, int]]:
 
 
 def _plan_param(
-    name: str, spec: ParamSpec, checkpoint, key_map: KeyMap, present, problems: _Problems, dtype
+    name: str, spec: ParamSpec, checkpoint, key_map: KeyMap, present, problems: _Problems, casts: bool
 ) -> tuple[ParamSource | None, list[str]]:
     """The parameter's source (None after recording a problem) and the checkpoint keys that belong to it."""
     rules = key_map.rules_for(name)
     present_rules = [(position, rule, b) for position, rule, b in rules if (name, position) in present]
     num_experts = spec.shape[0] if spec.shape else 0
+    # (description, its keys in the checkpoint, (rule, bindings) or None for the parameter's own name)
     layouts = [
-        (f"hub keys {describe_rule_keys(rule, b)}", _present(_flatten(rule.hub_keys(b, num_experts)), checkpoint))
+        (f"hub keys {describe_rule_keys(rule, b)}", _present(_flatten(rule.hub_keys(b, num_experts)), checkpoint),
+         (rule, b))
         for _, rule, b in present_rules
     ]
     if name in checkpoint.tensors:
-        layouts.append((f"{name} itself", [name]))
+        layouts.append((f"{name} itself", [name], None))
+    # A layout that extends another (FP8 weight + scales over the plain weight) is the one in use.
+    layouts = [layout for layout in layouts if not any(set(layout[1]) < set(other[1]) for other in layouts)]
     if not layouts:
         alternatives = [describe_rule_keys(rule, bindings) for _, rule, bindings in rules]
         if alternatives:
@@ -123,13 +130,14 @@ def _plan_param(
             problems.missing.append(name)
         return None, []
     if len(layouts) > 1:
-        problems.duplicated.append(f"{name}: given as " + " and as ".join(text for text, _ in layouts) + "; keep one layout")
-        return None, [key for _, keys in layouts for key in keys]
-    keys = layouts[0][1]
+        problems.duplicated.append(f"{name}: given as " + " and as ".join(text for text, _, _ in layouts)
+                                   + "; keep one layout")
+        return None, [key for _, keys, _ in layouts for key in keys]
+    _, keys, chosen_rule = layouts[0]
 
     try:
-        if present_rules:
-            _, rule, bindings = present_rules[0]
+        if chosen_rule is not None:
+            rule, bindings = chosen_rule
             tensor = _tensor_from_rule(name, rule, bindings, num_experts, checkpoint, problems)
             if tensor is None:
                 return None, keys
@@ -145,7 +153,7 @@ def _plan_param(
             f"{name}: checkpoint gives {list(tensor.shape)} ({tensor.describe()}), the model declares {list(spec.shape)}"
         )
         return None, keys
-    if dtype is None and tensor.dtype != np.dtype(spec.dtype):
+    if not casts and tensor.dtype != np.dtype(spec.dtype):
         problems.dtype.append(
             f"{name}: checkpoint stores {tensor.dtype} ({tensor.describe()}), the model declares {spec.dtype}"
         )

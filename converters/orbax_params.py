@@ -98,8 +98,8 @@ def read_orbax_config(directory: str | os.PathLike) -> dict:
 def restore_orbax_params(directory: str | os.PathLike, model) -> dict[str, jax.Array]:
     """Every parameter of `model`, read from `directory` directly into `model.named_shardings()`.
 
-    The layout that saved the checkpoint does not matter. Arrays are cast to `model.dtype` when stored in
-    another dtype. Strict: raises `CheckpointMismatchError` naming every missing, unexpected or wrongly shaped
+    The layout that saved the checkpoint does not matter. Arrays are cast to `model.param_dtype(name)` (the
+    model's dtype; float32 for buffers) when stored in another dtype. Strict: raises `CheckpointMismatchError` naming every missing, unexpected or wrongly shaped
     parameter before anything is read.
 
     Returns:
@@ -126,7 +126,8 @@ def restore_orbax_params(directory: str | os.PathLike, model) -> dict[str, jax.A
     _check_stored_shapes(directory, stored_shapes(params_dir), declared)
     shardings = model.named_shardings()
     target = nest_names({
-        name: jax.ShapeDtypeStruct(shape, model.dtype, sharding=shardings[name]) for name, shape in declared.items()
+        name: jax.ShapeDtypeStruct(shape, model.param_dtype(name), sharding=shardings[name])
+        for name, shape in declared.items()
     })
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
         restored = flatten_names(checkpointer.restore(params_dir, args=ocp.args.StandardRestore(target)))

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .layout_flags import add_layout_flags, describe_layout, distributed_config_from_flags, layout_devices
+from .pretrained import saved_config
 
 FORMATS = ("hf", "orbax")
 
@@ -105,10 +106,8 @@ def save_model(target_format: str, model, destination: Path, *, progress: bool =
 
 
 def hf_config_of(model) -> dict:
-    """The model's HF config as `save_pretrained` writes it: its dtype set, no `distributed_config`."""
-    config = {**model.config.to_dict(), "dtype": model.dtype.name}
-    config.pop("distributed_config", None)
-    return config
+    """The model's HF config as `save_pretrained` writes it (`moe_jax.pretrained.saved_config`)."""
+    return saved_config(model)
 
 
 

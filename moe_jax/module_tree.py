@@ -27,6 +27,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str = "float32"
     init: str = "normal"  # an initializer name: "normal", "zeros" or "ones" (models.base.INITIALIZERS)
+    # A persistent torch buffer (in the state dict, not a Parameter): never trained, never sharded, kept in
+    # float32 whatever the model's dtype (DeepSeek-V3's `e_score_correction_bias`).
+    buffer: bool = False
 
 
 @dataclass
@@ -63,6 +66,17 @@ class ModuleTree:
         if full_name in self.params:
             raise ValueError(f"Parameter {full_name!r} is declared twice.")
         self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), dtype, init)
+
+    def buffer(self, name: str, shape: tuple[int, ...], init: str = "zeros") -> None:
+        """A persistent buffer: checkpointed like a parameter, but frozen, replicated and float32."""
+        full_name = self._qualify(name)
+        if full_name in self.params:
+            raise ValueError(f"Parameter {full_name!r} is declared twice.")
+        self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), "float32", init, buffer=True)
+
+    def buffers(self) -> list[str]:
+        """Names of the declared buffers."""
+        return [name for name, spec in self.params.items() if spec.buffer]
 
     def linear(self, name: str, out_features: int, in_features: int, bias: bool = False) -> None:
         """An `nn.Linear` module: `weight [out, in]` (HF layout) and optionally `bias [out]`."""

@@ -46,8 +46,8 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
 
 def load_weights(model, path, *, progress: bool = True):
     """Read the HF checkpoint at `path` into `model.params`, in the model's shardings and dtype."""
-    model.params = load_params(local_checkpoint(path), model.module_tree, model.model_type,
-                               model.storage_shardings(), dtype=model.dtype, progress=progress,
+    model.params = load_params(local_checkpoint(path), model.module_tree, model.checkpoint_key_map,
+                               model.storage_shardings(), dtype=model.storage_dtypes(), progress=progress,
                                layer_stack=model.layer_stack)
     return model
 
@@ -57,8 +57,17 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, max_shard_bytes: int =
     """Write `model.params` as an HF checkpoint (hub key layout) into `out_dir`, atomically."""
     if model.params is None:
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
-    config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
-    config.pop("distributed_config", None)  # as transformers' _remove_keys_not_serialized
+    config = saved_config(model)
     json.dumps(config)
-    return save_params(model.hf_params(), model.model_type, out_dir, config=config, max_shard_bytes=max_shard_bytes,
+    return save_params(model.hf_params(), model.checkpoint_key_map, out_dir, config=config, max_shard_bytes=max_shard_bytes,
                        progress=progress)
+
+
+def saved_config(model) -> dict:
+    """The config.json written with the model's weights: its dtype set, no `distributed_config` (as
+    transformers' `_remove_keys_not_serialized`), and no `quantization_config`: quantised hub weights (MXFP4,
+    FP8) were dequantised on load and are written dequantised."""
+    config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
+    config.pop("distributed_config", None)
+    config.pop("quantization_config", None)
+    return config

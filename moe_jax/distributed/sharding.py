@@ -96,4 +96,10 @@ def _size_of(axes: tuple[str, ...], layout: DeviceLayout) -> int:
 def parameter_shardings(tree: ModuleTree, plans: ResolvedPlans, config: DistributedConfig) -> dict[str, ParamSharding]:
     """Every parameter's sharding, in declaration order."""
     layout = DeviceLayout.from_config(config)
-    return {name: parameter_sharding(name, spec.shape, plans, layout) for name, spec in tree.named_parameters()}
+    return {name: (_replicated(name, spec.shape) if spec.buffer else parameter_sharding(name, spec.shape, plans, layout))
+            for name, spec in tree.named_parameters()}
+
+
+def _replicated(name: str, shape: tuple[int, ...]) -> ParamSharding:
+    """A buffer: whole on every device (the reference's FSDP and TP shard parameters, not buffers)."""
+    return ParamSharding(name, tuple(shape), None, False, PartitionSpec(*(None for _ in shape)), tuple(shape))

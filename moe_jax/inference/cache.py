@@ -5,7 +5,8 @@
     out = model.apply(params, next_ids, positions=pos + 1, cache=out.cache)              # one decode step
 
 Storage follows the model's layer runs (`moe_jax.models.layer_stack`): run "1-47" holds keys/values
-[L, B, T, K, D] for its L layers, so a scanned run carries its cache through the same scan. The batch is
+[L, B, T, K, D] for its L layers (what a layer stores per token is the model's `cache_heads()`: DeepSeek's
+latent attention keeps its compressed latent and rotated key instead), so a scanned run carries its cache through the same scan. The batch is
 split over the data axes as the activations are, the KV heads over tp as the k/v projections' outputs are
 (replicated when tp does not divide them). Every row writes its new tokens to the same slots: `length` is
 one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skipped.
@@ -76,15 +77,20 @@ def bucket_length(length: int) -> int:
 
 def cache_shardings(model, batch: int, max_length: int) -> KVCache:
     """The NamedSharding of every cache array (a KVCache of shardings)."""
-    layout, config = model.layout, model.config
+    layout = model.layout
     batch_entry = spec_entry(layout.batch_axes) if batch % model.data_parallel_size == 0 else None
-    heads_entry = spec_entry(layout.tp_axes) if config.num_key_value_heads % layout.tp_size == 0 else None
-    per_layer = NamedSharding(model.mesh, P(None, batch_entry, None, heads_entry, None))
+
+    def per_layer(heads: int) -> NamedSharding:
+        heads_entry = spec_entry(layout.tp_axes) if heads % layout.tp_size == 0 else None
+        return NamedSharding(model.mesh, P(None, batch_entry, None, heads_entry, None))
+
+    (key_heads, _), (value_heads, _) = model.cache_heads()
     rows = NamedSharding(model.mesh, P(batch_entry, None))
-    runs = {run.key: per_layer for run in model.layer_stack.runs}
-    rings = {run.key: rows for run in model.layer_stack.runs if ring_length(model, run, max_length) is not None}
-    return KVCache(keys=dict(runs), values=dict(runs), key_mask=rows, length=NamedSharding(model.mesh, P()),
-                   window_masks=rings)
+    runs = model.layer_stack.runs
+    rings = {run.key: rows for run in runs if ring_length(model, run, max_length) is not None}
+    return KVCache(keys={run.key: per_layer(key_heads) for run in runs},
+                   values={run.key: per_layer(value_heads) for run in runs}, key_mask=rows,
+                   length=NamedSharding(model.mesh, P()), window_masks=rings)
 
 
 def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool = True) -> KVCache:
@@ -100,21 +106,20 @@ def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool =
     length = bucket_length(max_length) if bucket else max_length
     if max_positions is not None:
         length = min(length, max_positions)
-    config = model.config
     dtype = jnp.dtype(dtype or model.dtype)
     shardings = cache_shardings(model, batch, length)
 
     runs = model.layer_stack.runs
     slots = {run.key: ring_length(model, run, length) or length for run in runs}
-    heads = (config.num_key_value_heads, config.head_dim)
+    key_heads, value_heads = model.cache_heads()
 
     # jnp.zeros straight into each sharding: created on the devices, one cached program per shape.
-    def per_layer(run, sharding):
+    def per_layer(run, heads, sharding):
         return jnp.zeros((run.stop - run.start, batch, slots[run.key], *heads), dtype, device=sharding)
 
     return KVCache(
-        keys={run.key: per_layer(run, shardings.keys[run.key]) for run in runs},
-        values={run.key: per_layer(run, shardings.values[run.key]) for run in runs},
+        keys={run.key: per_layer(run, key_heads, shardings.keys[run.key]) for run in runs},
+        values={run.key: per_layer(run, value_heads, shardings.values[run.key]) for run in runs},
         key_mask=jnp.zeros((batch, length), jnp.int32, device=shardings.key_mask),
         length=jnp.zeros((), jnp.int32, device=shardings.length),
         window_masks={key: jnp.zeros((batch, slots[key]), jnp.int32, device=sharding)

@@ -1,6 +1,7 @@
 """Model families. Importing this package registers each under its HF `model_type`."""
 
 from .base import MoeForCausalLM
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from .gpt_oss import GptOssConfig, GptOssForCausalLM
 from .mixtral import MixtralConfig, MixtralForCausalLM
 from .olmoe import OlmoeConfig, OlmoeForCausalLM
@@ -9,6 +10,8 @@ from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import MODEL_CLASSES, register_model
 
 __all__ = [
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
     "GptOssConfig",
     "GptOssForCausalLM",
     "MODEL_CLASSES",

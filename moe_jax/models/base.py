@@ -29,6 +29,8 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from converters.key_maps import KeyMap, key_map_for
+
 from ..distributed.activations import ActivationLayouts
 from ..distributed.capacity import CapacitySchedule, DispatchStatistics
 from ..distributed.config import DistributedConfig
@@ -52,7 +54,7 @@ class ModelOutput:
     logits: [B, S, V] (None with `return_hidden=True`); hidden_states: [B, S, H] after the final norm, the
     lm_head's input (None unless `return_hidden=True`); router_logits: per sparse layer [B*S, E]; aux_loss:
     the router load-balancing loss (HF's `load_balancing_loss_func`, unscaled: multiply by
-    `router_aux_loss_coef` as HF does with labels); statistics: dispatch counts summed over layers and
+    `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`); statistics: dispatch counts summed over layers and
     devices; cache: the updated KV cache (None: no cache was given).
     """
 
@@ -109,6 +111,9 @@ class MoeForCausalLM(PlannedModel):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _fsdp_plan = {"lm_head": "keep_full_weight"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # Whether the reference computes HF's softmax load-balancing loss for this family (DeepSeek-V3 balances
+    # with its router bias instead and reports none: `aux_loss` is then 0).
+    has_router_aux_loss: ClassVar[bool] = True
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
@@ -215,6 +220,15 @@ class MoeForCausalLM(PlannedModel):
             shardings[storage] = NamedSharding(self.mesh, spec)
         return shardings
 
+    def param_dtype(self, name: str) -> jnp.dtype:
+        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers."""
+        spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.members[name][0]]
+        return jnp.dtype(jnp.float32) if spec.buffer else self.dtype
+
+    def storage_dtypes(self) -> dict[str, jnp.dtype]:
+        """Storage name -> dtype of `model.params` (`param_dtype`)."""
+        return {storage: self.param_dtype(storage) for storage in self.layer_stack.members}
+
     def storage_shapes(self) -> dict[str, tuple[int, ...]]:
         specs = dict(self.module_tree.named_parameters())
         return {storage: ((len(names),) if self.layer_stack.is_stacked(storage) else ()) + specs[names[0]].shape
@@ -241,7 +255,8 @@ class MoeForCausalLM(PlannedModel):
         def create(key):
             params = {}
             for index, (name, spec) in enumerate(specs.items()):
-                params[name] = INITIALIZERS[spec.init](jax.random.fold_in(key, index), spec.shape, self.dtype, std)
+                params[name] = INITIALIZERS[spec.init](jax.random.fold_in(key, index), spec.shape,
+                                                       self.param_dtype(name), std)
             return self.layer_stack.stack(params)
 
         self.params = jax.jit(create, out_shardings=self.storage_shardings())(jax.random.key(seed))
@@ -262,7 +277,8 @@ class MoeForCausalLM(PlannedModel):
                 "(model.hf_params() gives them)."
             )
         shardings = self.named_shardings()
-        placed = {name: jax.device_put(jnp.asarray(params[name], self.dtype), shardings[name]) for name in specs}
+        placed = {name: jax.device_put(jnp.asarray(params[name], self.param_dtype(name)), shardings[name])
+                  for name in specs}
         self.params = jax.jit(self.layer_stack.stack, out_shardings=self.storage_shardings())(placed)
 
     def hf_params(self, params: Mapping[str, Any] | None = None) -> Mapping[str, jax.Array]:
@@ -289,6 +305,12 @@ class MoeForCausalLM(PlannedModel):
     def save_pretrained(self, out_dir, **kwargs):
         """Write an HF checkpoint (per-expert keys, sharded safetensors, index, config.json)."""
         return save_pretrained(self, out_dir, **kwargs)
+
+    @property
+    def checkpoint_key_map(self) -> KeyMap:
+        """How this model's parameters map to hub keys (`converters.key_maps`); a family whose table depends on
+        its config (quantisation blocks, extra layers to skip) builds its own."""
+        return key_map_for(self.model_type)
 
     # ---- the step ------------------------------------------------------------------------------------
     def _build_sharded_experts(self) -> dict[int, ShardedExperts]:
@@ -395,7 +417,7 @@ class MoeForCausalLM(PlannedModel):
         aux_loss = load_balancing_loss(
             router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask,
             per_token=layouts.token_local,
-        )
+        ) if self.has_router_aux_loss else jnp.zeros((), jnp.float32)
         if return_hidden:
             return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
         logits = layouts.output(self.head_logits(nested, hidden), "lm_head")

@@ -6,7 +6,7 @@
     logits = lm_head(rms_norm(x))
 
 Hooks a family overrides: `attention_options(layer)` (q/k norm kind, window, clip), `declare_attention`
-(bias flags, q/k norm shapes), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared
+(bias flags, q/k norm shapes), `self_attention` and `cache_heads` (another attention, e.g. DeepSeek's MLA), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared
 experts, router jitter), `route`, `is_sparse`, `experts_intermediate_size`.
 
 Each run of identical layers (`LayerStack`) is one `jax.lax.scan` over its stacked parameters; single
@@ -131,6 +131,32 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         `route`: the family's router, run where the tokens are."""
         return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
+    def self_attention(self, weights: dict, h, layer: int, rope: tuple, attention_mask, step: StepOptions,
+                       layer_cache: tuple | None, layer_run_key: str | None):
+        """The attention module: h [B, S, H] (normed) -> (output [B, S, H], layer cache with the new tokens
+        stored, or None without a cache). Arguments as `decoder_layer`'s."""
+        c, layouts = self.config, step.layouts
+        cos, sin = rope
+        options = dict(
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            constrain=lambda y, name: layouts.output(y, f"model.layers.*.self_attn.{name}"),
+            **self.attention_options(layer),
+        )
+        if layer_cache is None:
+            return attention(weights, h, cos, sin, attention_mask=attention_mask, **options), None
+        ring = layer_run_key is not None and layer_run_key in step.cache.window_masks
+        attended, keys, values = cached_attention(
+            weights, h, cos, sin, *layer_cache, slot=None if ring else step.cache.length, key_mask=attention_mask,
+            **options,
+        )
+        return attended, (keys, values)
+
+    def cache_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of what one layer's cache stores per token: its keys', then its values'."""
+        c = self.config
+        return (c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim)
+
     def decoder_layer(self, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
                       step: StepOptions, layer_cache: tuple | None = None, layer_run_key: str | None = None):
         """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
@@ -142,23 +168,9 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         stored in it (None without a cache)."""
         c, layouts = self.config, step.layouts
         layer_name = "model.layers.*"
-        cos, sin = rope
         h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
-        attention_options = dict(
-            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            rms_norm_eps=c.rms_norm_eps,
-            constrain=lambda y, name: layouts.output(y, f"{layer_name}.self_attn.{name}"),
-            **self.attention_options(layer),
-        )
-        if layer_cache is None:
-            attended = attention(weights["self_attn"], h, cos, sin, attention_mask=attention_mask, **attention_options)
-        else:
-            ring = layer_run_key is not None and layer_run_key in step.cache.window_masks
-            attended, keys, values = cached_attention(
-                weights["self_attn"], h, cos, sin, *layer_cache, slot=None if ring else step.cache.length,
-                key_mask=attention_mask, **attention_options,
-            )
-            layer_cache = (keys, values)
+        attended, layer_cache = self.self_attention(weights["self_attn"], h, layer, rope, attention_mask, step,
+                                                    layer_cache, layer_run_key)
         x = x + attended
         h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
         router_logits = statistics = None

@@ -351,3 +351,22 @@ def apply_rotary(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> 
     q_rotated = q * cos + rotate_half(q) * sin
     k_rotated = k * cos + rotate_half(k) * sin
     return q_rotated, k_rotated
+
+
+def rotate_heads(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = False) -> jax.Array:
+    """Rotate every head of x by its token's angles.
+
+    x: [B, S, N, D]; cos, sin: [B, S, D] from `rotary_cos_sin` -> [B, S, N, D]
+    interleaved=False: HF's rotate-half convention (`apply_rotary`). interleaved=True: DeepSeek's
+    `apply_rotary_pos_emb_interleave`: pairs (x0, x1), (x2, x3), ... each turn by one frequency, and the
+    result is laid out de-interleaved, `[x_even * cos - x_odd * sin, x_odd * cos + x_even * sin]` (queries
+    and keys get the same permutation, so their dot products are those of the interleaved rotation).
+    """
+    if cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"rotate_heads: cos {tuple(cos.shape)} must be [B, S, {x.shape[-1]}] for x {tuple(x.shape)}")
+    if not interleaved:
+        return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, :, None, :half], sin[:, :, None, :half]  # tables are cat(freqs, freqs)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)

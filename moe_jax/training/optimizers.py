@@ -56,3 +56,21 @@ def experts_and_dense(experts: optax.GradientTransformation, dense: optax.Gradie
                       ) -> optax.GradientTransformation:
     """`experts` for the routed experts' weights, `dense` for every other parameter (optax.multi_transform)."""
     return optax.multi_transform({"experts": experts, "dense": dense}, parameter_groups)
+
+
+def buffer_storage_names(model) -> set[str]:
+    """Storage names of `model.params` that hold buffers (`ModuleTree.buffer`)."""
+    buffers = set(model.module_tree.buffers())
+    return {storage for storage, names in model.layer_stack.members.items() if names[0] in buffers}
+
+
+def freeze_buffers(optimizer: optax.GradientTransformation, model) -> optax.GradientTransformation:
+    """`optimizer` on the model's trainable parameters; its buffers get zero updates and no optimizer state
+    (a torch optimizer never sees them: they are not `Parameter`s). Unchanged for a model without buffers."""
+    buffers = buffer_storage_names(model)
+    if not buffers:
+        return optimizer
+    return optax.multi_transform(
+        {"trainable": optimizer, "buffer": optax.set_to_zero()},
+        lambda params: {name: "buffer" if name in buffers else "trainable" for name in params},
+    )

@@ -84,7 +84,8 @@ def train_state_shardings(model, optimizer: optax.GradientTransformation, capaci
 
 def abstract_parameters(model) -> dict[str, jax.ShapeDtypeStruct]:
     shardings = model.storage_shardings()
-    return {name: jax.ShapeDtypeStruct(shape, model.dtype, sharding=shardings[name])
+    dtypes = model.storage_dtypes()
+    return {name: jax.ShapeDtypeStruct(shape, dtypes[name], sharding=shardings[name])
             for name, shape in model.storage_shapes().items()}
 
 

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from ..distributed.host_arrays import host_to_global
 from ..models.base import unflatten
 from .loss import aux_loss_coefficient, chunked_cross_entropy, prediction_targets
+from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
 
 BATCH_KEYS = ("input_ids", "attention_mask", "labels")
@@ -83,7 +84,8 @@ class TrainStep:
             raise ValueError(f"grad_clip={options.grad_clip} must be > 0, or None for no clipping.")
         if options.offload:
             check_offload_supported(model)
-        self.model, self.optimizer, self.options = model, optimizer, options
+        # Buffers (DeepSeek-V3's e_score_correction_bias) are state, not weights: no update, no decay.
+        self.model, self.optimizer, self.options = model, freeze_buffers(optimizer, model), options
         self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
         self.aux_coefficient = aux_loss_coefficient(model.config)
         self._compiled: dict[tuple, callable] = {}

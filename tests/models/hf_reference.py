@@ -47,6 +47,17 @@ TINY_GPT_OSS = dict(
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 64, "rope_theta": 150000.0},
 )
+# DeepSeek-V3: MLA with q LoRA, v_head_dim (12) != qk head dim (8 + 8), interleaved YaRN rope with mscale_all_dim,
+# dense layer 0, group-limited router (4 groups, 2 kept) with a perturbed e_score_correction_bias, a shared expert.
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=4, topk_group=2,
+    num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False,
+    max_position_embeddings=256, eos_token_id=2,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+)
 # Router weights scaled so top-k choices are far from ties (HF module names differ by family).
 ROUTER_WEIGHT_SUFFIXES = ("mlp.gate.weight", "mlp.router.weight")
 
@@ -92,6 +103,9 @@ def perturb_vector_params(model, scale: float = 0.3, seed: int = 1) -> None:
         for parameter in model.parameters():
             if parameter.ndim == 1:
                 parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias starts at 0
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(scale * torch.randn(buffer.shape, generator=generator))
 
 
 def fixture_inputs(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,8 +127,10 @@ def fixture_arrays(model) -> dict[str, np.ndarray]:
     with torch.no_grad():
         output = model(input_ids=torch.as_tensor(input_ids), attention_mask=torch.as_tensor(attention_mask),
                        output_router_logits=True)
+    # A family without a router loss (DeepSeek-V3) records 0, as moe_jax reports it.
+    aux_loss = 0.0 if output.aux_loss is None else output.aux_loss.item()
     return dict(input_ids=input_ids, attention_mask=attention_mask, logits=output.logits.float().numpy(),
-                aux_loss=np.float32(output.aux_loss.item()))
+                aux_loss=np.float32(aux_loss))
 
 
 def hf_named_modules(model) -> list[str]:

@@ -1,0 +1,217 @@
+"""DeepSeek-V3 (HF `deepseek_v3`): config, module tree with HF names, plans, and the forward math.
+
+    layer i:  x += mla(rms_norm(x))                  multi-head latent attention (`nn.latent_attention`)
+              x += mlp(rms_norm(x))                  if i < first_k_dense_replace (dense, intermediate_size)
+                   moe(rms_norm(x))                  otherwise
+    moe(h):   experts(h) + shared_experts(h)         shared: an MLP of moe_intermediate_size * n_shared_experts
+    router:   logits = h @ gate.weight.T in float32; s = sigmoid(logits)
+              choose with s + gate.e_score_correction_bias, within the topk_group best of n_group groups;
+              w = s[chosen] (unbiased), / sum if norm_topk_prob, * routed_scaling_factor
+              (`ops.routing.group_limited_sigmoid_top_k`)
+
+`e_score_correction_bias` is a persistent buffer: loaded and saved, never trained, float32 and replicated
+whatever the layout. The reference's TP plan covers the experts, the shared experts and the dense MLPs;
+MLA stays replicated under TP. Hub checkpoints may be FP8 block-quantised (`converters.fp8`, a load-only
+layout) and carry the multi-token-prediction layer(s) after the last decoder layer, which loading skips
+(the model has no MTP head, like the reference's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from converters.fp8 import DEFAULT_BLOCK
+from converters.key_maps import KeyMap, deepseek_v3_key_map
+
+from ..module_tree import ModuleTree
+from ..nn.latent_attention import LatentDims, cached_latent_attention, latent_attention
+from ..nn.linear import linear
+from ..nn.mlp import mlp
+from ..ops.routing import group_limited_sigmoid_top_k
+from .config import HFConfigMixin
+from .decoder import MoeDecoderForCausalLM
+from .registry import register_model
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config(HFConfigMixin):
+    """The fields of HF's `DeepseekV3Config` the model reads (defaults are HF's).
+
+    Aliases as HF's `attribute_map`: `num_local_experts` is `n_routed_experts`, `num_mtp_layers` is
+    `num_nextn_predict_layers`. `head_dim` is `qk_rope_head_dim` (what the rotary tables cover), as HF sets it.
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 1
+    output_router_logits: bool = False
+    head_dim: int | None = None
+    quantization_config: dict | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    model_type: ClassVar[str] = "deepseek_v3"
+    attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "n_routed_experts",
+                                               "num_mtp_layers": "num_nextn_predict_layers"}
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """HF's `yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5)`: a scaled RoPE with `mscale_all_dim`
+        multiplies the logit scale by `(0.1 * mscale_all_dim * ln(factor) + 1) ** 2`."""
+        scale = self.qk_head_dim ** -0.5
+        rope = self.rope_parameters or self.raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mscale_all_dim = rope.get("mscale_all_dim", 0)
+        if rope_type != "default" and mscale_all_dim and rope["factor"] > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(rope["factor"]) + 1.0
+            scale = scale * mscale * mscale
+        return scale
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        """The FP8 block of quantised hub weights (quantization_config), [128, 128] by default."""
+        block = (self.quantization_config or {}).get("weight_block_size") or DEFAULT_BLOCK
+        return int(block[0]), int(block[1])
+
+
+@register_model
+class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
+    model_type = "deepseek_v3"
+    config_class = DeepseekV3Config
+    base_model_tp_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    has_router_aux_loss = False
+
+    # ---- structure ---------------------------------------------------------------------------------
+    def is_sparse(self, layer: int) -> bool:
+        return layer >= self.config.first_k_dense_replace
+
+    @property
+    def latent_dims(self) -> LatentDims:
+        c = self.config
+        return LatentDims(num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                          qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                          v_head_dim=c.v_head_dim, scale=c.softmax_scale, rope_interleave=c.rope_interleave)
+
+    def declare_attention(self, tree: ModuleTree) -> None:
+        c, hidden, bias = self.config, self.config.hidden_size, self.config.attention_bias
+        heads = c.num_attention_heads
+        if c.q_lora_rank is None:
+            tree.linear("q_proj", heads * c.qk_head_dim, hidden)
+        else:
+            tree.linear("q_a_proj", c.q_lora_rank, hidden, bias)
+            tree.norm("q_a_layernorm", c.q_lora_rank)
+            tree.linear("q_b_proj", heads * c.qk_head_dim, c.q_lora_rank)
+        tree.linear("kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, hidden, bias)
+        tree.norm("kv_a_layernorm", c.kv_lora_rank)
+        tree.linear("kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        tree.linear("o_proj", hidden, heads * c.v_head_dim, bias)
+
+    def declare_router(self, tree: ModuleTree) -> None:
+        with tree.module("gate"):
+            tree.param("weight", (self.config.num_experts, self.config.hidden_size))
+            tree.buffer("e_score_correction_bias", (self.config.num_experts,))
+
+    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
+        self.declare_experts(tree)  # DeepseekV3MoE lists experts, gate, shared_experts
+        self.declare_router(tree)
+        with tree.module("shared_experts"):
+            self.declare_dense_mlp(tree, self.config.moe_intermediate_size * self.config.n_shared_experts)
+
+    def cache_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """A layer caches its normed latent (1 x kv_lora_rank) and rotated shared key (1 x qk_rope_head_dim)."""
+        return (1, self.config.kv_lora_rank), (1, self.config.qk_rope_head_dim)
+
+    @property
+    def checkpoint_key_map(self) -> KeyMap:
+        c = self.config
+        return deepseek_v3_key_map(c.num_hidden_layers, c.num_nextn_predict_layers, c.weight_block_size)
+
+    # ---- math --------------------------------------------------------------------------------------
+    def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
+        cos, sin = rope
+        constrain = lambda y, name: step.layouts.output(y, f"model.layers.*.self_attn.{name}")  # noqa: E731
+        if layer_cache is None:
+            return latent_attention(weights, h, cos, sin, dims=self.latent_dims, attention_mask=attention_mask,
+                                    constrain=constrain), None
+        out, latents, rotated_keys = cached_latent_attention(
+            weights, h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
+            dims=self.latent_dims, constrain=constrain,
+        )
+        return out, (latents, rotated_keys)
+
+    def route(self, router_logits, correction_bias):
+        """router_logits: [N, E] float32; correction_bias: [N, E] (the [E] buffer, one row per token, so the
+        router runs where the tokens are) -> (weights [N, K] float32, expert ids [N, K])."""
+        c = self.config
+        return group_limited_sigmoid_top_k(
+            router_logits, correction_bias[0], c.num_experts_per_tok, num_groups=c.n_group,
+            top_k_groups=c.topk_group, normalize=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+        )
+
+    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
+        """Routed experts plus the shared experts: hidden [B, S, H] -> [B, S, H]."""
+        batch, sequence, width = hidden.shape
+        tokens = hidden.reshape(batch * sequence, width)
+        gate = weights["gate"]
+        # The reference's router runs in float32 whatever the model's dtype.
+        router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
+                                         tokens.astype(jnp.float32)), "gate")
+        bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
+        top_k_weights, top_k_index = route(router_logits, bias)
+        routed, statistics = run_experts(tokens, top_k_index, top_k_weights, weights["experts"])
+        routed = routed.astype(hidden.dtype).reshape(batch, sequence, width)
+        shared = mlp(weights["shared_experts"], hidden, self.config.hidden_act,
+                     constrain=lambda y, name: constrain(y, f"shared_experts.{name}"))
+        return routed + shared, router_logits, statistics
