@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -37,6 +38,9 @@ MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
 
 Index = tuple[slice, ...]
+# Dtypes safetensors' numpy backend cannot build (it looks up `numpy.float8_e4m3fn`): read from a memory map of
+# the tensor's bytes instead, whose offsets the validated header gives (FP8 hub weights).
+MAPPED_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class TensorInfo:
     path: Path
     shape: tuple[int, ...]
     dtype: np.dtype
+    offset: int = 0  # the file offset of the tensor's first byte
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +140,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 raise _format_error(path, f"`{METADATA_KEY}` must map strings to strings, got {entry!r}")
             continue
-        info, begin, end = _parse_entry(path, key, entry)
+        info, begin, end = _parse_entry(path, key, entry, 8 + header_size)
         tensors[key] = info
         extents.append((begin, end, key))
     _check_data_covered(path, extents, data_size)
@@ -160,7 +165,7 @@ def _parse_header_json(path: Path, header_bytes: bytes) -> dict:
     return header
 
 
-def _parse_entry(path: Path, key: str, entry) -> tuple[TensorInfo, int, int]:
+def _parse_entry(path: Path, key: str, entry, data_start: int) -> tuple[TensorInfo, int, int]:
     if not isinstance(entry, dict) or {"dtype", "shape", "data_offsets"} - set(entry):
         raise _format_error(path, f"tensor {key!r} has header entry {entry!r}; it needs dtype, shape, data_offsets")
     try:
@@ -177,8 +182,8 @@ def _parse_entry(path: Path, key: str, entry) -> tuple[TensorInfo, int, int]:
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise _format_error(path, f"tensor {key!r} has data_offsets {offsets!r}; expected [begin, end], 0 <= begin <= end")
-    info = TensorInfo(key, path, tuple(shape), dtype)
     begin, end = offsets
+    info = TensorInfo(key, path, tuple(shape), dtype, data_start + begin)
     if end - begin != info.nbytes:
         raise _format_error(
             path,
@@ -319,8 +324,11 @@ class SafetensorsCheckpoint:
             # safetensors rejects empty slices; an empty block needs no bytes.
             return np.empty(block_shape, info.dtype)
         try:
-            data = self._handle(info.path).get_slice(key)[index]
-        except SafetensorError as error:
+            if info.dtype in MAPPED_DTYPES:
+                data = np.array(np.memmap(info.path, info.dtype, "r", info.offset, info.shape)[index])
+            else:
+                data = self._handle(info.path).get_slice(key)[index]
+        except (SafetensorError, OSError) as error:
             raise CheckpointFormatError(f"Reading {key!r} {_index_text(index)} from {info.path} failed: {error}.") from error
         data = np.asarray(data)
         if data.dtype != info.dtype or data.shape != block_shape:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.models.hf_reference import (  # noqa: E402
+    TINY_DEEPSEEK_V3,
     TINY_GPT_OSS,
     TINY_MIXTRAL,
     TINY_OLMOE,
@@ -31,7 +32,7 @@ from tests.models.hf_reference import (  # noqa: E402
 )
 
 FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE, "mixtral": TINY_MIXTRAL,
-            "gpt_oss": TINY_GPT_OSS}
+            "gpt_oss": TINY_GPT_OSS, "deepseek_v3": TINY_DEEPSEEK_V3}
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 
 

@@ -19,7 +19,7 @@ from ..distributed.test_mesh import LAYOUTS as ALL_LAYOUTS
 from .hf_reference import LOGITS_ATOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3"]
 
 # One device and tp2/fsdp4/ep4 are also compared live with PyTorch in each family's test file; TP experts
 # without EP (tp2/fsdp4) in tests/models/test_gradients.py.

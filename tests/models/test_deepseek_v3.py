@@ -1,0 +1,179 @@
+"""DeepSeek-V3: config, declared tree and resolved plans equal HF's; interleaved RoPE and the MLA cache equal
+straightforward references; logits and gradients equal PyTorch's; the router bias is a frozen float32 buffer.
+Sharded layouts: tests/models/test_fixture_parity.py and scripts/check_all_layouts.py; FP8 hub weights and
+the skipped MTP layer: tests/converters/test_fp8.py."""
+
+from dataclasses import fields
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moe_jax import DistributedConfig
+from moe_jax.inference import init_cache
+from moe_jax.models import MODEL_CLASSES, DeepseekV3Config, DeepseekV3ForCausalLM
+from moe_jax.nn.rotary import rotate_heads
+from moe_jax.training import make_train_step
+
+from .hf_reference import (
+    LOGITS_ATOL,
+    TINY_DEEPSEEK_V3,
+    assert_padded_batch_matches_hf,
+    assert_plans_match_hf,
+    assert_tree_matches_hf,
+    hf_logits,
+    hf_state_dict,
+    perturb_vector_params,
+    tiny_hf_model,
+)
+
+PLAN_LAYOUTS = [dict(tp_size=2), dict(tp_size=2, fsdp_size=4, ep_size=4)]
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+# No q LoRA (q_proj), rope applied in rotate-half layout, values as wide as keys, two shared experts.
+TINY_VARIANT = {**TINY_DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False, "v_head_dim": 16,
+                "n_shared_experts": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    pytest.importorskip("torch")
+    model = tiny_hf_model("deepseek_v3", TINY_DEEPSEEK_V3)
+    perturb_vector_params(model)
+    input_ids = np.random.default_rng(0).integers(0, TINY_DEEPSEEK_V3["vocab_size"], (8, 11))
+    return model, hf_state_dict(model), input_ids, hf_logits(model, input_ids)
+
+
+def test_registered_and_config_defaults_and_aliases():
+    assert MODEL_CLASSES["deepseek_v3"] is DeepseekV3ForCausalLM
+    config = DeepseekV3Config()
+    assert (config.num_experts, config.head_dim, config.qk_head_dim, config.num_nextn_predict_layers) == (256, 64, 192, 1)
+    assert config.softmax_scale == 192 ** -0.5 and config.weight_block_size == (128, 128)
+    aliased = DeepseekV3Config.from_dict({"num_local_experts": 16, "num_mtp_layers": 0})
+    assert (aliased.n_routed_experts, aliased.num_nextn_predict_layers) == (16, 0)
+    yarn = DeepseekV3Config(rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0})
+    assert yarn.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2)
+
+
+def test_interleaved_rotation_turns_each_pair_by_its_frequency():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1, 2, 1, 4)).astype(np.float32)
+    angles = rng.normal(size=(1, 2, 2)).astype(np.float32)                   # one angle per pair
+    cos, sin = (jnp.asarray(np.concatenate([f(angles)] * 2, -1)) for f in (np.cos, np.sin))
+    out = np.asarray(rotate_heads(jnp.asarray(x), cos, sin, interleaved=True))
+    for pair in range(2):
+        re, im = x[..., 2 * pair], x[..., 2 * pair + 1]
+        rotated = (re + 1j * im) * np.exp(1j * angles[:, :, None, pair])
+        np.testing.assert_allclose(out[..., pair], rotated.real, rtol=1e-6)      # layout: real parts first,
+        np.testing.assert_allclose(out[..., 2 + pair], rotated.imag, rtol=1e-6)  # then imaginary parts
+
+
+def test_the_cache_holds_the_compressed_latent_and_decoding_equals_the_full_forward():
+    model = DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3, devices=jax.devices()[:1], scan_layers=True)  # runs 0, 1-2
+    model.init_params(seed=0)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 128, (2, 6)), jnp.int32)
+    cache = init_cache(model, batch=2, max_length=8)
+    assert {array.shape for array in cache.keys.values()} == {(1, 2, 8, 1, 16), (2, 2, 8, 1, 16)}   # C = 16
+    assert {array.shape for array in cache.values.values()} == {(1, 2, 8, 1, 8), (2, 2, 8, 1, 8)}   # R = 8
+    full = model.apply(model.params, ids).logits
+    prefill = model.apply(model.params, ids[:, :4], attention_mask=jnp.ones((2, 4), jnp.int32), cache=cache)
+    step = model.apply(model.params, ids[:, 4:5], attention_mask=jnp.ones((2, 1), jnp.int32), cache=prefill.cache)
+    np.testing.assert_allclose(np.asarray(step.logits[:, 0]), np.asarray(full[:, 4]), atol=1e-5)
+
+
+def test_the_router_bias_is_a_frozen_replicated_float32_buffer():
+    model = DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3, DistributedConfig(fsdp_size=4), dtype="bfloat16",
+                                  devices=jax.devices()[:4])
+    assert model.module_tree.buffers() == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    assert all(model.param_layouts[name].spec == jax.sharding.PartitionSpec(None) for name in model.module_tree.buffers())
+    model.init_params(seed=0)
+    params = dict(model.hf_params())
+    assert params[BIAS].dtype == jnp.float32 and params["model.layers.1.mlp.gate.weight"].dtype == jnp.bfloat16
+    biased = {**params, BIAS: jnp.linspace(-0.5, 0.5, 8)}
+    model.set_params(biased)
+    step = make_train_step(model, optax.adamw(1e-2, weight_decay=0.1))
+    state = step.init_state(params=model.params)
+    ids = np.random.default_rng(0).integers(3, 128, (4, 8))
+    for _ in range(2):
+        state, metrics = step(state, {"input_ids": ids})
+        assert bool(metrics["applied"])
+    after = dict(model.hf_params(state.params))
+    np.testing.assert_array_equal(np.asarray(after[BIAS]), np.asarray(jnp.linspace(-0.5, 0.5, 8)))
+    assert not np.array_equal(np.asarray(after["model.layers.1.mlp.gate.weight"], np.float32),
+                              np.asarray(params["model.layers.1.mlp.gate.weight"], np.float32))
+    assert float(metrics["aux_loss"]) == 0.0  # the reference reports no router loss for DeepSeek-V3
+
+
+@pytest.mark.reference
+def test_config_fields_match_hf():
+    pytest.importorskip("torch")
+    import transformers
+
+    for values in ({}, TINY_DEEPSEEK_V3):
+        hf = transformers.DeepseekV3Config(**values)
+        ours = DeepseekV3Config.from_dict(hf.to_dict())
+        for name in [f.name for f in fields(ours) if f.name != "raw" and hasattr(hf, f.name)]:
+            assert getattr(ours, name) == getattr(hf, name), name
+
+
+@pytest.mark.reference
+def test_tree_matches_hf_names_shapes_and_order(reference):
+    hf_model, state, _, _ = reference
+    assert_tree_matches_hf(DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3), hf_model, state)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("layout", PLAN_LAYOUTS, ids=lambda layout: "-".join(f"{k[:2]}{v}" for k, v in layout.items()))
+def test_resolved_plans_match_hf(layout):
+    pytest.importorskip("torch")
+    assert_plans_match_hf(DeepseekV3ForCausalLM, "deepseek_v3", TINY_DEEPSEEK_V3, layout)
+
+
+@pytest.mark.reference
+def test_logits_and_padded_batch_match_pytorch(reference):
+    hf_model, state, input_ids, expected = reference
+    model = DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3, devices=jax.devices()[:1])
+    model.set_params(state)
+    np.testing.assert_allclose(np.asarray(model(input_ids)), expected, atol=LOGITS_ATOL, rtol=0)
+    assert_padded_batch_matches_hf(model, hf_model, input_ids, real_tokens_only=True)
+
+
+@pytest.mark.reference
+def test_logits_match_pytorch_without_q_lora_or_interleaving():
+    hf_model = tiny_hf_model("deepseek_v3", TINY_VARIANT)
+    perturb_vector_params(hf_model)
+    input_ids = np.random.default_rng(1).integers(0, 128, (2, 9))
+    model = DeepseekV3ForCausalLM(TINY_VARIANT, DistributedConfig(tp_size=2, fsdp_size=2, ep_size=2),
+                                  devices=jax.devices()[:4])
+    model.set_params(hf_state_dict(hf_model))
+    np.testing.assert_allclose(np.asarray(model(input_ids)), hf_logits(hf_model, input_ids), atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.reference
+def test_loss_gradients_match_pytorch_with_experts_over_8_devices(reference):
+    """One step's gradients (shifted cross-entropy, as HF's loss with labels) for every parameter, with the
+    experts dispatched over ep=8; the router bias (a torch buffer) gets none."""
+    import torch
+
+    hf_model, state, input_ids, _ = reference
+    hf_model.zero_grad()
+    hf_model(input_ids=torch.as_tensor(input_ids), labels=torch.as_tensor(input_ids)).loss.backward()
+    expected = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
+
+    model = DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=True)
+    model.set_params(state)
+    ids = jnp.asarray(input_ids, jnp.int32)
+
+    def loss(params):
+        logits = model.apply(params, ids, inference=False).logits[:, :-1]
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
+
+    grads = dict(model.hf_params(jax.jit(jax.grad(loss))(model.params)))
+    buffers = set(model.module_tree.buffers())
+    assert grads.keys() - buffers == expected.keys()
+    for name in buffers:
+        assert not np.any(np.asarray(grads[name])), name
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
