@@ -177,3 +177,21 @@ def test_loss_gradients_match_pytorch_with_experts_over_8_devices(reference):
         assert not np.any(np.asarray(grads[name])), name
     for name, value in expected.items():
         np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
+
+
+def test_a_plain_checkpoint_round_trips_bit_for_bit(tmp_path):
+    """Per-expert hub keys, the float32 router bias and every layer back as they were (fsdp8/ep8, no forward)."""
+    from safetensors.numpy import load_file
+
+    from moe_jax import AutoModelForCausalLM
+
+    from .test_fixture_parity import FIXTURES
+
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "deepseek_v3", DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False)
+    model.save_pretrained(tmp_path / "export", progress=False)
+    original = load_file(FIXTURES / "deepseek_v3" / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert exported.keys() == original.keys() and "model.layers.1.mlp.experts.7.up_proj.weight" in exported
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
