@@ -286,6 +286,8 @@ KEY_MAPS: dict[str, KeyMap] = {
     "gpt_oss": GPT_OSS,
     # Without its config: no MTP layer skipped (the model's `checkpoint_key_map` knows its layers).
     "deepseek_v3": deepseek_v3_key_map(0, 0),
+    # Llama 4's text checkpoints hold the in-memory layout (fused [E, H, 2I] experts): no renaming.
+    "llama4_text": KeyMap("llama4_text", ()),
 }
 
 

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if unknown := sorted(set(args.families) - set(FAMILIES)):
         parser.error(f"unknown families {unknown}; choose among {FAMILIES}")
-    cases = every_layout_and_implementation()
     for family in args.families or FAMILIES:
+        cases = every_layout_and_implementation(family)
         for scan in SCAN_MODES[args.scan_layers]:
             start = time.perf_counter()
             worst = max(check_against_fixture(family, layout, scan_layers=scan) for layout in [None, *cases])

@@ -51,9 +51,9 @@ def main() -> int:
     parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"any of {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("--scan-layers", action="store_true", help="scan the layers (default: the model's auto)")
     args = parser.parse_args()
-    cases = [None, *every_layout_and_implementation()]
     failed = 0
     for family in args.families or FAMILIES:
+        cases = [None, *every_layout_and_implementation(family)]
         start = time.perf_counter()
         for layout in cases:
             failures = check(family, layout, True if args.scan_layers else "auto")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from tests.models.hf_reference import (  # noqa: E402
     TINY_DEEPSEEK_V3,
     TINY_GPT_OSS,
+    TINY_LLAMA4,
     TINY_MIXTRAL,
     TINY_OLMOE,
     TINY_QWEN2_MOE,
@@ -32,7 +33,8 @@ from tests.models.hf_reference import (  # noqa: E402
 )
 
 FAMILIES = {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE, "mixtral": TINY_MIXTRAL,
-            "gpt_oss": TINY_GPT_OSS, "deepseek_v3": TINY_DEEPSEEK_V3}
+            "gpt_oss": TINY_GPT_OSS, "deepseek_v3": TINY_DEEPSEEK_V3,
+            "llama4_text": TINY_LLAMA4}
 FIXTURES = ROOT / "tests" / "fixtures" / "models"
 
 

@@ -58,7 +58,8 @@ class ShardedExperts:
 
     `params` are the module's global arrays (`{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`);
     `intermediate_dims` says which dim of each is the intermediate dim split by tp in "tp" mode, e.g.
-    `{"gate_up_proj": "packed", "down_proj": 2}`. `ep_options` go to the EP implementation
+    `{"gate_up_proj": "packed", "down_proj": 2}` ("packed_last": gate and up halves on the last dim, Llama 4's
+    `[E, H, 2I]`). `ep_options` go to the EP implementation
     (`capacity_factor`, or a user implementation's own options).
     """
 
@@ -112,6 +113,11 @@ class ShardedExperts:
                 experts, fused, hidden = array.shape
                 view = array.reshape(experts, 2, fused // 2, hidden)
                 return view, P(None, None, spec_entry(self.layout.tp_axes), None)
+            if dim == "packed_last":
+                # [E, H, 2I] -> [E, H, 2, I] (Llama 4's [in, out] layout): the same split on the last dim.
+                experts, hidden, fused = array.shape
+                view = array.reshape(experts, hidden, 2, fused // 2)
+                return view, P(None, None, None, spec_entry(self.layout.tp_axes))
             if dim is not None:
                 entries = [None] * array.ndim
                 entries[dim] = spec_entry(self.layout.tp_axes)
@@ -130,9 +136,13 @@ class ShardedExperts:
 
         def body(hidden, index, weights, *local_arrays):
             local_params = {name: _in_compute_dtype(array, hidden) for name, array in zip(names, local_arrays)}
-            if self.mode == TENSOR_PARALLEL and self.intermediate_dims.get("gate_up_proj") == "packed":
+            packing = self.intermediate_dims.get("gate_up_proj")
+            if self.mode == TENSOR_PARALLEL and packing == "packed":
                 view = local_params["gate_up_proj"]
                 local_params["gate_up_proj"] = view.reshape(view.shape[0], -1, view.shape[-1])
+            elif self.mode == TENSOR_PARALLEL and packing == "packed_last":
+                view = local_params["gate_up_proj"]
+                local_params["gate_up_proj"] = view.reshape(*view.shape[:2], -1)
             experts_forward = partial(self.experts_forward, **local_params)
             output, statistics = self._run_on_device(experts_forward, hidden, index, weights, inference, capacity)
             # Counts are per device (TP ranks count disjoint slices), so the sum over every device is the total.

@@ -3,6 +3,7 @@
 from .base import MoeForCausalLM
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from .gpt_oss import GptOssConfig, GptOssForCausalLM
+from .llama4 import Llama4ForCausalLM, Llama4TextConfig
 from .mixtral import MixtralConfig, MixtralForCausalLM
 from .olmoe import OlmoeConfig, OlmoeForCausalLM
 from .qwen2_moe import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -14,6 +15,8 @@ __all__ = [
     "DeepseekV3ForCausalLM",
     "GptOssConfig",
     "GptOssForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4TextConfig",
     "MODEL_CLASSES",
     "MixtralConfig",
     "MixtralForCausalLM",

@@ -114,6 +114,11 @@ class MoeForCausalLM(PlannedModel):
     # Whether the reference computes HF's softmax load-balancing loss for this family (DeepSeek-V3 balances
     # with its router bias instead and reports none: `aux_loss` is then 0).
     has_router_aux_loss: ClassVar[bool] = True
+    # The layer's feed-forward module (HF name): "mlp", Llama 4's "feed_forward".
+    feed_forward_module: ClassVar[str] = "mlp"
+    # Which dim of each expert weight tensor parallelism splits (`ShardedExperts.intermediate_dims`; None: the
+    # [E, 2I, H] / [E, H, I] layout).
+    experts_intermediate_dims: ClassVar[dict | None] = None
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
@@ -318,9 +323,11 @@ class MoeForCausalLM(PlannedModel):
         return {
             layer: ShardedExperts(
                 mesh=self.mesh, layout=self.layout,
-                mode=experts_mode(f"model.layers.{layer}.mlp.experts", self.resolved_plans.tp, self.resolved_plans.ep),
+                mode=experts_mode(f"model.layers.{layer}.{self.feed_forward_module}.experts", self.resolved_plans.tp,
+                                  self.resolved_plans.ep),
                 num_experts=self.config.num_experts, experts_forward=self.experts_forward,
                 ep_implementation=self.distributed_config.ep_implementation,
+                intermediate_dims=self.experts_intermediate_dims,
             )
             for layer in self.sparse_layers()
         }

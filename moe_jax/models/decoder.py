@@ -58,6 +58,11 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
     def experts_intermediate_size(self) -> int:
         return self.config.moe_intermediate_size
 
+    @property
+    def dense_intermediate_size(self) -> int:
+        """Width of the dense (non-MoE) layers' MLP."""
+        return self.config.intermediate_size
+
     def declare_attention(self, tree: ModuleTree, bias: bool = False) -> None:
         """q/k/v/o projections (with `bias` on all four); families add q/k norms or sinks."""
         c, hidden = self.config, self.config.hidden_size
@@ -99,11 +104,11 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
                     with tree.module(layer):
                         with tree.module("self_attn"):
                             self.declare_attention(tree)
-                        with tree.module("mlp"):
+                        with tree.module(self.feed_forward_module):
                             if self.is_sparse(layer):
                                 self.declare_sparse_mlp(tree)
                             else:
-                                self.declare_dense_mlp(tree, c.intermediate_size)
+                                self.declare_dense_mlp(tree, self.dense_intermediate_size)
                         tree.norm("input_layernorm", c.hidden_size)
                         tree.norm("post_attention_layernorm", c.hidden_size)
             tree.norm("norm", c.hidden_size)
@@ -174,15 +179,16 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         x = x + attended
         h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
         router_logits = statistics = None
-        constrain_mlp = lambda y, name: layouts.output(y, f"{layer_name}.mlp.{name}")  # noqa: E731
+        feed_forward = self.feed_forward_module
+        constrain_mlp = lambda y, name: layouts.output(y, f"{layer_name}.{feed_forward}.{name}")  # noqa: E731
         if self.is_sparse(layer):
             out, router_logits, statistics = self.moe_output(
-                weights["mlp"], h, step.run_experts[layer], inference=step.inference,
+                weights[feed_forward], h, step.run_experts[layer], inference=step.inference,
                 rng=step.layer_rng(layer_index), constrain=constrain_mlp,
                 route=layouts.token_local(self.route),
             )
         else:
-            out = mlp(weights["mlp"], h, c.hidden_act, constrain=constrain_mlp)
+            out = mlp(weights[feed_forward], h, c.hidden_act, constrain=constrain_mlp)
         return layouts.batch(x + out), router_logits, statistics, layer_cache
 
     def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,

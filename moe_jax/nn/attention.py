@@ -120,17 +120,25 @@ def visibility_mask(
     *,
     key_padding_mask: jax.Array | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Which keys each query may attend to.
 
     query_index: [B, S] index of each query's own token among the keys
     key_padding_mask: [B, T] bool, True for real tokens
+    chunk_size: Llama 4's chunked attention: a query sees only keys of its own chunk of `chunk_size` tokens,
+        chunks counted from each row's first real token (HF's `chunked_overlay` with its left padding)
     -> [B, 1, S, T] bool (broadcast over heads)
     """
     key_index = jnp.arange(num_keys)
     visible = key_index[None, None, :] <= query_index[:, :, None]
     if sliding_window is not None:
         visible &= key_index[None, None, :] > query_index[:, :, None] - sliding_window
+    if chunk_size is not None:
+        left_padding = (jnp.zeros((query_index.shape[0],), jnp.int32) if key_padding_mask is None else
+                        jnp.sum(jnp.cumsum(key_padding_mask.astype(jnp.int32), axis=1) == 0, axis=1))
+        key_chunk = (key_index[None, None, :] - left_padding[:, None, None]) // chunk_size
+        visible &= key_chunk == (query_index[:, :, None] - left_padding[:, None, None]) // chunk_size
     if key_padding_mask is not None:
         visible &= key_padding_mask[:, None, :]
     return visible[:, None, :, :]
@@ -187,6 +195,7 @@ def attend(
     implementation: Literal["xla", "cudnn"] | None = None,
     query_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention core (softmax in float32), via `jax.nn.dot_product_attention`.
 
@@ -201,6 +210,7 @@ def attend(
     query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
     sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
         probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
+    attention_chunk_size: Llama 4's chunked attention (`visibility_mask`'s `chunk_size`; the mask is explicit)
 
     When `T == S` and no `query_index` is given (and no chunking happens), the mask is expressed as `is_causal` and
     `local_window_size` so fused kernels can skip masked blocks instead of reading an [S, T] mask.
@@ -219,9 +229,10 @@ def attend(
         key_padding_mask = key_padding_mask.astype(bool)
     if query_chunk_size is not None and query_chunk_size < 1:
         raise ValueError(f"query_chunk_size must be a positive int or None, got {query_chunk_size}")
-    in_chunks = query_chunk_size is not None and query_chunk_size < seq and sinks is None
+    in_chunks = (query_chunk_size is not None and query_chunk_size < seq and sinks is None
+                 and attention_chunk_size is None)
 
-    if query_index is None and not in_chunks and seq == num_keys and sinks is None:
+    if query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None:
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
         return jax.nn.dot_product_attention(
@@ -252,7 +263,8 @@ def attend(
             chunk_size=query_chunk_size,
         )
     mask = visibility_mask(
-        query_index, num_keys, key_padding_mask=key_padding_mask, sliding_window=sliding_window
+        query_index, num_keys, key_padding_mask=key_padding_mask, sliding_window=sliding_window,
+        chunk_size=attention_chunk_size,
     )
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, sinks, scale)

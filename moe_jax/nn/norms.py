@@ -37,3 +37,10 @@ def rms_norm(params: Mapping[str, jax.Array], x: jax.Array, eps: float) -> jax.A
     if is_master(weight, x):
         return scale_with_master(weight, normalized.astype(input_dtype))
     return weight * normalized.astype(input_dtype)
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """Llama 4's parameter-free q/k norm (`Llama4TextL2Norm`): x * rsqrt(mean(x^2) + eps) over the last axis,
+    in float32, cast back to x's dtype. x: [..., D]"""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

@@ -31,7 +31,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # HF's `RotaryEmbeddingConfigMixin.default_theta` is 10000 except where a config class overrides it. Only
 # needed for a raw dict (e.g. config.json) that states no `rope_theta` at all.
-_DEFAULT_THETA_BY_MODEL_TYPE = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
+_DEFAULT_THETA_BY_MODEL_TYPE = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0, "llama4_text": 500_000.0}
 _DEFAULT_THETA = 10_000.0
 
 
@@ -370,3 +370,17 @@ def rotate_heads(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: b
     cos, sin = cos[:, :, None, :half], sin[:, :, None, :half]  # tables are cat(freqs, freqs)
     even, odd = x[..., 0::2], x[..., 1::2]
     return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
+def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Llama 4's complex RoPE (`apply_rotary_emb`): each pair (x[2i], x[2i+1]) is a complex number turned by
+    frequency i, and stays in place. x: [B, S, N, D]; cos, sin: [B, S, D] from `rotary_cos_sin` (whose halves
+    repeat the D/2 frequencies) -> [B, S, N, D], computed in float32 and cast back."""
+    half = x.shape[-1] // 2
+    if cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"rotate_pairs: cos {tuple(cos.shape)} must be [B, S, {x.shape[-1]}] for x {tuple(x.shape)}")
+    cos = cos[:, :, None, :half].astype(jnp.float32)
+    sin = sin[:, :, None, :half].astype(jnp.float32)
+    real, imag = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+    rotated = jnp.stack([real * cos - imag * sin, real * sin + imag * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)

@@ -179,3 +179,49 @@ def biased_clamped_swiglu_experts(
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))
     return unpermute(y_sorted, order, weights).astype(hidden.dtype)
+
+
+def prescaled_swiglu_experts(
+    hidden: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    act: Activation = jax.nn.silu,
+    backend: str | None = None,
+) -> jax.Array:
+    """Llama 4's experts (HF's `Llama4TextExperts`): the routing weight scales each expert's *input*.
+
+    hidden: [N, H]; expert_ids: [N, K] local ids in [0, E] (E: "not mine"); weights: [N, K]
+    gate_up_proj: [E, H, 2I] ([in, out], gate then up on the last dim); down_proj: [E, I, H]
+    returns [N, H] in hidden's dtype:
+        out[n] = sum_k down[e] (act(gate[e] (w[n, k] x[n])) * up[e] (w[n, k] x[n])),  e = expert_ids[n, k]
+
+    The reference runs every expert on every token, the unchosen ones on zero inputs (which give exactly zero
+    with SiLU); only the K chosen experts are computed here, the same sum at K/E of the FLOPs.
+    """
+    num_experts, hidden_size, two_i = gate_up_proj.shape
+    if (hidden.ndim != 2 or hidden.shape[1] != hidden_size or two_i % 2
+            or down_proj.shape != (num_experts, two_i // 2, hidden_size) or weights.shape != expert_ids.shape):
+        raise ValueError(
+            f"Llama 4 experts need hidden [N, H], expert_ids and weights [N, K], gate_up_proj [E, H, 2I], down_proj "
+            f"[E, I, H]; got {hidden.shape}, {expert_ids.shape}, {weights.shape}, {gate_up_proj.shape}, "
+            f"{down_proj.shape}."
+        )
+    top_k = expert_ids.shape[1]
+    operands = (hidden, expert_ids, weights, gate_up_proj, down_proj)
+    hidden, weights, gate_up_proj, down_proj = (
+        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj)
+    )
+    expert_ids = vary_like(expert_ids, *operands)
+
+    mine = expert_ids < num_experts
+    weights = jnp.where(mine, weights, jnp.zeros_like(weights))
+    order, group_sizes = sort_by_expert(expert_ids, num_experts)
+    x_sorted = gather_rows(hidden, order, top_k)                                        # [M, H]
+    row_weights = jnp.take(weights.reshape(-1), order)[:, None]                          # [M, 1]
+    x_sorted = (x_sorted * row_weights).astype(hidden.dtype)
+    gate_up = grouped_matmul(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), group_sizes, backend=backend)
+    y_sorted = grouped_matmul(_swiglu(gate_up, act), jnp.swapaxes(down_proj, 1, 2), group_sizes, backend=backend)
+    return unpermute(y_sorted, order, mine.astype(y_sorted.dtype)).astype(hidden.dtype)

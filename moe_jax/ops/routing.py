@@ -206,3 +206,14 @@ def load_balancing_loss(
     tokens_per_expert = tokens_per_expert_sum / total_rows
     router_prob_per_expert = router_prob_sum / total_rows
     return jnp.sum(tokens_per_expert * router_prob_per_expert) * num_experts
+
+
+def top_k_sigmoid(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Llama 4's router (HF's `Llama4Router`): the top-k logits, each through a sigmoid (no normalisation).
+
+    router_logits: [T, E] -> (top_k_weights: [T, K] in the logits' dtype (sigmoid in float32), top_k_index [T, K])
+    """
+    _check_logits(router_logits)
+    values, top_k_index = jax.lax.top_k(router_logits, top_k)
+    weights = jax.nn.sigmoid(values.astype(jnp.float32)).astype(router_logits.dtype)
+    return weights, top_k_index.astype(jnp.int32)

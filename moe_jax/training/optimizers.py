@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import optax
 
-EXPERT_MARKER = ".mlp.experts."
+EXPERT_MARKER = ".experts."  # routed experts (`mlp.experts`, `feed_forward.experts`), not `shared_experts`
 
 
 def _adamw(learning_rate: float, weight_decay: float | None) -> optax.GradientTransformation:

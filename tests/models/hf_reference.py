@@ -58,8 +58,16 @@ TINY_DEEPSEEK_V3 = dict(
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
 )
+# Llama 4 (text): MoE on layers 1 and 3 (shared expert, sigmoid-scaled inputs), dense 0 and 2; RoPE + L2 q/k norm
+# + chunked attention (chunks of 4) on layers 0-2, NoPE layer 3 with temperature tuning (floor_scale 4).
+TINY_LLAMA4 = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2,
+    interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4, attn_scale=0.5, tie_word_embeddings=False,
+    max_position_embeddings=256, pad_token_id=None, eos_token_id=2,
+)
 # Router weights scaled so top-k choices are far from ties (HF module names differ by family).
-ROUTER_WEIGHT_SUFFIXES = ("mlp.gate.weight", "mlp.router.weight")
+ROUTER_WEIGHT_SUFFIXES = ("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight")
 
 
 def tiny_hf_model(model_type: str, config_values: dict, seed: int = 0):

@@ -13,13 +13,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import moe_jax
+import moe_jax.models
 from moe_jax import DistributedConfig
 
 from ..distributed.test_mesh import LAYOUTS as ALL_LAYOUTS
 from .hf_reference import LOGITS_ATOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text"]
 
 # One device and tp2/fsdp4/ep4 are also compared live with PyTorch in each family's test file; TP experts
 # without EP (tp2/fsdp4) in tests/models/test_gradients.py.
@@ -35,13 +36,21 @@ def _layout_id(layout):
     return "single" if layout is None else "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items())
 
 
-def every_layout_and_implementation():
-    """All 26 legal 8-device layouts, with every ep_implementation that applies to each."""
+def has_ep_plan(model_type: str) -> bool:
+    """Whether the family can run with ep_size > 1 (Llama 4 has no EP plan: its experts shard by TP)."""
+    return moe_jax.models.MODEL_CLASSES[model_type].base_model_ep_plan is not None
+
+
+def every_layout_and_implementation(model_type: str | None = None):
+    """All 26 legal 8-device layouts, with every ep_implementation that applies to each (for a family without
+    an EP plan, the layouts without EP)."""
     cases = []
     for tp, fsdp, ep, replicate in ALL_LAYOUTS:
         base = dict(tp_size=tp, fsdp_size=fsdp, ep_size=ep, dp_replicate_size=replicate)
         if ep == 1:
             cases.append(base)
+            continue
+        if model_type is not None and not has_ep_plan(model_type):
             continue
         names = ["all_to_all", "auto"] + (["all_reduce"] if ep == tp else [])
         cases += [dict(base, ep_implementation=name) for name in names]
@@ -91,7 +100,9 @@ def scale_routed_experts(source: Path, destination: Path, factor: float) -> Path
 # (the full grid is the script named below). Qwen3-MoE's fixture logits are checked on tp2/fsdp4/ep4 and
 # fsdp8/ep8 by tests/multiprocess/ (one process and two), scanned in test_layer_stack.py, and live in
 # test_qwen3_moe.py.
-SUITE_CASES = [(family, REPRESENTATIVE_LAYOUTS[i % len(REPRESENTATIVE_LAYOUTS)])
+# Llama 4 (no EP plan) runs its experts by TP.
+SUITE_CASES = [(family, REPRESENTATIVE_LAYOUTS[i % len(REPRESENTATIVE_LAYOUTS)] if has_ep_plan(family)
+                else dict(tp_size=2, fsdp_size=4))
                for i, family in enumerate(FAMILIES[1:])]
 
 

@@ -1,0 +1,236 @@
+"""Llama 4, text model (HF `llama4_text`, `Llama4ForCausalLM`): config, module tree with HF names, plans, math.
+
+    layer i:  x += attention(rms_norm(x))      RoPE layers (no_rope_layers[i] == 1): complex RoPE on pairs,
+                                               then L2 q/k norm (use_qk_norm), chunked attention mask
+                                               (attention_chunk_size); NoPE layers: no RoPE, no norm, full
+                                               causal mask, queries scaled by the temperature
+                                               log1p(floor((t + 1) / floor_scale)) * attn_scale + 1 at cache
+                                               index t (attn_temperature_tuning)
+              x += feed_forward(rms_norm(x))   MoE if i in moe_layers (every interleave_moe_layer_step-th),
+                                               else a dense MLP of intermediate_size_mlp
+    moe(h):   shared_expert(h) + sum_k expert_k(sigmoid(logit_k) * h)    over the top-k router logits
+    experts:  gate_up_proj [E, H, 2I] (gate then up on the last dim), down_proj [E, I, H]
+
+The reference runs every expert on every token, the unchosen ones on zero inputs; only the chosen experts
+are computed here (`ops.experts.prescaled_swiglu_experts`), the same sum. The reference has no EP plan (the
+experts shard by TP: `packed_rowwise` / `colwise` / `moe_tp_experts`), so `ep_size > 1` raises its "has no
+`ep_plan`" error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..module_tree import ModuleTree
+from ..nn.activations import get_activation
+from ..nn.attention import attend, project_qkv
+from ..nn.linear import linear
+from ..nn.mlp import mlp
+from ..nn.moe import sparse_moe_block
+from ..nn.norms import l2_norm
+from ..nn.rotary import rotate_pairs
+from ..ops.experts import prescaled_swiglu_experts
+from ..ops.routing import top_k_sigmoid
+from .config import HFConfigMixin
+from .decoder import MoeDecoderForCausalLM
+from .registry import register_model
+
+LAYER_TYPES = ("chunked_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Llama4TextConfig(HFConfigMixin):
+    """The fields of HF's `Llama4TextConfig` the model reads (defaults are HF's), completed as its
+    `__post_init__` does: `no_rope_layers` (1 = RoPE) every `no_rope_layer_interval`-th layer NoPE,
+    `moe_layers` from `interleave_moe_layer_step`, `layer_types` chunked for RoPE layers, full for NoPE ones."""
+
+    vocab_size: int = 202048
+    hidden_size: int = 5120
+    intermediate_size: int = 8192
+    intermediate_size_mlp: int = 16384
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 40
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096 * 32
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    num_experts_per_tok: int = 1
+    num_local_experts: int = 16
+    moe_layers: tuple[int, ...] | None = None
+    interleave_moe_layer_step: int = 1
+    use_qk_norm: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    rope_parameters: dict | None = None
+    no_rope_layers: tuple[int, ...] | None = None
+    no_rope_layer_interval: int = 4
+    attention_chunk_size: int | None = 8192
+    layer_types: tuple[str, ...] | None = None
+    attn_temperature_tuning: bool = True
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    attention_bias: bool = False
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    model_type: ClassVar[str] = "llama4_text"
+
+    def __post_init__(self):
+        set_field = partial(object.__setattr__, self)
+        layers = self.num_hidden_layers
+        if self.num_key_value_heads is None:
+            set_field("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            set_field("head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.no_rope_layers:
+            set_field("no_rope_layers", tuple(int((i + 1) % self.no_rope_layer_interval != 0) for i in range(layers)))
+        if self.moe_layers is None:
+            step = self.interleave_moe_layer_step
+            set_field("moe_layers", tuple(range(step - 1, layers, step)))
+        if self.layer_types is None:
+            set_field("layer_types", tuple("chunked_attention" if rope else "full_attention"
+                                           for rope in self.no_rope_layers))
+        if len(self.no_rope_layers) < layers or len(self.layer_types) != layers:
+            raise ValueError(f"no_rope_layers ({len(self.no_rope_layers)}) needs an entry per layer and layer_types "
+                             f"({len(self.layer_types)}) exactly one, for the {layers} layers.")
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types contains {unknown}; Llama 4 layers are one of {LAYER_TYPES}.")
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts
+
+    def uses_rope(self, layer: int) -> bool:
+        return bool(self.no_rope_layers[layer])
+
+
+@register_model
+class Llama4ForCausalLM(MoeDecoderForCausalLM):
+    model_type = "llama4_text"
+    config_class = Llama4TextConfig
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.feed_forward.shared_expert.gate_proj": "colwise",
+        "layers.*.feed_forward.shared_expert.up_proj": "colwise",
+        "layers.*.feed_forward.shared_expert.down_proj": "rowwise",
+        "layers.*.feed_forward.experts.gate_up_proj": "packed_rowwise",
+        "layers.*.feed_forward.experts.down_proj": "colwise",
+        "layers.*.feed_forward.experts": "moe_tp_experts",
+        "layers.*.feed_forward.gate_proj": "colwise",
+        "layers.*.feed_forward.up_proj": "colwise",
+        "layers.*.feed_forward.down_proj": "rowwise",
+    }
+    base_model_ep_plan = None  # the experts see every token pre-scaled: nothing to dispatch
+    feed_forward_module = "feed_forward"
+    experts_intermediate_dims = {"gate_up_proj": "packed_last", "down_proj": 1}
+    has_router_aux_loss = False  # the reference's forward computes none
+
+    # ---- structure ---------------------------------------------------------------------------------
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.config.moe_layers
+
+    @property
+    def experts_intermediate_size(self) -> int:
+        return self.config.intermediate_size
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        return self.config.intermediate_size_mlp
+
+    def declare_attention(self, tree: ModuleTree, layer: int | None = None) -> None:
+        super().declare_attention(tree, bias=self.config.attention_bias)
+
+    def declare_tree(self) -> ModuleTree:
+        tree = super().declare_tree()
+        # HF's attention lists a parameter-free `qk_norm` module on its RoPE layers (with use_qk_norm).
+        for layer in range(self.config.num_hidden_layers):
+            if self.config.use_qk_norm and self.config.uses_rope(layer):
+                position = tree.modules.index(f"model.layers.{layer}.self_attn.o_proj") + 1
+                tree.modules.insert(position, f"model.layers.{layer}.self_attn.qk_norm")
+        return tree
+
+    def declare_dense_mlp(self, tree: ModuleTree, intermediate: int) -> None:
+        hidden = self.config.hidden_size
+        tree.linear("gate_proj", intermediate, hidden)
+        tree.linear("up_proj", intermediate, hidden)
+        tree.linear("down_proj", hidden, intermediate)
+        tree.module_without_params("activation_fn")
+
+    def declare_experts(self, tree: ModuleTree) -> None:
+        c, intermediate = self.config, self.config.intermediate_size
+        with tree.module("experts"):
+            tree.param("gate_up_proj", (c.num_experts, c.hidden_size, 2 * intermediate))
+            tree.param("down_proj", (c.num_experts, intermediate, c.hidden_size))
+            tree.module_without_params("act_fn")
+
+    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
+        self.declare_experts(tree)
+        tree.linear("router", self.config.num_experts, self.config.hidden_size)
+        with tree.module("shared_expert"):
+            self.declare_dense_mlp(tree, self.config.intermediate_size)
+
+    def attention_options(self, layer: int) -> dict:
+        c = self.config
+        chunked = c.layer_types[layer] == "chunked_attention"
+        return {"rope": c.uses_rope(layer), "attention_chunk_size": c.attention_chunk_size if chunked else None}
+
+    # ---- math --------------------------------------------------------------------------------------
+    @property
+    def experts_forward(self):
+        return partial(prescaled_swiglu_experts, act=get_activation(self.config.hidden_act),
+                       backend=self.experts_backend)
+
+    def temperature(self, first: jax.Array, length: int) -> jax.Array:
+        """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32."""
+        c = self.config
+        index = (first + jnp.arange(length)).astype(jnp.float32)
+        return jnp.log1p(jnp.floor((index + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
+
+    def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
+        c, (cos, sin) = self.config, rope
+        options = self.attention_options(layer)
+        constrain = lambda y, name: step.layouts.output(y, f"model.layers.*.self_attn.{name}")  # noqa: E731
+        q, k, v = project_qkv(weights, h, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                              head_dim=c.head_dim, constrain=constrain)
+        if options["rope"]:
+            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+            if c.use_qk_norm:
+                q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
+        first = 0 if layer_cache is None else step.cache.length
+        if c.attn_temperature_tuning and not options["rope"]:
+            q = (q * self.temperature(first, h.shape[1])[None, :, None, None]).astype(q.dtype)
+        chunk = options["attention_chunk_size"]
+        if layer_cache is None:
+            out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk)
+        else:
+            keys, values = (jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, first, 0, 0))
+                            for cached, new in zip(layer_cache, (k, v)))
+            layer_cache = (keys, values)
+            out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
+                         key_padding_mask=attention_mask, query_index=first + jnp.arange(h.shape[1]),
+                         attention_chunk_size=chunk)
+        batch, sequence = h.shape[:2]
+        out = constrain(linear(weights["o_proj"], out.reshape(batch, sequence, -1)), "o_proj")
+        return out, layer_cache
+
+    def route(self, router_logits):
+        """router_logits: [N, E] -> (sigmoid of the top-k logits [N, K], expert ids [N, K])."""
+        return top_k_sigmoid(router_logits, self.config.num_experts_per_tok)
+
+    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
+        """The shared expert plus the chosen experts on pre-scaled inputs: hidden [B, S, H] -> [B, S, H]."""
+        routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, run_experts=run_experts,
+                                                      constrain=constrain, router="router")
+        shared = mlp(weights["shared_expert"], hidden, self.config.hidden_act,
+                     constrain=lambda y, name: constrain(y, f"shared_expert.{name}"))
+        return shared + routed, logits, statistics
