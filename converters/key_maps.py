@@ -127,12 +127,15 @@ class KeyMap:
     A layout may extend another (an FP8 weight is the plain weight's key plus its `weight_scale_inv`): it is
     recognised by the keys the other lacks (`markers`). `ignored` are regular expressions of hub keys that
     belong to no parameter on purpose (DeepSeek-V3's multi-token-prediction layer): loading skips them.
+    `hub_prefix` is stripped from hub keys on load (a multimodal checkpoint's `language_model.`); exports
+    write the text model's own keys, without it.
     """
 
     architecture: str
     rules: tuple[KeyRule, ...]
     load_only: tuple[KeyRule, ...] = ()
     ignored: tuple[str, ...] = ()
+    hub_prefix: str = ""
 
     @property
     def load_rules(self) -> tuple[KeyRule, ...]:
@@ -288,6 +291,10 @@ KEY_MAPS: dict[str, KeyMap] = {
     "deepseek_v3": deepseek_v3_key_map(0, 0),
     # Llama 4's text checkpoints hold the in-memory layout (fused [E, H, 2I] experts): no renaming.
     "llama4_text": KeyMap("llama4_text", ()),
+    # A multimodal Llama 4 checkpoint (Scout, Maverick): the text model under `language_model.`; the vision
+    # tower and its projector are not read.
+    "llama4": KeyMap("llama4", (), ignored=(r"vision_model\..*", r"multi_modal_projector\..*"),
+                     hub_prefix="language_model."),
 }
 
 

@@ -63,7 +63,7 @@ def load_params(
     names = list(tree.params) if layer_stack is None else list(layer_stack.members)
     target_dtypes = _target_dtypes(names, dtype)
     placements = _check_shardings(names, shardings)
-    with SafetensorsCheckpoint(checkpoint_dir) as checkpoint:
+    with SafetensorsCheckpoint(checkpoint_dir, strip_prefix=key_map.hub_prefix) as checkpoint:
         sources = plan_load(tree, checkpoint, key_map, casts=dtype is not None)
         if layer_stack is not None:
             sources = stack_layer_sources(sources, layer_stack)

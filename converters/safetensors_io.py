@@ -286,9 +286,11 @@ class SafetensorsCheckpoint:
     """A checkpoint directory opened for slice reads: `tensors` from the headers, bytes on demand.
 
     Use as a context manager (or call `close()`): shard files stay memory-mapped while it is open.
+    `strip_prefix`: keys that start with it are known without it (a multimodal checkpoint's text model under
+    `language_model.`); reads and their records use the stored key.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, strip_prefix: str = ""):
         self.directory = Path(directory)
         self.files, weight_map = checkpoint_shards(self.directory)
         self.tensors: dict[str, TensorInfo] = {}
@@ -301,6 +303,8 @@ class SafetensorsCheckpoint:
                 self.tensors[key] = info
         if weight_map is not None:
             _check_index_matches_headers(self.directory / INDEX_FILE_NAME, weight_map, self.tensors)
+        if strip_prefix:
+            self.tensors = {key.removeprefix(strip_prefix): info for key, info in self.tensors.items()}
         self.bytes_read = 0
         self._handles: dict[Path, object] = {}
         self._open_files = contextlib.ExitStack()
@@ -327,7 +331,7 @@ class SafetensorsCheckpoint:
             if info.dtype in MAPPED_DTYPES:
                 data = np.array(np.memmap(info.path, info.dtype, "r", info.offset, info.shape)[index])
             else:
-                data = self._handle(info.path).get_slice(key)[index]
+                data = self._handle(info.path).get_slice(info.key)[index]
         except (SafetensorError, OSError) as error:
             raise CheckpointFormatError(f"Reading {key!r} {_index_text(index)} from {info.path} failed: {error}.") from error
         data = np.asarray(data)
@@ -338,7 +342,7 @@ class SafetensorsCheckpoint:
             )
         self.bytes_read += data.nbytes
         record = TensorRead(
-            info.path, key, tuple((s.start, s.stop) for s in index), data.nbytes, _current_request.get()
+            info.path, info.key, tuple((s.start, s.stop) for s in index), data.nbytes, _current_request.get()
         )
         for observer in list(_read_observers):
             observer(record)

@@ -234,3 +234,28 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
         shared = mlp(weights["shared_expert"], hidden, self.config.hidden_act,
                      constrain=lambda y, name: constrain(y, f"shared_expert.{name}"))
         return shared + routed, logits, statistics
+
+
+class Llama4MultimodalConfig:
+    """Reads a multimodal Llama 4 config.json (`llama4`: Scout, Maverick) as its `text_config`, a
+    `Llama4TextConfig`; the vision settings are not used."""
+
+    model_type: ClassVar[str] = "llama4"
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Llama4TextConfig:
+        text = values.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("a `llama4` config.json needs its `text_config` (the language model's settings); "
+                             f"got {type(text).__name__}.")
+        return Llama4TextConfig.from_dict({**text, "model_type": Llama4TextConfig.model_type})
+
+
+@register_model
+class Llama4ForCausalLMOfMultimodal(Llama4ForCausalLM):
+    """The text model of a multimodal Llama 4 checkpoint, as Transformers' `AutoModelForCausalLM` loads it:
+    the `text_config`, the weights under `language_model.`, the vision tower skipped. It saves as a text
+    model (`llama4_text`, keys without the prefix)."""
+
+    model_type = "llama4"
+    config_class = Llama4MultimodalConfig

@@ -160,3 +160,52 @@ def test_loss_gradients_match_pytorch_with_experts_over_tp(reference):
     assert grads.keys() == expected.keys()
     for name, value in expected.items():
         np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
+
+
+def test_a_checkpoint_round_trips_bit_for_bit(tmp_path):
+    """The fused [E, H, 2I] experts and every other tensor back as they were (experts over tp2, no forward)."""
+    from safetensors.numpy import load_file
+
+    from moe_jax import AutoModelForCausalLM
+
+    from .test_fixture_parity import FIXTURES
+
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "llama4_text", DistributedConfig(tp_size=2, fsdp_size=4),
+                                                 progress=False)
+    model.save_pretrained(tmp_path / "export", progress=False)
+    original = load_file(FIXTURES / "llama4_text" / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+
+
+@pytest.mark.reference
+def test_a_multimodal_checkpoint_loads_its_text_model_and_saves_it_as_one(tmp_path):
+    """As Transformers' AutoModelForCausalLM: `text_config`, weights under `language_model.`, the vision tower
+    skipped; the export is a `llama4_text` checkpoint that Transformers loads with the same logits."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from moe_jax import AutoModelForCausalLM
+    from moe_jax.models.llama4 import Llama4ForCausalLMOfMultimodal
+
+    from .hf_reference import fixture_inputs
+
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    config = transformers.Llama4Config(text_config=TINY_LLAMA4, vision_config=vision)
+    transformers.Llama4ForConditionalGeneration(config).save_pretrained(tmp_path / "multimodal")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "multimodal", dtype=torch.float32).eval()
+    input_ids, attention_mask = fixture_inputs(TINY_LLAMA4["vocab_size"])
+    real, expected = attention_mask.astype(bool), hf_logits(theirs, input_ids, attention_mask)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "multimodal", DistributedConfig(tp_size=2, fsdp_size=4),
+                                                 progress=False)
+    assert isinstance(model, Llama4ForCausalLMOfMultimodal) and model.config.model_type == "llama4_text"
+    np.testing.assert_allclose(np.asarray(model(input_ids, attention_mask))[real], expected[real], atol=LOGITS_ATOL)
+    model.save_pretrained(tmp_path / "text", progress=False)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(reloaded).__name__ == "Llama4ForCausalLM" and reloaded.config.model_type == "llama4_text"
+    np.testing.assert_array_equal(hf_logits(reloaded, input_ids, attention_mask), expected)
