@@ -46,6 +46,7 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
     """A pre-norm decoder with RoPE attention, sparse MoE and dense MLP layers (Qwen/OLMoE/Mixtral)."""
 
     base_model_ep_plan = EXPERTS_EP_PLAN
+    dense_activation_module = "act_fn"  # the dense MLP's activation module (HF name; Llama 4: "activation_fn")
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -86,7 +87,7 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         tree.linear("gate_proj", intermediate, hidden)
         tree.linear("up_proj", intermediate, hidden)
         tree.linear("down_proj", hidden, intermediate)
-        tree.module_without_params("act_fn")
+        tree.module_without_params(self.dense_activation_module)
 
     def declare_sparse_mlp(self, tree: ModuleTree) -> None:
         """The MoE block's modules in the order HF lists them (router first by default)."""

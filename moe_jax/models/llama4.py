@@ -134,6 +134,7 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
     feed_forward_module = "feed_forward"
     experts_intermediate_dims = {"gate_up_proj": "packed_last", "down_proj": 1}
     has_router_aux_loss = False  # the reference's forward computes none
+    dense_activation_module = "activation_fn"
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -158,13 +159,6 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
                 position = tree.modules.index(f"model.layers.{layer}.self_attn.o_proj") + 1
                 tree.modules.insert(position, f"model.layers.{layer}.self_attn.qk_norm")
         return tree
-
-    def declare_dense_mlp(self, tree: ModuleTree, intermediate: int) -> None:
-        hidden = self.config.hidden_size
-        tree.linear("gate_proj", intermediate, hidden)
-        tree.linear("up_proj", intermediate, hidden)
-        tree.linear("down_proj", hidden, intermediate)
-        tree.module_without_params("activation_fn")
 
     def declare_experts(self, tree: ModuleTree) -> None:
         c, intermediate = self.config, self.config.intermediate_size

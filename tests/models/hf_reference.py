@@ -207,3 +207,44 @@ def assert_padded_batch_matches_hf(model, hf_model, input_ids: np.ndarray, real_
         logits, expected = logits[real], expected[real]
     np.testing.assert_allclose(logits, expected, atol=LOGITS_ATOL, rtol=0)
     assert abs(float(output.aux_loss) - hf_aux_loss(hf_model, input_ids, attention_mask)) < 1e-5
+
+
+def assert_config_fields_match_hf(config_class, hf_config_class, tiny_values: dict) -> None:
+    """Every field our config shares with HF's equals HF's value (lists as tuples), for HF's defaults and for
+    `tiny_values`, after a trip through HF's `to_dict`."""
+    from dataclasses import fields
+
+    for values in ({}, tiny_values):
+        hf = hf_config_class(**values)
+        ours = config_class.from_dict(hf.to_dict())
+        for name in [f.name for f in fields(ours) if f.name != "raw" and hasattr(hf, f.name)]:
+            expected = getattr(hf, name)
+            assert getattr(ours, name) == (tuple(expected) if isinstance(expected, list) else expected), name
+
+
+def assert_loss_gradients_match_pytorch(model, hf_model, state: dict, input_ids: np.ndarray) -> None:
+    """One step's gradients of the shifted cross-entropy (HF's loss with labels) for every parameter of
+    `hf_model`, from `model` (any layout) holding `state`; our buffers (not torch parameters) get none."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    hf_model.zero_grad()
+    hf_model(input_ids=torch.as_tensor(input_ids), labels=torch.as_tensor(input_ids)).loss.backward()
+    expected = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
+
+    model.set_params(state)
+    ids = jnp.asarray(input_ids, jnp.int32)
+
+    def loss(params):
+        logits = model.apply(params, ids, inference=False).logits[:, :-1]
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
+
+    grads = dict(model.hf_params(jax.jit(jax.grad(loss))(model.params)))
+    buffers = set(model.module_tree.buffers())
+    assert grads.keys() - buffers == expected.keys()
+    for name in buffers:
+        assert not np.any(np.asarray(grads[name])), name
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)

@@ -3,7 +3,6 @@ straightforward references; logits and gradients equal PyTorch's; the router bia
 Sharded layouts: tests/models/test_fixture_parity.py and scripts/check_all_layouts.py; FP8 hub weights and
 the skipped MTP layer: tests/converters/test_fp8.py."""
 
-from dataclasses import fields
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,8 @@ from moe_jax.training import make_train_step
 from .hf_reference import (
     LOGITS_ATOL,
     TINY_DEEPSEEK_V3,
+    assert_config_fields_match_hf,
+    assert_loss_gradients_match_pytorch,
     assert_padded_batch_matches_hf,
     assert_plans_match_hf,
     assert_tree_matches_hf,
@@ -110,12 +111,7 @@ def test_config_fields_match_hf():
     pytest.importorskip("torch")
     import transformers
 
-    for values in ({}, TINY_DEEPSEEK_V3):
-        hf = transformers.DeepseekV3Config(**values)
-        ours = DeepseekV3Config.from_dict(hf.to_dict())
-        for name in [f.name for f in fields(ours) if f.name != "raw" and hasattr(hf, f.name)]:
-            assert getattr(ours, name) == getattr(hf, name), name
-
+    assert_config_fields_match_hf(DeepseekV3Config, transformers.DeepseekV3Config, TINY_DEEPSEEK_V3)
 
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
@@ -154,29 +150,9 @@ def test_logits_match_pytorch_without_q_lora_or_interleaving():
 def test_loss_gradients_match_pytorch_with_experts_over_8_devices(reference):
     """One step's gradients (shifted cross-entropy, as HF's loss with labels) for every parameter, with the
     experts dispatched over ep=8; the router bias (a torch buffer) gets none."""
-    import torch
-
     hf_model, state, input_ids, _ = reference
-    hf_model.zero_grad()
-    hf_model(input_ids=torch.as_tensor(input_ids), labels=torch.as_tensor(input_ids)).loss.backward()
-    expected = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
-
     model = DeepseekV3ForCausalLM(TINY_DEEPSEEK_V3, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=True)
-    model.set_params(state)
-    ids = jnp.asarray(input_ids, jnp.int32)
-
-    def loss(params):
-        logits = model.apply(params, ids, inference=False).logits[:, :-1]
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
-
-    grads = dict(model.hf_params(jax.jit(jax.grad(loss))(model.params)))
-    buffers = set(model.module_tree.buffers())
-    assert grads.keys() - buffers == expected.keys()
-    for name in buffers:
-        assert not np.any(np.asarray(grads[name])), name
-    for name, value in expected.items():
-        np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
+    assert_loss_gradients_match_pytorch(model, hf_model, state, input_ids)
 
 
 def test_a_plain_checkpoint_round_trips_bit_for_bit(tmp_path):

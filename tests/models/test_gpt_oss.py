@@ -2,7 +2,6 @@
 equal straightforward references; logits equal PyTorch's (sinks, alternating sliding/full layers, YaRN,
 biases). Sharded layouts: tests/models/test_fixture_parity.py and scripts/check_all_layouts.py."""
 
-from dataclasses import fields
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,8 @@ from moe_jax.ops.routing import top_k_softmax
 from .hf_reference import (
     LOGITS_ATOL,
     TINY_GPT_OSS,
+    assert_config_fields_match_hf,
+    assert_loss_gradients_match_pytorch,
     assert_padded_batch_matches_hf,
     assert_plans_match_hf,
     assert_tree_matches_hf,
@@ -101,14 +102,7 @@ def test_config_fields_match_hf():
     pytest.importorskip("torch")
     import transformers
 
-    for values in ({}, TINY_GPT_OSS):
-        hf = transformers.GptOssConfig(**values)
-        ours = GptOssConfig.from_dict(hf.to_dict())
-        for name in [f.name for f in fields(ours) if f.name != "raw" and hasattr(hf, f.name)]:
-            expected = getattr(hf, name)
-            expected = tuple(expected) if isinstance(expected, list) else expected
-            assert getattr(ours, name) == expected, name
-
+    assert_config_fields_match_hf(GptOssConfig, transformers.GptOssConfig, TINY_GPT_OSS)
 
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
@@ -136,23 +130,6 @@ def test_logits_and_padded_batch_match_pytorch(reference):
 def test_loss_gradients_match_pytorch_with_experts_over_8_devices(reference):
     """One step's gradients (shifted cross-entropy, as HF's loss with labels) for every parameter: sinks,
     router and expert biases included, with the experts dispatched over ep=8."""
-    import torch
-
     hf_model, state, input_ids, _ = reference
-    hf_model.zero_grad()
-    hf_model(input_ids=torch.as_tensor(input_ids), labels=torch.as_tensor(input_ids)).loss.backward()
-    expected = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
-
     model = GptOssForCausalLM(TINY_GPT_OSS, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=False)
-    model.set_params(state)
-    ids = jnp.asarray(input_ids, jnp.int32)
-
-    def loss(params):
-        logits = model.apply(params, ids, inference=False).logits[:, :-1]
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
-
-    grads = dict(model.hf_params(jax.jit(jax.grad(loss))(model.params)))
-    assert grads.keys() == expected.keys()
-    for name, value in expected.items():
-        np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
+    assert_loss_gradients_match_pytorch(model, hf_model, state, input_ids)

@@ -3,7 +3,6 @@ error; complex-pair RoPE, chunked masks, the temperature and the pre-scaled expe
 references; logits and gradients equal PyTorch's with the experts split by TP. Other layouts:
 tests/models/test_fixture_parity.py and scripts/check_all_layouts.py; generation: tests/inference."""
 
-from dataclasses import fields
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,8 @@ from moe_jax.ops.experts import prescaled_swiglu_experts
 from .hf_reference import (
     LOGITS_ATOL,
     TINY_LLAMA4,
+    assert_config_fields_match_hf,
+    assert_loss_gradients_match_pytorch,
     assert_padded_batch_matches_hf,
     assert_plans_match_hf,
     assert_tree_matches_hf,
@@ -107,13 +108,7 @@ def test_config_fields_match_hf():
     pytest.importorskip("torch")
     import transformers
 
-    for values in ({}, TINY_LLAMA4):
-        hf = transformers.Llama4TextConfig(**values)
-        ours = Llama4TextConfig.from_dict(hf.to_dict())
-        for name in [f.name for f in fields(ours) if f.name != "raw" and hasattr(hf, f.name)]:
-            expected = getattr(hf, name)
-            assert getattr(ours, name) == (tuple(expected) if isinstance(expected, list) else expected), name
-
+    assert_config_fields_match_hf(Llama4TextConfig, transformers.Llama4TextConfig, TINY_LLAMA4)
 
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
@@ -140,26 +135,9 @@ def test_logits_and_padded_batch_match_pytorch(reference):
 @pytest.mark.reference
 def test_loss_gradients_match_pytorch_with_experts_over_tp(reference):
     """One step's gradients for every parameter with the experts' intermediate dim split over tp=2."""
-    import torch
-
     hf_model, state, input_ids, _ = reference
-    hf_model.zero_grad()
-    hf_model(input_ids=torch.as_tensor(input_ids), labels=torch.as_tensor(input_ids)).loss.backward()
-    expected = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
-
     model = Llama4ForCausalLM(TINY_LLAMA4, DistributedConfig(tp_size=2, fsdp_size=4), scan_layers=False)
-    model.set_params(state)
-    ids = jnp.asarray(input_ids, jnp.int32)
-
-    def loss(params):
-        logits = model.apply(params, ids, inference=False).logits[:, :-1]
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
-
-    grads = dict(model.hf_params(jax.jit(jax.grad(loss))(model.params)))
-    assert grads.keys() == expected.keys()
-    for name, value in expected.items():
-        np.testing.assert_allclose(np.asarray(grads[name]), value, atol=2e-6, rtol=1e-4, err_msg=name)
+    assert_loss_gradients_match_pytorch(model, hf_model, state, input_ids)
 
 
 def test_a_checkpoint_round_trips_bit_for_bit(tmp_path):
