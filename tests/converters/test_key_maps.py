@@ -155,7 +155,7 @@ def test_layout_errors_name_the_parts():
 
 
 def test_unknown_architecture_lists_known_ones():
-    with pytest.raises(KeyError, match="known: gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"):
+    with pytest.raises(KeyError, match="known: deepseek_v3, gpt_oss, llama4, llama4_text, mixtral, olmoe, qwen2_moe, qwen3_moe"):
         key_map_for("llama")
     assert key_map_for("mixtral") is KEY_MAPS["mixtral"]
     assert isinstance(ConcatGateUp(), ConcatGateUp) and isinstance(StackExperts(), StackExperts)

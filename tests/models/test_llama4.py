@@ -179,8 +179,7 @@ def test_a_multimodal_checkpoint_loads_its_text_model_and_saves_it_as_one(tmp_pa
     input_ids, attention_mask = fixture_inputs(TINY_LLAMA4["vocab_size"])
     real, expected = attention_mask.astype(bool), hf_logits(theirs, input_ids, attention_mask)
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "multimodal", DistributedConfig(tp_size=2, fsdp_size=4),
-                                                 progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "multimodal", progress=False, devices=jax.devices()[:1])
     assert isinstance(model, Llama4ForCausalLMOfMultimodal) and model.config.model_type == "llama4_text"
     np.testing.assert_allclose(np.asarray(model(input_ids, attention_mask))[real], expected[real], atol=LOGITS_ATOL)
     model.save_pretrained(tmp_path / "text", progress=False)
