@@ -63,9 +63,13 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default=None, help="grouped-matmul backend (default: the platform's)")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument("--remat", default="none", help="the model's remat policy")
     args = parser.parse_args()
 
-    model = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1], experts_backend=args.backend)
+    scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
+    model = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1], experts_backend=args.backend, scan_layers=scan,
+                                remat=args.remat)
     model.init_params(seed=0)
     c, layers = model.config, model.config.num_hidden_layers
     rng = np.random.default_rng(0)
@@ -156,8 +160,9 @@ def main() -> int:
 
     step_time = results["train step"]
     per_layer = {"experts fwd", "experts fwd+bwd", "attention fwd", "attention fwd+bwd"}
-    print(f"one device, batch {args.batch} x {args.seq} = {tokens} tokens, {layers} layers, backend "
-          f"{args.backend or 'default'}; train step {tokens / step_time:.0f} tokens/s")
+    print(f"one device, batch {args.batch} x {args.seq} = {tokens} tokens, {layers} layers (scan_layers="
+          f"{args.scan_layers}, remat={args.remat}), backend {args.backend or 'default'}; train step "
+          f"{tokens / step_time:.0f} tokens/s")
     print(f"{'part':<22}{'ms':>10}{'x layers':>10}{'% of step':>11}")
     for name, seconds in results.items():
         scaled = seconds * (layers if name in per_layer else 1)
