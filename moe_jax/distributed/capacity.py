@@ -6,10 +6,10 @@ fixed number of rows. Their size is set by the *capacity*, a multiple of the bal
     buffer_rows(capacity, pairs, ep) = min(round_up(capacity * pairs / ep, 8), round_up(pairs, 8))
 
 where `pairs` = rows * top_k a device sends (all_to_all: per peer; all_reduce: its local pairs). The
-dropless *ladder* lists the capacities a step may be compiled for, doubling up to `ep`, whose buffers hold
-everything a device sends (nothing can overflow there):
+dropless *ladder* lists the capacities a step may be compiled for, in steps of at most 1.5x up to `ep`, whose
+buffers hold everything a device sends (nothing can overflow there):
 
-    capacity_ladder(8) == (1.25, 2.0, 4.0, 8.0)
+    capacity_ladder(8) == (1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 Every call reports, in `DispatchStatistics`, how many pairs it `dropped` at the capacity in force and the
 `required_capacity`: the lowest ladder capacity whose buffers would have held its busiest peer. The
@@ -42,12 +42,20 @@ DEFAULT_PATIENCE = 16
 
 
 def capacity_ladder(ep_size: int, first: float = DEFAULT_FIRST_CAPACITY) -> tuple[float, ...]:
-    """Capacities from `first` doubling up to `ep_size` (buffers that hold everything; never overflow)."""
+    """Capacities from `first` up to `ep_size` (buffers that hold everything; never overflow), in steps of at
+    most 1.5x: `first`, then 1.5, 2, 3, 4, 6, 8, 12, ... above it. Doubling steps made a batch that just missed
+    1.25 hold 2x buffers; the middle rungs cost one more compilation each, once."""
     if first <= 0:
         raise ValueError(f"The first capacity must be > 0, got {first}.")
     ladder = [float(first)]
+    power = 1.0
     while ladder[-1] < ep_size:
-        ladder.append(min(float(ep_size), 2.0 ** (int(ladder[-1]).bit_length())))
+        for rung in (1.5 * power, 2.0 * power):
+            if ladder[-1] < rung:
+                ladder.append(min(float(ep_size), rung))
+                if ladder[-1] >= ep_size:
+                    break
+        power *= 2.0
     return tuple(ladder)
 
 

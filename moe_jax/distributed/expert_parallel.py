@@ -23,7 +23,7 @@ Registered:
 
 Dispatch in static shapes. Buffers hold a fixed number of rows set by the *capacity* in force (see
 `moe_jax.distributed.capacity`), so a layer's shapes never depend on the routing. Dropless (the default,
-`capacity_factor=None`): the caller passes a capacity from the ladder (1.25, 2, 4, ... up to ep, where
+`capacity_factor=None`): the caller passes a capacity from the ladder (1.25, 1.5, 2, 3, 4, 6, ... up to ep, where
 nothing can overflow); a call whose busiest buffer overflowed reports `dropped > 0` and the
 `required_capacity` that would have fitted, and the caller recomputes it there. With `capacity_factor`
 set, pairs beyond `capacity_factor` x the balanced share are dropped on purpose (their output is 0) and

@@ -22,8 +22,8 @@ def test_buffer_rows_round_up_to_eight_and_never_exceed_all_pairs():
 
 def test_required_capacity_is_the_lowest_that_fits():
     ladder = capacity_ladder(8)
-    # 64 pairs per device: 1.25 and 2 hold 16 rows, 4 holds 32, 8 holds 64.
-    expected = {0: 1.25, 16: 1.25, 17: 4.0, 32: 4.0, 33: 8.0, 64: 8.0}
+    # 64 pairs per device: 1.25, 1.5 and 2 hold 16 rows, 3 holds 24, 4 holds 32, 6 holds 48, 8 holds 64.
+    expected = {0: 1.25, 16: 1.25, 17: 3.0, 24: 3.0, 25: 4.0, 32: 4.0, 33: 6.0, 48: 6.0, 49: 8.0, 64: 8.0}
     for peak, capacity in expected.items():
         assert float(required_capacity(jnp.int32(peak), 64, 8, ladder)) == capacity, peak
 
@@ -51,10 +51,10 @@ def test_schedule_steps_down_one_capacity_after_patience_calm_calls():
         state = schedule.update(state, 1.25)
         assert state.capacity == 8.0
     state = schedule.update(state, 2.0)
-    assert state == CapacityState(4.0)  # one step down, not straight to what the calm calls needed
+    assert state == CapacityState(6.0)  # one step down, not straight to what the calm calls needed
     for _ in range(3):
         state = schedule.update(state, 2.0)
-    assert state == CapacityState(2.0)
+    assert state == CapacityState(4.0)
 
 
 def test_a_call_needing_the_current_capacity_breaks_the_calm_streak():
@@ -63,12 +63,12 @@ def test_a_call_needing_the_current_capacity_breaks_the_calm_streak():
     assert state.calm_calls == 1
     state = schedule.update(state, 4.0)
     assert state == CapacityState(4.0)
-    assert schedule.update(schedule.update(state, 2.0), 2.0) == CapacityState(2.0)
+    assert schedule.update(schedule.update(state, 2.0), 2.0) == CapacityState(3.0)
 
 
 def test_capacity_off_the_ladder_is_refused():
     schedule = CapacitySchedule.for_ep(8)
-    with pytest.raises(ValueError, match=r"capacity=3.0 is not on the dispatch capacity ladder \[1.25, 2.0, 4.0, 8.0\]"):
-        schedule.check(3.0)
+    with pytest.raises(ValueError, match=r"capacity=2.5 is not on the dispatch capacity ladder \[1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0\]"):
+        schedule.check(2.5)
     with pytest.raises(ValueError, match="patience=0 must be >= 1"):
         CapacitySchedule((1.25, 2.0), patience=0)

@@ -227,8 +227,8 @@ def test_all_reduce_overflow_is_reported_and_recomputed_exactly():
 
 
 def test_capacity_ladder():
-    assert capacity_ladder(8) == (1.25, 2.0, 4.0, 8.0)
-    assert capacity_ladder(2) == (1.25, 2.0)
+    assert capacity_ladder(8) == (1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+    assert capacity_ladder(2) == (1.25, 1.5, 2.0)
 
 
 def test_capacity_factor_drops_and_counts_exactly():

@@ -122,8 +122,8 @@ def test_batch_the_data_parallel_size_cannot_split_is_refused_by_apply(sharded):
 
 
 def test_capacity_off_the_ladder_params_in_the_wrong_layout_and_a_mismatched_cache_are_refused(sharded):
-    with pytest.raises(ValueError, match=r"capacity=3.0 is not on the dispatch capacity ladder \[1.25, 2.0, 4.0\]"):
-        sharded.apply(sharded.params, tokens(4, 5), capacity=3.0)
+    with pytest.raises(ValueError, match=r"capacity=2.5 is not on the dispatch capacity ladder \[1.25, 1.5, 2.0, 3.0, 4.0\]"):
+        sharded.apply(sharded.params, tokens(4, 5), capacity=2.5)
     with pytest.raises(ValueError, match="they are per-layer HF names; pass model.layer_stack.stack"):
         sharded.apply(dict(sharded.hf_params()), tokens(4, 5))
     with pytest.raises(ValueError, match=r"the cache holds 8 rows but input_ids has 4"):
