@@ -125,6 +125,7 @@ def test_config_fields_match_hf():
 
     assert_config_fields_match_hf(DeepseekV3Config, transformers.DeepseekV3Config, TINY_DEEPSEEK_V3)
 
+
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
     hf_model, state, _, _ = reference

@@ -104,6 +104,7 @@ def test_config_fields_match_hf():
 
     assert_config_fields_match_hf(GptOssConfig, transformers.GptOssConfig, TINY_GPT_OSS)
 
+
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
     hf_model, state, _, _ = reference

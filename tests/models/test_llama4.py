@@ -110,6 +110,7 @@ def test_config_fields_match_hf():
 
     assert_config_fields_match_hf(Llama4TextConfig, transformers.Llama4TextConfig, TINY_LLAMA4)
 
+
 @pytest.mark.reference
 def test_tree_matches_hf_names_shapes_and_order(reference):
     hf_model, state, _, _ = reference
