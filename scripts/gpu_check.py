@@ -1,0 +1,202 @@
+"""The GPU check (issue 14, item 4): correctness against the CPU, MoE-layer TFLOP/s and MFU at Qwen3-30B-A3B
+shapes per grouped-matmul backend, and a reduced-depth Qwen3-30B-A3B train step's tokens/s and MFU.
+
+    scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~5 minutes
+    python scripts/gpu_check.py OUT_DIR --small     # the same code paths at toy shapes, on any machine
+
+Writes OUT_DIR/gpu_check.json (every figure) and OUT_DIR/gpu_check.txt (the printed report). Nothing is
+fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried if importable.
+  1. correctness: the MoE expert layer (each backend) and a 2-layer Qwen3-MoE forward on the default device
+     against the same computation on the CPU backend (fp32, max |difference|);
+  2. MoE layer at Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, moe intermediate 768, bf16; --tokens
+     routed tokens): forward and forward+backward per backend, TFLOP/s of the expert matmuls and MFU against
+     --peak-tflops (H200 bf16 dense: 989);
+  3. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
+     compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second).
+Not run on a GPU yet (no session was lent one when it was written, and the GPU machine's jax 0.11 could not be
+tried here); `--small` ran on the CPU (jax 0.10.2) when it was written: every part completes, the device
+and CPU results agree exactly there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.ops.experts import swiglu_experts  # noqa: E402
+from moe_jax.ops.grouped_matmul import GROUPED_MATMUL_BACKENDS  # noqa: E402
+from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available  # noqa: E402
+from moe_jax.ops.routing import softmax_top_k  # noqa: E402
+from moe_jax.training import make_train_step  # noqa: E402
+
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                     tie_word_embeddings=False)
+TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+           max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def backends() -> list[str]:
+    return [name for name in GROUPED_MATMUL_BACKENDS if name != "tokamax" or tokamax_available()]
+
+
+def expert_inputs(rng, tokens: int, config: dict, dtype):
+    hidden, experts, inter = config["hidden_size"], config["num_experts"], config["moe_intermediate_size"]
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32), dtype)
+    weights, index = softmax_top_k(jnp.asarray(rng.standard_normal((tokens, experts), np.float32)),
+                                   config["num_experts_per_tok"], normalize=True)
+    gate_up = jnp.asarray(rng.standard_normal((experts, 2 * inter, hidden), np.float32) * 0.02, dtype)
+    down = jnp.asarray(rng.standard_normal((experts, hidden, inter), np.float32) * 0.02, dtype)
+    return x, index, weights.astype(dtype), gate_up, down
+
+
+def correctness(config: dict, report) -> dict:
+    """Max |device - CPU| of the expert layer per backend and of a 2-layer model's logits (fp32)."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    inputs = expert_inputs(rng, 256, config, jnp.float32)
+    results = {}
+    for backend in backends():
+        run = jax.jit(partial(swiglu_experts, backend=backend))
+        on_device = np.asarray(run(*inputs))
+        on_cpu = np.asarray(jax.jit(partial(swiglu_experts, backend="tiled"))(*jax.device_put(inputs, cpu)))
+        results[f"experts_{backend}_max_abs_diff"] = float(np.abs(on_device - on_cpu).max())
+    small = {**config, "num_hidden_layers": 2}
+    ids = rng.integers(0, config["vocab_size"], (2, 64))
+    device_model = Qwen3MoeForCausalLM(small, devices=jax.devices()[:1])
+    device_model.init_params(seed=0)
+    cpu_model = Qwen3MoeForCausalLM(small, devices=[cpu])
+    cpu_model.set_params({k: np.asarray(v) for k, v in device_model.hf_params().items()})
+    difference = np.abs(np.asarray(device_model(ids)) - np.asarray(cpu_model(ids))).max()
+    results["model_2_layers_max_abs_logits_diff"] = float(difference)
+    for name, value in results.items():
+        report(f"  {name}: {value:.3e}")
+    return results
+
+
+def moe_layer(config: dict, tokens: int, peak: float, repeats: int, report) -> dict:
+    """Expert matmul TFLOP/s and MFU per backend, bf16, forward and forward+backward."""
+    rng = np.random.default_rng(1)
+    x, index, weights, gate_up, down = expert_inputs(rng, tokens, config, jnp.bfloat16)
+    flops = 2 * tokens * config["num_experts_per_tok"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    results = {}
+    for backend in backends():
+        forward = jax.jit(partial(swiglu_experts, backend=backend))
+        grad = jax.jit(jax.grad(lambda x, g, d, b=backend: jnp.sum(
+            swiglu_experts(x, index, weights, g, d, backend=b).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+        try:
+            fwd = median_seconds(forward, x, index, weights, gate_up, down, repeats=repeats)
+            both = median_seconds(grad, x, gate_up, down, repeats=repeats)
+        except Exception as error:  # a backend that does not lower here is reported, not hidden
+            results[backend] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            report(f"  {backend}: failed: {results[backend]['error']}")
+            continue
+        results[backend] = {"forward_ms": fwd * 1e3, "forward_tflops": flops / fwd / 1e12,
+                            "forward_mfu": flops / fwd / peak, "fwd_bwd_ms": both * 1e3,
+                            "fwd_bwd_tflops": 3 * flops / both / 1e12, "fwd_bwd_mfu": 3 * flops / both / peak}
+        report(f"  {backend}: forward {fwd * 1e3:.2f} ms {flops / fwd / 1e12:.1f} TFLOP/s (MFU "
+               f"{flops / fwd / peak:.1%}); fwd+bwd {both * 1e3:.2f} ms {3 * flops / both / 1e12:.1f} TFLOP/s "
+               f"(MFU {3 * flops / both / peak:.1%})")
+    return results
+
+
+def active_parameters(config: dict, layers: int) -> int:
+    """Parameters a token uses: attention, router, top-k experts per layer, embeddings and head."""
+    h, inter = config["hidden_size"], config["moe_intermediate_size"]
+    heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    attention = h * dim * (2 * heads + 2 * kv)
+    experts = config["num_experts_per_tok"] * 3 * h * inter + config["num_experts"] * h
+    return layers * (attention + experts) + 2 * config["vocab_size"] * h
+
+
+def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1])
+    model.init_params(seed=0)
+    step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True)
+    state = step.init_state(params=model.params)
+    ids = np.random.default_rng(2).integers(0, config["vocab_size"], (batch, seq))
+    state, metrics = step(state, {"input_ids": ids})  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = step(state, {"input_ids": ids})
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens_per_s = batch * seq / seconds
+    mfu = 6 * active_parameters(config, layers) * tokens_per_s / peak
+    result = {"layers": layers, "batch": batch, "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+              "mfu": mfu, "loss": float(metrics["loss"])}
+    report(f"  {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, {tokens_per_s:.0f} tokens/s, "
+           f"MFU {mfu:.1%} (loss {result['loss']:.3f})")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="directory for gpu_check.json and gpu_check.txt")
+    parser.add_argument("--small", action="store_true", help="toy shapes (checks the code paths on any machine)")
+    parser.add_argument("--tokens", type=int, default=16384, help="routed tokens of the MoE-layer benchmark")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the train-step benchmark")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H200: 989)")
+    args = parser.parse_args()
+    if args.small:
+        args.tokens, args.layers, args.batch, args.seq, args.repeats = 256, 2, 2, 32, 2
+    config = TOY if args.small else QWEN3_30B_A3B
+    peak = args.peak_tflops * 1e12
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    device = jax.devices()[0]
+    results = {"jax": jax.__version__, "device": str(device), "platform": device.platform,
+               "device_kind": getattr(device, "device_kind", ""), "small": args.small, "backends": backends()}
+    report(f"jax {jax.__version__} on {device.platform} ({results['device_kind']}); backends {results['backends']}")
+    for name, run in [("correctness", lambda: correctness(config, report)),
+                      ("moe_layer", lambda: moe_layer(config, args.tokens, peak, args.repeats, report)),
+                      ("train_step", lambda: train_step(config, args.layers, args.batch, args.seq, peak, args.repeats,
+                                                        report))]:
+        report(f"{name}:")
+        start = time.perf_counter()
+        results[name] = run()
+        report(f"  ({time.perf_counter() - start:.0f} s)")
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))  # what finished survives a timeout
+    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

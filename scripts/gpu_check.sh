@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 14): run on the lent machine through the device tool, e.g.
+#   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=540)
+# It uses what that machine has installed (jax with CUDA, flax, optax, orbax, chex, safetensors); nothing is
+# fetched. Results: $OUT/gpu_check.json and $OUT/gpu_check.txt (partial results survive a timeout).
+set -euo pipefail
+out="${1:?usage: scripts/gpu_check.sh OUT_DIR [gpu_check.py options]}"
+shift
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out.nvidia-smi.txt" || true
+mkdir -p "$out"
+[ -f "$out.nvidia-smi.txt" ] && mv "$out.nvidia-smi.txt" "$out/nvidia-smi.txt"
+timeout 480 python scripts/gpu_check.py "$out" "$@"
