@@ -42,10 +42,12 @@ def plan_report(model, num_experts: int | None = None) -> str:
         lines += [f"  {key}: {style}" for key, style in plan.items()] or ["  (empty)"]
 
     groups: OrderedDict[tuple, list[str]] = OrderedDict()
+    buffers = set(model.module_tree.buffers())
     for name, layout in model.param_layouts.items():
         generic = replace_layer_number_by_wildcard(name)
         layer = name.split(".")[2] if name.startswith("model.layers.") else ""
-        key = (generic, layout.shape, layout.style or "-", str(layout.spec), layout.local_shape)
+        style = "(buffer)" if name in buffers else layout.style or "-"  # frozen, float32, replicated
+        key = (generic, layout.shape, style, str(layout.spec), layout.local_shape)
         groups.setdefault(key, []).append(layer)
     rows = [("parameter", "shape", "style", "PartitionSpec", "per-device", "where")]
     for (generic, shape, style, spec, local_shape), layers in groups.items():
