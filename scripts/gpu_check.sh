@@ -11,4 +11,5 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out.nvidia-smi.txt" || true
 mkdir -p "$out"
 [ -f "$out.nvidia-smi.txt" ] && mv "$out.nvidia-smi.txt" "$out/nvidia-smi.txt"
-timeout 480 python scripts/gpu_check.py "$out" "$@"
+# The GPU image's packages live in its python3 (KINDS.md of the device tool).
+timeout 480 "${PYTHON:-python3}" scripts/gpu_check.py "$out" "$@"
