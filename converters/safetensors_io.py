@@ -307,6 +307,7 @@ class SafetensorsCheckpoint:
             self.tensors = {key.removeprefix(strip_prefix): info for key, info in self.tensors.items()}
         self.bytes_read = 0
         self._handles: dict[Path, object] = {}
+        self._mapped: dict[Path, np.memmap] = {}
         self._open_files = contextlib.ExitStack()
 
     def __enter__(self) -> SafetensorsCheckpoint:
@@ -318,6 +319,7 @@ class SafetensorsCheckpoint:
     def close(self) -> None:
         self._open_files.close()
         self._handles.clear()
+        self._mapped.clear()
 
     def read(self, key: str, index: Index | None = None) -> np.ndarray:
         """Read tensor `key`, or only its block `index` (one step-1 slice per dimension)."""
@@ -329,7 +331,7 @@ class SafetensorsCheckpoint:
             return np.empty(block_shape, info.dtype)
         try:
             if info.dtype in MAPPED_DTYPES:
-                data = np.array(np.memmap(info.path, info.dtype, "r", info.offset, info.shape)[index])
+                data = np.array(self._tensor_bytes(info).view(info.dtype).reshape(info.shape)[index])
             else:
                 data = self._handle(info.path).get_slice(info.key)[index]
         except (SafetensorError, OSError) as error:
@@ -347,6 +349,13 @@ class SafetensorsCheckpoint:
         for observer in list(_read_observers):
             observer(record)
         return data
+
+    def _tensor_bytes(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes in its file, through one memory map per file (no bytes read yet)."""
+        mapped = self._mapped.get(info.path)
+        if mapped is None:
+            mapped = self._mapped[info.path] = np.memmap(info.path, np.uint8, "r")
+        return mapped[info.offset:info.offset + info.nbytes]
 
     def _handle(self, path: Path):
         handle = self._handles.get(path)

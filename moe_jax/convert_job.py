@@ -102,13 +102,7 @@ def save_model(target_format: str, model, destination: Path, *, progress: bool =
     if target_format == "hf":
         model.save_pretrained(destination, progress=progress)
     else:
-        save_orbax_params(model.hf_params(), destination, config=hf_config_of(model))
-
-
-def hf_config_of(model) -> dict:
-    """The model's HF config as `save_pretrained` writes it (`moe_jax.pretrained.saved_config`)."""
-    return saved_config(model)
-
+        save_orbax_params(model.hf_params(), destination, config=saved_config(model))
 
 
 def parameter_bytes(params: dict) -> int:

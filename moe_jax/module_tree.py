@@ -62,17 +62,17 @@ class ModuleTree:
             pass
 
     def param(self, name: str, shape: tuple[int, ...], dtype: str = "float32", init: str = "normal") -> None:
-        full_name = self._qualify(name)
-        if full_name in self.params:
-            raise ValueError(f"Parameter {full_name!r} is declared twice.")
-        self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), dtype, init)
+        self._add(name, ParamSpec(tuple(int(d) for d in shape), dtype, init))
 
     def buffer(self, name: str, shape: tuple[int, ...], init: str = "zeros") -> None:
         """A persistent buffer: checkpointed like a parameter, but frozen, replicated and float32."""
+        self._add(name, ParamSpec(tuple(int(d) for d in shape), "float32", init, buffer=True))
+
+    def _add(self, name: str, spec: ParamSpec) -> None:
         full_name = self._qualify(name)
         if full_name in self.params:
             raise ValueError(f"Parameter {full_name!r} is declared twice.")
-        self.params[full_name] = ParamSpec(tuple(int(d) for d in shape), "float32", init, buffer=True)
+        self.params[full_name] = spec
 
     def buffers(self) -> list[str]:
         """Names of the declared buffers."""

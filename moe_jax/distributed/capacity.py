@@ -47,16 +47,9 @@ def capacity_ladder(ep_size: int, first: float = DEFAULT_FIRST_CAPACITY) -> tupl
     1.25 hold 2x buffers; the middle rungs cost one more compilation each, once."""
     if first <= 0:
         raise ValueError(f"The first capacity must be > 0, got {first}.")
-    ladder = [float(first)]
-    power = 1.0
-    while ladder[-1] < ep_size:
-        for rung in (1.5 * power, 2.0 * power):
-            if ladder[-1] < rung:
-                ladder.append(min(float(ep_size), rung))
-                if ladder[-1] >= ep_size:
-                    break
-        power *= 2.0
-    return tuple(ladder)
+    rungs = (multiple * 2.0 ** power for power in range(int(ep_size).bit_length()) for multiple in (1.5, 2.0))
+    middle = [rung for rung in rungs if first < rung < ep_size]
+    return (float(first), *middle, *([float(ep_size)] if ep_size > first else []))
 
 
 def _round_up(value: int, multiple: int) -> int:

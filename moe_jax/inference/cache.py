@@ -6,7 +6,8 @@
 
 Storage follows the model's layer runs (`moe_jax.models.layer_stack`): run "1-47" holds keys/values
 [L, B, T, K, D] for its L layers (what a layer stores per token is the model's `cache_heads()`: DeepSeek's
-latent attention keeps its compressed latent and rotated key instead), so a scanned run carries its cache through the same scan. The batch is
+latent attention keeps its compressed latent and rotated key instead), so a scanned run carries its cache
+through the same scan. The batch is
 split over the data axes as the activations are, the KV heads over tp as the k/v projections' outputs are
 (replicated when tp does not divide them). Every row writes its new tokens to the same slots: `length` is
 one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skipped.

@@ -54,8 +54,9 @@ class ModelOutput:
     logits: [B, S, V] (None with `return_hidden=True`); hidden_states: [B, S, H] after the final norm, the
     lm_head's input (None unless `return_hidden=True`); router_logits: per sparse layer [B*S, E]; aux_loss:
     the router load-balancing loss (HF's `load_balancing_loss_func`, unscaled: multiply by
-    `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`); statistics: dispatch counts summed over layers and
-    devices; cache: the updated KV cache (None: no cache was given).
+    `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`);
+    statistics: dispatch counts summed over layers and devices; cache: the updated KV cache (None: no cache
+    was given).
     """
 
     logits: jax.Array | None

@@ -6,8 +6,10 @@
     logits = lm_head(rms_norm(x))
 
 Hooks a family overrides: `attention_options(layer)` (q/k norm kind, window, clip), `declare_attention`
-(bias flags, q/k norm shapes), `self_attention` and `cache_heads` (another attention, e.g. DeepSeek's MLA), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared
-experts, router jitter), `route`, `is_sparse`, `experts_intermediate_size`.
+(bias flags, q/k norm shapes), `self_attention` and `cache_heads` (another attention: DeepSeek's MLA,
+Llama 4's), `declare_sparse_mlp` (module order as HF lists it), `moe_output` (shared experts, router
+jitter), `route`, `is_sparse`, `experts_intermediate_size`, `dense_intermediate_size`; class attributes
+`feed_forward_module` and `dense_activation_module` name HF's modules.
 
 Each run of identical layers (`LayerStack`) is one `jax.lax.scan` over its stacked parameters; single
 layers run unrolled. Every layer is wrapped in `jax.checkpoint` with the model's remat policy.

@@ -31,6 +31,7 @@ from ..module_tree import ModuleTree
 from ..nn.latent_attention import LatentDims, cached_latent_attention, latent_attention
 from ..nn.linear import linear
 from ..nn.mlp import mlp
+from ..nn.rotary import rope_parameters_from_config
 from ..ops.routing import group_limited_sigmoid_top_k
 from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
@@ -101,11 +102,9 @@ class DeepseekV3Config(HFConfigMixin):
         """HF's `yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5)`: a scaled RoPE with `mscale_all_dim`
         multiplies the logit scale by `(0.1 * mscale_all_dim * ln(factor) + 1) ** 2`."""
         scale = self.qk_head_dim ** -0.5
-        rope = self.rope_parameters or self.raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        mscale_all_dim = rope.get("mscale_all_dim", 0)
-        if rope_type != "default" and mscale_all_dim and rope["factor"] > 1:
-            mscale = 0.1 * mscale_all_dim * math.log(rope["factor"]) + 1.0
+        rope = rope_parameters_from_config(self.to_dict())
+        if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+            mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
             scale = scale * mscale * mscale
         return scale
 

@@ -148,7 +148,7 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
     def dense_intermediate_size(self) -> int:
         return self.config.intermediate_size_mlp
 
-    def declare_attention(self, tree: ModuleTree, layer: int | None = None) -> None:
+    def declare_attention(self, tree: ModuleTree) -> None:
         super().declare_attention(tree, bias=self.config.attention_bias)
 
     def declare_tree(self) -> ModuleTree:

@@ -59,6 +59,15 @@ def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj
         )
 
 
+def _varying_together(*operands: jax.Array) -> list[jax.Array]:
+    """The operands, each marked as varying over every mesh axis any of them varies over.
+
+    Inside shard_map the custom-VJP ops of the experts need operands that vary over the same mesh axes; marking
+    them lets JAX sum the gradients of replicated operands (the transpose of the mark is a psum). A no-op
+    outside shard_map."""
+    return [vary_like(operand, *operands) for operand in operands]
+
+
 def _swiglu(gate_up: jax.Array, act: Activation) -> jax.Array:
     """gate_up: [M, 2I] -> act(gate_up[:, :I]) * gate_up[:, I:]: [M, I]."""
     gate, up = jnp.split(gate_up, 2, axis=-1)
@@ -89,13 +98,8 @@ def swiglu_experts(
     _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
     top_k = expert_ids.shape[1]
-    # Inside shard_map the custom-VJP ops below need operands that vary over the same mesh axes; marking
-    # them here lets JAX sum the gradients of replicated operands (the transpose of the mark is a psum).
-    operands = (hidden, expert_ids, weights, gate_up_proj, down_proj)
-    hidden, weights, gate_up_proj, down_proj = (
-        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj)
-    )
-    expert_ids = vary_like(expert_ids, *operands)
+    hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
+        hidden, expert_ids, weights, gate_up_proj, down_proj)
 
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
@@ -159,11 +163,8 @@ def biased_clamped_swiglu_experts(
             f"{gate_up_proj_bias.shape}, {down_proj.shape}, {down_proj_bias.shape}."
         )
     top_k = expert_ids.shape[1]
-    operands = (hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
-    hidden, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = (
-        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
-    )
-    expert_ids = vary_like(expert_ids, *operands)
+    hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = _varying_together(
+        hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
 
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
@@ -210,11 +211,8 @@ def prescaled_swiglu_experts(
             f"{down_proj.shape}."
         )
     top_k = expert_ids.shape[1]
-    operands = (hidden, expert_ids, weights, gate_up_proj, down_proj)
-    hidden, weights, gate_up_proj, down_proj = (
-        vary_like(a, *operands) for a in (hidden, weights, gate_up_proj, down_proj)
-    )
-    expert_ids = vary_like(expert_ids, *operands)
+    hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
+        hidden, expert_ids, weights, gate_up_proj, down_proj)
 
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))

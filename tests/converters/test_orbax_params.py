@@ -15,7 +15,7 @@ from converters.orbax_params import (
     stored_shapes,
 )
 from moe_jax import AutoModelForCausalLM, DistributedConfig
-from moe_jax.convert_job import hf_config_of
+from moe_jax.pretrained import saved_config
 from tests.models.hf_reference import TINY_QWEN3_MOE
 
 from .tiny_checkpoints import read_checkpoint, same_bits
@@ -42,7 +42,7 @@ def saved(hf_checkpoint, tmp_path_factory):
     """(model on the saving layout, its orbax checkpoint directory)."""
     model = AutoModelForCausalLM.from_pretrained(hf_checkpoint, DistributedConfig(**SAVING_LAYOUT), progress=False)
     directory = tmp_path_factory.mktemp("orbax") / "ckpt"
-    save_orbax_params(model.params, directory, config=hf_config_of(model))
+    save_orbax_params(model.params, directory, config=saved_config(model))
     return model, directory
 
 
@@ -89,7 +89,7 @@ def test_orbax_to_hf_round_trip_is_bit_identical_to_the_original_safetensors(sav
 def test_directory_holds_config_and_arrays_named_by_their_hf_names(saved):
     source, directory = saved
     assert sorted(path.name for path in directory.iterdir()) == ["config.json", "params"]
-    assert read_orbax_config(directory) == hf_config_of(source)
+    assert read_orbax_config(directory) == saved_config(source)
     assert stored_shapes(directory / "params") == {
         name: tuple(array.shape) for name, array in source.params.items()
     }
