@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from functools import partial
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -34,16 +33,7 @@ from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, ShardedExperts  # no
 from moe_jax.distributed.mesh import DeviceLayout, build_mesh  # noqa: E402
 from moe_jax.ops.experts import swiglu_experts  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from scripts.timing import median_seconds  # noqa: E402
 
 
 def make_problem(args):

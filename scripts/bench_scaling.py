@@ -37,7 +37,8 @@ from moe_jax.distributed.experts import EP_DISPATCH, LOCAL, ShardedExperts  # no
 from moe_jax.distributed.mesh import DeviceLayout, build_mesh  # noqa: E402
 from moe_jax.ops.experts import swiglu_experts  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
-from scripts.bench_moe_layer import layer_step, median_seconds  # noqa: E402
+from scripts.bench_moe_layer import layer_step  # noqa: E402
+from scripts.timing import median_seconds  # noqa: E402
 
 HIDDEN = INTERMEDIATE = 256
 DEFAULT = dict(tokens_per_device=256, experts=16, top_k=2, ep=8)

@@ -42,6 +42,7 @@ from moe_jax.ops.grouped_matmul import GROUPED_MATMUL_BACKENDS  # noqa: E402
 from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
+from scripts.timing import median_seconds  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -52,14 +53,6 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
            max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def backends() -> list[str]:

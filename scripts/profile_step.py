@@ -44,17 +44,7 @@ from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from moe_jax.training.loss import chunked_cross_entropy  # noqa: E402
 from scripts.bench_vs_reference import CONFIG  # noqa: E402
-
-
-def timed(fn, *args, repeats: int) -> float:
-    """Median seconds of `fn(*args)` (jitted by the caller) after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from scripts.timing import median_seconds  # noqa: E402
 
 
 def main() -> int:
@@ -98,8 +88,8 @@ def main() -> int:
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))
 
-    results["loss + grad"] = timed(jax.jit(jax.value_and_grad(loss)), model.params, repeats=args.repeats)
-    results["forward"] = timed(jax.jit(lambda p: model.apply(p, ids).logits), model.params, repeats=args.repeats)
+    results["loss + grad"] = median_seconds(jax.jit(jax.value_and_grad(loss)), model.params, repeats=args.repeats)
+    results["forward"] = median_seconds(jax.jit(lambda p: model.apply(p, ids).logits), model.params, repeats=args.repeats)
 
     # One layer's parts, on inputs of the model's shapes.
     weights = unflatten(model.params)["model"]["layers"]
@@ -117,9 +107,9 @@ def main() -> int:
     def experts_fwd_bwd(x, gate_up, down):
         return jax.grad(lambda *a: jnp.sum(experts_fwd(*a) ** 2), argnums=(0, 1, 2))(x, gate_up, down)
 
-    results["experts fwd"] = timed(jax.jit(experts_fwd), hidden, experts["gate_up_proj"], experts["down_proj"],
+    results["experts fwd"] = median_seconds(jax.jit(experts_fwd), hidden, experts["gate_up_proj"], experts["down_proj"],
                                    repeats=args.repeats)
-    results["experts fwd+bwd"] = timed(jax.jit(experts_fwd_bwd), hidden, experts["gate_up_proj"],
+    results["experts fwd+bwd"] = median_seconds(jax.jit(experts_fwd_bwd), hidden, experts["gate_up_proj"],
                                        experts["down_proj"], repeats=args.repeats)
 
     rows = tokens * c.num_experts_per_tok
@@ -131,7 +121,7 @@ def main() -> int:
         h = x @ w_up
         return (jax.nn.silu(h[:, :c.moe_intermediate_size]) * h[:, c.moe_intermediate_size:]) @ w_down
 
-    results["dense matmul fwd"] = timed(jax.jit(dense), x_rows, w_up, w_down, repeats=args.repeats)
+    results["dense matmul fwd"] = median_seconds(jax.jit(dense), x_rows, w_up, w_down, repeats=args.repeats)
 
     inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
     positions = jnp.broadcast_to(jnp.arange(args.seq)[None], (args.batch, args.seq))
@@ -143,8 +133,8 @@ def main() -> int:
     def attention_fwd(attn, h):
         return attention(attn, h, cos, sin, **options)
 
-    results["attention fwd"] = timed(jax.jit(attention_fwd), layer["self_attn"], h3, repeats=args.repeats)
-    results["attention fwd+bwd"] = timed(
+    results["attention fwd"] = median_seconds(jax.jit(attention_fwd), layer["self_attn"], h3, repeats=args.repeats)
+    results["attention fwd+bwd"] = median_seconds(
         jax.jit(jax.grad(lambda a, h: jnp.sum(attention_fwd(a, h) ** 2), argnums=(0, 1))), layer["self_attn"], h3,
         repeats=args.repeats)
 
@@ -155,7 +145,7 @@ def main() -> int:
         total, count = chunked_cross_entropy(h, targets, lambda x: linear(head, x), chunk=1024)
         return total / count
 
-    results["head + loss fwd+bwd"] = timed(jax.jit(jax.grad(head_loss, argnums=(0, 1))), head, h3,
+    results["head + loss fwd+bwd"] = median_seconds(jax.jit(jax.grad(head_loss, argnums=(0, 1))), head, h3,
                                            repeats=args.repeats)
 
     step_time = results["train step"]
