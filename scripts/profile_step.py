@@ -9,6 +9,7 @@ calls after a warm-up:
     train step       make_train_step(adamw) on the batch (what bench_vs_reference times)
     loss + grad      jax.value_and_grad of the step's loss (no optimizer)
     forward          model.apply
+    ..., stubbed     the same with every experts call replaced by a stand-in (their share is the difference)
     experts          one layer's experts (sort, grouped matmuls, unsort) on its routed tokens, fwd and fwd+bwd
     attention        one layer's attention, fwd and fwd+bwd
     head + loss      lm_head and the chunked cross entropy, fwd+bwd
@@ -90,6 +91,20 @@ def main() -> int:
 
     results["loss + grad"] = median_seconds(jax.jit(jax.value_and_grad(loss)), model.params, repeats=args.repeats)
     results["forward"] = median_seconds(jax.jit(lambda p: model.apply(p, ids).logits), model.params, repeats=args.repeats)
+    # The model without its experts' work: a stand-in keeps their inputs and weights in the graph.
+    stubbed = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1], scan_layers=scan, remat=args.remat)
+    for experts in stubbed.sharded_experts.values():
+        experts.experts_forward = lambda hidden, ids, w, gate_up_proj, down_proj: (
+            hidden * w.sum(-1, keepdims=True) + 0 * (gate_up_proj.sum() + down_proj.sum()))
+
+    def stubbed_loss(params):
+        logits = stubbed.apply(params, ids, inference=False).logits[:, :-1]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, 1:, None], axis=-1))
+
+    results["loss + grad, experts stubbed"] = median_seconds(jax.jit(jax.value_and_grad(stubbed_loss)),
+                                                             model.params, repeats=args.repeats)
+    results["forward, experts stubbed"] = median_seconds(jax.jit(lambda p: stubbed.apply(p, ids).logits),
+                                                         model.params, repeats=args.repeats)
 
     # One layer's parts, on inputs of the model's shapes.
     weights = unflatten(model.params)["model"]["layers"]
@@ -153,10 +168,10 @@ def main() -> int:
     print(f"one device, batch {args.batch} x {args.seq} = {tokens} tokens, {layers} layers (scan_layers="
           f"{args.scan_layers}, remat={args.remat}), backend {args.backend or 'default'}; train step "
           f"{tokens / step_time:.0f} tokens/s")
-    print(f"{'part':<22}{'ms':>10}{'x layers':>10}{'% of step':>11}")
+    print(f"{'part':<32}{'ms':>10}{'x layers':>10}{'% of step':>11}")
     for name, seconds in results.items():
         scaled = seconds * (layers if name in per_layer else 1)
-        print(f"{name:<22}{seconds * 1e3:>10.2f}{scaled * 1e3:>10.2f}{100 * scaled / step_time:>10.0f}%")
+        print(f"{name:<32}{seconds * 1e3:>10.2f}{scaled * 1e3:>10.2f}{100 * scaled / step_time:>10.0f}%")
     flops = 2 * rows * c.hidden_size * 3 * c.moe_intermediate_size
     print(f"experts fwd: {flops / results['experts fwd'] / 1e9:.1f} GFLOP/s; dense matmul of the same FLOPs: "
           f"{flops / results['dense matmul fwd'] / 1e9:.1f} GFLOP/s "
