@@ -52,14 +52,16 @@ def load_weights(model, path, *, progress: bool = True):
     return model
 
 
-def save_pretrained(model, out_dir: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard_bytes: int = 5 * 2**30,
                     progress: bool = True) -> Path:
-    """Write `model.params` as an HF checkpoint (hub key layout) into `out_dir`, atomically."""
-    if model.params is None:
+    """Write `params` (default `model.params`; storage layout) as an HF checkpoint (hub key layout) into
+    `out_dir`, atomically."""
+    params = model.params if params is None else params
+    if params is None:
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
     config = saved_config(model)
     json.dumps(config)
-    return save_params(model.hf_params(), model.checkpoint_key_map, out_dir, config=config, max_shard_bytes=max_shard_bytes,
+    return save_params(model.hf_params(params), model.checkpoint_key_map, out_dir, config=config, max_shard_bytes=max_shard_bytes,
                        progress=progress)
 
 

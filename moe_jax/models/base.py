@@ -309,7 +309,8 @@ class MoeForCausalLM(PlannedModel):
         return from_pretrained(path, distributed_config, model_class=cls, **kwargs)
 
     def save_pretrained(self, out_dir, **kwargs):
-        """Write an HF checkpoint (per-expert keys, sharded safetensors, index, config.json)."""
+        """Write an HF checkpoint (per-expert keys, sharded safetensors, index, config.json) of `params=`
+        (default `model.params`)."""
         return save_pretrained(self, out_dir, **kwargs)
 
     @property

@@ -214,16 +214,28 @@ class TrainStep:
         return new_state, metrics
 
     def _micro_loss(self, params, micro_batch, rng, *, capacity, total_tokens):
-        model = self.model
         # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.
-        output = model.apply(params, micro_batch["input_ids"], attention_mask=micro_batch.get("attention_mask"),
-                             capacity=capacity, rng=rng, inference=False, return_hidden=True,
-                             compute_dtype=self.options.compute_dtype)
-        nested = unflatten(params)
-        ce_sum, _ = chunked_cross_entropy(output.hidden_states, micro_batch["targets"],
-                                          partial(model.head_logits, nested), self.options.loss_chunk)
-        loss = ce_sum / total_tokens + self.aux_coefficient * output.aux_loss / self.options.grad_accum
-        return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}
+        return model_loss(self.model, params, micro_batch["input_ids"], micro_batch.get("attention_mask"),
+                          micro_batch["targets"], total_tokens=total_tokens,
+                          aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
+                          compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk)
+
+
+def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
+               capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
+               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> tuple[jax.Array, dict]:
+    """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
+
+    input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
+    the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
+    statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
+    so both give the same loss for the same parameters and data."""
+    output = model.apply(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
+                         inference=inference, return_hidden=True, compute_dtype=compute_dtype)
+    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, unflatten(params)),
+                                      loss_chunk)
+    loss = ce_sum / total_tokens + aux_weight * output.aux_loss
+    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}
 
 
 def check_offload_supported(model) -> None:
