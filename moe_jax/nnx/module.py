@@ -36,8 +36,18 @@ from ..training.step import DEFAULT_LOSS_CHUNK, model_loss
 from .variables import Buffer, DispatchStats
 
 # Attributes of the module itself; a parameter tree may not start with one of these names.
-_OWN_ATTRIBUTES = frozenset({"engine", "capacity_state", "deterministic", "compute_dtype", "dispatch_statistics",
-                             "storage_names"})
+_OWN_ATTRIBUTES = frozenset({"engine", "capacity", "capacity_streak", "deterministic", "compute_dtype",
+                             "dispatch_statistics", "storage_names"})
+
+
+class CapacityStreak:
+    """The calm streak of `CapacitySchedule` (calls in a row that fitted the lower capacity, their peak).
+
+    Host bookkeeping kept beside the static `capacity`: compared by identity, so counting calm calls does
+    not change the module's graph definition (a changed static attribute recompiles an `nnx.jit` step)."""
+
+    def __init__(self):
+        self.calm_calls, self.calm_peak = 0, 0.0
 
 
 def partition_names(spec, ndim: int) -> tuple:
@@ -83,8 +93,10 @@ class MoeCausalLM(nnx.Module):
         for attribute, tree in unflatten(variables).items():
             setattr(self, attribute, nnx.data(tree))
         schedule = engine.capacity_schedule
-        self.capacity_state = (None if engine.layout.ep_size == 1 else
-                               CapacityState(schedule.largest if capacity is None else schedule.check(capacity)))
+        # Static: each capacity is its own compilation, as in the pure API.
+        self.capacity = (None if engine.layout.ep_size == 1 else
+                         schedule.largest if capacity is None else schedule.check(capacity))
+        self.capacity_streak = CapacityStreak()
         self.deterministic = deterministic
         mixed = engine.distributed_config.fsdp_mixed_precision
         self.compute_dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else (
@@ -114,27 +126,28 @@ class MoeCausalLM(nnx.Module):
         return self.engine.config
 
     # ---- dispatch capacity ---------------------------------------------------------------------------
-    @property
-    def capacity(self) -> float | None:
-        """The dispatch capacity of the next call (None: no dispatch buffers, ep_size 1)."""
-        return None if self.capacity_state is None else self.capacity_state.capacity
-
+    # `capacity` (an attribute): the dispatch capacity of the next call (None: no dispatch buffers, ep 1).
     def set_capacity(self, capacity: float) -> None:
         """Use `capacity` (a value of `engine.capacity_schedule.ladder`) from the next call on."""
-        if self.capacity_state is not None:
-            self.capacity_state = CapacityState(self.engine.capacity_schedule.check(capacity))
+        if self.capacity is not None:
+            self.capacity = self.engine.capacity_schedule.check(capacity)
+            self.capacity_streak = CapacityStreak()
 
     def update_capacity(self) -> bool:
         """Read the last call's statistics on the host (one scalar) and move the capacity by
         `engine.capacity_schedule`: straight up after an overflow, one rung down after a calm streak.
         Returns whether the last call dropped pairs: its results lack them and it must be run again (at the
         raised capacity). Call it outside the jitted step, when convenient."""
-        if self.capacity_state is None:
+        if self.capacity is None:
             return False
-        schedule = self.engine.capacity_schedule
+        schedule, streak = self.engine.capacity_schedule, self.capacity_streak
         required = float(jax.device_get(self.dispatch_statistics.get_value().required_capacity))
-        dropped = schedule.overflowed(self.capacity_state, required)
-        self.capacity_state = schedule.update(self.capacity_state, required)
+        state = CapacityState(self.capacity, streak.calm_calls, streak.calm_peak)
+        dropped = schedule.overflowed(state, required)
+        state = schedule.update(state, required)
+        if state.capacity != self.capacity:
+            self.capacity = state.capacity
+        streak.calm_calls, streak.calm_peak = state.calm_calls, state.calm_peak
         return dropped
 
     # ---- the step ------------------------------------------------------------------------------------

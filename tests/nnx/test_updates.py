@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import moe_jax.nnx
+from moe_jax.distributed.capacity import DispatchStatistics
 
 from .conftest import adamw, load_module
 
@@ -46,3 +48,15 @@ def test_a_step_that_dropped_pairs_is_undone_and_replayed_at_the_capacity_it_req
     assert bool(applied) and not model.update_capacity()
     assert int(optimizer.step.get_value()) == 1
     np.testing.assert_allclose(float(loss), float(exact_loss), rtol=1e-6)
+
+
+
+def test_calm_calls_are_counted_on_the_host_without_changing_the_graph():
+    model = load_module("tp2_fsdp4_ep4", capacity=3.0)
+    graphdef = nnx.graphdef(model)
+    calm = DispatchStatistics(*(jnp.zeros((), jnp.int32),) * 3, jnp.asarray(1.5, jnp.float32))   # fits rung 2.0
+    for calls in range(1, 4):
+        model.dispatch_statistics.set_value(calm)
+        assert not model.update_capacity()
+        assert model.capacity_streak.calm_calls == calls and model.capacity == 3.0
+    assert nnx.graphdef(model) == graphdef          # an nnx.jit step would not compile again
