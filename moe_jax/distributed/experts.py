@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -163,7 +164,13 @@ class ShardedExperts:
                 result = implementation(hidden, index, weights, inference=inference)
             else:
                 result = implementation(hidden, index, weights)
-            return result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
+            output, statistics = result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
+            # Implementations can be user classes (EPImplementationInterface): check the contract when traced.
+            contract = (f"EP implementation {type(implementation).__name__} must return this device's tokens' "
+                        f"output [N, H] = {hidden.shape} in {hidden.dtype}")
+            chex.assert_shape(output, hidden.shape, custom_message=contract)
+            chex.assert_type(output, hidden.dtype, custom_message=contract)
+            return output, statistics
         output = experts_forward(hidden, index.astype(jnp.int32), weights)
         if self.mode == TENSOR_PARALLEL:
             output = jax.lax.psum(output, self.layout.tp_axes)

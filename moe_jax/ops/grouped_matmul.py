@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -124,4 +125,9 @@ def grouped_matmul(
     # Backends get one dtype: ragged_dot rejects mixed operands, and this keeps
     # every backend's result dtype the same.
     dtype = jnp.result_type(x.dtype, w.dtype)
-    return fn(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
+    out = fn(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
+    # A registered backend is outside code: hold it to the contract at trace time (free at run time).
+    contract = f"grouped_matmul backend {name!r} must return [M, O] = {(x.shape[0], w.shape[1])} in {dtype}"
+    chex.assert_shape(out, (x.shape[0], w.shape[1]), custom_message=contract)
+    chex.assert_type(out, dtype, custom_message=contract)
+    return out

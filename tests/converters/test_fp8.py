@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import ml_dtypes
 import numpy as np
@@ -140,6 +141,4 @@ def test_an_fp8_checkpoint_loads_to_transformers_dequantised_weights(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", progress=False, devices=jax.devices()[:1])
     ours = model.hf_params()
     state = {name: tensor.float().numpy() for name, tensor in theirs.state_dict().items()}
-    assert state.keys() == dict(ours).keys()
-    for name, value in state.items():
-        np.testing.assert_array_equal(np.asarray(ours[name]), value, err_msg=name)
+    chex.assert_trees_all_equal(jax.device_get(dict(ours)), state)

@@ -303,6 +303,25 @@ def test_user_registered_implementation_runs_end_to_end():
         del EPImplementationInterface._global_mapping["masking_example"]
 
 
+class HalfWidthEP(EPImplementation):
+    """Breaks the contract: returns half of each token's hidden width."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states[:, : hidden_states.shape[1] // 2]
+
+
+def test_a_user_implementation_that_breaks_the_output_contract_is_named_when_traced():
+    interface_name = "half_width_example"
+    EPImplementationInterface.register(interface_name, HalfWidthEP)
+    try:
+        _, run = sharded_runner((1, 8, 8, 1), interface_name)
+        hidden, index, weights, params, _ = make_inputs(16, "random")
+        with pytest.raises(AssertionError, match=r"EP implementation HalfWidthEP must return .*\[N, H\] = \(2, 16\)"):
+            jax.eval_shape(run, hidden, index, weights, params)
+    finally:
+        del EPImplementationInterface._global_mapping[interface_name]
+
+
 def test_interface_local_override_and_iteration():
     interface = EPImplementationInterface()
     interface["mine"] = MaskingEP

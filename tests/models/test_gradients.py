@@ -2,6 +2,7 @@
 experts (EP all_to_all / all_reduce, TP experts), for every parameter of a tiny Qwen3-MoE, with layers
 unrolled, scanned, and scanned under remat."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,5 +66,4 @@ def test_gradients_match_single_device(single_device, case):
     model.set_params(host_params)
     loss, grads = loss_and_grads(model, model.params, input_ids, targets)
     assert abs(float(loss) - expected_loss) < 1e-5
-    for name, expected in expected_grads.items():
-        np.testing.assert_allclose(np.asarray(grads[name]), expected, atol=2e-6, rtol=1e-4, err_msg=name)
+    chex.assert_trees_all_close(jax.device_get(dict(grads)), expected_grads, atol=2e-6, rtol=1e-4)

@@ -7,6 +7,7 @@ scanned model reproduces the checkpoint bit for bit.
 
 from pathlib import Path
 
+import chex
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -60,11 +61,8 @@ def test_stack_and_unstack_are_inverse_and_init_does_not_depend_on_scanning():
     scanned.init_params(seed=1)
     hf = scanned.hf_params()
     assert list(hf) == [name for name, _ in scanned.module_tree.named_parameters()]  # declaration order
-    for name, value in unrolled.params.items():
-        np.testing.assert_array_equal(np.asarray(hf[name]), np.asarray(value), err_msg=name)
-    restacked = scanned.layer_stack.stack(hf)
-    for name, value in scanned.params.items():
-        np.testing.assert_array_equal(np.asarray(restacked[name]), np.asarray(value), err_msg=name)
+    chex.assert_trees_all_equal(dict(hf), unrolled.params)
+    chex.assert_trees_all_equal(scanned.layer_stack.stack(hf), scanned.params)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()))

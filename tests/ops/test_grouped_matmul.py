@@ -189,3 +189,14 @@ def test_errors_name_the_problem():
         grouped_matmul(x, w, group_sizes.astype(jnp.float32))
     with pytest.raises(ValueError, match="already registered"):
         register_grouped_matmul_backend("tiled", tiled_grouped_matmul)
+
+
+def test_a_registered_backend_is_held_to_the_output_contract(monkeypatch):
+    x, w, _ = _operands(seed=15)
+    group_sizes = jnp.asarray([7, 0, 12, 0, 15], jnp.int32)
+    monkeypatch.setitem(GROUPED_MATMUL_BACKENDS, "transposed", lambda x, w, sizes: (x @ w[0].T).T)
+    with pytest.raises(AssertionError, match=r"backend 'transposed' must return \[M, O\]"):
+        grouped_matmul(x, w, group_sizes, backend="transposed")
+    monkeypatch.setitem(GROUPED_MATMUL_BACKENDS, "half", lambda x, w, sizes: (x @ w[0].T).astype(jnp.bfloat16))
+    with pytest.raises(AssertionError, match=r"backend 'half' must return .* in float32"):
+        grouped_matmul(x, w, group_sizes, backend="half")
