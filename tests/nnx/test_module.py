@@ -15,6 +15,8 @@ import moe_jax.nnx
 from moe_jax import DistributedConfig
 from moe_jax.training import make_train_step
 
+from ..inference.hf_generation import NEW_TOKENS
+from ..inference.test_generate import fixture
 from ..models.test_apply import count_compilations
 from ..training.hf_training import CHECKPOINT
 from .conftest import adamw, batches, load_module, nnx_train_step
@@ -157,3 +159,10 @@ def test_bad_requests_are_refused():
         moe_jax.nnx.MoeCausalLM(engine)
     with pytest.raises(ValueError, match="not on the dispatch capacity ladder"):
         load_module("tp2_fsdp4_ep4", capacity=1.7)
+
+
+def test_generate_runs_on_the_module_s_parameters():
+    model = load_module("one_device")
+    expected = fixture("qwen3_moe")
+    sequences = model.generate(expected["input_ids"], expected["attention_mask"], max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(sequences, expected["greedy"])       # Transformers' greedy tokens
