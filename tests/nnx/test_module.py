@@ -166,3 +166,16 @@ def test_generate_runs_on_the_module_s_parameters():
     expected = fixture("qwen3_moe")
     sequences = model.generate(expected["input_ids"], expected["attention_mask"], max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(sequences, expected["greedy"])       # Transformers' greedy tokens
+
+
+def test_mixed_precision_layouts_compute_in_bfloat16():
+    model = load_module("one_device", compute_dtype="bfloat16")
+    assert model.compute_dtype == jax.numpy.bfloat16
+    logits = model(IDS)
+    expected = model.engine.apply(model.weights(), IDS, compute_dtype=jax.numpy.bfloat16).logits
+    assert logits.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(expected, np.float32))
+    mixed = moe_jax.nnx.MoeCausalLM(
+        moe_jax.AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True),
+                                                     devices=jax.devices()[:2], progress=False))
+    assert mixed.compute_dtype == jax.numpy.bfloat16            # as make_train_step's default
