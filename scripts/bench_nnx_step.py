@@ -52,8 +52,9 @@ def nnx_step(model, optimizer, batch):
 
 
 def measure(layout: dict | None, args) -> dict[str, float]:
-    devices = jax.devices()[:1] if layout is None else None
-    engine = Qwen3MoeForCausalLM(CONFIG, None if layout is None else DistributedConfig(**layout), devices=devices)
+    config = None if layout is None else DistributedConfig(**layout)
+    world = 1 if config is None else config.tp_size * config.fsdp_size * config.dp_replicate_size
+    engine = Qwen3MoeForCausalLM(CONFIG, config, devices=jax.devices()[:world])
     engine.init_params(seed=0)
     capacity = engine.capacity_schedule.largest if engine.layout.ep_size > 1 else None
     batch = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (args.batch_size, args.seq_len),
