@@ -1,0 +1,206 @@
+"""Where one device's train step spends its time, op by op, from XLA's own profiler (CPU).
+
+    python scripts/trace_step.py [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
+                                 [--ops-of decoder.py]
+
+bench_vs_reference's Qwen3-MoE (hidden 256, 4 layers, 16 experts top-4, vocab 4096), fp32, AdamW, one
+device. The compiled step runs `--steps` times under `jax.profiler.trace`; every executed HLO op of the trace
+(XLA:CPU's thunk events) gets its *self* time (its duration less the ops nested in it: the bodies of loops
+and conditionals), and is attributed through the compiled HLO's metadata to the source line that emitted it
+and to forward or backward (a `transpose(` in its JAX op name). Prints, per step:
+
+    the time per source file and direction (moe_jax/ops/grouped_matmul_backends/tiled_scan.py backward, ...)
+    the time per op kind (matmul: XLA's dot fusions; copy; select; dynamic slice/update; other fusions)
+    the FLOPs of the model's matmuls against the dense-matmul rate measured in the same run: the
+    hardware-limited step time, next to the measured one
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.training import make_train_step  # noqa: E402
+from scripts.bench_vs_reference import CONFIG  # noqa: E402
+from scripts.timing import median_seconds  # noqa: E402
+
+OP_METADATA = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
+OP_KINDS = (("matmul", ("ynn_fusion", "dot", "dot_general", "convolution")), ("copy", ("copy", "transpose")),
+            ("select", ("select", "add_select")), ("dynamic slice / update", ("dynamic",)))
+
+
+def _tables(hlo_text: str) -> dict[str, dict[int, str]]:
+    """The module's FileNames / FunctionNames / FileLocations / StackFrames tables: id -> text."""
+    tables, current = {}, None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and re.match(r"^\d+ ", line):
+            number, text = line.split(" ", 1)
+            current[int(number)] = text
+        elif not line.strip():
+            current = None
+    return tables
+
+
+def op_sources(hlo_text: str) -> dict[str, tuple[str, bool]]:
+    """HLO op name -> (the innermost moe_jax frame that emitted it, "file:line function", and whether the op
+    is in the backward pass)."""
+    tables = _tables(hlo_text)
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locations = {k: dict((a, int(b)) for a, b in re.findall(r"(\w+)=(\d+)", v))
+                 for k, v in tables.get("FileLocations", {}).items()}
+    frames = {k: dict((a, int(b)) for a, b in re.findall(r"(\w+)=(\d+)", v))
+              for k, v in tables.get("StackFrames", {}).items()}
+
+    def describe(frame_id: int) -> str:
+        seen = set()
+        while frame_id in frames and frame_id not in seen:
+            seen.add(frame_id)
+            location = locations[frames[frame_id]["file_location_id"]]
+            name = files.get(location["file_name_id"], "?")
+            if "moe_jax/" in name:
+                return f"{name.split('moe_jax/', 1)[1]}:{location['line']} {functions.get(location['function_name_id'], '?')}"
+            frame_id = frames[frame_id].get("parent_frame_id", 0)
+        return "(outside moe_jax)"
+
+    sources = {}
+    for line in hlo_text.splitlines():
+        match = OP_METADATA.match(line)
+        if not match:
+            continue
+        fields = dict(re.findall(r'(\w+)="?([^" ]*)"?', match.group(2)))
+        frame = int(fields["stack_frame_id"]) if "stack_frame_id" in fields else None
+        sources[match.group(1)] = ("(no frame)" if frame is None else describe(frame),
+                                   "transpose(" in fields.get("op_name", ""))
+    return sources
+
+
+def self_times(trace_dir: str) -> collections.Counter:
+    """HLO op name -> summed self time (microseconds) over the trace's thunk events."""
+    path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+    events = [e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    by_thread = collections.defaultdict(list)
+    for event in events:
+        by_thread[(event["pid"], event["tid"])].append(event)
+    totals = collections.Counter()
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, children = [], collections.Counter()
+        for index, event in enumerate(thread_events):
+            while stack and thread_events[stack[-1]]["ts"] + thread_events[stack[-1]]["dur"] <= event["ts"]:
+                stack.pop()
+            if stack:
+                children[stack[-1]] += event["dur"]
+            stack.append(index)
+        for index, event in enumerate(thread_events):
+            totals[event["args"]["hlo_op"]] += event["dur"] - children[index]
+    return totals
+
+
+def kind_of(op: str) -> str:
+    base = re.sub(r"(\.\d+)*(\.clone)?$", "", op)
+    for kind, prefixes in OP_KINDS:
+        if any(base == prefix or base.startswith(prefix + "_") or base.startswith(prefix) for prefix in prefixes):
+            return kind
+    return "other"
+
+
+def matmul_flops_per_token(config: dict, seq: int) -> float:
+    """Forward FLOPs per token of the model's matmuls (attention scores counted in full, as computed)."""
+    h, heads, kv, d = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    attention = h * heads * d * 2 + h * kv * d * 2 + seq * d * heads * 2
+    experts = config["num_experts_per_tok"] * 3 * h * config["moe_intermediate_size"] + h * config["num_experts"]
+    return 2.0 * (config["num_hidden_layers"] * (attention + experts) + h * config["vocab_size"])
+
+
+def dense_rate(rows: int, depth: int, cols: int) -> float:
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((rows, depth)), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(1).standard_normal((depth, cols)), jnp.float32)
+    return 2.0 * rows * depth * cols / median_seconds(jax.jit(jnp.matmul), a, b, repeats=10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ops-of", default=None, help="also list the ops attributed to sources containing this text")
+    args = parser.parse_args()
+    scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
+    model = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1], scan_layers=scan)
+    model.init_params(seed=0)
+    train_step = make_train_step(model, optax.adamw(1e-4))
+    batch = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
+    state = train_step.init_state()
+    sources = op_sources(train_step.lower(state, batch).compile().as_text())
+
+    def run(state, steps):
+        for _ in range(steps):
+            state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics)
+        return state
+
+    state = run(state, 2)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            state = run(state, args.steps)
+        times = self_times(trace_dir)
+    start = time.perf_counter()
+    state = run(state, args.steps)
+    step_seconds = (time.perf_counter() - start) / args.steps
+
+    per_step = {op: us / args.steps / 1e3 for op, us in times.items()}   # ms
+    traced = sum(per_step.values())
+    by_source, by_kind = collections.Counter(), collections.Counter()
+    for op, ms in per_step.items():
+        source, backward = sources.get(op, ("(no metadata)", False))
+        by_source[(source, "bwd" if backward else "fwd")] += ms
+        by_kind[kind_of(op)] += ms
+    tokens = args.batch * args.seq
+    flops = 3 * matmul_flops_per_token(CONFIG, args.seq) * tokens
+    # The practical limit: the best rate among plain dots of the model's shapes (experts' up projection,
+    # attention's q projection, lm_head), measured now.
+    rate = max(dense_rate(tokens * CONFIG["num_experts_per_tok"], CONFIG["hidden_size"], 2 * CONFIG["moe_intermediate_size"]),
+               dense_rate(tokens, CONFIG["hidden_size"], CONFIG["hidden_size"]),
+               dense_rate(tokens, CONFIG["hidden_size"], CONFIG["vocab_size"]))
+    print(f"one device, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
+          f"({tokens / step_seconds:.0f} tokens/s), ops in the trace {traced:.0f} ms of thread time per step")
+    print(f"matmul FLOPs (fwd + bwd = 3x fwd) {flops / 1e9:.1f} GFLOP; dense matmul rate of this run {rate / 1e9:.0f} "
+          f"GFLOP/s -> hardware-limited step {flops / rate * 1e3:.0f} ms ({tokens / (flops / rate):.0f} tokens/s); "
+          f"measured step = {step_seconds / (flops / rate):.2f}x that\n")
+    print("by op kind (ms per step, self time):")
+    for kind, ms in by_kind.most_common():
+        print(f"  {ms:8.1f}  {100 * ms / traced:5.1f}%  {kind}")
+    print(f"\nby source line and pass (top {args.top}):")
+    for (source, direction), ms in by_source.most_common(args.top):
+        print(f"  {ms:8.1f}  {100 * ms / traced:5.1f}%  {direction}  {source}")
+    if args.ops_of:
+        print(f"\nops of sources containing {args.ops_of!r} (top {args.top}):")
+        ops = [(ms, op) for op, ms in per_step.items() if args.ops_of in sources.get(op, ("",))[0]]
+        for ms, op in sorted(ops, reverse=True)[: args.top]:
+            print(f"  {ms:8.1f}  {kind_of(op):<24} {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
