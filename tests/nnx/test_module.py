@@ -38,6 +38,9 @@ def test_the_module_holds_the_sharded_parameters_and_its_logits_are_apply_s(layo
         assert variable.get_value().sharding == shardings[name]
         assert variable.out_sharding == moe_jax.nnx.module.partition_names(shardings[name].spec, variable.ndim)
         assert variable.mesh is engine.mesh
+    # Flax's own helpers read the same layout from the metadata.
+    for path, spec in nnx.to_flat_state(nnx.get_partition_spec(params)):
+        assert spec.get_value() == shardings[".".join(map(str, path))].spec
 
     logits = model(IDS)
     expected = engine.apply(model.weights(), IDS, capacity=model.capacity).logits
