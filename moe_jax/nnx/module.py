@@ -88,6 +88,8 @@ class MoeCausalLM(nnx.Module):
         variables = {}
         for name, value in params.items():
             kind = Buffer if name in buffers else nnx.Param
+            # Placed in the plans' sharding (a no-op for the engine's own arrays), so the metadata is true.
+            value = jax.device_put(value, shardings[name])
             variables[name] = kind(value, out_sharding=partition_names(shardings[name].spec, len(value.shape)),
                                    mesh=engine.mesh)
         for attribute, tree in unflatten(variables).items():
