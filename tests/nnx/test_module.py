@@ -182,3 +182,12 @@ def test_mixed_precision_layouts_compute_in_bfloat16():
         moe_jax.AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True),
                                                      devices=jax.devices()[:2], progress=False))
     assert mixed.compute_dtype == jax.numpy.bfloat16            # as make_train_step's default
+
+
+def test_scanned_layer_runs_are_variables_at_their_storage_paths():
+    model = load_module("one_device", scan_layers=True)
+    assert "1-2" in model.model["layers"]                      # layers 1 and 2 stacked, layer 0 (dense) alone
+    stacked = model.variable("model.layers.1-2.mlp.experts.gate_up_proj")
+    assert isinstance(stacked, nnx.Param) and stacked.shape[0] == 2
+    expected = model.engine.apply(model.weights(), IDS).logits
+    np.testing.assert_array_equal(np.asarray(model(IDS)), np.asarray(expected))
