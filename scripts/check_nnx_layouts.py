@@ -23,26 +23,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
 
-import dataclasses  # noqa: E402
-
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import moe_jax.nnx  # noqa: E402
-from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from tests.models.test_fixture_parity import every_layout_and_implementation  # noqa: E402
-from tests.nnx.conftest import adamw, batches, nnx_train_step  # noqa: E402
-from tests.training.hf_training import CHECKPOINT, CONFIG_CHANGES  # noqa: E402
+from tests.nnx.conftest import adamw, batches, load_module, nnx_train_step  # noqa: E402
 
 
 def check_case(layout: dict | None, steps: int) -> tuple[float, float]:
     """(max |NNX logits - apply logits|, max relative loss difference over `steps` steps)."""
-    model = moe_jax.nnx.AutoModelForCausalLM.from_pretrained(
-        CHECKPOINT, None if layout is None else DistributedConfig(**layout),
-        devices=jax.devices()[:1] if layout is None else None, progress=False)
+    model = load_module(layout)
     engine = model.engine
-    engine.config = dataclasses.replace(engine.config, **CONFIG_CHANGES)
     data = batches(steps)
     logits = np.asarray(model(data[0]["input_ids"], data[0]["attention_mask"]))
     expected = np.asarray(engine.apply(model.weights(), data[0]["input_ids"],

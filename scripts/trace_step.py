@@ -118,7 +118,7 @@ def self_times(trace_dir: str) -> collections.Counter:
 def kind_of(op: str) -> str:
     base = re.sub(r"(\.\d+)*(\.clone)?$", "", op)
     for kind, prefixes in OP_KINDS:
-        if any(base == prefix or base.startswith(prefix + "_") or base.startswith(prefix) for prefix in prefixes):
+        if base.startswith(prefixes):
             return kind
     return "other"
 

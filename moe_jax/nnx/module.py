@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed.capacity import CapacityState, DispatchStatistics
 from ..models.base import MoeForCausalLM, unflatten
-from ..training.loss import aux_loss_coefficient, prediction_targets
+from ..training.loss import aux_loss_coefficient, predicted_tokens, prediction_targets
 from ..training.optimizers import buffer_storage_names
 from ..training.step import DEFAULT_LOSS_CHUNK, model_loss
 from .variables import Buffer, DispatchStats
@@ -147,8 +147,7 @@ class MoeCausalLM(nnx.Module):
         state = CapacityState(self.capacity, streak.calm_calls, streak.calm_peak)
         dropped = schedule.overflowed(state, required)
         state = schedule.update(state, required)
-        if state.capacity != self.capacity:
-            self.capacity = state.capacity
+        self.capacity = state.capacity
         streak.calm_calls, streak.calm_peak = state.calm_calls, state.calm_peak
         return dropped
 
@@ -171,9 +170,8 @@ class MoeCausalLM(nnx.Module):
         `output_router_logits=True`: the loss `moe_jax.training`'s step computes, by the same code, from
         hidden states in chunks of `loss_chunk` positions. -> (loss, metrics: loss, ce_loss, aux_loss,
         tokens)."""
-        targets = prediction_targets(jnp.asarray(input_ids), None if attention_mask is None else
-                                     jnp.asarray(attention_mask), None if labels is None else jnp.asarray(labels))
-        tokens = jnp.maximum(jnp.sum(targets != -100), 1).astype(jnp.float32)
+        targets = prediction_targets(input_ids, attention_mask, labels)
+        tokens = predicted_tokens(targets)
         coefficient = aux_loss_coefficient(self.engine.config)
         loss, terms = model_loss(self.engine, self.weights(), input_ids, attention_mask, targets,
                                  total_tokens=tokens, aux_weight=coefficient, capacity=self.capacity, rng=rng,

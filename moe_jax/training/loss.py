@@ -46,6 +46,12 @@ def prediction_targets(input_ids: jax.Array, attention_mask: jax.Array | None = 
     return jnp.where(attention_mask > 0, targets, IGNORE_INDEX)
 
 
+def predicted_tokens(targets: jax.Array) -> jax.Array:
+    """targets: [B, S] (`prediction_targets`) -> how many positions are counted (float32, at least 1: the
+    denominator of the mean loss)."""
+    return jnp.maximum(jnp.sum(targets != IGNORE_INDEX), 1).astype(jnp.float32)
+
+
 def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[[jax.Array], jax.Array],
                           chunk: int) -> tuple[jax.Array, jax.Array]:
     """Summed token cross entropy and the number of counted tokens.

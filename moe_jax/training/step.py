@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed.host_arrays import host_to_global
 from ..models.base import unflatten
-from .loss import aux_loss_coefficient, chunked_cross_entropy, prediction_targets
+from .loss import aux_loss_coefficient, chunked_cross_entropy, predicted_tokens, prediction_targets
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
 
@@ -157,7 +157,7 @@ class TrainStep:
         attention_mask = batch.get("attention_mask")
         labels = batch.get("labels")
         targets = prediction_targets(input_ids, attention_mask, labels)
-        total_tokens = jnp.maximum(jnp.sum(targets != -100), 1).astype(jnp.float32)
+        total_tokens = predicted_tokens(targets)
         micro = {"input_ids": input_ids, "targets": targets}
         if attention_mask is not None:
             micro["attention_mask"] = attention_mask

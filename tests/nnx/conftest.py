@@ -22,9 +22,10 @@ LAYOUTS = {
 LEARNING_RATE, WEIGHT_DECAY = 3e-3, 0.01
 
 
-def load_module(layout: str, **module_options) -> moe_jax.nnx.MoeCausalLM:
-    """The fixture as an NNX module on `layout`, with the training fixture's router loss switched on."""
-    options = LAYOUTS[layout]
+def load_module(layout: str | dict | None, **module_options) -> moe_jax.nnx.MoeCausalLM:
+    """The fixture as an NNX module on `layout` (a name of LAYOUTS, or DistributedConfig sizes; None: one
+    device), with the training fixture's router loss switched on."""
+    options = LAYOUTS[layout] if isinstance(layout, str) else layout
     model = moe_jax.nnx.AutoModelForCausalLM.from_pretrained(
         CHECKPOINT, None if options is None else DistributedConfig(**options),
         devices=jax.devices()[:1] if options is None else None, progress=False, **module_options)
