@@ -8,7 +8,9 @@ LOCAL_RANK; with --devices-per-process M it also sees M CPU devices (JAX_NUM_CPU
 device count) and, where CUDA_VISIBLE_DEVICES is set, its own M of those GPUs. Every output line is
 prefixed with `[i] `, the process index. When a process fails (non-zero exit or a signal), the others are
 stopped (SIGTERM, then SIGKILL after `--grace` seconds, whole process groups) and the launcher exits
-non-zero naming the process and how it ended; it exits 0 when every process does.
+non-zero naming the process and how it ended; it exits 0 when every process does. A command that starts with
+`moe-jax` runs the launcher's own installation (`python -m moe_jax.cli` with the launcher's interpreter), so
+the processes run the same moe_jax whether or not a virtual environment's bin directory is on PATH.
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ def _stop(children: Sequence[_Child], grace_s: float) -> None:
         child.process.wait()
 
 
+def resolve_command(command: Sequence[str]) -> list[str]:
+    """`moe-jax ...` -> this interpreter's `python -m moe_jax.cli ...`; any other command as given."""
+    if command[0] == "moe-jax":
+        return [sys.executable, "-m", "moe_jax.cli", *command[1:]]
+    return list(command)
+
+
 def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | None = None, port: int | None = None,
            grace_s: float = 10.0, stdout=None, stderr=None) -> int:
     """Run `command` as `nproc` processes of one job; returns 0, or the failing process's status (128 + signal
@@ -148,7 +157,7 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
     try:
         for index, environ in enumerate(environs):
             try:
-                process = subprocess.Popen(list(command), env=environ, stdout=subprocess.PIPE,
+                process = subprocess.Popen(resolve_command(command), env=environ, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, start_new_session=True)
             except OSError as error:
                 raise OSError(f"cannot start {command[0]!r}: {error.strerror}") from None

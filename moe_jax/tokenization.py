@@ -46,8 +46,11 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
     if not tokenizer_file.is_file():
         raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
                          f"tokenizer files; {instead}.")
-    from tokenizers import Tokenizer
-
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(f"{tokenizer_file} needs the tokenizers library, which is not installed: "
+                         f"`pip install tokenizers` (or transformers); {instead}.") from None
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

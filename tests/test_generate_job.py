@@ -17,7 +17,9 @@ WORDS = ["[UNK]"] + [f"w{i}" for i in range(127)]   # one word per id of the tin
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The qwen3_moe fixture with a word-level tokenizer (word `w{i}` is id i + 1)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokenizers = pytest.importorskip("tokenizers", reason="the word-level test tokenizer is built with tokenizers")
+    Tokenizer, decoders, models, pre_tokenizers = (tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models,
+                                                   tokenizers.pre_tokenizers)
 
     directory = tmp_path_factory.mktemp("generate") / "qwen3_moe"
     shutil.copytree(MODELS / "qwen3_moe", directory)

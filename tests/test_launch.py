@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.launch import process_environ
+from moe_jax.launch import process_environ, resolve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +27,12 @@ def test_each_process_gets_its_rank_and_devices_and_its_output_is_prefixed():
     result = launch("--nproc", "3", "--devices-per-process", "2", "--", sys.executable, "-c", script)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["[0] 0 3 2 True", "[1] 1 3 2 True", "[2] 2 3 2 True"]
+
+
+def test_moe_jax_commands_run_the_launchers_own_installation():
+    assert resolve_command(["moe-jax", "train", "--ep", "4"]) == [sys.executable, "-m", "moe_jax.cli", "train",
+                                                                   "--ep", "4"]
+    assert resolve_command(["python", "x.py"]) == ["python", "x.py"]
 
 
 def test_device_environment_of_a_process():

@@ -85,7 +85,7 @@ class Generator:
         return tokens if self._host_ids is None else jax.lax.with_sharding_constraint(tokens, self._host_ids)
 
     # ---- the two device programs ----------------------------------------------------------------
-    def _prefill(self, params, input_ids, attention_mask, cache, key, eos, pad, *, sampling: Sampling):
+    def _prefill(self, params, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
         positions = prompt_positions(attention_mask)
         out = self.model.apply(params, input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
@@ -150,7 +150,7 @@ class Generator:
         ids, mask = host_to_global(ids, batch_sharding), host_to_global(mask, batch_sharding)
 
         timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
-        arguments = (params, ids, mask, cache, base_key, eos, pad)
+        arguments = (params, ids, mask, cache, base_key, eos)
         prefill, compile_s = self._program("prefill", sampling, arguments)
         timings.compile_s += compile_s
         prefill_start = time.perf_counter()

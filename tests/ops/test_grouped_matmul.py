@@ -169,6 +169,28 @@ def test_backend_none_uses_platform_default():
     )
 
 
+@pytest.mark.parametrize("case", GROUP_SIZE_CASES)
+def test_tokamax_wrapper_layout_and_padding_rows(case, monkeypatch):
+    """The wrapper's weight transpose and zeroed padding rows, through tokamax's portable (XLA) implementation:
+    tokamax picks it off GPU, so this runs wherever tokamax installs (Python >= 3.12, jax >= 0.11.1); the
+    Pallas kernels themselves only run on an NVIDIA GPU (scripts/gpu_check.sh)."""
+    pytest.importorskip("tokamax")
+    tokamax_kernel = importlib.import_module("moe_jax.ops.grouped_matmul_backends.tokamax_kernel")
+    monkeypatch.setattr(tokamax_kernel, "_nvidia_gpu_present", lambda: True)
+    group_sizes = jnp.asarray(GROUP_SIZE_CASES[case], jnp.int32)
+    x, w, cotangent = _operands(seed=len(case))
+
+    def value_and_grads(fn):
+        out, vjp = jax.vjp(lambda x, w: fn(x, w, group_sizes), x, w)
+        return (out, *vjp(cotangent))
+
+    got = value_and_grads(tokamax_kernel.tokamax_grouped_matmul)
+    want = value_and_grads(reference_grouped_matmul)
+    for name, g, r in zip(("out", "dx", "dw"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.all(np.asarray(got[0])[int(group_sizes.sum()):] == 0.0)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error raised off GPU")
 def test_tokamax_backend_refuses_to_run_off_gpu():
     x, w, _ = _operands(seed=13)
