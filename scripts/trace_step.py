@@ -93,6 +93,18 @@ def op_sources(hlo_text: str) -> dict[str, tuple[str, bool]]:
     return sources
 
 
+def op_signatures(hlo_text: str) -> dict[str, str]:
+    """HLO op name -> its result and operand shapes as the compiled module prints them (what a fusion or dot
+    multiplies, for the --ops-of listing)."""
+    signatures = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\((.*?)\)", line)
+        if match:
+            operands = re.findall(r"\w+\[[\d,]*\]", match.group(4))
+            signatures[match.group(1)] = f"{match.group(2).split('{')[0]} = {match.group(3)}({', '.join(operands)})"
+    return signatures
+
+
 def self_times(trace_dir: str) -> collections.Counter:
     """HLO op name -> summed self time (microseconds) over the trace's thunk events."""
     path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
@@ -152,7 +164,8 @@ def main() -> int:
     train_step = make_train_step(model, optax.adamw(1e-4))
     batch = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
     state = train_step.init_state()
-    sources = op_sources(train_step.lower(state, batch).compile().as_text())
+    hlo_text = train_step.lower(state, batch).compile().as_text()
+    sources, signatures = op_sources(hlo_text), op_signatures(hlo_text)
 
     def run(state, steps):
         for _ in range(steps):
@@ -198,7 +211,8 @@ def main() -> int:
         print(f"\nops of sources containing {args.ops_of!r} (top {args.top}):")
         ops = [(ms, op) for op, ms in per_step.items() if args.ops_of in sources.get(op, ("",))[0]]
         for ms, op in sorted(ops, reverse=True)[: args.top]:
-            print(f"  {ms:8.1f}  {kind_of(op):<24} {op}")
+            direction = "bwd" if sources[op][1] else "fwd"
+            print(f"  {ms:8.1f}  {kind_of(op):<24} {direction}  {op}  {signatures.get(op, '')}")
     return 0
 
 
