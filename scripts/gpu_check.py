@@ -10,7 +10,7 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
      against the same computation on the CPU backend (fp32, max |difference|);
   2. MoE layer at Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, moe intermediate 768, bf16; --tokens
      routed tokens): forward and forward+backward per backend, TFLOP/s of the expert matmuls and MFU against
-     --peak-tflops (H200 bf16 dense: 989);
+     --peak-tflops (H200 bf16 dense: 989), and the tiled scan at tiles 64, 128 and 512 besides its default;
   3. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
      compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second).
 Not run on a GPU yet (no session was lent one when it was written, and the GPU machine's jax 0.11 could not be
@@ -38,7 +38,12 @@ import optax  # noqa: E402
 
 from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.ops.experts import swiglu_experts  # noqa: E402
-from moe_jax.ops.grouped_matmul import GROUPED_MATMUL_BACKENDS  # noqa: E402
+from moe_jax.ops.grouped_matmul import (  # noqa: E402
+    GROUPED_MATMUL_BACKENDS,
+    default_backend,
+    register_grouped_matmul_backend,
+)
+from moe_jax.ops.grouped_matmul_backends.tiled_scan import tiled_grouped_matmul  # noqa: E402
 from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
@@ -57,6 +62,21 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
 
 def backends() -> list[str]:
     return [name for name in GROUPED_MATMUL_BACKENDS if name != "tokamax" or tokamax_available()]
+
+
+# The tiled scan at other tiles than its default (256 at these shapes), to choose the GPU's tile from the run.
+TILE_SWEEP = (64, 128, 512)
+
+
+def tile_sweep_backends() -> list[str]:
+    """Registers `tiled_R<rows>` for each TILE_SWEEP tile (once) and returns their names."""
+    names = []
+    for rows in TILE_SWEEP:
+        name = f"tiled_R{rows}"
+        if name not in GROUPED_MATMUL_BACKENDS:
+            register_grouped_matmul_backend(name, partial(tiled_grouped_matmul, tile_rows=rows))
+        names.append(name)
+    return names
 
 
 def expert_inputs(rng, tokens: int, config: dict, dtype):
@@ -102,7 +122,7 @@ def moe_layer(config: dict, tokens: int, peak: float, repeats: int, report) -> d
     x, index, weights, gate_up, down = expert_inputs(rng, tokens, config, jnp.bfloat16)
     flops = 2 * tokens * config["num_experts_per_tok"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
     results = {}
-    for backend in backends():
+    for backend in backends() + tile_sweep_backends():
         forward = jax.jit(partial(swiglu_experts, backend=backend))
         grad = jax.jit(jax.grad(lambda x, g, d, b=backend: jnp.sum(
             swiglu_experts(x, index, weights, g, d, backend=b).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
@@ -132,7 +152,19 @@ def active_parameters(config: dict, layers: int) -> int:
 
 
 def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
-    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1])
+    """The default backend's train step; if it fails, the failure is reported and the tiled scan's is measured."""
+    try:
+        return train_step_with(None, config, layers, batch, seq, peak, repeats, report)
+    except Exception as error:
+        report(f"  default backend failed: {type(error).__name__}: {str(error)[:300]}; measuring backend 'tiled'")
+        return {"default_backend_error": f"{type(error).__name__}: {error}"[:300],
+                **train_step_with("tiled", config, layers, batch, seq, peak, repeats, report)}
+
+
+def train_step_with(backend: str | None, config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int,
+                    report) -> dict:
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1],
+                                experts_backend=backend)
     model.init_params(seed=0)
     step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True)
     state = step.init_state(params=model.params)
@@ -147,9 +179,9 @@ def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, rep
     seconds = statistics.median(times)
     tokens_per_s = batch * seq / seconds
     mfu = 6 * active_parameters(config, layers) * tokens_per_s / peak
-    result = {"layers": layers, "batch": batch, "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+    result = {"backend": backend or default_backend(jax.default_backend()), "layers": layers, "batch": batch, "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
               "mfu": mfu, "loss": float(metrics["loss"])}
-    report(f"  {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, {tokens_per_s:.0f} tokens/s, "
+    report(f"  backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, {tokens_per_s:.0f} tokens/s, "
            f"MFU {mfu:.1%} (loss {result['loss']:.3f})")
     return result
 
