@@ -3,19 +3,24 @@
     params = load_params(checkpoint_dir, tree, "qwen3_moe", shardings)
     params["model.layers.1.mlp.experts.gate_up_proj"]     # jax.Array [E, 2I, H], sharded as asked
 
-Every parameter is built with `jax.make_array_from_callback`: for each device JAX asks for that device's
-block, and the block is read straight from the checkpoint files. With experts split over 8 devices a device
-reads only its experts' tensors; with gate_up split on the fused dim a device reads only the gate rows or
-only the up rows it holds. No host ever holds a whole stacked parameter unless a device holds it whole.
+Every parameter is built block by block: each distinct device block of its sharding is read straight from
+the checkpoint files, placed on its devices and dropped before the next is read. With experts split over 8
+devices a device reads only its experts' tensors; with gate_up split on the fused dim a device reads only the
+gate rows or only the up rows it holds. A large block of a scanned run's stacked parameter is read one layer
+at a time into a buffer on its device (`LAYERWISE_READ_BYTES`), so the host holds at most one layer's slice
+of it, never a whole stacked parameter.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -96,14 +101,15 @@ def stack_layer_sources(sources: dict[str, ParamSource], layer_stack) -> dict[st
             stacked[storage] = parts[0]
             continue
         tensor = StackedTensor([part.tensor for part in parts])
-        stacked[storage] = ParamSource(storage, tensor, tuple(key for part in parts for key in part.hub_keys))
+        stacked[storage] = ParamSource(storage, tensor, tuple(key for part in parts for key in part.hub_keys),
+                                       stacked_layers=True)
     return stacked
 
 
 def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
-    """`source` laid out by `sharding`: each distinct block is read once, put on every device that holds
-    it, and let go before the next is read, so host memory holds one block at a time (a scanned run's
-    stacked parameter is many layers: keeping all its blocks until the array exists would hold it whole).
+    """`source` laid out by `sharding`: each distinct block is read once (`_block_on_device`), put on the first
+    device that holds it and copied from there to the others, and let go before the next is read, so host
+    memory holds one block at a time, or one layer of a large stacked block.
 
     Reads are tagged `(parameter name, block bounds, ids of the devices the block is for)` (`record_reads`).
     """
@@ -113,13 +119,48 @@ def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: n
         bounds = tuple((s.start, s.stop) for s in index)
         blocks.setdefault(bounds, (index, []))[1].append(device)
     shards = []
-    for bounds, (index, devices) in blocks.items():
-        with read_request((source.name, bounds, tuple(device.id for device in devices))):
-            block = source.tensor.read(index).astype(dtype, copy=False)
-        shards += [jax.device_put(block, device) for device in devices]
-        jax.block_until_ready(shards[-len(devices):])  # the transfer is done before the block is dropped
-        del block
+    for index, devices in blocks.values():
+        first = _block_on_device(source, index, dtype, devices[0], tuple(device.id for device in devices))
+        shards += [first] + [jax.device_put(first, device) for device in devices[1:]]
+        jax.block_until_ready(shards[-len(devices):])
     return jax.make_array_from_single_device_arrays(source.shape, sharding, shards)
+
+
+# A stacked run's block above this size is read one layer at a time straight into a buffer on its device, so
+# the host never holds more than max(this, one layer's slice): a device's block of a deep model's stacked
+# experts is tens of GB (Qwen3-235B-A22B's gate_up over ep=8: 94 layers x 16 experts x [3072, 4096] bf16 =
+# 38 GB), while smaller blocks are read whole (one transfer, no per-layer device writes).
+LAYERWISE_READ_BYTES = 8 * 2**20
+
+
+def _block_on_device(source: ParamSource, index: tuple[slice, ...], dtype: np.dtype, device,
+                     device_ids: tuple[int, ...]) -> jax.Array:
+    """Block `index` of `source` as `dtype` on `device`; reads are tagged for `device_ids`."""
+    shape = tuple(s.stop - s.start for s in index)
+    if not source.stacked_layers or shape[0] <= 1 or math.prod(shape) * dtype.itemsize <= LAYERWISE_READ_BYTES:
+        with read_request((source.name, _bounds(index), device_ids)):
+            block = source.tensor.read(index).astype(dtype, copy=False)
+        return jax.device_put(block, device)
+    layers = index[0]
+    buffer = jnp.zeros(shape, dtype, device=device)
+    for layer in range(layers.start, layers.stop):
+        layer_index = (slice(layer, layer + 1), *index[1:])
+        with read_request((source.name, _bounds(layer_index), device_ids)):
+            piece = source.tensor.read(layer_index).astype(dtype, copy=False)
+        buffer = _write_layer(buffer, jax.device_put(piece, device), layer - layers.start)
+        buffer.block_until_ready()  # the layer is on the device before its host copy is dropped
+        del piece
+    return buffer
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(buffer: jax.Array, piece: jax.Array, at) -> jax.Array:
+    """buffer: [L, ...]; piece: [1, ...] -> buffer with layer `at` replaced, in place (the buffer is donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, piece, at, axis=0)
+
+
+def _bounds(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in index)
 
 
 def _check_shardings(

@@ -35,6 +35,7 @@ class ParamSource:
     name: str
     tensor: LazyTensor
     hub_keys: tuple[str, ...]
+    stacked_layers: bool = False  # axis 0 is a scanned run's layer axis (`load.stack_layer_sources`)
 
     @property
     def shape(self) -> tuple[int, ...]:

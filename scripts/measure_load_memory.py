@@ -9,7 +9,8 @@
    recording
    - tracemalloc's peak of host (numpy) buffers alive at once during the load: the transient memory the
      loader needs on top of the devices' own memory (on a CPU "device", the loaded shards themselves live
-     in host RAM too; those are XLA buffers, not counted by tracemalloc);
+     in host RAM too; those are XLA buffers, not counted by tracemalloc), and the same with every stacked
+     block read whole (`converters.load.LAYERWISE_READ_BYTES` set to infinity), with both load times;
    - every read the loader makes, attributed to the device(s) the loader read the block for
      (`reads_by_device`), per file: bytes read from the checkpoint, and bytes of the blocks delivered.
 Prints the figures; docs/benchmarks.md records them.
@@ -21,9 +22,11 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -85,18 +88,41 @@ def measure(directory: Path) -> dict:
 
     import jax
 
+    import converters.load
     from moe_jax import AutoModelForCausalLM, DistributedConfig
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(directory, DistributedConfig(fsdp_size=8, ep_size=8),
+                                                     progress=False)
+        jax.block_until_ready(model.params)
+        return model
 
     jax.devices()
     tracemalloc.start()
     with reads_by_device() as counts:
-        model = AutoModelForCausalLM.from_pretrained(directory, DistributedConfig(fsdp_size=8, ep_size=8),
-                                                     progress=False)
-        jax.block_until_ready(model.params)
+        model = load()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    # The same load with every stacked block read whole (the loader before layer-by-layer reading), for its
+    # peak and, alternating with the default, its wall time.
+    layerwise_bytes = converters.load.LAYERWISE_READ_BYTES
+    converters.load.LAYERWISE_READ_BYTES = float("inf")
+    tracemalloc.start()
+    load()
+    _, peak_whole = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    seconds = {"layerwise": [], "whole": []}
+    for _ in range(3):
+        for mode, threshold in (("layerwise", layerwise_bytes), ("whole", float("inf"))):
+            converters.load.LAYERWISE_READ_BYTES = threshold
+            start = time.perf_counter()
+            load()
+            seconds[mode].append(time.perf_counter() - start)
+    converters.load.LAYERWISE_READ_BYTES = layerwise_bytes
     return {
         "peak_host_buffers": peak,
+        "peak_host_buffers_whole_blocks": peak_whole,
+        "load_seconds": {mode: statistics.median(times) for mode, times in seconds.items()},
         "param_bytes": sum(x.nbytes for x in model.params.values()),
         "read": [[str(device), file, kind, nbytes] for (device, file, kind), nbytes in sorted(
             counts["read"].items(), key=lambda item: str(item[0]))],
@@ -117,7 +143,12 @@ def report(figures: dict, size: int, args) -> None:
           f"{args.experts} experts, {args.shard_mb} MiB shards)")
     print(f"loaded parameters (all devices): {figures['param_bytes'] / mb:.1f} MiB")
     print(f"peak host buffers alive during the load (tracemalloc): {figures['peak_host_buffers'] / mb:.1f} MiB "
-          f"= {figures['peak_host_buffers'] / size:.3f} x checkpoint")
+          f"= {figures['peak_host_buffers'] / size:.3f} x checkpoint; reading every stacked block whole: "
+          f"{figures['peak_host_buffers_whole_blocks'] / mb:.1f} MiB = "
+          f"{figures['peak_host_buffers_whole_blocks'] / size:.3f} x")
+    seconds = figures["load_seconds"]
+    print(f"load time (median of 3, alternating): {seconds['layerwise']:.2f} s layer by layer, {seconds['whole']:.2f} s "
+          f"whole blocks = {seconds['layerwise'] / seconds['whole']:.2f} x")
     print(f"bytes read: {total / mb:.1f} MiB = {total / figures['param_bytes']:.3f} x the parameters' bytes")
     print("\nbytes read on each device's requests (MiB), expert tensors / other tensors, per file "
           f"(file k = model-0000k-of-{len(files):05d}.safetensors):")

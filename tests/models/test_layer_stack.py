@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
+import converters.load
 import moe_jax
 from converters import record_reads
 from moe_jax import DistributedConfig
@@ -103,6 +104,30 @@ def test_scanned_loading_reads_each_slice_once_and_only_where_it_lives():
     stacked = model.params["model.layers.1-2.mlp.experts.gate_up_proj"]
     for shard in stacked.addressable_shards:
         assert shard.data.shape == (2, 1, 32, 32)  # both layers, one expert per device
+
+
+@pytest.mark.parametrize("layout", [dict(fsdp_size=8, ep_size=8), dict(tp_size=2, fsdp_size=4, ep_size=4)])
+def test_large_stacked_blocks_are_read_one_layer_at_a_time(layout, monkeypatch):
+    """Above `LAYERWISE_READ_BYTES` (0 here, so every stacked block qualifies) a device's block of a stacked run
+    is read layer by layer into its device buffer: each read covers one layer, and the loaded parameters are
+    the whole-block load's bit for bit (tp2/fsdp4/ep4 also copies blocks that several devices hold)."""
+    directory = FIXTURES / "qwen3_moe"
+    whole = moe_jax.AutoModelForCausalLM.from_pretrained(directory, DistributedConfig(**layout), progress=False,
+                                                         scan_layers=True)
+    monkeypatch.setattr(converters.load, "LAYERWISE_READ_BYTES", 0)
+    with record_reads() as reads:
+        layerwise = moe_jax.AutoModelForCausalLM.from_pretrained(directory, DistributedConfig(**layout),
+                                                                 progress=False, scan_layers=True)
+    stacked = [name for name in layerwise.params if name.startswith("model.layers.1-2.")]
+    assert stacked
+    stacked_reads = [read for read in reads if read.request[0] in stacked]
+    assert stacked_reads and all(bounds[0][1] - bounds[0][0] == 1 for _, bounds, _ in
+                                 (read.request for read in stacked_reads))
+    for name in layerwise.params:
+        assert layerwise.params[name].sharding == whole.params[name].sharding, name
+        for ours, theirs in zip(layerwise.params[name].addressable_shards, whole.params[name].addressable_shards,
+                                strict=True):
+            assert ours.device == theirs.device and np.array_equal(np.asarray(ours.data), np.asarray(theirs.data))
 
 
 def test_export_of_a_scanned_model_reproduces_the_checkpoint(tmp_path):
