@@ -14,8 +14,14 @@ mkdir -p "$out"
 [ -f "$out.nvidia-smi.txt" ] && mv "$out.nvidia-smi.txt" "$out/nvidia-smi.txt"
 python="${PYTHON:-python3}"  # the GPU image's packages live in its python3 (KINDS.md of the device tool)
 # Wheels carried from here (scripts/fetch_gpu_wheels.sh; run with carry=[".whl"]): tokamax and what it needs.
+# A failed install is reported and the check runs without them (the tokamax rows are then absent), rather
+# than losing the lent machine's minutes.
 if compgen -G ".whl/*.whl" > /dev/null; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: installing the carried wheels failed; running without them" >&2
+  fi
 fi
 timeout 480 "$python" scripts/gpu_check.py "$out" "$@"
