@@ -116,8 +116,7 @@ def _device_array(source: ParamSource, sharding: jax.sharding.Sharding, dtype: n
     blocks: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list]] = {}
     for device, index in sharding.addressable_devices_indices_map(source.shape).items():
         index = normalize_index(index, source.shape)
-        bounds = tuple((s.start, s.stop) for s in index)
-        blocks.setdefault(bounds, (index, []))[1].append(device)
+        blocks.setdefault(_bounds(index), (index, []))[1].append(device)
     shards = []
     for index, devices in blocks.values():
         first = _block_on_device(source, index, dtype, devices[0], tuple(device.id for device in devices))

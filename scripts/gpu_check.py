@@ -180,10 +180,11 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     seconds = statistics.median(times)
     tokens_per_s = batch * seq / seconds
     mfu = 6 * active_parameters(config, layers) * tokens_per_s / peak
-    result = {"backend": backend or default_backend(jax.default_backend()), "layers": layers, "batch": batch, "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
-              "mfu": mfu, "loss": float(metrics["loss"])}
-    report(f"  backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, {tokens_per_s:.0f} tokens/s, "
-           f"MFU {mfu:.1%} (loss {result['loss']:.3f})")
+    result = {"backend": backend or default_backend(jax.default_backend()), "layers": layers, "batch": batch,
+              "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s, "mfu": mfu,
+              "loss": float(metrics["loss"])}
+    report(f"  backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, "
+           f"{tokens_per_s:.0f} tokens/s, MFU {mfu:.1%} (loss {result['loss']:.3f})")
     return result
 
 

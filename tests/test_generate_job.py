@@ -18,14 +18,12 @@ WORDS = ["[UNK]"] + [f"w{i}" for i in range(127)]   # one word per id of the tin
 def checkpoint(tmp_path_factory):
     """The qwen3_moe fixture with a word-level tokenizer (word `w{i}` is id i + 1)."""
     tokenizers = pytest.importorskip("tokenizers", reason="the word-level test tokenizer is built with tokenizers")
-    Tokenizer, decoders, models, pre_tokenizers = (tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models,
-                                                   tokenizers.pre_tokenizers)
-
     directory = tmp_path_factory.mktemp("generate") / "qwen3_moe"
     shutil.copytree(MODELS / "qwen3_moe", directory)
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    vocabulary = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return directory
