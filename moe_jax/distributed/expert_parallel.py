@@ -39,6 +39,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from ..ops.accumulation import accumulation_dtype
 from .capacity import DispatchStatistics, buffer_rows, capacity_ladder, required_capacity
 
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -182,10 +183,12 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         )
 
         pair_output = sorted_output[jnp.argsort(order)]  # back to (row, k) order
+        # The combine: weighted sum over k in at least fp32, rounded once to the hidden dtype (before the tp
+        # gather, so that moves hidden-dtype bytes).
         token_output = jnp.einsum(
             "tkh,tk->th", pair_output.reshape(slice_rows, top_k, -1), weights,
-            preferred_element_type=jnp.result_type(hidden.dtype, weights.dtype),
-        )
+            preferred_element_type=accumulation_dtype(hidden.dtype, weights.dtype),
+        ).astype(hidden.dtype)
         output = self._gather_tp_slices(token_output, rows)
 
         sent = jnp.sum(jnp.minimum(peer_counts, peer_rows))
@@ -254,13 +257,14 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         tokens = hidden_states[pair // top_k]  # [C, H]
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
         expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
-        # Routing weights applied here, in the promoted dtype (fp32 for Mixtral), as the sender does in all_to_all.
+        # The combine: routing weights applied and summed over this device's pairs and then over the ep group in
+        # at least fp32 (as all_to_all's sender sums over k), rounded once to the hidden dtype at the end.
         weight = jnp.where(slot_valid, top_k_weights.reshape(pairs)[pair], 0)
-        accumulate = jnp.result_type(hidden_states.dtype, top_k_weights.dtype)
+        accumulate = accumulation_dtype(hidden_states.dtype, top_k_weights.dtype)
         output = jnp.zeros((rows, hidden_states.shape[-1]), accumulate).at[
             jnp.where(slot_valid, pair // top_k, rows)
         ].add(expert_out.astype(accumulate) * weight[:, None].astype(accumulate), mode="drop")
-        output = jax.lax.psum(output, self.groups.ep_axes)
+        output = jax.lax.psum(output, self.groups.ep_axes).astype(hidden_states.dtype)
         local_pairs = jnp.sum(mine)
         return output, self.statistics(local_pairs, jnp.sum(kept), slots, local_pairs, pairs)
 

@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .accumulation import accumulation_dtype
+
 
 def _check_order(order: jax.Array, num_pairs: int, what: str) -> None:
     if order.ndim != 1 or order.shape[0] != num_pairs:
@@ -122,12 +124,12 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     y_sorted: [M, H] rows in `order` (M = T * K)
     order: [M] int, from `sort_by_expert`
     top_k_weights: [T, K]
-    returns [T, H] in the promoted dtype of y_sorted and top_k_weights
+    returns [T, H] in `accumulation_dtype(y_sorted, top_k_weights)` (at least fp32)
 
     out[t] = sum_k top_k_weights[t, k] * y_sorted[i] where order[i] = t * K + k.
-    The products and the sum over K run in the promoted dtype, so Mixtral's fp32
-    weights with bf16 outputs sum in fp32, as in transformers' grouped_mm experts;
-    casting back to the hidden dtype is the caller's step.
+    The products and the sum over K run in at least fp32 (bf16 outputs with bf16
+    or fp32 weights alike), as every EP implementation's combine does; casting
+    back to the hidden dtype, once, is the caller's step.
     """
     if top_k_weights.ndim != 2:
         raise ValueError(f"top_k_weights must be [T, K], got shape {top_k_weights.shape}.")
@@ -143,5 +145,5 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     inverse = invert_permutation(order)
     y_pairs = _take_permuted(y_sorted, inverse, order)
     y_pairs = jnp.reshape(y_pairs, (num_tokens, top_k, y_sorted.shape[1]))
-    accumulate_dtype = jnp.result_type(y_sorted.dtype, top_k_weights.dtype)
-    return jnp.einsum("tkh,tk->th", y_pairs.astype(accumulate_dtype), top_k_weights.astype(accumulate_dtype))
+    accumulate = accumulation_dtype(y_sorted.dtype, top_k_weights.dtype)
+    return jnp.einsum("tkh,tk->th", y_pairs, top_k_weights, preferred_element_type=accumulate)

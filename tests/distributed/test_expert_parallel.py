@@ -189,6 +189,46 @@ def test_auto_at_inference_matches_too(layout_sizes):
     np.testing.assert_allclose(output, expected, rtol=2e-5, atol=2e-5)
 
 
+def cancelling_inputs(rows, dtype):
+    """Tokens in `dtype` routed to experts 0 and E-1 (different devices whenever ep > 1), where expert E-1 is
+    expert 0 with its down projection negated (y1 = -y0 exactly), weighted 0.5 + d and 0.5 in fp32 (Mixtral's
+    and DeepSeek-V3's routing weights), d below bf16's and fp16's resolution at 0.5.
+
+    -> (hidden, index, weights, params, expected): summed in fp32 the output is d * y0; a combine that casts
+    the weights or sums in bf16/fp16 returns 0."""
+    hidden, _, _, params, _ = make_inputs(rows, "random", seed=3)
+    params = {"gate_up_proj": params["gate_up_proj"].copy(), "down_proj": params["down_proj"].copy()}
+    params["gate_up_proj"][-1] = params["gate_up_proj"][0]
+    params["down_proj"][-1] = -params["down_proj"][0]
+    d = np.float32(2.0**-13) * (1 + np.random.default_rng(3).random(rows, np.float32))
+    weights = np.stack([np.float32(0.5) + d, np.full(rows, 0.5, np.float32)], axis=1)
+    index = np.tile(np.array([0, EXPERTS - 1], np.int32), (rows, 1))
+    hidden, params = jnp.asarray(hidden, dtype), {k: jnp.asarray(v, dtype) for k, v in params.items()}
+    upcast = {k: v.astype(jnp.float32) for k, v in params.items()}
+    expected = reference_swiglu_experts(hidden.astype(jnp.float32), index[:, :1], jnp.asarray(d[:, None]), **upcast)
+    return hidden, index, jnp.asarray(weights), params, np.asarray(expected)
+
+
+@pytest.mark.parametrize("layout_sizes, implementation, inference, dtype", [
+    ((2, 4, 4, 1), "all_to_all", False, jnp.bfloat16),   # tp slices gathered after the combine
+    ((1, 8, 8, 1), "all_to_all", False, jnp.float16),
+    ((8, 1, 8, 1), "all_reduce", False, jnp.bfloat16),
+    ((8, 1, 8, 1), "auto", True, jnp.bfloat16),           # auto's all_reduce at inference
+])
+def test_low_precision_combine_sums_in_fp32_and_returns_the_hidden_dtype(layout_sizes, implementation, inference,
+                                                                          dtype):
+    """bf16/fp16 tokens with fp32 routing weights under every EP implementation: the output is in the hidden
+    dtype (the contract `ShardedExperts` checks) and keeps what only an fp32 combine keeps."""
+    tp, fsdp, ep, replicate = layout_sizes
+    hidden, index, weights, params, expected = cancelling_inputs(4 * fsdp * replicate, dtype)
+    assert np.abs(expected).max() > 1e-4  # far from 0, so a low-precision combine (exactly 0) cannot pass
+    _, run = sharded_runner(layout_sizes, implementation, inference=inference)
+    output, statistics = jax.jit(run)(hidden, index, weights, params)
+    assert output.dtype == dtype and int(statistics.dropped) == 0
+    # The expert outputs' own rounding (2^-8 relative in bf16) dominates the tolerance.
+    np.testing.assert_allclose(np.asarray(output, np.float32), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
 def test_dropless_under_adversarial_routing_climbs_the_ladder():
     hidden, _, weights, params, cotangent = make_inputs(256, "random")
     index = np.zeros((256, TOP_K), np.int32)

@@ -141,8 +141,9 @@ def test_bf16_hidden_with_fp32_mixtral_weights_sums_in_fp32():
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=1e-5)
 
 
-def test_the_fp32_sum_test_fails_on_a_bf16_sum():
-    """The same problem with bf16 routing weights sums in bf16 (the promoted dtype): the choices cancel."""
+def test_the_fp32_sum_test_sees_only_what_fp32_weights_carry():
+    """The same problem with bf16 routing weights: 0.5 + d rounds to 0.5 before any sum, so the choices cancel
+    exactly. The test above therefore passes only when d reaches the sum, i.e. when the sum is wider than bf16."""
     problem, _ = _cancelling_problem(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(jax.jit(swiglu_experts)(**problem), np.float32), 0.0)
 

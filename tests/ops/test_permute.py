@@ -86,16 +86,20 @@ def test_unpermute_value_and_gradients_match_plain_version():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
-def test_unpermute_sums_in_promoted_dtype():
+@pytest.mark.parametrize("weights_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_unpermute_sums_in_fp32_for_low_precision_operands(weights_dtype):
+    """bf16 expert outputs with fp32 (Mixtral), bf16 (Qwen3-MoE in bf16) or fp16 routing weights: products and
+    the sum over K run in fp32 and come back in fp32, so the caller rounds once. A bf16 or fp16 sum would be off
+    by ~1e-3 here."""
     order, _ = sort_by_expert(jnp.asarray(_routing(seed=10)), NUM_EXPERTS)
     y_sorted = _rand((NUM_TOKENS * TOP_K, HIDDEN), seed=11).astype(jnp.bfloat16)
-    weights = _rand((NUM_TOKENS, TOP_K), seed=12)
+    weights = _rand((NUM_TOKENS, TOP_K), seed=12).astype(weights_dtype)
     out = unpermute(y_sorted, order, weights)
     assert out.dtype == jnp.float32
     y_pairs = np.zeros((NUM_TOKENS * TOP_K, HIDDEN), np.float64)
     y_pairs[np.asarray(order)] = np.asarray(y_sorted.astype(jnp.float32))
-    want = np.einsum("tkh,tk->th", y_pairs.reshape(NUM_TOKENS, TOP_K, HIDDEN), np.asarray(weights))
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    want = np.einsum("tkh,tk->th", y_pairs.reshape(NUM_TOKENS, TOP_K, HIDDEN), np.asarray(weights, np.float64))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
 
 
 def test_shape_errors_name_the_shapes():

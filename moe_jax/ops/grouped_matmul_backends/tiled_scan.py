@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..accumulation import accumulation_dtype
 from ..varying import vary_like
 from .tile_plan import TileVisits, plan_tile_visits, window_rows
 
@@ -64,11 +65,6 @@ _WEIGHT_CONTRACTIONS = {
 _CONTRACT_WINDOW_ROWS = (((0,), (0,)), ((), ()))  # weight grad: [R, O] x [R, H] -> [O, H]
 
 
-def _accumulate_dtype(*dtypes) -> jnp.dtype:
-    # Sums over chunks must not round at bf16 after every chunk.
-    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
-
-
 def _chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
     """[R] bool: which rows of visit v's window belong to its chunk."""
     rows = v.window_start + jnp.arange(rows_per_window, dtype=jnp.int32)
@@ -93,7 +89,7 @@ def _rows_times_expert_weights(
         window = lax.dynamic_slice_in_dim(lhs, v.window_start, rows_per_window, axis=0)
         expert_weight = lax.dynamic_index_in_dim(w, v.expert, axis=0, keepdims=False)
         product = lax.dot_general(
-            window, expert_weight, dimension_numbers, preferred_element_type=_accumulate_dtype(out_dtype)
+            window, expert_weight, dimension_numbers, preferred_element_type=accumulation_dtype(out_dtype)
         ).astype(out_dtype)
         keep = _chunk_mask(v, rows_per_window)
         previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
@@ -120,7 +116,7 @@ def _expert_weight_grads(
     x: [M, H]; grad_out: [M, O]
     returns [E, O, H] in the accumulation dtype (>= fp32)
     """
-    accumulate_dtype = _accumulate_dtype(x.dtype, grad_out.dtype)
+    accumulate_dtype = accumulation_dtype(x.dtype, grad_out.dtype)
 
     def visit(grad_w, v: TileVisits):
         x_window = lax.dynamic_slice_in_dim(x, v.window_start, rows_per_window, axis=0)

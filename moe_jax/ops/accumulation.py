@@ -1,0 +1,16 @@
+"""The dtype sums run in: the operands' promoted dtype, never narrower than float32.
+
+bf16 and fp16 have 8 and 11 bits of mantissa, so a sum of several of their values rounds after every add; summing
+in float32 and rounding once at the end keeps the result as close to the fp32 model as the inputs allow. Used by
+the grouped matmul's accumulators and by every expert combine (the weighted sum of a token's top-k outputs, on one
+device and under each EP implementation), so bf16 layouts agree with each other and with one device.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+    """result_type(*dtypes) widened to at least float32 (float64 stays float64)."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
