@@ -2,7 +2,9 @@
 
     checkpoints = TrainCheckpoints(directory, model, train_step, save_every=100, keep=3)
     checkpoints.save(step, state, capacity_state)               # async: returns once arrays are copied out
-    state, capacity_state = checkpoints.restore(seed=0)         # latest step, onto this model's layout
+    state, capacity_state = checkpoints.restore()               # latest step, onto this model's layout
+    checkpoints.wait()                                          # the last save is on disk
+    checkpoints.close()                                         # wait, then release orbax's threads
 
 A checkpoint holds the state's arrays (params, optimizer state, step, rng, data position) and a JSON
 record: the model's type and config, its parameter shapes, the layout it was saved from, and the
@@ -10,11 +12,19 @@ dispatch capacity in force with its calm streak. Restoring reads every array dir
 of the *current* model and optimizer (orbax reshards), so a state saved with tp2/fsdp4/ep4 resumes with
 fsdp8/ep8. Orbax writes each step into a temporary directory and renames it when complete, so a killed
 write never damages the last complete checkpoint (an unfinished one is ignored and cleaned up).
+
+A save still being written when the script ends is finished before the interpreter shuts down (see
+`_finish_at_exit`), so a script that never calls `wait()` or `close()` loses nothing; `TrainLoop(...,
+checkpoints=)` waits for its last save before `run` returns. The directory is created by the first save,
+so a job refused before its first step leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import sys
+import threading
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -36,6 +46,39 @@ def model_record(model) -> dict:
         "parameters": {name: list(shape) for name, shape in model.storage_shapes().items()},
         "dtype": jnp.dtype(model.dtype).name,
     }
+
+
+# Managers whose last save may still be in flight, by id (dropped by wait() and close()).
+_UNFINISHED: dict[int, ocp.CheckpointManager] = {}
+_exit_hook: list[bool] = []  # one element once _finish_at_exit is registered
+
+
+def _finish_at_exit() -> None:
+    """Waits for every save still being written, so a script that ends after `save` loses nothing.
+
+    Registered as a *threading* exit hook: those run in reverse order of registration before the
+    interpreter joins its threads, and concurrent.futures registers its own (which stops accepting work)
+    when it is imported, before any of ours. An `atexit` hook would run after it, when orbax's background
+    commit can no longer schedule work ("cannot schedule new futures after interpreter shutdown") and the
+    step is left behind as a temporary directory.
+    """
+    while _UNFINISHED:
+        _, manager = _UNFINISHED.popitem()
+        try:
+            manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 (the interpreter is exiting: report, finish the others)
+            print(f"moe_jax: a train-state checkpoint in {manager.directory} could not be finished at exit: "
+                  f"{error}", file=sys.stderr)
+
+
+def _register_exit_hook() -> None:
+    if _exit_hook:
+        return
+    try:
+        threading._register_atexit(_finish_at_exit)  # what concurrent.futures itself uses (Python >= 3.9)
+    except (AttributeError, RuntimeError):  # not available, or the interpreter is already shutting down
+        atexit.register(_finish_at_exit)
+    _exit_hook.append(True)
 
 
 class TrainCheckpoints:
@@ -68,6 +111,8 @@ class TrainCheckpoints:
                 "calm_peak": capacity_state.calm_peak},
         }
         record = json.loads(json.dumps(record, default=str))
+        _register_exit_hook()
+        _UNFINISHED[id(self.manager)] = self.manager  # finished at exit unless wait() or close() is called
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state.arrays()), record=ocp.args.JsonSave(record)))
 
@@ -133,7 +178,9 @@ class TrainCheckpoints:
     def wait(self) -> None:
         """Block until the last async save is on disk."""
         self.manager.wait_until_finished()
+        _UNFINISHED.pop(id(self.manager), None)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the last save, then release orbax's background threads (the object is done)."""
+        self.wait()
         self.manager.close()

@@ -1,6 +1,6 @@
 """The training loop: dispatch one step ahead, confirm one step late, replay what overflowed.
 
-    loop = TrainLoop(train_step, data, on_step=print)
+    loop = TrainLoop(train_step, data, on_step=print, checkpoints=checkpoints)   # checkpoints: optional
     state, capacity = loop.run(state, until_step=100)
 
 Each step is dispatched before the previous one's metrics are read, so the device never waits for the host.
@@ -53,15 +53,21 @@ class TrainLoop:
         replayed (its batch had overflowed and was run again), replays (replays so far), data_position.
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
         drains the queue first, so `state` is exactly the state after that step.
+    checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
+        `should_save` and `save`, and `run` waits for its last save before returning.
     """
 
     def __init__(self, train_step, data: BatchSource, *, schedule: CapacitySchedule | None = None,
                  on_step: Callable[[dict], None] | None = None,
                  should_save: Callable[[int], bool] | None = None,
-                 save: Callable[[int, TrainState, CapacityState | None], None] | None = None):
+                 save: Callable[[int, TrainState, CapacityState | None], None] | None = None,
+                 checkpoints=None):
         self.train_step, self.data = train_step, data
         self.schedule = schedule or train_step.model.capacity_schedule
         self.on_step = on_step or (lambda record: None)
+        self.checkpoints = checkpoints
+        if checkpoints is not None:
+            should_save, save = should_save or checkpoints.should_save, save or checkpoints.save
         self.should_save = should_save or (lambda step: False)
         self.save = save
         self.replays = 0
@@ -104,6 +110,8 @@ class TrainLoop:
             self.on_step(record)
             if self.save is not None and self.should_save(step) and not pending:
                 self.save(step, state, capacity_state)
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
         return state, capacity_state
 
     def _raise_capacity(self, state: TrainState, entry: _InFlight, required: float

@@ -1,10 +1,17 @@
 """Orbax train-state checkpoints: restore onto another layout, refuse another model's state, survive an
-interrupted write. (Resume after a real SIGKILL of `moe-jax train`: tests/training/test_train_job.py.)"""
+interrupted write, finish the last save of a script that ends. (Resume after a real SIGKILL of `moe-jax
+train`: tests/training/test_train_job.py.)"""
 
+import os
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from moe_jax import AutoModelForCausalLM
@@ -67,3 +74,51 @@ def test_an_interrupted_write_leaves_the_last_complete_checkpoint(trainers, tmp_
     for field in ARRAY_FIELDS:
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(getattr(restored, field)),
                      jax.device_get(getattr(state, field)))
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# What the README's training snippet leaves to the reader: a model and a data source.
+SNIPPET_PRELUDE = """
+import jax
+from moe_jax import AutoModelForCausalLM
+from tests.training.conftest import FixtureBatches
+from tests.training.hf_training import CHECKPOINT
+
+model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, devices=jax.devices()[:1], progress=False)
+data = FixtureBatches()
+"""
+# After the snippet: a save nobody waits for, which the interpreter's exit must finish.
+SNIPPET_EPILOGUE = """
+TrainCheckpoints("late/", model, train_step).save(5, state, capacity)
+"""
+
+
+def readme_training_snippet() -> str:
+    """The README's python block that trains with TrainCheckpoints, shortened to 4 steps saved every 2."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    snippet = next(block for block in blocks if "TrainCheckpoints(" in block)
+    assert "until_step=1000" in snippet and "save_every=100" in snippet
+    return snippet.replace("until_step=1000", "until_step=4").replace("save_every=100", "save_every=2")
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps orbax finished in `directory`, after checking nothing else (a temporary step) is there."""
+    names = sorted(path.name for path in directory.iterdir())
+    assert all(name.isdigit() for name in names), names
+    return [int(name) for name in names]
+
+
+def test_the_readme_snippet_run_as_a_script_leaves_complete_checkpoints(tmp_path):
+    """The last checkpoint of a script that ends right after training is complete (was: left as
+    `4.orbax-checkpoint-tmp`, with orbax's "cannot schedule new futures" traceback at exit, exit code 0),
+    and so is a save the script never waits for."""
+    script = tmp_path / "train.py"
+    script.write_text(SNIPPET_PRELUDE + readme_training_snippet() + SNIPPET_EPILOGUE)
+    environment = {**os.environ, "PYTHONPATH": str(README.parent)}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr, result.stderr[-3000:]
+    assert complete_steps(tmp_path / "ckpt") == [2, 4] and complete_steps(tmp_path / "late") == [5]
+    manager = ocp.CheckpointManager(tmp_path / "ckpt")
+    assert manager.restore(4, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]["step"] == 4
