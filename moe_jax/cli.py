@@ -145,7 +145,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
-command("generate", "generate text from an HF MoE checkpoint with its tokenizer, on any layout, streaming")(
+command("generate", "generate from an HF MoE checkpoint, text through its tokenizer or token ids "
+                    "(--prompt-ids 1,2,3), on any layout, streaming")(
     (_generate_arguments, _run_generate)
 )
 

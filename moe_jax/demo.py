@@ -1,6 +1,8 @@
 """`moe-jax demo`: build a tiny Qwen3-MoE checkpoint locally, load it sharded on 8 devices, and check it.
 
-    1. a random tiny Qwen3-MoE (8 experts, 4 layers) is saved as an HF checkpoint (safetensors + config.json)
+    1. a random tiny Qwen3-MoE (8 experts, 4 layers) is saved as an HF checkpoint (safetensors + config.json),
+       with a byte-level tokenizer (id = UTF-8 byte: the vocabulary is 256), so `moe-jax generate` and
+       `moe-jax train --text` work on it
     2. it is loaded with DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4): each device reads only its slices
     3. the plan, every parameter's sharding and the device layout are printed
     4. a forward pass runs on the mesh and is compared with the same checkpoint on one device
@@ -70,17 +72,20 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
 
     from . import AutoModelForCausalLM, DistributedConfig
     from .distributed.plan_report import plan_report
+    from .tokenization import write_byte_tokenizer
 
     devices = demo_devices()
     checkpoint = checkpoint_directory(output_dir)
 
-    print(f"[1/4] building a tiny random Qwen3-MoE and saving it as an HF checkpoint in {checkpoint}")
+    print(f"[1/4] building a tiny random Qwen3-MoE and saving it as an HF checkpoint (with a byte-level "
+          f"tokenizer) in {checkpoint}")
     reference = AutoModelForCausalLM.from_config(DEMO_CONFIG, devices=devices[:1])
     reference.init_params(seed)
     # A sharper router spreads tokens over the experts the way a trained one does.
     reference.params = {name: value * (8.0 if name.endswith("mlp.gate.weight") else 1.0)
                         for name, value in reference.params.items()}
     reference.save_pretrained(checkpoint, progress=False)
+    write_byte_tokenizer(checkpoint)
 
     print(f"[2/4] loading it on {len(devices)} {devices[0].platform} devices with DistributedConfig({DEMO_LAYOUT})")
     start = time.perf_counter()

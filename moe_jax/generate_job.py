@@ -2,16 +2,20 @@
 
     moe-jax generate --model ckpt/ --prompt "Hello" --max-new-tokens 32 --tp 2 --ep 4 --fsdp 4
     moe-jax generate --model ckpt/ --prompt-file prompts.txt          # one prompt per line, one batch
+    moe-jax generate --model ckpt/ --prompt-ids 1,2,3                 # token ids in and out: no tokenizer
 
 New text streams to the terminal as each step's tokens arrive (one prompt), or each prompt's completion is
-printed at the end (several); prefill and decode tokens/s follow, compile time apart. A bad request (no
-checkpoint, no tokenizer, a prompt longer than the model's positions, an unknown EP implementation) is
-one `error:` line and exit status 2, before anything is compiled.
+printed at the end (several); prefill and decode tokens/s follow, compile time apart. Prompts given as ids
+(`--prompt-ids`, or a `--prompt-file` whose every line is ids like `1,2,3`) need no tokenizer, and the
+prompt and new ids are printed the same way. A bad request (no checkpoint, text without a tokenizer, an id
+outside the vocabulary, a prompt longer than the model's positions, an unknown EP implementation) is one
+`error:` line and exit status 2, before anything is compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -24,13 +28,19 @@ from .layout_flags import (
     layout_devices,
     layout_given,
 )
+from .tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer files)")
+    parser.add_argument("--model", required=True,
+                        help="HF checkpoint directory (with its tokenizer files, for prompts given as text)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
-    source.add_argument("--prompt-file", help="a text file with one prompt per line (generated as one batch)")
+    source.add_argument("--prompt-file",
+                        help="a file with one prompt per line (generated as one batch); when every line is token "
+                             "ids like 1,2,3 the prompts are ids, as with --prompt-ids")
+    source.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer "
+                                             "needed; the prompt and the new tokens are printed as ids)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None)
@@ -40,16 +50,42 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser, ep_implementation=True)
 
 
-def _read_prompts(args) -> list[str]:
+# One prompt as token ids: integers separated by commas (spaces allowed around them).
+_IDS = re.compile(r"\s*\d+(\s*,\s*\d+)*\s*")
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    if not _IDS.fullmatch(text):
+        raise ValueError(f"{where} {text!r} is not token ids: give comma-separated integers, e.g. 1,2,3.")
+    return [int(token) for token in text.split(",")]
+
+
+def _read_prompts(args) -> tuple[list, bool]:
+    """(prompts, as_ids): the prompt texts, or the prompts' token ids when they were given as ids."""
+    if args.prompt_ids is not None:
+        return [_parse_ids(args.prompt_ids, "--prompt-ids")], True
     if args.prompt is not None:
-        return [args.prompt]
+        return [args.prompt], False
     path = Path(args.prompt_file)
     if not path.exists() or path.is_dir():
         raise ValueError(f"--prompt-file {path} is not a file.")
     prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"--prompt-file {path} holds no prompt (one per line).")
-    return prompts
+    if all(_IDS.fullmatch(line) for line in prompts):
+        return [_parse_ids(line, f"--prompt-file {path}:") for line in prompts], True
+    return prompts, False
+
+
+def _check_vocabulary(prompts: list[list[int]], vocab_size: int) -> None:
+    outside = sorted({token for ids in prompts for token in ids if token >= vocab_size})
+    if outside:
+        raise ValueError(f"token id {outside[0]} is outside the model's vocabulary [0, {vocab_size}).")
+
+
+# How prompts given as ids are shown: as they were given, the new ids appended.
+IDS_AS_TEXT = CheckpointTokenizer(encode=lambda text: _parse_ids(text, "ids"),
+                                  decode=lambda ids: ",".join(str(token) for token in ids))
 
 
 def _left_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,19 +107,24 @@ def run_generate(args: argparse.Namespace) -> int:
     from .distributed.mesh import DeviceLayout
     from .inference.generation_config import GenerationConfig
     from .models.auto import AutoModelForCausalLM
-    from .tokenization import load_checkpoint_tokenizer
 
     directory = Path(args.model)
     if not directory.is_dir():
         raise ValueError(f"--model {directory} is not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
-    tokenizer = load_checkpoint_tokenizer(directory, instead="this command needs one to turn the prompt into ids")
+    prompts, as_ids = _read_prompts(args)
+    if as_ids:
+        tokenizer = IDS_AS_TEXT
+        _check_vocabulary(prompts, config["vocab_size"])
+    else:
+        tokenizer = load_checkpoint_tokenizer(directory, instead="give the prompt as token ids with --prompt-ids "
+                                                                 "1,2,3 (or lines of ids in --prompt-file)")
+        prompts = [tokenizer.encode(text) for text in prompts]
     # Built (and its ep_implementation checked) before anything heavy; without layout flags: one device.
     distributed_config = (distributed_config_from_flags(args) if layout_given(args)
                           else DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1.")
-    prompts = [tokenizer.encode(text) for text in _read_prompts(args)]
     if any(not ids for ids in prompts):
         raise ValueError("a prompt encodes to no tokens; give some text.")
     generation = GenerationConfig.for_checkpoint(directory, config).updated(max_new_tokens=args.max_new_tokens)

@@ -3,10 +3,14 @@ else the `tokenizers` library on tokenizer.json.
 
     tokenizer = load_checkpoint_tokenizer("ckpt/", instead="give token ids with --data FILE.npy")
     ids = tokenizer.encode("hello world"); text = tokenizer.decode(ids)
+    write_byte_tokenizer("ckpt/")        # a 256-id byte-level tokenizer (the demo's vocabulary)
+    copy_tokenizer_files("ckpt/", "trained/")
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,3 +58,48 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+# Besides TOKENIZER_FILES, what a saved Transformers tokenizer may consist of.
+TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja")
+
+
+def copy_tokenizer_files(source, destination) -> list[str]:
+    """Copies the tokenizer files of checkpoint `source` into `destination` (an exported checkpoint of a
+    model trained from it); returns the names copied (none when `source` has no tokenizer)."""
+    copied = []
+    for name in TOKENIZER_FILES + TOKENIZER_EXTRA_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(destination) / name)
+            copied.append(name)
+    return copied
+
+
+def _byte_characters() -> list[str]:
+    """GPT-2's printable stand-in for each byte 0..255 (what a ByteLevel pre-tokenizer turns bytes into)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = (byte for byte in range(256) if byte not in printable)
+    characters = {byte: chr(byte) for byte in printable}
+    characters.update({byte: chr(256 + n) for n, byte in enumerate(others)})
+    return [characters[byte] for byte in range(256)]
+
+
+def write_byte_tokenizer(directory) -> None:
+    """Writes a byte-level tokenizer into `directory`: id i is the byte i of the UTF-8 text (256 ids, no
+    merges, no special tokens), as tokenizer.json + tokenizer_config.json, which both the `tokenizers`
+    library and Transformers' AutoTokenizer load. Written as JSON: neither library is needed to write it."""
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level}, "post_processor": None,
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {character: byte for byte, character in enumerate(_byte_characters())}, "merges": []},
+    }
+    directory = Path(directory)
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    # Decoding must give back the text as it was: no "clean up" of spaces before punctuation.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -121,6 +121,13 @@ def _check_output_dir(path: str | None, flag: str) -> None:
         raise FileExistsError(f"{flag} {path} exists and is not empty; pass a new directory.")
 
 
+def _copy_tokenizer(model_dir: Path | None, export_dir: str) -> list[str]:
+    """The --model checkpoint's tokenizer files, copied into the export so text commands work on it."""
+    from .tokenization import copy_tokenizer_files
+
+    return [] if model_dir is None else copy_tokenizer_files(model_dir, export_dir)
+
+
 class _Progress:
     """A tqdm bar with loss, tokens/s and capacity, plus the JSONL writer."""
 
@@ -244,5 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if args.export_hf is not None:
         model.params = state.params
         model.save_pretrained(args.export_hf, progress=not args.no_progress)
-        print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}")
+        copied = _copy_tokenizer(model_dir, args.export_hf) if main_process else []
+        print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
+              + (f" (with {model_dir}'s tokenizer)" if copied else ""))
     return 0

@@ -16,6 +16,7 @@ def test_demo_console_command_in_a_fresh_process(tmp_path):
     assert "agreement: OK" in result.stdout and "dropped pairs 0" in result.stdout
     assert (tmp_path / "tiny-qwen3-moe" / "config.json").is_file()
     written = sorted(path.name for path in (tmp_path / "tiny-qwen3-moe").iterdir())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(written)    # `generate --prompt` works on it
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and again.stderr.startswith("error: ")
     assert "tiny-qwen3-moe already exists (an earlier demo run?)" in again.stderr

@@ -40,11 +40,33 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     assert "prefill 7 tokens" in err and "decode 20 tokens in 20 steps" in err and "tokens/s" in err
 
 
+def test_prompts_given_as_token_ids_need_no_tokenizer(tmp_path, capsys):
+    """`--prompt-ids` and a `--prompt-file` of id lines on the fixture checkpoint, which has no tokenizer
+    (was: `error: ... has no tokenizer`): the prompt and the new ids are printed as ids, the batch of
+    three left-padded like the fixture's prompts."""
+    expected = np.load(FIXTURES / "qwen3_moe.npz")
+    prompts = [ids[mask == 1].tolist() for ids, mask in zip(expected["input_ids"], expected["attention_mask"])]
+    sequences = [prompt + row[7:].tolist() for prompt, row in zip(prompts, expected["greedy"])]
+    layout = ["--tp", "2", "--ep", "2", "--fsdp", "4", "--max-new-tokens", "20"]
+    as_text = [",".join(str(token) for token in ids) for ids in prompts]
+    assert main(["generate", "--model", str(MODELS / "qwen3_moe"), "--prompt-ids", as_text[0], *layout]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(str(token) for token in sequences[0])
+    (tmp_path / "prompts.txt").write_text("\n".join(as_text[:1] + [" 84, 117,65 , 78", as_text[2]]) + "\n")
+    assert main(["generate", "--model", str(MODELS / "qwen3_moe"), "--prompt-file", str(tmp_path / "prompts.txt"),
+                 *layout]) == 0
+    assert capsys.readouterr().out.splitlines() == [",".join(str(token) for token in ids) for ids in sequences]
+
+
 BAD_REQUESTS = {
     "missing checkpoint": (lambda ckpt: ["--model", str(ckpt.parent / "nope"), "--prompt", "w1"],
                            "not a checkpoint directory"),
     "no tokenizer": (lambda ckpt: ["--model", str(MODELS / "qwen3_moe"), "--prompt", "w1"],
-                     "has no tokenizer"),
+                     "has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                     "vocab.json); give the prompt as token ids with --prompt-ids 1,2,3"),
+    "ids that are not ids": (lambda ckpt: ["--model", str(ckpt), "--prompt-ids", "1,w2"],
+                             "--prompt-ids '1,w2' is not token ids: give comma-separated integers"),
+    "an id outside the vocabulary": (lambda ckpt: ["--model", str(ckpt), "--prompt-ids", "1,128"],
+                                     "token id 128 is outside the model's vocabulary [0, 128)"),
     "prompt too long": (lambda ckpt: ["--model", str(ckpt), "--prompt", " ".join(["w1"] * 250),
                                       "--max-new-tokens", "10"], "more than the model's 256 positions"),
     "unknown ep implementation": (lambda ckpt: ["--model", str(ckpt), "--prompt", "w1", "--ep", "2",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moe_jax.tokenization import load_checkpoint_tokenizer
+from moe_jax.tokenization import load_checkpoint_tokenizer, write_byte_tokenizer
 
 INSTEAD = "give token ids with --data FILE.npy"
 
@@ -43,3 +43,16 @@ def test_a_directory_without_tokenizer_files_is_refused(tmp_path):
         load_checkpoint_tokenizer(tmp_path, instead=INSTEAD)
     with pytest.raises(ValueError, match="pass --model with a checkpoint directory"):
         load_checkpoint_tokenizer(tmp_path / "missing", instead=INSTEAD)
+
+
+def test_the_demo_byte_tokenizer_loads_with_transformers_and_with_tokenizers(tmp_path, monkeypatch):
+    """What `moe-jax demo` writes next to its checkpoint: id i is byte i, text round-trips through both."""
+    pytest.importorskip("tokenizers")
+    write_byte_tokenizer(tmp_path)
+    text = "Hello,  wörld ! 1+1"
+    for library in ("transformers", "tokenizers"):
+        if library == "tokenizers":
+            monkeypatch.setitem(sys.modules, "transformers", None)   # as if transformers were not installed
+        tokenizer = load_checkpoint_tokenizer(tmp_path, instead=INSTEAD)
+        assert tokenizer.encode(text) == list(text.encode("utf-8")), library
+        assert tokenizer.decode(tokenizer.encode(text)) == text, library

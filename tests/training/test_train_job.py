@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from moe_jax import AutoModelForCausalLM
 from moe_jax.cli import main
 from moe_jax.demo import DEMO_CONFIG
+from moe_jax.tokenization import write_byte_tokenizer
 from moe_jax.training import TrainCheckpoints, make_train_step
 from moe_jax.training.optimizers import build_optimizer
 
@@ -84,10 +86,13 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
 
 @pytest.fixture(scope="module")
 def one_device_run(token_file, tmp_path_factory):
-    """Two SGD steps without layout flags, exported with --export-hf: (stdout, export dir, metrics)."""
+    """Two SGD steps without layout flags from the fixture checkpoint given a tokenizer, exported with
+    --export-hf: (stdout, export dir, metrics)."""
     directory = tmp_path_factory.mktemp("one_device")
-    export, jsonl = directory / "hf", directory / "metrics.jsonl"
-    argv = ["train", "--model", str(CHECKPOINT), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
+    export, jsonl, model_dir = directory / "hf", directory / "metrics.jsonl", directory / "model"
+    shutil.copytree(CHECKPOINT, model_dir)
+    write_byte_tokenizer(model_dir)
+    argv = ["train", "--model", str(model_dir), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
             "--optimizer", "sgd", "--lr", "0.5", "--no-progress", "--export-hf", str(export),
             "--metrics-jsonl", str(jsonl)]
     stdout = io.StringIO()
@@ -101,6 +106,10 @@ def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoi
     assert "training on 1 cpu device (no layout flag; JAX sees 8 device(s)" in out
     assert [r["step"] for r in records] == [1, 2] and all(r["capacity"] is None for r in records)
     assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
+    # The tokenizer comes along, so text commands work on the export (was: weights and config only).
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (export / name).read_bytes() == (export.parent / "model" / name).read_bytes()
+    assert out.rstrip().endswith(f"(with {export.parent / 'model'}'s tokenizer)")
     from safetensors.numpy import load_file
 
     trained, original = load_file(export / "model.safetensors"), load_file(CHECKPOINT / "model.safetensors")
