@@ -5,8 +5,9 @@
 
 Writes `tests/fixtures/reference_plans.json`: the module and parameter names of a tiny Qwen3-MoE, its
 plans, and for each `DistributedConfig` case the resolved + expanded plans (or the error text and the
-warnings). The default test run reads the fixture, so it needs no torch; `-m reference` tests recompute
-it live.
+warnings); and for every family's tiny model (tests/models/hf_reference.py) its composed plans and the
+resolved plans (or the error text) on a few representative layouts (`family_plan_cases`). The default test
+run reads the fixture, so it needs no torch; `-m reference` tests recompute it live.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference_plans.json"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "reference_plans.json"
 
 TINY_QWEN3_MOE = dict(
     vocab_size=128,
@@ -123,6 +125,37 @@ CONFIG_CASES = [
 ]
 
 
+# Every family's plans on these layouts (tests/distributed/test_family_plans.py): TP with and without FSDP,
+# TP + FSDP + EP, EP over all of TP, EP over all of FSDP. A family the reference gives no plan of some kind
+# records that plan empty (gpt-oss's TP), or the reference's error (Llama 4 has no EP plan).
+FAMILY_PLAN_LAYOUTS = [
+    ("tp2", dict(tp_size=2)),
+    ("tp2_fsdp4", dict(tp_size=2, fsdp_size=4)),
+    ("tp2_fsdp4_ep4", dict(tp_size=2, fsdp_size=4, ep_size=4)),
+    ("tp8_ep8", dict(tp_size=8, ep_size=8)),
+    ("fsdp8_ep8", dict(fsdp_size=8, ep_size=8)),
+]
+
+
+def family_configs() -> dict[str, dict]:
+    """{model_type: tiny config} of every family, as the model fixtures and parity tests build them."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.models.hf_reference import (
+        TINY_DEEPSEEK_V3,
+        TINY_GPT_OSS,
+        TINY_LLAMA4,
+        TINY_MIXTRAL,
+        TINY_OLMOE,
+        TINY_QWEN2_MOE,
+        TINY_QWEN3_MOE,
+    )
+
+    return {"qwen3_moe": TINY_QWEN3_MOE, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE,
+            "mixtral": TINY_MIXTRAL, "gpt_oss": TINY_GPT_OSS, "deepseek_v3": TINY_DEEPSEEK_V3,
+            "llama4_text": TINY_LLAMA4}
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -197,6 +230,46 @@ def _run_plan_case(kwargs, config_changes):
     return result
 
 
+def _family_model(model_type: str, config_values: dict):
+    import torch
+    import transformers
+
+    config_class = transformers.AutoConfig.for_model(model_type).__class__
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config_class(**config_values))
+
+
+def family_plan_case(model_type: str, config_values: dict) -> dict:
+    """One family's tiny model: its config, composed plans, and per layout the resolved + expanded plans
+    {"tp" | "ep" | "fsdp": [[name, style], ...]} or {"error": text}, each layout on a fresh model."""
+    import warnings
+
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    model = _family_model(model_type, config_values)
+    layouts = {}
+    for name, kwargs in FAMILY_PLAN_LAYOUTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = DistributedConfig(**kwargs)
+        try:
+            tp, ep, fsdp = _family_model(model_type, config_values)._resolve_parallel_plans(config)
+            result = {"tp": list(tp.items()), "ep": list(ep.items()), "fsdp": list(fsdp.items())}
+        except (ValueError, OSError) as error:
+            result = {"error": f"{type(error).__name__}: {error}"}
+        layouts[name] = {"kwargs": kwargs, **result}
+    return {
+        "model_config": config_values,
+        "plans": {kind: dict(getattr(model, kind)) for kind in ("tp_plan", "ep_plan", "fsdp_plan")},
+        "layouts": layouts,
+    }
+
+
+def build_family_plan_cases() -> dict:
+    return {model_type: family_plan_case(model_type, values)
+            for model_type, values in family_configs().items()}
+
+
 def build_fixture() -> dict:
     import transformers
 
@@ -232,6 +305,7 @@ def build_fixture() -> dict:
             name: {"kwargs": kwargs, "model_config_changes": ALL_SPARSE, **_run_plan_case(kwargs, ALL_SPARSE)}
             for name, kwargs in ALL_SPARSE_PLAN_CASES
         },
+        "family_plan_cases": build_family_plan_cases(),
     }
 
 
@@ -239,7 +313,8 @@ def main() -> int:
     fixture = build_fixture()
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=False) + "\n")
-    print(f"wrote {FIXTURE} ({len(fixture['plan_cases'])} plan cases, {len(fixture['config_cases'])} config cases)")
+    print(f"wrote {FIXTURE} ({len(fixture['plan_cases'])} plan cases, {len(fixture['config_cases'])} config "
+          f"cases, {len(fixture['family_plan_cases'])} families x {len(FAMILY_PLAN_LAYOUTS)} layouts)")
     return 0
 
 
