@@ -50,3 +50,28 @@ def test_a_prompt_fed_in_pieces_gives_the_full_forward_logits():
         pieces.append(np.asarray(out.logits))
     assert int(cache.length) == 10
     np.testing.assert_allclose(np.concatenate(pieces, axis=1)[mask == 1], full[mask == 1], atol=1e-5)
+
+
+def test_a_prompt_fed_in_pieces_into_the_full_cache_gives_the_reference_logits():
+    """OLMoE has no sliding window, so every layer writes its new keys/values into the full cache at slots
+    [length, length + S); the Mixtral test above runs only rings. A wrong write slot or query index there
+    (off by one, or every piece written at 0) misaligns keys with `key_mask` and positions, and fails here
+    rather than only in the end-to-end generate tests. The committed fixture's 12 left-padded tokens (rows 1
+    and 5, row 5's first piece all padding) go in 4 pieces of 3 (one compilation), compared on the real
+    tokens with the PyTorch reference's logits of one full forward."""
+    model = AutoModelForCausalLM.from_pretrained(MODELS / "olmoe", devices=jax.devices()[:1], progress=False)
+    reference = np.load(MODELS / "olmoe" / "reference.npz")
+    ids, mask = reference["input_ids"].astype(np.int32), reference["attention_mask"]
+    positions = np.asarray(prompt_positions(mask))
+    cache, pieces = init_cache(model, *ids.shape), []
+    assert cache.window_masks == {} and cache.max_length == 16      # full per-layer caches, 4 slots spare
+    for start in range(0, ids.shape[1], 3):
+        piece = slice(start, start + 3)
+        out = model.apply(model.params, ids[:, piece], attention_mask=mask[:, piece],
+                          positions=positions[:, piece], cache=cache)
+        cache = out.cache
+        pieces.append(np.asarray(out.logits))
+    assert int(cache.length) == ids.shape[1]
+    real = mask == 1
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1)[real], reference["logits"][real],
+                               atol=1e-5, rtol=0)
