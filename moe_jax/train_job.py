@@ -12,7 +12,8 @@ Labels are the inputs, shifted inside the loss as the reference does. Every bad 
 sequence length, batch size, checkpoint directory, layout) is refused with one `error:` line before any
 compute. The JSONL has one object per optimizer step: step, loss (of the batch, before that step's
 update; includes the router term when the config adds it), ce_loss, aux_loss, grad_norm, tokens_per_s,
-capacity, replayed, ...
+capacity, replayed, ...; a resume keeps each step once. A resume refuses, in one line, a checkpoint of
+another model or optimizer.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
-    parser.add_argument("--metrics-jsonl", default=None, help="append one JSON object per optimizer step here")
+    parser.add_argument("--metrics-jsonl", default=None,
+                        help="append one JSON object per optimizer step here (--resume first drops the records "
+                             "of the steps after its checkpoint: they are trained, and written, again)")
     parser.add_argument("--checkpoint-dir", default=None, help="orbax train-state checkpoints (saved asynchronously)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default 100)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
@@ -126,6 +129,31 @@ def _copy_tokenizer(model_dir: Path | None, export_dir: str) -> list[str]:
     from .tokenization import copy_tokenizer_files
 
     return [] if model_dir is None else copy_tokenizer_files(model_dir, export_dir)
+
+
+def _after(line: str, step: int) -> bool:
+    """Whether a JSONL line is the record of a step after `step`, or the torn last line of a killed write."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return not line.endswith("\n")
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+
+
+def _forget_records_after(path: Path, step: int) -> None:
+    """Before a resume from `step`: drops the records of later steps from the metrics JSONL. The interrupted
+    run trained past its last checkpoint; the resumed run trains those steps again and writes their records,
+    so each step is in the file once, from the run the state continues."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not _after(line, step)]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"  # the next record starts on a line of its own
+    if kept != lines:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        temporary.replace(path)  # atomic: a kill now leaves the old file or the new one
 
 
 class _Progress:
@@ -228,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
 
     # One process of a multi-process job keeps the record: every process sees the same metrics.
     main_process = jax.process_index() == 0
+    if args.resume and args.metrics_jsonl is not None and main_process:
+        _forget_records_after(Path(args.metrics_jsonl), start)
     progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
                          not args.no_progress and main_process)
     loop = TrainLoop(

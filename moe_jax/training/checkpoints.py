@@ -7,8 +7,8 @@
     checkpoints.close()                                         # wait, then release orbax's threads
 
 A checkpoint holds the state's arrays (params, optimizer state, step, rng, data position) and a JSON
-record: the model's type and config, its parameter shapes, the layout it was saved from, and the
-dispatch capacity in force with its calm streak. Restoring reads every array directly into the shardings
+record: the model's type and config, its parameter shapes, the structure of the optimizer state, the
+layout it was saved from, and the dispatch capacity in force with its calm streak. Restoring reads every array directly into the shardings
 of the *current* model and optimizer (orbax reshards), so a state saved with tp2/fsdp4/ep4 resumes with
 fsdp8/ep8. Orbax writes each step into a temporary directory and renames it when complete, so a killed
 write never damages the last complete checkpoint (an unfinished one is ignored and cleaned up).
@@ -46,6 +46,31 @@ def model_record(model) -> dict:
         "parameters": {name: list(shape) for name, shape in model.storage_shapes().items()},
         "dtype": jnp.dtype(model.dtype).name,
     }
+
+
+def _is_per_parameter(node) -> bool:
+    """A dict of one array (or empty masked node) per parameter: adam's mu, nu, momentum, ..."""
+    return isinstance(node, dict) and all(not isinstance(value, (dict, list, tuple)) or value == ()
+                                          for value in node.values())
+
+
+def optimizer_structure(opt_state) -> str:
+    """The optimizer state without its arrays, e.g. "(ScaleByAdamState(count, mu, nu), EmptyState(),
+    EmptyState())" for AdamW and "(EmptyState(), EmptyState())" for SGD: what a resume must match."""
+    def leaf(node) -> bool:
+        return not isinstance(node, (dict, list, tuple)) or _is_per_parameter(node)
+
+    def describe(node) -> str:
+        if hasattr(node, "_fields"):  # an optax state (a named tuple)
+            fields = [name if leaf(value) else f"{name}={describe(value)}" for name, value in zip(node._fields, node)]
+            return f"{type(node).__name__}({', '.join(fields)})"
+        if isinstance(node, (list, tuple)):
+            return f"({', '.join(describe(value) for value in node)})"
+        if isinstance(node, dict) and not _is_per_parameter(node):
+            return "{" + ", ".join(f"{key}: {describe(node[key])}" for key in sorted(node)) + "}"
+        return "*"
+
+    return describe(opt_state)
 
 
 # Managers whose last save may still be in flight, by id (dropped by wait() and close()).
@@ -92,8 +117,9 @@ class TrainCheckpoints:
             raise ValueError(f"keep={keep} must be >= 1 (checkpoints kept), or None to keep all.")
         self.directory = Path(directory).absolute()
         self.model, self.train_step, self.save_every = model, train_step, save_every
+        # create=False: orbax makes the directory with the first step it writes, not here.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+                                               create=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def should_save(self, step: int) -> bool:
@@ -105,6 +131,7 @@ class TrainCheckpoints:
     def save(self, step: int, state: TrainState, capacity_state: CapacityState | None) -> None:
         record = {
             "format": FORMAT, "step": step, **model_record(self.model),
+            "optimizer_state": optimizer_structure(state.opt_state),
             "layout": self.model.distributed_config.to_dict(),
             "capacity": None if capacity_state is None else {
                 "capacity": capacity_state.capacity, "calm_calls": capacity_state.calm_calls,
@@ -141,6 +168,13 @@ class TrainCheckpoints:
                 f"{self.directory} holds a train state of another model: {'; '.join(problems)}. Use a new "
                 "--checkpoint-dir for this model, or the model the checkpoint was saved from."
             )
+        saved, current = record.get("optimizer_state"), self._optimizer_structure()
+        if saved is not None and saved != current:  # (absent from checkpoints written before it was recorded)
+            raise ValueError(
+                f"{self.directory} holds a train state of another optimizer: its optimizer state is {saved}, "
+                f"this optimizer's is {current}. Resume with the optimizer it was saved with (--optimizer, "
+                "--expert-lr), or use a new --checkpoint-dir."
+            )
 
     def restore(self, step: int | None = None) -> tuple[TrainState, CapacityState | None]:
         """The state saved at `step` (default the latest), read into this model's and step's shardings."""
@@ -151,9 +185,16 @@ class TrainCheckpoints:
         capacity = None if capacity_state is None else capacity_state.capacity
         target = abstract_train_state(self.model, self.train_step.optimizer, capacity,
                                       memory_kind=self.train_step.memory_kind)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target.arrays())))["state"]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target.arrays())))["state"]
+        except ValueError as error:  # a state the record cannot vouch for; orbax's advice does not apply here
+            raise ValueError(f"{self.directory} step {step} does not fit this model and optimizer: "
+                             f"{str(error).splitlines()[0]}") from None
         return TrainState(**restored, capacity=capacity), capacity_state
+
+    def _optimizer_structure(self) -> str:
+        return optimizer_structure(abstract_train_state(self.model, self.train_step.optimizer).opt_state)
 
     def _capacity_state(self, saved: dict | None) -> CapacityState | None:
         """The saved capacity and calm streak; the ladder depends on ep_size, so a capacity this layout's

@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,7 +51,7 @@ def train_argv(token_file, *extra) -> list[str]:
             "--ep", "2", "--lr", "1e-2", "--no-progress", *extra]
 
 
-def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_file, tmp_path):
+def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_file, tmp_path, capsys):
     assert main(train_argv(token_file, "--steps", "10", "--metrics-jsonl", str(tmp_path / "full.jsonl"))) == 0
     full = read_jsonl(tmp_path / "full.jsonl")
     assert [r["step"] for r in full] == list(range(1, 11))
@@ -73,13 +74,17 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
     killed = read_jsonl(killed_jsonl)
     assert killed[-1]["step"] < 10, "the process finished before the kill"
 
-    resumed_jsonl = tmp_path / "resumed.jsonl"
+    capsys.readouterr()
     assert main(train_argv(token_file, "--steps", "10", *checkpointing, "--resume",
-                           "--metrics-jsonl", str(resumed_jsonl))) == 0
-    resumed = read_jsonl(resumed_jsonl)
-    assert resumed[0]["step"] <= 7 and resumed[-1]["step"] == 10     # from the checkpoint of step 4 or 6
-    expected = {r["step"]: r["loss"] for r in full}
-    assert {r["step"]: r["loss"] for r in resumed} == {step: expected[step] for step in range(resumed[0]["step"], 11)}
+                           "--metrics-jsonl", str(killed_jsonl))) == 0
+    resumed_from = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))
+    # A checkpoint (--save-every 2) at or before the last record: the steps after it are trained twice ...
+    assert resumed_from % 2 == 0 and resumed_from <= killed[-1]["step"]
+    records = read_jsonl(killed_jsonl)
+    # ... yet the JSONL the resume appended to has each step once (was: the retrained steps twice).
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["loss"] for r in records[resumed_from:]] == [r["loss"] for r in full[resumed_from:]]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in full], rtol=1e-6)
     kept = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
     assert kept == [8, 10]                                     # --save-every 2 --keep 2
 
@@ -162,11 +167,13 @@ def test_a_bad_request_is_refused_with_one_error_line(request_name, tmp_path, ca
     jsonl = tmp_path / "metrics.jsonl"
     argv = ["train", "--model", str(CHECKPOINT), "--steps", "1", "--no-progress", "--metrics-jsonl", str(jsonl),
             *extra(tmp_path)]
+    before = sorted(tmp_path.rglob("*"))
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert __import__("re").search(message, err), err
-    assert not jsonl.exists()                                  # refused before the first step
+    assert re.search(message, err), err
+    # Refused before the first step, with nothing created (was: --resume --checkpoint-dir made the directory).
+    assert sorted(tmp_path.rglob("*")) == before and not jsonl.exists()
 
 
 def test_a_checkpoint_directory_of_another_model_is_refused(tmp_path, capsys):
@@ -184,3 +191,18 @@ def test_a_checkpoint_directory_of_another_model_is_refused(tmp_path, capsys):
     assert "holds a train state of another model" in capsys.readouterr().err
     assert main(["train", "--steps", "2", "--checkpoint-dir", str(checkpoint_dir), "--no-progress"]) == 2
     assert "already holds checkpoints (latest step 1); pass --resume" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_optimizer_says_so_in_one_line(tmp_path, capsys):
+    """(was: orbax's tree-mismatch report, ending in advice to pass `partial_restore=True`)"""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, devices=jax.devices()[:1], progress=False)
+    train_step = make_train_step(model, build_optimizer("adamw", 1e-3))
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step)
+    checkpoints.save(1, train_step.init_state(), None)
+    checkpoints.close()
+    assert main(["train", "--model", str(CHECKPOINT), "--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume",
+                 "--optimizer", "sgd", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: {tmp_path} holds a train state of another optimizer: its optimizer state is (ScaleByAdamState("
+        "count, mu, nu), EmptyState(), EmptyState()), this optimizer's is (EmptyState(), EmptyState()). Resume with")
