@@ -26,7 +26,13 @@ def read_config(path_or_config: str | os.PathLike | dict) -> dict:
             f"No config.json at {path}. Pass a checkpoint directory that holds config.json, or the path of a "
             "config.json."
         )
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # json.JSONDecodeError and UnicodeDecodeError: name the file
+        raise ValueError(f"{path} is not valid JSON: {error}.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not the object of a model config.")
+    return config
 
 
 # Hub repo ids are "name" or "org/name"; anything else that does not exist is a mistyped local path.

@@ -83,8 +83,11 @@ command("plan", "show the resolved plans, each parameter's PartitionSpec and sha
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", default=None, help="where to write the tiny checkpoint (default: a temp dir)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None,
+                        help="a new or empty directory to write the tiny checkpoint into, so that `--model "
+                             "OUTPUT_DIR` loads it in the other commands (default: a new temporary directory)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights and of the test batch (default 0)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -170,8 +173,15 @@ command("launch", "run a command as N local processes of one JAX multi-process j
 NO_RUNTIME_COMMANDS = frozenset({"launch"})
 
 
+DESCRIPTION = (
+    "Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, Llama 4) in JAX, "
+    "from Hugging Face checkpoints, on any layout of tensor, expert and fully-sharded data parallelism. Start "
+    "with `moe-jax demo`; `moe-jax COMMAND --help` explains a command and its flags."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moe-jax", description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (add_arguments, _, help_text) in COMMANDS.items():
         add_arguments(subparsers.add_parser(name, help=help_text, description=help_text))

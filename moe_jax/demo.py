@@ -51,12 +51,15 @@ def demo_devices(count: int = 8):
 
 
 def checkpoint_directory(output_dir: str | None) -> Path:
-    """Where the demo writes its checkpoint; refuses a directory an earlier run already filled."""
-    workdir = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="moe_jax_demo_"))
-    checkpoint = workdir / "tiny-qwen3-moe"
-    if checkpoint.exists():
+    """Where the demo writes its checkpoint: `output_dir` itself, so `--model OUTPUT_DIR` loads it (it must
+    be new or empty: an earlier run's checkpoint is never overwritten); default: a new temporary directory."""
+    if not output_dir:
+        return Path(tempfile.mkdtemp(prefix="moe_jax_demo_"))
+    checkpoint = Path(output_dir)
+    if checkpoint.exists() and (not checkpoint.is_dir() or any(checkpoint.iterdir())):
         raise FileExistsError(
-            f"{checkpoint} already exists (an earlier demo run?); pass another --output-dir or remove it first."
+            f"--output-dir {checkpoint} exists and is not empty (an earlier demo run?); pass a new or empty "
+            "directory."
         )
     return checkpoint
 
@@ -64,8 +67,8 @@ def checkpoint_directory(output_dir: str | None) -> Path:
 def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     """Returns the max abs difference between sharded and single-device logits (printed too).
 
-    Raises ValueError when JAX has fewer than 8 devices and FileExistsError when `output_dir` already holds
-    a demo checkpoint, before anything is written.
+    Raises ValueError when JAX has fewer than 8 devices and FileExistsError when `output_dir` exists and is
+    not empty, before anything is written.
     """
     ensure_virtual_cpu_devices()
     import numpy as np

@@ -27,6 +27,7 @@ from .layout_flags import (
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    warn_about_head_split,
 )
 from .tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 
@@ -43,9 +44,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                                              "needed; the prompt and the new tokens are printed as ids)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="with --do-sample: divide the logits by this (default: the checkpoint's "
+                             "generation_config.json, else 1.0)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="with --do-sample: sample among the k likeliest tokens (default: the checkpoint's "
+                             "generation_config.json, else 50)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="with --do-sample: sample among the likeliest tokens whose probabilities sum to p "
+                             "(default: the checkpoint's generation_config.json, else 1.0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_layout_flags(parser, ep_implementation=True)
 
@@ -137,6 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    warn_about_head_split(model)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
           file=sys.stderr)
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())

@@ -78,3 +78,14 @@ def layout_devices(count: int, command: str) -> list:
 def describe_layout(distributed_config) -> str:
     return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
             f"dp_replicate={distributed_config.dp_replicate_size}")
+
+
+def warn_about_head_split(model) -> None:
+    """One `warning:` line on stderr when the layout's tp_size does not divide the model's KV heads, saying
+    what becomes of them (`moe-jax plan` prints the same as a note)."""
+    import sys
+
+    from .distributed.plan_report import head_split_note
+
+    if (note := head_split_note(model)) is not None:
+        print(f"warning: {note}", file=sys.stderr)

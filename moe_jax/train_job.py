@@ -30,6 +30,7 @@ from .layout_flags import (
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    warn_about_head_split,
 )
 
 DTYPES = ("float32", "bfloat16")
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from .distributed.mesh import DeviceLayout
+    from .distributed.picture import count_text
     from .models.auto import AutoModelForCausalLM
     from .pretrained import load_weights
     from .training.checkpoints import TrainCheckpoints
@@ -209,11 +211,12 @@ def run(args: argparse.Namespace) -> int:
                          "layout (--tp / --fsdp / --ep / --dp-replicate) that uses all of them.")
     if distributed_config is None:
         devices = jax.devices()[:1]
-        print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees {len(jax.devices())} "
-              f"device(s): pass --tp / --fsdp / --ep / --dp-replicate to use them)")
+        print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees "
+              f"{count_text(len(jax.devices()), 'device')}: pass --tp / --fsdp / --ep / --dp-replicate to use them)")
     else:
         devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "train")
-        print(f"training on {len(devices)} {devices[0].platform} devices ({describe_layout(distributed_config)}, "
+        print(f"training on {count_text(len(devices), devices[0].platform + ' device')} "
+              f"({describe_layout(distributed_config)}, "
               f"ep_implementation={distributed_config.ep_implementation})")
     if distributed_config is None and args.ep_implementation != "auto":
         from .distributed.config import DistributedConfig
@@ -222,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     model_options = dict(devices=devices, dtype=args.dtype, scan_layers=SCAN_CHOICES[args.scan_layers],
                          remat=args.remat)
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
+    warn_about_head_split(model)
     optimizer = build_optimizer(args.optimizer, args.lr, args.weight_decay, expert_learning_rate=args.expert_lr)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,

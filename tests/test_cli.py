@@ -1,8 +1,9 @@
 """The `moe-jax` subcommands a user runs from a shell."""
 
+import argparse
 import json
 
-from moe_jax.cli import main
+from moe_jax.cli import build_parser, main
 from tests.models.hf_reference import TINY_QWEN3_MOE
 
 
@@ -36,3 +37,29 @@ def test_plan_command_reads_a_config_json_path(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}))
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--fsdp", "8", "--ep", "8"]) == 0
     assert "model.layers.*.mlp.experts: ep_dispatch_experts" in capsys.readouterr().out
+
+
+def test_plan_with_more_tp_than_kv_heads_says_what_happens_to_the_heads(tmp_path, capsys):
+    """(was: accepted without a word) The fixture has 2 KV heads of 8 rows: k/v projections of 16 rows."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}))
+    assert main(["plan", "--model", str(tmp_path), "--tp", "4"]) == 0
+    assert ("note: tp_size=4 does not divide the 2 KV heads: each TP device holds 4 of the 16 rows of every k/v "
+            "projection (a head is 8 rows)") in capsys.readouterr().out
+    assert main(["plan", "--model", str(tmp_path), "--tp", "2"]) == 0
+    assert "note: tp_size" not in capsys.readouterr().out
+
+
+def test_the_help_describes_the_commands_and_every_flag():
+    """(was: the top-level description spoke of `COMMANDS`, and demo --seed and generate's sampling flags had
+    no help text)"""
+    parser = build_parser()
+    assert "COMMANDS" not in parser.description and "moe-jax demo" in parser.description
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    undocumented = [f"{name} {action.option_strings[0]}" for name, subparser in subparsers.choices.items()
+                    for action in subparser._actions if action.option_strings and not action.help]
+    assert undocumented == []
+
+
+def test_a_one_device_layout_is_one_device(capsys):
+    assert main(["layout", "--tp", "1"]) == 0
+    assert capsys.readouterr().out.startswith("1 device: tp_size=1")

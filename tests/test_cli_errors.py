@@ -49,11 +49,17 @@ def test_plan_refuses_an_unregistered_ep_implementation(tmp_path, capsys):
 
 
 def test_demo_refuses_an_output_dir_an_earlier_run_filled(tmp_path, capsys):
-    (tmp_path / "tiny-qwen3-moe").mkdir()
-    (tmp_path / "tiny-qwen3-moe" / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")
     assert main(["demo", "--output-dir", str(tmp_path)]) == 2
-    assert "tiny-qwen3-moe already exists (an earlier demo run?)" in error_line(capsys)
-    assert [path.name for path in (tmp_path / "tiny-qwen3-moe").iterdir()] == ["config.json"]
+    assert f"--output-dir {tmp_path} exists and is not empty (an earlier demo run?)" in error_line(capsys)
+    assert [path.name for path in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_a_malformed_config_json_is_named(tmp_path, capsys):
+    """(was: `error: Expecting property name enclosed in double quotes: line 2 column 1 (char 28)`)"""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe",\n')
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert error_line(capsys).startswith(f"{tmp_path / 'config.json'} is not valid JSON: Expecting property name")
 
 
 def test_demo_with_too_few_devices_says_what_it_needs(tmp_path, capsys, monkeypatch):

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from converters import CheckpointMismatchError
+
 import moe_jax
 from moe_jax import DistributedConfig
 from moe_jax.parameter_dtypes import parameter_dtype
@@ -83,3 +85,27 @@ def checkpoint_tensors(directory) -> dict[str, np.ndarray]:
     for path in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(path))
     return tensors
+
+
+def test_a_config_without_num_experts_gives_a_short_error_that_starts_with_the_shapes(tmp_path):
+    """config.json without `num_experts` builds the default 128 experts against 8 stored ones (was: a
+    1,087-line error listing every missing expert key)."""
+    checkpoint = shutil.copytree(FIXTURES / "qwen3_moe", tmp_path / "qwen3_moe")
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["num_local_experts"]    # (transformers 5 writes num_experts under this alias)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointMismatchError) as caught:
+        moe_jax.AutoModelForCausalLM.from_pretrained(checkpoint, devices=jax.devices()[:1], progress=False)
+    lines = str(caught.value).splitlines()
+    assert len(lines) < 30 and len(caught.value.missing) > 100
+    assert lines[1].startswith("  shape mismatch (2;") and "the model declares [128, 32]" in lines[2]
+    assert lines[-2].startswith("    ... and ") and "more (all of them: the error's `missing` list)" in lines[-2]
+
+
+def test_too_few_devices_for_the_layout_says_how_to_get_virtual_ones():
+    """(was: the mesh's world-size error alone; the commands gave the XLA_FLAGS hint, the Python API did not)"""
+    with pytest.raises(RuntimeError) as caught:
+        moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", DistributedConfig(fsdp_size=16),
+                                                     progress=False)
+    assert "requires 16 devices, but world_size is 8" in str(caught.value)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=16 is set before it starts" in str(caught.value)

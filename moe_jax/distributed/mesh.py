@@ -194,6 +194,14 @@ def check_experts_divisible(num_experts: int, ep_size: int) -> None:
         raise ValueError(f"Cannot evenly shard {num_experts} experts across {ep_size} expert-parallel ranks.")
 
 
+def _virtual_devices_hint(needed: int, devices: list) -> str:
+    """On CPU, with fewer devices than the layout needs: how to get more (as the `moe-jax` commands say)."""
+    if len(devices) >= needed or not devices or devices[0].platform != "cpu":
+        return ""
+    return (f" On CPU, JAX makes {needed} virtual devices when XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{needed} is set before it starts (in the shell, or os.environ before `import jax`).")
+
+
 def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
     """The `jax.sharding.Mesh` of `config` over `devices` (default: every device of the job, in rank order:
     `runtime.job_devices`).
@@ -210,6 +218,7 @@ def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
         raise RuntimeError(
             f"The parallel mesh requires {layout.num_devices} devices, but world_size is {len(devices)}. "
             f"Choose sizes with pp_size * dp_replicate_size * fsdp_size * tp_size == {len(devices)}."
+            + _virtual_devices_hint(layout.num_devices, devices)
         )
     device_grid = np.asarray(devices, dtype=object).reshape(layout.mesh_shape)
     return jax.sharding.Mesh(device_grid, MESH_AXES)

@@ -57,12 +57,17 @@ def layout_rows(config: DistributedConfig, num_experts: int) -> list[dict[str, o
     return rows
 
 
+def count_text(count: int, noun: str) -> str:
+    """"1 device", "8 devices": a count with its noun in the right number."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def layout_picture(config: DistributedConfig, num_experts: int) -> str:
     """The reference doc's picture of a layout as a table, one line per device."""
     layout = DeviceLayout.from_config(config)
     rows = layout_rows(config, num_experts)
     header = (
-        f"{layout.num_devices} devices: tp_size={config.tp_size}, fsdp_size={config.fsdp_size}, "
+        f"{count_text(layout.num_devices, 'device')}: tp_size={config.tp_size}, fsdp_size={config.fsdp_size}, "
         f"ep_size={config.ep_size}, dp_replicate_size={config.dp_replicate_size}, pp_size={config.pp_size} "
         f"-> efsdp_size={config.efsdp_size}, dp_size={config.dp_size}, {num_experts} experts "
         f"({num_experts // config.ep_size} per device)"

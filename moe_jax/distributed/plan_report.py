@@ -57,6 +57,30 @@ def plan_report(model, num_experts: int | None = None) -> str:
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.append("")
     lines.append(_layer_runs_text(model))
+    if (note := head_split_note(model)) is not None:
+        lines.append(f"note: {note}")
     lines.append("")
     lines.append(layout_picture(config, num_experts or model.config.num_experts))
     return "\n".join(lines)
+
+
+def head_split_note(model) -> str | None:
+    """What becomes of the attention heads when tp_size does not divide the KV heads; None when it does,
+    without TP, or without k/v projections (DeepSeek-V3's latent attention).
+
+    The colwise k/v projections are still split evenly by rows, so a device's slice cuts through heads; the
+    partitioner then moves data to give attention whole heads (measured on a one-layer Qwen3-MoE with 2 KV
+    heads: 27 collectives per forward at tp=8, all-to-alls and collective-permutes among them, against 4 at
+    tp=2), and the KV cache, whose heads cannot be split over tp, holds every KV head on each TP
+    device (inference/cache.py)."""
+    tp_size = model.distributed_config.tp_size
+    kv_heads = getattr(model.config, "num_key_value_heads", None)
+    k_proj = next((layout for name, layout in model.param_layouts.items()
+                   if name.endswith("self_attn.k_proj.weight")), None)
+    if tp_size == 1 or not kv_heads or k_proj is None or kv_heads % tp_size == 0 or k_proj.style != "colwise":
+        return None
+    rows = k_proj.shape[0]
+    return (f"tp_size={tp_size} does not divide the {kv_heads} KV heads: each TP device holds {rows // tp_size} "
+            f"of the {rows} rows of every k/v projection (a head is {rows // kv_heads} rows), so XLA regroups whole "
+            f"heads for attention with extra collectives in every layer, and the KV cache keeps all {kv_heads} "
+            f"KV heads on every TP device; a tp_size that divides {kv_heads} keeps whole heads per device.")

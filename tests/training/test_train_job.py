@@ -108,7 +108,7 @@ def one_device_run(token_file, tmp_path_factory):
 
 def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoint(one_device_run):
     out, export, records = one_device_run
-    assert "training on 1 cpu device (no layout flag; JAX sees 8 device(s)" in out
+    assert "training on 1 cpu device (no layout flag; JAX sees 8 devices" in out
     assert [r["step"] for r in records] == [1, 2] and all(r["capacity"] is None for r in records)
     assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
     # The tokenizer comes along, so text commands work on the export (was: weights and config only).
