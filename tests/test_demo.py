@@ -19,7 +19,7 @@ def test_demo_console_command_in_a_fresh_process(tmp_path, capsys):
     assert "agreement: OK" in result.stdout and "dropped pairs 0" in result.stdout
     written = sorted(path.name for path in tmp_path.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(written)
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "1"]) == 0
     assert capsys.readouterr().out.startswith("Hi")
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and again.stderr.startswith("error: ")
