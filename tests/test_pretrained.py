@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from converters import CheckpointMismatchError
-
 import moe_jax
+from converters import CheckpointMismatchError
 from moe_jax import DistributedConfig
 from moe_jax.parameter_dtypes import parameter_dtype
 
