@@ -59,8 +59,8 @@ class CheckpointMismatchError(ValueError):
                 lines.extend(f"    {entry}" for entry in entries[:SHOWN_PER_KIND])
                 if len(entries) > SHOWN_PER_KIND:
                     attribute = {"shape mismatch": "shape_mismatches", "dtype mismatch": "dtype_mismatches"}
-                    lines.append(f"    ... and {len(entries) - SHOWN_PER_KIND} more (all of them: the error's "
-                                 f"`{attribute.get(title, title)}` list)")
+                    lines.append(f"    ... and {len(entries) - SHOWN_PER_KIND} more (all of them: the "
+                                 f"error's `{attribute.get(title, title)}` list)")
         if self.missing or self.unexpected or self.shape_mismatches:
             lines.append(
                 "Fix: load with the key map of the checkpoint's architecture and a model config equal to the "

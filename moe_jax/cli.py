@@ -85,7 +85,8 @@ command("plan", "show the resolved plans, each parameter's PartitionSpec and sha
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default=None,
                         help="a new or empty directory to write the tiny checkpoint into, so that `--model "
-                             "OUTPUT_DIR` loads it in the other commands (default: a new temporary directory)")
+                             "OUTPUT_DIR` loads it in the other commands (default: a new temporary "
+                             "directory)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random weights and of the test batch (default 0)")
 
@@ -175,8 +176,8 @@ NO_RUNTIME_COMMANDS = frozenset({"launch"})
 
 DESCRIPTION = (
     "Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, Llama 4) in JAX, "
-    "from Hugging Face checkpoints, on any layout of tensor, expert and fully-sharded data parallelism. Start "
-    "with `moe-jax demo`; `moe-jax COMMAND --help` explains a command and its flags."
+    "from Hugging Face checkpoints, on any layout of tensor, expert and fully-sharded data parallelism. "
+    "Start with `moe-jax demo`; `moe-jax COMMAND --help` explains a command and its flags."
 )
 
 

@@ -38,21 +38,22 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file",
-                        help="a file with one prompt per line (generated as one batch); when every line is token "
-                             "ids like 1,2,3 the prompts are ids, as with --prompt-ids")
-    source.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer "
-                                             "needed; the prompt and the new tokens are printed as ids)")
+                        help="a file with one prompt per line (generated as one batch); when every line is "
+                             "token ids like 1,2,3 the prompts are ids, as with --prompt-ids")
+    source.add_argument("--prompt-ids",
+                        help="the prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed; the "
+                             "prompt and the new tokens are printed as ids)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (default 20)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None,
                         help="with --do-sample: divide the logits by this (default: the checkpoint's "
                              "generation_config.json, else 1.0)")
     parser.add_argument("--top-k", type=int, default=None,
-                        help="with --do-sample: sample among the k likeliest tokens (default: the checkpoint's "
-                             "generation_config.json, else 50)")
+                        help="with --do-sample: sample among the k likeliest tokens (default: the "
+                             "checkpoint's generation_config.json, else 50)")
     parser.add_argument("--top-p", type=float, default=None,
-                        help="with --do-sample: sample among the likeliest tokens whose probabilities sum to p "
-                             "(default: the checkpoint's generation_config.json, else 1.0: all)")
+                        help="with --do-sample: sample among the likeliest tokens whose probabilities sum to "
+                             "p (default: the checkpoint's generation_config.json, else 1.0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_layout_flags(parser, ep_implementation=True)
 
@@ -124,8 +125,8 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = IDS_AS_TEXT
         _check_vocabulary(prompts, config["vocab_size"])
     else:
-        tokenizer = load_checkpoint_tokenizer(directory, instead="give the prompt as token ids with --prompt-ids "
-                                                                 "1,2,3 (or lines of ids in --prompt-file)")
+        instead = "give the prompt as token ids with --prompt-ids 1,2,3 (or lines of ids in --prompt-file)"
+        tokenizer = load_checkpoint_tokenizer(directory, instead=instead)
         prompts = [tokenizer.encode(text) for text in prompts]
     # Built (and its ep_implementation checked) before anything heavy; without layout flags: one device.
     distributed_config = (distributed_config_from_flags(args) if layout_given(args)

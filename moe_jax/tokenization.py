@@ -95,8 +95,9 @@ def write_byte_tokenizer(directory) -> None:
         "pre_tokenizer": {"type": "ByteLevel", **byte_level}, "post_processor": None,
         "decoder": {"type": "ByteLevel", **byte_level},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {character: byte for byte, character in enumerate(_byte_characters())}, "merges": []},
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "merges": [],
+                  "vocab": {character: byte for byte, character in enumerate(_byte_characters())}},
     }
     directory = Path(directory)
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")

@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
     parser.add_argument("--metrics-jsonl", default=None,
-                        help="append one JSON object per optimizer step here (--resume first drops the records "
-                             "of the steps after its checkpoint: they are trained, and written, again)")
+                        help="append one JSON object per optimizer step here (--resume first drops the "
+                             "records of the steps after its checkpoint: they are trained, and written, "
+                             "again)")
     parser.add_argument("--checkpoint-dir", default=None, help="orbax train-state checkpoints (saved asynchronously)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default 100)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
@@ -211,8 +212,9 @@ def run(args: argparse.Namespace) -> int:
                          "layout (--tp / --fsdp / --ep / --dp-replicate) that uses all of them.")
     if distributed_config is None:
         devices = jax.devices()[:1]
-        print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees "
-              f"{count_text(len(jax.devices()), 'device')}: pass --tp / --fsdp / --ep / --dp-replicate to use them)")
+        seen = count_text(len(jax.devices()), "device")
+        print(f"training on 1 {devices[0].platform} device (no layout flag; JAX sees {seen}: pass --tp / "
+              "--fsdp / --ep / --dp-replicate to use them)")
     else:
         devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "train")
         print(f"training on {count_text(len(devices), devices[0].platform + ' device')} "

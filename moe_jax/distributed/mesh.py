@@ -198,8 +198,9 @@ def _virtual_devices_hint(needed: int, devices: list) -> str:
     """On CPU, with fewer devices than the layout needs: how to get more (as the `moe-jax` commands say)."""
     if len(devices) >= needed or not devices or devices[0].platform != "cpu":
         return ""
-    return (f" On CPU, JAX makes {needed} virtual devices when XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{needed} is set before it starts (in the shell, or os.environ before `import jax`).")
+    flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}"
+    return (f" On CPU, JAX makes {needed} virtual devices when {flag} is set before it starts (in the "
+            "shell, or os.environ before `import jax`).")
 
 
 def build_mesh(config: DistributedConfig, devices: Sequence | None = None):

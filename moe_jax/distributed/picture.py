@@ -67,7 +67,8 @@ def layout_picture(config: DistributedConfig, num_experts: int) -> str:
     layout = DeviceLayout.from_config(config)
     rows = layout_rows(config, num_experts)
     header = (
-        f"{count_text(layout.num_devices, 'device')}: tp_size={config.tp_size}, fsdp_size={config.fsdp_size}, "
+        f"{count_text(layout.num_devices, 'device')}: tp_size={config.tp_size}, "
+        f"fsdp_size={config.fsdp_size}, "
         f"ep_size={config.ep_size}, dp_replicate_size={config.dp_replicate_size}, pp_size={config.pp_size} "
         f"-> efsdp_size={config.efsdp_size}, dp_size={config.dp_size}, {num_experts} experts "
         f"({num_experts // config.ep_size} per device)"

@@ -80,7 +80,8 @@ def head_split_note(model) -> str | None:
     if tp_size == 1 or not kv_heads or k_proj is None or kv_heads % tp_size == 0 or k_proj.style != "colwise":
         return None
     rows = k_proj.shape[0]
-    return (f"tp_size={tp_size} does not divide the {kv_heads} KV heads: each TP device holds {rows // tp_size} "
-            f"of the {rows} rows of every k/v projection (a head is {rows // kv_heads} rows), so XLA regroups whole "
-            f"heads for attention with extra collectives in every layer, and the KV cache keeps all {kv_heads} "
-            f"KV heads on every TP device; a tp_size that divides {kv_heads} keeps whole heads per device.")
+    return (f"tp_size={tp_size} does not divide the {kv_heads} KV heads: each TP device holds "
+            f"{rows // tp_size} of the {rows} rows of every k/v projection (a head is {rows // kv_heads} "
+            "rows), so XLA regroups whole heads for attention with extra collectives in every layer, and the "
+            f"KV cache keeps all {kv_heads} KV heads on every TP device; a tp_size that divides {kv_heads} "
+            "keeps whole heads per device.")

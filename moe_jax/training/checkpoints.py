@@ -8,10 +8,11 @@
 
 A checkpoint holds the state's arrays (params, optimizer state, step, rng, data position) and a JSON
 record: the model's type and config, its parameter shapes, the structure of the optimizer state, the
-layout it was saved from, and the dispatch capacity in force with its calm streak. Restoring reads every array directly into the shardings
-of the *current* model and optimizer (orbax reshards), so a state saved with tp2/fsdp4/ep4 resumes with
-fsdp8/ep8. Orbax writes each step into a temporary directory and renames it when complete, so a killed
-write never damages the last complete checkpoint (an unfinished one is ignored and cleaned up).
+layout it was saved from, and the dispatch capacity in force with its calm streak. Restoring reads every
+array directly into the shardings of the *current* model and optimizer (orbax reshards), so a state saved
+with tp2/fsdp4/ep4 resumes with fsdp8/ep8. Orbax writes each step into a temporary directory and renames
+it when complete, so a killed write never damages the last complete checkpoint (an unfinished one is
+ignored and cleaned up).
 
 A save still being written when the script ends is finished before the interpreter shuts down (see
 `_finish_at_exit`), so a script that never calls `wait()` or `close()` loses nothing; `TrainLoop(...,
@@ -62,7 +63,8 @@ def optimizer_structure(opt_state) -> str:
 
     def describe(node) -> str:
         if hasattr(node, "_fields"):  # an optax state (a named tuple)
-            fields = [name if leaf(value) else f"{name}={describe(value)}" for name, value in zip(node._fields, node)]
+            fields = [name if leaf(value) else f"{name}={describe(value)}"
+                      for name, value in zip(node._fields, node)]
             return f"{type(node).__name__}({', '.join(fields)})"
         if isinstance(node, (list, tuple)):
             return f"({', '.join(describe(value) for value in node)})"
