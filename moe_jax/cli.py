@@ -170,8 +170,9 @@ def _run_launch(args: argparse.Namespace) -> int:
 command("launch", "run a command as N local processes of one JAX multi-process job (like torchrun), output "
                   "prefixed by process; one failure stops them all")((_launch_arguments, _run_launch))
 
-# Commands that start no JAX runtime of their own (the launcher starts processes that do).
-NO_RUNTIME_COMMANDS = frozenset({"launch"})
+# Commands main() does not join to the job: the launcher starts no JAX runtime of its own (its processes do),
+# and train joins after checking its request, so a bad flag or file fails before any peer waits on it.
+NOT_JOINED_BY_MAIN = frozenset({"launch", "train"})
 
 
 DESCRIPTION = (
@@ -195,17 +196,21 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. A bad request prints one `error: ...` line on stderr and returns 2, as argparse
-    does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree)."""
+    does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree). A
+    failed process of a multi-process job exits with that status at once instead of returning."""
+    from .distributed.runtime import handle_failure, initialize
+
     args = build_parser().parse_args(argv)
     try:
-        if args.command not in NO_RUNTIME_COMMANDS:
-            from .distributed.runtime import initialize
-
+        if args.command not in NOT_JOINED_BY_MAIN:
             initialize()  # joins the job the environment names (moe-jax launch, torchrun, srun); else nothing
-        return COMMANDS[args.command][1](args)
+        code = COMMANDS[args.command][1](args)
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        code = 2
+    if code:
+        handle_failure(code)  # a joined process leaves now, not after minutes in JAX's shutdown barrier
+    return code
 
 
 if __name__ == "__main__":

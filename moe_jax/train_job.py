@@ -194,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
     if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
         raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
+    from .distributed.runtime import initialize
+
+    initialize()  # only now: a request refused above ends this process before any peer waits on it
 
     import jax
 

@@ -1,9 +1,15 @@
 """`moe-jax launch`: N processes with their job's environment, prefixed output, and one failure stopping
-the rest within a bounded time, nothing left running."""
+the rest within a bounded time, nothing left running.
+
+The failure tests end within 30 s each and check the process named: the first to fail (at start-up,
+raising between collectives, killed), not a peer that failed because of it nor one left hanging, and a
+SIGTERM to the launcher stops everything.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,9 +22,48 @@ from moe_jax.launch import process_environ, resolve_command
 ROOT = Path(__file__).resolve().parents[1]
 
 
+JOB_LIMIT_S = 30  # a failed job must end within this
+
+
 def launch(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moe_jax.cli", "launch", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def start_launcher(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moe_jax.cli", "launch", *argv], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(launcher: subprocess.Popen, began: float) -> tuple[str, str]:
+    """The launcher's output once it ends, within JOB_LIMIT_S of `began`; else it is stopped, test failed."""
+    try:
+        stdout, stderr = launcher.communicate(timeout=max(began + JOB_LIMIT_S - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        launcher.send_signal(signal.SIGTERM)  # stops its processes too
+        try:
+            stdout, stderr = launcher.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            stdout, stderr = launcher.communicate()
+        pytest.fail(f"the job did not end within {JOB_LIMIT_S} s:\n{stderr[-3000:]}")
+    return stdout, stderr
+
+
+def timed_launch(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`moe-jax launch ARGV`, which must end within JOB_LIMIT_S, and the seconds it took."""
+    began = time.monotonic()
+    launcher = start_launcher(*argv)
+    stdout, stderr = finish(launcher, began)
+    took = time.monotonic() - began
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr), took
+
+
+def assert_named(result: subprocess.CompletedProcess, index: int, end: str, last_line: str) -> None:
+    """The launcher blamed process `index`, said how it ended, and repeated its last lines."""
+    verdict = result.stderr[result.stderr.rindex("moe-jax launch: "):]
+    assert verdict.startswith(f"moe-jax launch: process {index} (pid "), result.stderr[-3000:]
+    assert f"{end}, the first to fail" in verdict and f"\n[{index}] {last_line}" in verdict, verdict
 
 
 def test_each_process_gets_its_rank_and_devices_and_its_output_is_prefixed():
@@ -45,7 +90,7 @@ def test_device_environment_of_a_process():
 
 
 # Both processes join the job and run collectives; process 1 then SIGKILLs itself while process 0 waits in
-# the next collective, which would never complete on its own.
+# the next collective.
 DYING_WORKER = """
 import os, signal, sys, time
 from pathlib import Path
@@ -56,23 +101,124 @@ from jax.experimental import multihost_utils
 Path(sys.argv[1], f"pid_{jax.process_index()}").write_text(str(os.getpid()))
 multihost_utils.sync_global_devices("started")
 if jax.process_index() == 1:
+    print("process 1 kills itself", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 multihost_utils.sync_global_devices("never reached by process 1")
 time.sleep(600)
 """
 
 
-def test_a_process_killed_with_sigkill_stops_the_job_within_60_s_and_nothing_is_left(tmp_path):
-    began = time.monotonic()
-    # JAX's runtime keeps a process alive through SIGTERM: the launcher's SIGKILL after --grace ends it.
-    result = launch("--nproc", "2", "--devices-per-process", "1", "--grace", "2", "--", sys.executable, "-c",
-                    DYING_WORKER, str(tmp_path))
-    took = time.monotonic() - began
+def test_a_process_killed_with_sigkill_stops_the_job_and_nothing_is_left(tmp_path):
+    # Process 0 fails right after (its collective loses its peer): it must not be the one named.
+    result, took = timed_launch("--nproc", "2", "--devices-per-process", "1", "--grace", "2", "--",
+                                sys.executable, "-c", DYING_WORKER, str(tmp_path))
     assert result.returncode == 128 + 9, result.stderr[-3000:]
-    assert "moe-jax launch: process 1 (pid" in result.stderr and "was killed by SIGKILL" in result.stderr
-    assert took < 60, took
+    assert_named(result, 1, "was killed by SIGKILL", "process 1 kills itself")
+    print(f"killed: the job ended in {took:.1f} s")
     for index in range(2):
         pid = int((tmp_path / f"pid_{index}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_process_failing_at_start_up_ends_the_job_and_is_named():
+    """The issue's job: process 1 of two `moe-jax train` processes names a missing data file. It is refused
+    before process 1 joins the runtime; process 0, waiting for it to join, is stopped at once."""
+    script = ('if [ "$JAX_PROCESS_ID" = 1 ]; then exec moe-jax train --fsdp 8 --ep 8 --steps 5 --data '
+              '/nonexistent.npy; else exec moe-jax train --fsdp 8 --ep 8 --steps 5; fi')
+    result, took = timed_launch("--nproc", "2", "--devices-per-process", "4", "--", "bash", "-c",
+                                script.replace("moe-jax", f"{sys.executable} -m moe_jax.cli"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert_named(result, 1, "exited with status 2", "error: --data /nonexistent.npy")
+    print(f"start-up failure: the job ended in {took:.1f} s")
+
+
+# Both processes run a few steps, each with a collective; process 1 raises after step 2, when process 0 is
+# already in step 3's collective: process 1 must leave at once (not wait in JAX's shutdown barrier, keeping
+# process 0 blocked for minutes), and process 0, which fails a moment later, must not be named.
+RAISING_WORKER = """
+import moe_jax.distributed
+moe_jax.distributed.initialize()
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+for step in range(1, 6):
+    total = multihost_utils.process_allgather(jnp.full((), step)).sum()
+    print(f"step {step}: {total}", flush=True)
+    if step == 2 and jax.process_index() == 1:
+        raise RuntimeError("process 1 failed in step 2")
+"""
+
+
+def test_a_process_raising_mid_run_ends_the_job_and_is_named():
+    result, took = timed_launch("--nproc", "2", "--devices-per-process", "1", "--grace", "2", "--",
+                                sys.executable, "-c", RAISING_WORKER)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert_named(result, 1, "exited with status 1", "RuntimeError: process 1 failed in step 2")
+    assert "[1] step 2: 4" in result.stdout
+    print(f"raise mid-run: the job ended in {took:.1f} s")
+
+
+# Process 0 ignores SIGTERM and would sleep for ten minutes; process 1 fails.
+HANGING_OR_FAILING = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(os.getpid(), flush=True)
+if os.environ["JAX_PROCESS_ID"] == "1":
+    time.sleep(0.5)
+    sys.exit("process 1 gives up")
+time.sleep(600)
+"""
+
+
+def test_a_hanging_process_is_killed_after_the_grace_period():
+    result, took = timed_launch("--nproc", "2", "--grace", "1", "--", sys.executable, "-c",
+                                HANGING_OR_FAILING)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert_named(result, 1, "exited with status 1", "process 1 gives up")
+    assert "stopped the other 1 running process(es)" in result.stderr
+    hanging = int(next(line for line in result.stdout.splitlines() if line.startswith("[0] ")).split()[1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(hanging, 0)
+    print(f"hanging peer: the job ended in {took:.1f} s")
+
+
+# Process 1 holds a lock and then fails; process 0 takes the lock the moment process 1's files close and
+# fails at once, as a peer does whose collective lost its other end. Process 0 often ends first (measured:
+# in about a third of runs), so the launcher needs the failure reports `leave` writes to name process 1.
+CHAINED_FAILURE = """
+import fcntl, os, sys, time
+from moe_jax.distributed.runtime import leave
+lock = open(sys.argv[1] + "/lock", "a")
+if os.environ["JAX_PROCESS_ID"] == "1":
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    open(sys.argv[1] + "/locked", "w").close()
+    time.sleep(0.3)
+    print("process 1 fails first", flush=True)
+    leave(5)
+while not os.path.exists(sys.argv[1] + "/locked"):
+    time.sleep(0.01)
+fcntl.flock(lock, fcntl.LOCK_EX)
+leave(6)
+"""
+
+
+def test_a_peer_failing_because_of_the_first_failure_is_not_named(tmp_path):
+    result, _ = timed_launch("--nproc", "2", "--", sys.executable, "-c", CHAINED_FAILURE, str(tmp_path))
+    assert result.returncode == 5, result.stderr[-3000:]
+    assert_named(result, 1, "exited with status 5", "process 1 fails first")
+
+
+def test_sigterm_to_the_launcher_stops_every_process():
+    script = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print(os.getpid(), flush=True); time.sleep(600)")
+    began = time.monotonic()
+    launcher = start_launcher("--nproc", "2", "--grace", "1", "--", sys.executable, "-c", script)
+    pids = [int(launcher.stdout.readline().split()[1]) for _ in range(2)]  # both processes are running
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = finish(launcher, began)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "moe-jax launch: got SIGTERM; stopped 2 running process(es)." in stderr
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 

@@ -1,5 +1,5 @@
 """Layouts, plans, meshes and the expert-parallel layer; `initialize()` joins a multi-process job."""
 
-from .runtime import ProcessEnvironment, initialize, is_main_process, process_environment
+from .runtime import ProcessEnvironment, initialize, is_main_process, leave, process_environment
 
-__all__ = ["ProcessEnvironment", "initialize", "is_main_process", "process_environment"]
+__all__ = ["ProcessEnvironment", "initialize", "is_main_process", "leave", "process_environment"]

@@ -15,15 +15,30 @@ spans the job. Where the coordinator address, process count and process id come 
 
 On CPU, collectives across processes need an implementation: gloo is selected (it has no effect on the
 GPU and TPU backends), so the same code runs on one machine with several processes and on a cluster.
+
+A failing process ends fast instead of holding its peers: after `initialize()`, an uncaught exception prints
+its traceback and ends the process at once (`leave`), without JAX's shutdown barrier, which would keep it
+alive (and its peers blocked in their next collective) for up to 5 minutes; `moe-jax` commands that fail
+leave the same way. Peers notice a process that vanished within `heartbeat_timeout_seconds` (10 s here,
+JAX's default is 100 s). Under `moe-jax launch`, a failing process first reports itself to the launcher
+(`report_failure`), so that the launcher names it rather than a peer that failed because of it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 TORCHRUN_PORT_OFFSET = 1
+# Seconds without heartbeats after which the coordination service declares a process dead and fails the
+# others' waits (barriers, the shutdown barrier); a C++ thread sends them, so a busy process still does.
+HEARTBEAT_TIMEOUT_S = 10
+# The file `moe-jax launch` gives its processes for failure reports (one process index a line).
+FAILURE_REPORTS = "MOE_JAX_LAUNCH_FAILURES"
 
 
 @dataclass(frozen=True)
@@ -87,11 +102,14 @@ def process_environment(coordinator_address: str | None = None, num_processes: i
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: int | Sequence[int] | None = None,
-               initialization_timeout: int = 300, environ: Mapping[str, str] | None = None
-               ) -> ProcessEnvironment:
+               initialization_timeout: int = 300, heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT_S,
+               environ: Mapping[str, str] | None = None) -> ProcessEnvironment:
     """Join this process to its multi-process job (a no-op for a one-process job); call before any JAX work.
 
     Returns the `ProcessEnvironment` found. Calling it again in a started job with the same answer is a no-op.
+    `initialization_timeout`: seconds to wait for every process to join. `heartbeat_timeout_seconds`: how
+    soon the others notice a process that died. Once joined, an uncaught exception ends the process at once
+    (see `leave`).
 
     Raises:
         ValueError: an incomplete or inconsistent environment (names the variable).
@@ -113,7 +131,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(found.coordinator_address, found.num_processes, found.process_id,
-                                   local_device_ids=local_device_ids, initialization_timeout=initialization_timeout)
+                                   local_device_ids=local_device_ids,
+                                   initialization_timeout=initialization_timeout,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     except RuntimeError as error:
         jax.config.update("jax_cpu_collectives_implementation", previous)
         if "before any JAX" in str(error):
@@ -122,7 +142,67 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 "process (it decides which devices exist); call it first thing in the program."
             ) from error
         raise
+    _leave_on_uncaught_exception()
     return found
+
+
+def joined() -> bool:
+    """Whether this process has joined a multi-process job (without importing JAX when nothing did)."""
+    return "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized()
+
+
+def report_failure() -> None:
+    """Tell `moe-jax launch` (if it started this process) that this process is failing.
+
+    Written before the process leaves, so before any peer can notice it is gone: the report of a peer that
+    fails because of it comes later, though the peer may well end first. One short O_APPEND write, whole.
+    """
+    path, index = os.environ.get(FAILURE_REPORTS), os.environ.get("JAX_PROCESS_ID")
+    if path and index:
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(descriptor, f"{index}\n".encode())
+            finally:
+                os.close(descriptor)
+        except OSError:  # the launcher is gone: nobody to tell
+            pass
+
+
+def leave(code: int) -> NoReturn:
+    """End this failed process now with exit status `code`, skipping JAX's shutdown barrier and other exit
+    handlers; the launcher is told first (`report_failure`) and output written so far is flushed.
+
+    At a normal exit JAX waits (up to 5 minutes) for every process to reach the shutdown barrier; a failed
+    process would sit there, keeping its connections open, so its peers stay blocked in their next
+    collective and a launcher cannot tell it failed.
+    """
+    report_failure()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said
+            pass
+    os._exit(code)
+
+
+def handle_failure(code: int) -> None:
+    """The end of work that failed with exit status `code` (!= 0): in a joined job, `leave` now; otherwise
+    report it to the launcher (if any) and return."""
+    if joined():
+        leave(code)
+    report_failure()
+
+
+def _leave_on_uncaught_exception() -> None:
+    """Make an uncaught exception print its traceback as usual and then `leave` (1; 130 for Ctrl-C)."""
+    previous = sys.excepthook
+
+    def print_and_leave(kind, value, traceback):
+        previous(kind, value, traceback)
+        leave(128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
+
+    sys.excepthook = print_and_leave
 
 
 def job_devices() -> list:
