@@ -43,6 +43,8 @@ def build_optimizer(name: str, learning_rate: float, weight_decay: float | None 
         raise ValueError(f"learning rate {learning_rate} must be > 0.")
     if expert_learning_rate is not None and expert_learning_rate <= 0:
         raise ValueError(f"expert learning rate {expert_learning_rate} must be > 0.")
+    if weight_decay is not None and weight_decay < 0:  # as torch.optim refuses it: it would grow the weights
+        raise ValueError(f"weight decay {weight_decay} must be >= 0.")
     dense = OPTIMIZERS[name](learning_rate, weight_decay)
     if expert_learning_rate is None:
         return dense

@@ -161,6 +161,8 @@ def test_bad_settings_are_refused():
         build_optimizer("adamw", 0.0)
     with pytest.raises(ValueError, match="expert learning rate -0.001 must be > 0"):
         build_optimizer("adamw", LR, expert_learning_rate=-1e-3)
+    with pytest.raises(ValueError, match="weight decay -0.01 must be >= 0"):
+        build_optimizer("adamw", LR, -0.01)
 
 
 @pytest.mark.reference
