@@ -39,7 +39,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ..ops.accumulation import accumulation_dtype
+from ..ops.accumulation import accumulating_einsum, accumulation_dtype
 from .capacity import DispatchStatistics, buffer_rows, capacity_ladder, required_capacity
 
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -185,10 +185,8 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         pair_output = sorted_output[jnp.argsort(order)]  # back to (row, k) order
         # The combine: weighted sum over k in at least fp32, rounded once to the hidden dtype (before the tp
         # gather, so that moves hidden-dtype bytes).
-        token_output = jnp.einsum(
-            "tkh,tk->th", pair_output.reshape(slice_rows, top_k, -1), weights,
-            preferred_element_type=accumulation_dtype(hidden.dtype, weights.dtype),
-        ).astype(hidden.dtype)
+        token_output = accumulating_einsum(
+            "tkh,tk->th", pair_output.reshape(slice_rows, top_k, -1), weights).astype(hidden.dtype)
         output = self._gather_tp_slices(token_output, rows)
 
         sent = jnp.sum(jnp.minimum(peer_counts, peer_rows))

@@ -175,12 +175,23 @@ def _attend_query_chunks(
         mask = visibility_mask(
             index_chunk, k.shape[1], key_padding_mask=key_padding_mask, sliding_window=sliding_window
         )
-        return jax.nn.dot_product_attention(
-            q_chunk, k, v, mask=mask, scale=scale, implementation=implementation
-        )
+        return _dot_product_attention(q_chunk, k, v, mask=mask, scale=scale, implementation=implementation)
 
     out = jax.lax.map(attend_chunk, (q_chunks, index_chunks))
     return out.swapaxes(0, 1).reshape(batch, num_chunks * chunk_size, heads, dim)[:, :seq]
+
+
+def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
+    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU.
+
+    Its XLA path computes fp16 logits as an fp16 x fp16 -> fp32 dot, which XLA:CPU does not implement. fp16
+    operands are widened to fp32 first (exact, and fp16 products are exact in fp32, so the logits are the same);
+    the softmax weights then stay fp32 for the value sum, and the output returns in fp16. cuDNN takes fp16 as is.
+    """
+    if q.dtype != jnp.float16 or implementation == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options)
+    q, k, v = (array.astype(jnp.float32) for array in (q, k, v))
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options).astype(jnp.float16)
 
 
 def attend(
@@ -235,7 +246,7 @@ def attend(
     if query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None:
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
-        return jax.nn.dot_product_attention(
+        return _dot_product_attention(
             q,
             k,
             v,
@@ -268,7 +279,7 @@ def attend(
     )
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, sinks, scale)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    return _dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
 
 
 def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array,
@@ -277,8 +288,13 @@ def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     softmax (HF's gpt-oss eager attention): the sink absorbs probability, so a head may attend to little.
 
     q: [B, S, N, D]; k, v: [B, T, K, D]; mask: [B, 1, S, T] bool; sinks: [N] -> [B, S, N, D]
-    Logits and softmax in float32; the weights are cast to v's dtype for the value sum.
+    Logits and softmax in float32; the weights are cast to v's dtype for the value sum (fp16 operands are widened
+    to fp32 first, as in `_dot_product_attention`).
     """
+    if q.dtype == jnp.float16:
+        widened = attend_with_sinks(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask,
+                                    sinks, scale)
+        return widened.astype(jnp.float16)
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     if sinks.shape != (heads,):

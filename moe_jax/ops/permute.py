@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .accumulation import accumulation_dtype
+from .accumulation import accumulating_einsum
 
 
 def _check_order(order: jax.Array, num_pairs: int, what: str) -> None:
@@ -124,7 +124,7 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     y_sorted: [M, H] rows in `order` (M = T * K)
     order: [M] int, from `sort_by_expert`
     top_k_weights: [T, K]
-    returns [T, H] in `accumulation_dtype(y_sorted, top_k_weights)` (at least fp32)
+    returns [T, H] in `accumulation_dtype` of y_sorted and top_k_weights (at least fp32)
 
     out[t] = sum_k top_k_weights[t, k] * y_sorted[i] where order[i] = t * K + k.
     The products and the sum over K run in at least fp32 (bf16 outputs with bf16
@@ -145,5 +145,4 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     inverse = invert_permutation(order)
     y_pairs = _take_permuted(y_sorted, inverse, order)
     y_pairs = jnp.reshape(y_pairs, (num_tokens, top_k, y_sorted.shape[1]))
-    accumulate = accumulation_dtype(y_sorted.dtype, top_k_weights.dtype)
-    return jnp.einsum("tkh,tk->th", y_pairs, top_k_weights, preferred_element_type=accumulate)
+    return accumulating_einsum("tkh,tk->th", y_pairs, top_k_weights)
