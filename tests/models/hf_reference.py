@@ -142,6 +142,23 @@ def fixture_arrays(model) -> dict[str, np.ndarray]:
                 aux_loss=np.float32(aux_loss))
 
 
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+
+
+def low_precision_arrays(checkpoint) -> dict[str, np.ndarray]:
+    """What `reference_low_precision.npz` holds: PyTorch's logits [8, 12, V] (as float32) for the fixture's
+    inputs with the checkpoint at `checkpoint` loaded in each of LOW_PRECISION_DTYPES (`logits_bfloat16`,
+    `logits_float16`): how far the reference's own low-precision run lands from its fp32 logits."""
+    import torch
+    import transformers
+
+    arrays = {}
+    for dtype in LOW_PRECISION_DTYPES:
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+        arrays[f"logits_{dtype}"] = fixture_arrays(model)["logits"]
+    return arrays
+
+
 def hf_named_modules(model) -> list[str]:
     return [name for name, _ in model.named_modules()]
 
