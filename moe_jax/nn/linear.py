@@ -32,11 +32,7 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
     A weight wider than x (float32 masters under mixed precision) is applied in x's dtype and gets its
     gradient in its own dtype (`moe_jax.nn.precision`).
 
-    bf16/fp16 products are summed in fp32 and rounded once, at the end. On one device that is what the
-    matmul does anyway; under a plan that splits I over devices (a `rowwise` projection) it makes the
-    cross-device sum of the partial products fp32 too, where a bf16 sum rounds each partial first: Llama 4's
-    `rowwise` o_proj doubled the largest logit error of every tp layout (1.37e-2 against one device's and
-    PyTorch's own tp=2 run's 6.4e-3). The price is that all-reduce in fp32, twice a bf16 one's bytes.
+    A bf16/fp16 projection sums in fp32 and rounds once (`_project_summing_wide`).
     """
     weight = params["weight"]
     if x.shape[-1] != weight.shape[1]:
@@ -48,7 +44,42 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
     if is_master(weight, x):
         y = project_with_master(x, weight)
         return y if bias is None else add_with_master(y, bias)
-    y = accumulating_einsum("...i,oi->...o", x, weight).astype(jnp.result_type(x, weight))
+    if _is_low_precision(x, weight):
+        y = _project_summing_wide(x, weight)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, weight)
     if bias is not None:
         y = y + bias
     return y
+
+
+def _is_low_precision(x: jax.Array, weight: jax.Array) -> bool:
+    return jnp.finfo(jnp.result_type(x, weight)).bits < 32
+
+
+@jax.custom_vjp
+def _project_summing_wide(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x: [..., I], weight: [O, I], both bf16 (or fp16) -> [..., O]: the products summed in fp32, rounded once.
+
+    On one device that is what the matmul does anyway. Under a plan that splits I over devices (a `rowwise`
+    projection) it makes the cross-device sum of the partial products fp32 too, where a bf16 sum rounds each
+    partial first: Llama 4's rowwise o_proj doubled the largest logit error of every tp layout (1.37e-2
+    against one device's and PyTorch's own tp=2 run's 6.4e-3). The price is that all-reduce in fp32, twice a
+    bf16 one's bytes. The backward pass is the plain one (bf16 matmuls, gradients summed as before), which a
+    VJP of the widened einsum would not be: its fp32 cotangent would make both gradient matmuls fp32.
+    """
+    return accumulating_einsum("...i,oi->...o", x, weight).astype(x.dtype)
+
+
+def _project_forward(x, weight):
+    return _project_summing_wide(x, weight), (x, weight)
+
+
+def _project_backward(residuals, g):
+    x, weight = residuals
+    dx = jnp.einsum("...o,oi->...i", g, weight)
+    dw = jnp.einsum("...o,...i->oi", g, x)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_project_summing_wide.defvjp(_project_forward, _project_backward)

@@ -20,9 +20,12 @@ def accumulation_dtype(*dtypes) -> jnp.dtype:
 def accumulating_einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
     """`jnp.einsum` that accumulates in, and returns, `accumulation_dtype` of its operands.
 
-    fp16 operands are widened to fp32 first: XLA:CPU has no fp16 x fp16 -> fp32 dot, and the widening changes
-    nothing (fp16 -> fp32 is exact and a product of two fp16 values is exact in fp32). bf16 operands stay bf16
-    (bf16 x bf16 -> fp32 dots exist on every backend)."""
+    On CPU, fp16 operands are widened to fp32 first: XLA:CPU has no fp16 x fp16 -> fp32 dot, and the widening
+    changes nothing (fp16 -> fp32 is exact and a product of two fp16 values is exact in fp32). Elsewhere, and
+    for bf16 everywhere, the operands stay as they are (the accelerators' low-precision matmuls accumulate in
+    fp32)."""
     accumulate = accumulation_dtype(*(operand.dtype for operand in operands))
-    operands = [operand.astype(jnp.float32) if operand.dtype == jnp.float16 else operand for operand in operands]
+    if jax.default_backend() == "cpu":
+        operands = [operand.astype(jnp.float32) if operand.dtype == jnp.float16 else operand
+                    for operand in operands]
     return jnp.einsum(subscripts, *operands, preferred_element_type=accumulate)

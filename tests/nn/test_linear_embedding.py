@@ -40,6 +40,32 @@ def test_linear_keeps_bf16():
 
 
 @pytest.mark.reference
+def test_a_bf16_projection_split_over_its_input_sums_the_partials_in_fp32():
+    """A rowwise-sharded bf16 projection (I split over 8 devices) lands where one device does: the partial
+    products meet in fp32 and the sum is rounded once. Each device's partial product is 3 x (85.5 or -85):
+    256.5 rounds to 256 in bf16, so summing rounded partials gives 4 where the exact sum is 6 (measured: 4
+    with a plain bf16 einsum, XLA:CPU). The gradients are the plain bf16 ones."""
+    mesh = jax.make_mesh((8,), ("tp",))
+    per_device = 16
+    x = jnp.full((2, 4, 8 * per_device), 3.0, jnp.bfloat16)
+    row = np.zeros(8 * per_device, np.float32)
+    row[::per_device] = [85.5, -85.0] * 4
+    weight = jnp.asarray(np.tile(row, (16, 1)), jnp.bfloat16)
+    split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # noqa: E731
+    project = jax.jit(lambda x, weight: linear({"weight": weight}, x),
+                      in_shardings=(split(None, None, "tp"), split(None, "tp")))
+    sharded = project(x, weight)
+    assert sharded.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(sharded, np.float32), 6.0)
+    np.testing.assert_array_equal(np.asarray(linear({"weight": weight}, x), np.float32), 6.0)
+
+    loss = lambda x, weight: jnp.sum(linear({"weight": weight}, x) * jnp.bfloat16(1.5))  # noqa: E731
+    plain = lambda x, weight: jnp.sum(jnp.einsum("...i,oi->...o", x, weight) * jnp.bfloat16(1.5))  # noqa: E731
+    for ours, theirs in zip(jax.grad(loss, (0, 1))(x, weight), jax.grad(plain, (0, 1))(x, weight)):
+        assert ours.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+
+
 def test_embed_matches_torch_and_padding_row_gets_no_gradient():
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
