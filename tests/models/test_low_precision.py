@@ -25,11 +25,12 @@ EP_LAYOUTS = {
     "fsdp_all_to_all": dict(fsdp_size=8, ep_size=8, ep_implementation="all_to_all"),
 }
 # Every family on one device; each EP implementation with the fp32 routing weights of Mixtral and DeepSeek-V3 (the
-# families that crashed); fp16 under EP; Llama 4 (no EP plan) by TP, where a bf16 rowwise sum once doubled the error.
-# Every family x dtype x implementation x layout is the grid script's.
+# families that crashed) and once with a family whose weights are bf16; fp16 under EP; Llama 4 (no EP plan) by TP,
+# where a bf16 rowwise sum once doubled the error. Every family x dtype x implementation x layout is the grid script's.
 CASES = [(family, "bfloat16", None) for family in FAMILIES] + [
     ("mixtral", "bfloat16", "all_to_all"), ("deepseek_v3", "bfloat16", "all_reduce"), ("mixtral", "bfloat16", "auto"),
-    ("mixtral", "float16", "fsdp_all_to_all"), ("llama4_text", "bfloat16", "tp"),
+    ("qwen3_moe", "bfloat16", "fsdp_all_to_all"), ("mixtral", "float16", "fsdp_all_to_all"),
+    ("llama4_text", "bfloat16", "tp"),
 ]
 
 
@@ -60,7 +61,8 @@ def fp32_one_device_steps():
 
 
 @pytest.mark.parametrize("model_type, dtype, layout_name", [
-    ("mixtral", "bfloat16", "all_to_all"),     # fp32 routing weights, tp slices; the other cases: the grid script
+    ("mixtral", "bfloat16", "all_to_all"),     # fp32 routing weights, tp slices
+    ("qwen3_moe", "bfloat16", "all_reduce"),   # bf16 routing weights; every other case: the grid script
 ])
 def test_a_low_precision_train_step_matches_the_fp32_step(model_type, dtype, layout_name, fp32_one_device_steps):
     """One SGD step (router loss on) of the model loaded in `dtype` on an EP layout: loss, router loss and
