@@ -58,7 +58,7 @@ BATCHES = 4  # distinct device-resident batches the steps cycle through
 
 
 def bench_config(hidden: int) -> dict:
-    """A Qwen3-MoE twice the demo's width (moe_jax/demo.py DEMO_CONFIG), sized for 10-200 ms CPU steps."""
+    """A Qwen3-MoE twice the demo's width (moe_jax/cli/demo.py DEMO_CONFIG), sized for 10-200 ms CPU steps."""
     return dict(
         model_type="qwen3_moe", vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
         moe_intermediate_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

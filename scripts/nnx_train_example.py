@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_jax.demo import DEMO_CONFIG, ensure_virtual_cpu_devices  # noqa: E402  (imports no JAX)
+from moe_jax.cli.demo import DEMO_CONFIG, ensure_virtual_cpu_devices  # noqa: E402  (imports no JAX)
 
 ensure_virtual_cpu_devices(8)
 

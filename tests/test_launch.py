@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.launch import process_environ, resolve_command
+from moe_jax.cli.launch import process_environ, resolve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -128,7 +128,7 @@ def test_moe_jax_commands_join_the_job_the_launcher_starts():
 
 
 def test_a_layout_smaller_than_the_job_is_refused(monkeypatch):
-    from moe_jax.layout_flags import layout_devices
+    from moe_jax.cli.layout_flags import layout_devices
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process's 8 devices stand for a 2-process job
     with pytest.raises(ValueError, match="The layout covers 2 device\\(s\\) but this job of 2 processes has 8"):

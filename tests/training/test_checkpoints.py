@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from moe_jax import AutoModelForCausalLM
-from moe_jax.demo import DEMO_CONFIG
+from moe_jax.cli.demo import DEMO_CONFIG
 from moe_jax.training import TrainCheckpoints, TrainLoop, make_train_step
 from moe_jax.training.state import ARRAY_FIELDS
 

@@ -12,7 +12,7 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.cli import main
-from moe_jax.demo import DEMO_CONFIG
+from moe_jax.cli.demo import DEMO_CONFIG
 from moe_jax.training.memory import human_bytes, memory_table, train_state_memory
 from moe_jax.training.optimizers import build_optimizer
 from moe_jax.training.state import abstract_train_state

@@ -19,7 +19,7 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM
 from moe_jax.cli import main
-from moe_jax.demo import DEMO_CONFIG
+from moe_jax.cli.demo import DEMO_CONFIG
 from moe_jax.tokenization import write_byte_tokenizer
 from moe_jax.training import TrainCheckpoints, make_train_step
 from moe_jax.training.optimizers import build_optimizer

@@ -73,9 +73,9 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     ensure_virtual_cpu_devices()
     import numpy as np
 
-    from . import AutoModelForCausalLM, DistributedConfig
-    from .distributed.plan_report import plan_report
-    from .tokenization import write_byte_tokenizer
+    from .. import AutoModelForCausalLM, DistributedConfig
+    from ..distributed.plan_report import plan_report
+    from ..tokenization import write_byte_tokenizer
 
     devices = demo_devices()
     checkpoint = checkpoint_directory(output_dir)

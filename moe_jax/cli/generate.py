@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 from .layout_flags import (
     add_layout_flags,
     describe_layout,
@@ -29,7 +30,6 @@ from .layout_flags import (
     layout_given,
     warn_about_head_split,
 )
-from .tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,11 +110,11 @@ def run_generate(args: argparse.Namespace) -> int:
     """The job behind `moe-jax generate` (a bad request raises before any compute; `cli.main` prints it)."""
     import jax
 
-    from .checkpoint_files import local_checkpoint, read_config
-    from .distributed.config import DistributedConfig
-    from .distributed.mesh import DeviceLayout
-    from .inference.generation_config import GenerationConfig
-    from .models.auto import AutoModelForCausalLM
+    from ..checkpoint_files import local_checkpoint, read_config
+    from ..distributed.config import DistributedConfig
+    from ..distributed.mesh import DeviceLayout
+    from ..inference.generation_config import GenerationConfig
+    from ..models.auto import AutoModelForCausalLM
 
     directory = Path(args.model)
     if not directory.is_dir():

@@ -31,7 +31,7 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
 
 def distributed_config_from_flags(args: argparse.Namespace):
     """The `DistributedConfig` of the layout flags present on `args` (absent flags keep its defaults)."""
-    from .distributed.config import DistributedConfig
+    from ..distributed.config import DistributedConfig
 
     values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items() if hasattr(args, flag)}
     return DistributedConfig(**values)
@@ -51,7 +51,7 @@ def layout_devices(count: int, command: str) -> list:
         ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
     import jax
 
-    from .distributed.runtime import job_devices
+    from ..distributed.runtime import job_devices
 
     devices = job_devices()
     if jax.process_count() > 1 and count != len(devices):
@@ -85,7 +85,7 @@ def warn_about_head_split(model) -> None:
     what becomes of them (`moe-jax plan` prints the same as a note)."""
     import sys
 
-    from .distributed.plan_report import head_split_note
+    from ..distributed.plan_report import head_split_note
 
     if (note := head_split_note(model)) is not None:
         print(f"warning: {note}", file=sys.stderr)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .distributed.runtime import FAILURE_REPORTS
+from ..distributed.runtime import FAILURE_REPORTS
 
 POLL_S = 0.05
 SETTLE_S = 0.3  # after a first failure, for the others close behind it (see _blame)

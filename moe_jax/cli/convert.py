@@ -18,8 +18,8 @@ import argparse
 import time
 from pathlib import Path
 
+from ..pretrained import saved_config
 from .layout_flags import add_layout_flags, describe_layout, distributed_config_from_flags, layout_devices
-from .pretrained import saved_config
 
 FORMATS = ("hf", "orbax")
 
@@ -49,9 +49,9 @@ def convert(source_format: str, target_format: str, source, destination, distrib
             dtype: str | None = None, progress: bool = True) -> Path:
     """Read `source` in `source_format` onto the layout of `distributed_config`, write `destination` in
     `target_format`. Returns `destination` as a Path."""
-    from .distributed.config import DistributedConfig
-    from .distributed.mesh import DeviceLayout
-    from .parameter_dtypes import parameter_dtype
+    from ..distributed.config import DistributedConfig
+    from ..distributed.mesh import DeviceLayout
+    from ..parameter_dtypes import parameter_dtype
 
     source, destination = Path(source), Path(destination)
     for name, value in (("source format", source_format), ("target format", target_format)):
@@ -83,8 +83,8 @@ def load_model(source_format: str, source: Path, distributed_config, devices, *,
     """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
     from converters.orbax_params import read_orbax_config, restore_orbax_params
 
-    from .models.auto import AutoModelForCausalLM
-    from .pretrained import checkpoint_dtype
+    from ..models.auto import AutoModelForCausalLM
+    from ..pretrained import checkpoint_dtype
 
     if source_format == "hf":
         return AutoModelForCausalLM.from_pretrained(source, distributed_config, devices=devices, dtype=dtype,

@@ -90,7 +90,7 @@ def _check_positive(args) -> None:
 
 
 def _model_config(args) -> tuple[dict, Path | None]:
-    from .checkpoint_files import read_config
+    from ..checkpoint_files import read_config
     from .demo import DEMO_CONFIG
 
     if args.model is None:
@@ -102,7 +102,7 @@ def _model_config(args) -> tuple[dict, Path | None]:
 
 
 def _data_source(args, config: dict, model_dir: Path | None):
-    from .training.data import SyntheticTokens, TokenRows
+    from ..training.data import SyntheticTokens, TokenRows
 
     if args.data is not None:
         data = TokenRows.from_file(args.data, args.batch_size, args.seq_len)
@@ -128,7 +128,7 @@ def _check_output_dir(path: str | None, flag: str) -> None:
 
 def _copy_tokenizer(model_dir: Path | None, export_dir: str) -> list[str]:
     """The --model checkpoint's tokenizer files, copied into the export so text commands work on it."""
-    from .tokenization import copy_tokenizer_files
+    from ..tokenization import copy_tokenizer_files
 
     return [] if model_dir is None else copy_tokenizer_files(model_dir, export_dir)
 
@@ -194,20 +194,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
     if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
         raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
-    from .distributed.runtime import initialize
+    from ..distributed.runtime import initialize
 
     initialize()  # only now: a request refused above ends this process before any peer waits on it
 
     import jax
 
-    from .distributed.mesh import DeviceLayout
-    from .distributed.picture import count_text
-    from .models.auto import AutoModelForCausalLM
-    from .pretrained import load_weights
-    from .training.checkpoints import TrainCheckpoints
-    from .training.loop import TrainLoop
-    from .training.optimizers import build_optimizer
-    from .training.step import make_train_step
+    from ..distributed.mesh import DeviceLayout
+    from ..distributed.picture import count_text
+    from ..models.auto import AutoModelForCausalLM
+    from ..pretrained import load_weights
+    from ..training.checkpoints import TrainCheckpoints
+    from ..training.loop import TrainLoop
+    from ..training.optimizers import build_optimizer
+    from ..training.step import make_train_step
 
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     if distributed_config is None and jax.process_count() > 1:
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
               f"({describe_layout(distributed_config)}, "
               f"ep_implementation={distributed_config.ep_implementation})")
     if distributed_config is None and args.ep_implementation != "auto":
-        from .distributed.config import DistributedConfig
+        from ..distributed.config import DistributedConfig
 
         distributed_config = DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
     model_options = dict(devices=devices, dtype=args.dtype, scan_layers=SCAN_CHOICES[args.scan_layers],

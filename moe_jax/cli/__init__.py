@@ -1,4 +1,8 @@
-"""The `moe-jax` command. Each subcommand is registered in `COMMANDS` with its parser and handler."""
+"""The `moe-jax` command (also `python -m moe_jax.cli`). Each subcommand is registered in `COMMANDS` with
+its parser and handler; the jobs behind them are this package's modules (train, generate, convert, demo,
+launch, with the shared layout_flags), imported only when their command runs so `moe-jax --help` stays fast.
+Everything a user starts from the command line lives here; the library below never imports it.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def _layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from .distributed.picture import layout_picture
+    from ..distributed.picture import layout_picture
 
     print(layout_picture(distributed_config_from_flags(args), args.num_experts))
     return 0
@@ -47,17 +51,17 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _train_memory_text(model, optimizer_name: str) -> str:
     """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state."""
-    from .training.memory import memory_table, train_state_memory
-    from .training.optimizers import build_optimizer
-    from .training.state import abstract_train_state
+    from ..training.memory import memory_table, train_state_memory
+    from ..training.optimizers import build_optimizer
+    from ..training.state import abstract_train_state
 
     state = abstract_train_state(model, build_optimizer(optimizer_name, learning_rate=1e-3))
     return memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters)")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .distributed.plan_report import plan_report
-    from .models.auto import AutoModelForCausalLM
+    from ..distributed.plan_report import plan_report
+    from ..models.auto import AutoModelForCausalLM
 
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
@@ -66,7 +70,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True)
         print(plan_report(model))
         return 0
-    from .distributed.mesh import DeviceLayout
+    from ..distributed.mesh import DeviceLayout
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "plan")
     model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices)
@@ -104,13 +108,13 @@ command("demo", "build a tiny Qwen3-MoE checkpoint, load it on 8 devices (tp=2 f
 
 
 def _convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert_job import add_arguments
+    from .convert import add_arguments
 
     add_arguments(parser)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from .convert_job import run
+    from .convert import run
 
     return run(args)
 
@@ -121,13 +125,13 @@ command("convert", "convert parameters between HF safetensors and orbax checkpoi
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    from .train_job import add_arguments
+    from .train import add_arguments
 
     add_arguments(parser)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .train_job import run
+    from .train import run
 
     return run(args)
 
@@ -138,13 +142,13 @@ command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any l
 
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from .generate_job import add_generate_arguments
+    from .generate import add_generate_arguments
 
     add_generate_arguments(parser)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .generate_job import run_generate
+    from .generate import run_generate
 
     return run_generate(args)
 
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. A bad request prints one `error: ...` line on stderr and returns 2, as argparse
     does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree). A
     failed process of a multi-process job exits with that status at once instead of returning."""
-    from .distributed.runtime import handle_failure, initialize
+    from ..distributed.runtime import handle_failure, initialize
 
     args = build_parser().parse_args(argv)
     try:
@@ -212,6 +216,3 @@ def main(argv: list[str] | None = None) -> int:
         handle_failure(code)  # a joined process leaves now, not after minutes in JAX's shutdown barrier
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())
