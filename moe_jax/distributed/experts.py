@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..nn.precision import is_master
+from ..ops.accumulation import is_master
 from ..ops.varying import vary_like
 from .capacity import DispatchStatistics
 from .expert_parallel import ExpertGroups, build_ep_implementation

@@ -19,12 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# In ops so the experts runner (moe_jax.distributed, a layer below nn) asks the same question.
+from ..ops.accumulation import is_master  # noqa: F401
+
 WIDE = jnp.float32
-
-
-def is_master(parameter: jax.Array, activations: jax.Array) -> bool:
-    """True when `parameter` is stored wider than `activations` (it is cast at use, its gradient is not)."""
-    return jnp.finfo(parameter.dtype).bits > jnp.finfo(activations.dtype).bits
 
 
 def _marker(parameter: jax.Array) -> jax.Array:

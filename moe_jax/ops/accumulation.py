@@ -4,6 +4,9 @@ bf16 and fp16 have 8 and 11 bits of mantissa, so a sum of several of their value
 in float32 and rounding once at the end keeps the result as close to the fp32 model as the inputs allow. Used by
 the grouped matmul's accumulators and by every expert combine (the weighted sum of a token's top-k outputs, on one
 device and under each EP implementation), so bf16 layouts agree with each other and with one device.
+
+`is_master` says when a parameter is stored wider than the activations it meets (mixed precision), so its
+gradient sums run in its own dtype (`moe_jax.nn.precision`, the experts runner in `moe_jax.distributed`).
 """
 
 from __future__ import annotations
@@ -29,3 +32,8 @@ def accumulating_einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
         operands = [operand.astype(jnp.float32) if operand.dtype == jnp.float16 else operand
                     for operand in operands]
     return jnp.einsum(subscripts, *operands, preferred_element_type=accumulate)
+
+
+def is_master(parameter: jax.Array, activations: jax.Array) -> bool:
+    """True when `parameter` is stored wider than `activations` (it is cast at use, its gradient is not)."""
+    return jnp.finfo(parameter.dtype).bits > jnp.finfo(activations.dtype).bits
