@@ -3,7 +3,7 @@
     python scripts/check_mixed_precision.py [--start K] [--limit N]
 
 For each layout of the parity grid, the mixed-precision train step of the committed tiny Qwen3-MoE is
-compiled with XLA dumping the SPMD partitioner's output (`moe_jax.distributed.collectives_report`: the
+compiled with XLA dumping the SPMD partitioner's output (`moe_jax.reporting.collectives_report`: the
 dtypes the program asks for, the same on CPU and GPU), run once, and compared with the full-precision
 one-device step. Printed per layout: the collectives by (op, dtype), the loss difference, and a verdict.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 
-from moe_jax.distributed.collectives_report import REDUCTIONS, compile_with_collectives  # noqa: E402
+from moe_jax.reporting.collectives_report import REDUCTIONS, compile_with_collectives  # noqa: E402
 from tests.models.test_fixture_parity import every_layout_and_implementation  # noqa: E402
 from tests.training.conftest import FixtureBatches, build_trainer  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 
 from moe_jax import DistributedConfig
 from moe_jax.cli import main
-from moe_jax.distributed.picture import layout_picture
+from moe_jax.reporting.picture import layout_picture
 from tests.models.hf_reference import TINY_QWEN3_MOE
 
 

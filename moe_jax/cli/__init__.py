@@ -30,7 +30,7 @@ def _layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from ..distributed.picture import layout_picture
+    from ..reporting.picture import layout_picture
 
     print(layout_picture(distributed_config_from_flags(args), args.num_experts))
     return 0
@@ -60,8 +60,8 @@ def _train_memory_text(model, optimizer_name: str) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from ..distributed.plan_report import plan_report
     from ..models.auto import AutoModelForCausalLM
+    from ..reporting.plan_report import plan_report
 
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")

@@ -74,7 +74,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     import numpy as np
 
     from .. import AutoModelForCausalLM, DistributedConfig
-    from ..distributed.plan_report import plan_report
+    from ..reporting.plan_report import plan_report
     from ..tokenization import write_byte_tokenizer
 
     devices = demo_devices()

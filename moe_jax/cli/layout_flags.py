@@ -85,7 +85,7 @@ def warn_about_head_split(model) -> None:
     what becomes of them (`moe-jax plan` prints the same as a note)."""
     import sys
 
-    from ..distributed.plan_report import head_split_note
+    from ..reporting.plan_report import head_split_note
 
     if (note := head_split_note(model)) is not None:
         print(f"warning: {note}", file=sys.stderr)

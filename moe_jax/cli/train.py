@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from ..distributed.mesh import DeviceLayout
-    from ..distributed.picture import count_text
     from ..models.auto import AutoModelForCausalLM
     from ..pretrained import load_weights
+    from ..reporting.picture import count_text
     from ..training.checkpoints import TrainCheckpoints
     from ..training.loop import TrainLoop
     from ..training.optimizers import build_optimizer

@@ -128,7 +128,7 @@ class TrainStep:
 
     def lower(self, state: TrainState, batch: dict):
         """The step for `state`'s capacity and `batch`'s keys, lowered (`jax.stages.Lowered`): for its cost
-        and memory analyses, or `moe_jax.distributed.collectives_report`. Compiling it does not fill the
+        and memory analyses, or `moe_jax.reporting.collectives_report`. Compiling it does not fill the
         cache `__call__` uses."""
         return self._jit(state.capacity, tuple(sorted(batch))).lower(state, batch)
 

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from moe_jax.distributed.collectives_report import REDUCTIONS, compile_with_collectives
+from moe_jax.reporting.collectives_report import REDUCTIONS, compile_with_collectives
 from moe_jax.training import TrainLoop
 from moe_jax.training.optimizers import experts_and_dense, parameter_groups
 

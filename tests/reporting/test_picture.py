@@ -5,7 +5,7 @@ import sys
 
 from moe_jax import DistributedConfig
 from moe_jax.cli import main
-from moe_jax.distributed.picture import layout_rows
+from moe_jax.reporting.picture import layout_rows
 
 
 def test_tp2_fsdp4_ep4_rows():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .config import DistributedConfig
-from .mesh import DeviceLayout, check_experts_divisible
+from ..distributed.config import DistributedConfig
+from ..distributed.mesh import DeviceLayout, check_experts_divisible
 
 
 def check_num_experts(num_experts: int) -> None:

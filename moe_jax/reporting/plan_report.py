@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..distributed.plans import replace_layer_number_by_wildcard
 from .picture import layout_picture
-from .plans import replace_layer_number_by_wildcard
 
 
 def _layers_text(layers: list[str]) -> str:
