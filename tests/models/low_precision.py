@@ -26,8 +26,9 @@ import moe_jax
 from moe_jax import DistributedConfig
 from moe_jax.training import make_train_step
 
+from .hf_reference import LOW_PRECISION_DTYPES  # noqa: F401 (the dtypes the fixtures hold; re-exported)
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 RMS_FACTOR = 1.25
 MAX_FACTOR = 2.0
 

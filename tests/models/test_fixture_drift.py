@@ -32,3 +32,22 @@ def test_fixture_logits_are_recomputed_from_its_checkpoint(model_type):
     np.testing.assert_array_equal(committed["attention_mask"], recomputed["attention_mask"])
     np.testing.assert_allclose(committed["logits"], recomputed["logits"], atol=RECOMPUTE_ATOL, rtol=0)
     assert abs(float(committed["aux_loss"]) - float(recomputed["aux_loss"])) < 1e-6
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_low_precision_fixture_is_recomputed_from_its_checkpoint(model_type):
+    """`reference_low_precision.npz` (the bar of tests/models/test_low_precision.py) is PyTorch's bf16 / fp16
+    run of the committed checkpoint: recomputed here, its distance to the fp32 logits is the committed one's
+    (within 10%: another machine's thread count reorders low-precision sums)."""
+    pytest.importorskip("torch")
+    from .hf_reference import low_precision_arrays
+    from .low_precision import LOW_PRECISION_DTYPES, LogitsError, fixture_reference
+
+    committed = np.load(FIXTURES / model_type / "reference_low_precision.npz")
+    recomputed = low_precision_arrays(FIXTURES / model_type)
+    reference = fixture_reference(model_type)
+    for dtype in LOW_PRECISION_DTYPES:
+        ours, theirs = (LogitsError.between(arrays[f"logits_{dtype}"], reference) for arrays in (recomputed, committed))
+        assert ours.rms == pytest.approx(theirs.rms, rel=0.1) and ours.max == pytest.approx(theirs.max, rel=0.1), (
+            f"{model_type} {dtype}: recomputed {ours}, committed {theirs}")
