@@ -14,10 +14,8 @@ before anything is allocated, and converters map checkpoint keys onto them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-Initializer = Callable[..., object]  # (key, shape, dtype) -> array
 
 
 @dataclass(frozen=True)
@@ -96,9 +94,3 @@ class ModuleTree:
     def named_parameters(self) -> list[tuple[str, ParamSpec]]:
         return list(self.params.items())
 
-    def direct_params(self, module_name: str) -> list[str]:
-        """Names of the parameters a module owns itself (not its children's)."""
-        return [name for name in self.params if name.rpartition(".")[0] == module_name]
-
-    def has_module(self, name: str) -> bool:
-        return name in self.modules

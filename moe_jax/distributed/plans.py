@@ -155,14 +155,6 @@ class PlannedModel:
             self._validate_parallel_plan(plan, styles, plan_name)
         setattr(self, f"_{plan_name}", plan)
 
-    @property
-    def supports_tp_plan(self) -> bool:
-        return bool(self._tp_plan)
-
-    @property
-    def supports_pp_plan(self) -> bool:
-        return bool(self._pp_plan)
-
     def plan_names(self) -> set[str]:
         """Every module and parameter name with layer numbers replaced by `*`."""
         tree = self.module_tree

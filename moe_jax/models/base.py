@@ -72,7 +72,6 @@ jax.tree_util.register_dataclass(
     data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache"],
     meta_fields=[],
 )
-ForwardOutput = ModelOutput  # the name of earlier releases
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict:
@@ -431,16 +430,6 @@ class MoeForCausalLM(PlannedModel):
             return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
         logits = layouts.output(self.head_logits(nested, hidden), "lm_head")
         return ModelOutput(logits, None, router_logits, aux_loss, total, cache)
-
-    def jitted_forward(self, capacity: float | None = None, *, inference: bool = True):
-        """`(params, input_ids [B, S], attention_mask [B, S], rng) -> ModelOutput` at a fixed `capacity`
-        (None: the largest), for earlier callers; it is `apply` with those arguments bound."""
-
-        def forward(params, input_ids, attention_mask=None, rng=None):
-            return self.apply(params, input_ids, attention_mask=attention_mask, rng=rng, capacity=capacity,
-                              inference=inference)
-
-        return forward
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

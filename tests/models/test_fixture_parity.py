@@ -58,7 +58,7 @@ def every_layout_and_implementation(model_type: str | None = None):
 
 
 def fixture_output(model_type: str, layout: dict | None, checkpoint: Path | None = None, **model_kwargs):
-    """(our ForwardOutput on the fixture's inputs, the fixture's arrays); `checkpoint` replaces the committed
+    """(`model.forward` on the fixture's inputs, the fixture's arrays); `checkpoint` replaces the committed
     one (for tests that alter it); `model_kwargs` go to the model (e.g. `scan_layers=True`)."""
     reference = np.load(FIXTURES / model_type / "reference.npz")
     model = moe_jax.AutoModelForCausalLM.from_pretrained(
