@@ -60,10 +60,9 @@ def barrier(name: str) -> None:
 
 
 def gather_to_host(array) -> np.ndarray:
-    """One tensor as a numpy array on every process: device shards assembled locally, or gathered across
-    processes when the array spans them (every process must call this for the same array)."""
-    if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
-        return np.asarray(jax.device_get(array))
-    from jax.experimental import multihost_utils
+    """One tensor as a numpy array on every process (`moe_jax.distributed.host_arrays.to_host`; every process
+    must call this for the same array)."""
+    # Imported at call time: converters import no moe_jax module at import time (moe_jax imports converters).
+    from moe_jax.distributed.host_arrays import to_host
 
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return to_host(array)

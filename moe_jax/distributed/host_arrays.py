@@ -1,6 +1,7 @@
 """Host data -> global `jax.Array`s, each process supplying only the rows its own devices hold.
 
     ids = global_rows((B, S), batch_sharding, lambda rows: tokens[rows])     # reads only this process's rows
+    logits = to_host(out.logits)                                             # the whole array, every process
 
 In a multi-process job a global array is assembled from what each process puts on its own devices, so a
 batch split over the data-parallel devices is read in pieces: process p asks for the rows of its devices
@@ -13,8 +14,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-
-from converters.multihost import gather_to_host as to_host  # noqa: F401  (one numpy copy on every process)
 
 
 def local_rows(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> np.ndarray:
@@ -49,3 +48,13 @@ def host_to_global(array, sharding: jax.sharding.Sharding) -> jax.Array:
         return array if array.sharding == sharding else jax.device_put(array, sharding)
     array = np.asarray(array)
     return global_rows(array.shape, sharding, lambda rows: array[rows])
+
+
+def to_host(array) -> np.ndarray:
+    """One array as a numpy array on every process: device shards assembled locally, or gathered across
+    processes when the array spans them (every process must call this for the same array)."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
