@@ -14,48 +14,22 @@ one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skip
 
 A sliding-window run whose window is shorter than the cache keeps only its window: a ring of the last
 `sliding_window - 1` tokens in order (each step appends and drops the oldest), with its own mask in
-`window_masks` (what a query sees besides itself and the other new tokens).
+`window_masks` (what a query sees besides itself and the other new tokens). The `KVCache` pytree itself is
+defined in `moe_jax.models.kv_cache` and exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.mesh import spec_entry
+from ..models.kv_cache import KVCache  # with the decoder that fills it (models sit below inference)
 
 # Cache lengths are rounded up to a multiple of this (or to a power of two below it), so generations of
 # nearby lengths share one compilation.
 LENGTH_BUCKET = 128
-
-
-@dataclass
-class KVCache:
-    """keys, values: run key -> [L, B, T, K, D] ([L, B, R, K, D] for a window ring); key_mask: [B, T]
-    int32, 1 for a stored real token; length: int32 scalar, the tokens written so far (the next goes to slot
-    `length`); window_masks: ring run key -> [B, R], the ring's key_mask."""
-
-    keys: dict[str, jax.Array]
-    values: dict[str, jax.Array]
-    key_mask: jax.Array
-    length: jax.Array
-    window_masks: dict[str, jax.Array]
-
-    @property
-    def max_length(self) -> int:
-        return self.key_mask.shape[1]
-
-    @property
-    def batch_size(self) -> int:
-        return self.key_mask.shape[0]
-
-
-jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values", "key_mask", "length", "window_masks"],
-                                 meta_fields=[])
 
 
 def ring_length(model, run, max_length: int) -> int | None:

@@ -22,7 +22,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..inference.cache import KVCache
 from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
 from ..nn.attention import attention, cached_attention
@@ -34,6 +33,7 @@ from ..nn.norms import rms_norm
 from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 from ..ops.experts import swiglu_experts
 from .base import REMAT_POLICIES, MoeForCausalLM, StepOptions
+from .kv_cache import KVCache
 from .layer_stack import LayerRun
 
 # Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
