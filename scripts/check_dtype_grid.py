@@ -1,6 +1,7 @@
 """Check every family in fp32, bf16 and fp16 on one device and every legal 8-device layout: forward and one train step.
 
     python scripts/check_dtype_grid.py [--families F ...] [--dtypes D ...] [--parts forward step] [--limit N]
+                                       [--implementations all_to_all all_reduce auto]
 
 For each family x dtype x case (one device, then every legal 8-device layout x each ep_implementation that
 applies, `every_layout_and_implementation`):
@@ -66,12 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     parser.add_argument("--parts", nargs="+", default=("forward", "step"), choices=("forward", "step"))
     parser.add_argument("--limit", type=int, default=None, help="run only the first N cases of each family")
+    parser.add_argument("--implementations", nargs="+", default=("all_to_all", "all_reduce", "auto"),
+                        choices=("all_to_all", "all_reduce", "auto"),
+                        help="the ep_implementations of EP layouts to run ('auto' runs one of the other two)")
     args = parser.parse_args(argv)
 
     failures, cases, worst = [], 0, {}
     start = time.perf_counter()
     for family in args.families:
-        layouts = [None, *every_layout_and_implementation(family)][: args.limit]
+        layouts = [layout for layout in [None, *every_layout_and_implementation(family)]
+                   if layout is None or layout.get("ep_implementation", "all_to_all") in args.implementations]
+        layouts = layouts[: args.limit]
         baseline = train_step_result(family, None, "float32") if "step" in args.parts else None
         for dtype in args.dtypes:
             for layout in layouts:
