@@ -9,13 +9,19 @@ before anything is allocated, and converters map checkpoint keys onto them.
         with tree.module("embed_tokens"):
             tree.param("weight", (vocab, hidden))
         tree.module_without_params("rotary_emb")
+
+Parameters travel as flat dicts keyed by these dotted names; `unflatten` nests one by module for the code
+that walks the tree (the model's forward, the loss's lm_head, the NNX module's attributes).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from flax import traverse_util
 
 
 @dataclass(frozen=True)
@@ -94,3 +100,7 @@ class ModuleTree:
     def named_parameters(self) -> list[tuple[str, ParamSpec]]:
         return list(self.params.items())
 
+
+def unflatten(flat: Mapping[str, Any]) -> dict:
+    """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (layer numbers stay string keys)."""
+    return traverse_util.unflatten_dict(dict(flat), sep=".")

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
-from moe_jax.models.base import unflatten  # noqa: E402
+from moe_jax.module_tree import unflatten  # noqa: E402
 from moe_jax.nn.attention import attention  # noqa: E402
 from moe_jax.nn.linear import linear  # noqa: E402
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin  # noqa: E402

@@ -25,14 +25,11 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from converters.key_maps import KeyMap, key_map_for
-
 from ..distributed.activations import ActivationLayouts
-from ..distributed.capacity import CapacitySchedule, DispatchStatistics
+from ..distributed.capacity import CapacitySchedule, DispatchStatistics, replay_until_exact
 from ..distributed.config import DistributedConfig
 from ..distributed.experts import ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
@@ -40,7 +37,7 @@ from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, reso
 from ..distributed.sharding import parameter_shardings
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
-from ..module_tree import ModuleTree
+from ..module_tree import ModuleTree, unflatten
 from ..ops.routing import load_balancing_loss
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
@@ -72,15 +69,6 @@ jax.tree_util.register_dataclass(
     data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache"],
     meta_fields=[],
 )
-
-
-def unflatten(flat: Mapping[str, Any]) -> dict:
-    """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (layer numbers stay string keys)."""
-    return traverse_util.unflatten_dict(dict(flat), sep=".")
-
-
-def flatten(nested: dict) -> dict[str, Any]:
-    return traverse_util.flatten_dict(nested, sep=".")
 
 
 INITIALIZERS: dict[str, Callable] = {
@@ -167,15 +155,32 @@ class MoeForCausalLM(PlannedModel):
         )
         self.experts_backend = experts_backend
         self.activation_layouts = ActivationLayouts(self.mesh, self.layout, self.resolved_plans.tp)
+        # The model's one capacity ladder and schedule; its EP implementations are built with it, once.
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.params: dict | None = None
         self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden",
                                                                      "compute_dtype"))
-        # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
         self.generation_config = GenerationConfig.from_values(self.config.raw)  # from_pretrained: the checkpoint's
         self._generator: Generator | None = None
+        # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
         self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
+
+    @property
+    def capacity_schedule(self) -> CapacitySchedule:
+        """The dispatch capacity ladder and schedule (`moe_jax.distributed.capacity`): one per model, shared
+        by `apply`'s checks, `forward`, the train loop and the EP implementations."""
+        return self._capacity_schedule
+
+    @capacity_schedule.setter
+    def capacity_schedule(self, schedule: CapacitySchedule) -> None:
+        # The EP implementations report required capacities on the ladder they were built with.
+        built = getattr(self, "_capacity_schedule", None)
+        if built is not None and schedule.ladder != built.ladder:
+            raise ValueError(
+                f"The capacity ladder is fixed when the model is built ({list(built.ladder)}); a new "
+                f"schedule may change its patience only, not the ladder {list(schedule.ladder)}.")
+        self._capacity_schedule = schedule
 
     # ---- to implement per family -------------------------------------------------------------------
     def declare_tree(self) -> ModuleTree:
@@ -312,12 +317,6 @@ class MoeForCausalLM(PlannedModel):
         (default `model.params`)."""
         return save_pretrained(self, out_dir, **kwargs)
 
-    @property
-    def checkpoint_key_map(self) -> KeyMap:
-        """How this model's parameters map to hub keys (`converters.key_maps`); a family whose table depends on
-        its config (quantisation blocks, extra layers to skip) builds its own."""
-        return key_map_for(self.model_type)
-
     # ---- the step ------------------------------------------------------------------------------------
     def _build_sharded_experts(self) -> dict[int, ShardedExperts]:
         """One experts module per sparse layer, its mode read from the resolved plans."""
@@ -328,7 +327,7 @@ class MoeForCausalLM(PlannedModel):
                                   self.resolved_plans.ep),
                 num_experts=self.config.num_experts, experts_forward=self.experts_forward,
                 ep_implementation=self.distributed_config.ep_implementation,
-                intermediate_dims=self.experts_intermediate_dims,
+                intermediate_dims=self.experts_intermediate_dims, schedule=self.capacity_schedule,
             )
             for layer in self.sparse_layers()
         }
@@ -436,7 +435,7 @@ class MoeForCausalLM(PlannedModel):
         """input_ids: [B, S] -> a `DroplessOutput` (fields as `ModelOutput`: logits [B, S, V], ...), exact.
 
         Runs `apply` at the model's current capacity for this mode and returns at once; the first field
-        read checks the call's dispatch statistics (one scalar) and, if it overflowed, recomputes it at the
+        read checks the call's dispatch statistics (two scalars) and, if it overflowed, recomputes it at the
         capacity it required (same `rng`: the same computation), so results are always those of the
         unsharded model. B is padded to a multiple of the data-parallel size and cut back.
         """
@@ -533,24 +532,19 @@ class DroplessOutput:
         return self._verified
 
     def _exact_output(self) -> ModelOutput:
-        model, schedule = self._model, self._model.capacity_schedule
-        output, capacity = self._output, self.capacity
-        while True:
-            dropped, required = (float(v) for v in jax.device_get(
-                (output.statistics.dropped, output.statistics.required_capacity)))
-            if not dropped:
-                break
-            if capacity >= schedule.largest:
-                raise RuntimeError(
-                    f"{int(dropped)} (token, expert) pairs were dropped at the largest capacity ({capacity}); "
-                    "its buffers hold every pair a device sends, so this is a bug in the EP implementation."
-                )
-            capacity = schedule.check(max(required, schedule.ladder[schedule.ladder.index(capacity) + 1]))
-            output = self._call(capacity=capacity)
-            self.recomputed += 1
-        model.forward_capacity[self._inference] = schedule.update(model.forward_capacity[self._inference], required)
-        self.capacity = capacity
-        return output
+        model = self._model
+
+        def replay(capacity: float) -> ModelOutput:
+            self.recomputed += 1  # counted before a check can raise
+            return self._call(capacity=capacity)
+
+        # The schedule's state as it is now (another call may have moved it since this one was dispatched).
+        replayed = replay_until_exact(replay, model.capacity_schedule,
+                                      model.forward_capacity[self._inference],
+                                      dispatched=(self._output, self.capacity))
+        model.forward_capacity[self._inference] = replayed.state
+        self.capacity = replayed.capacity
+        return replayed.output
 
     def _cut_to_batch(self, output: ModelOutput) -> ModelOutput:
         padded = (output.logits if output.logits is not None else output.hidden_states).shape[0]

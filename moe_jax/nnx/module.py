@@ -29,25 +29,30 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.capacity import CapacityState, DispatchStatistics
-from ..models.base import MoeForCausalLM, unflatten
-from ..training.loss import aux_loss_coefficient, predicted_tokens, prediction_targets
+from ..models.base import MoeForCausalLM
+from ..module_tree import unflatten
+from ..training.loss import (
+    DEFAULT_LOSS_CHUNK,
+    aux_loss_coefficient,
+    model_loss,
+    predicted_tokens,
+    prediction_targets,
+)
 from ..training.optimizers import buffer_storage_names
-from ..training.step import DEFAULT_LOSS_CHUNK, model_loss
 from .variables import Buffer, DispatchStats
 
 # Attributes of the module itself; a parameter tree may not start with one of these names.
-_OWN_ATTRIBUTES = frozenset({"engine", "capacity", "capacity_streak", "deterministic", "compute_dtype",
-                             "dispatch_statistics", "storage_names"})
+_OWN_ATTRIBUTES = frozenset({"engine", "capacity", "capacity_streak", "_capacity_book", "deterministic",
+                             "compute_dtype", "dispatch_statistics", "storage_names"})
 
 
-class CapacityStreak:
-    """The calm streak of `CapacitySchedule` (calls in a row that fitted the lower capacity, their peak).
+class _HostBook:
+    """Host bookkeeping kept beside the module's static attributes, compared by identity: what it holds can
+    change without changing the module's graph definition (a changed static attribute recompiles an `nnx.jit`
+    step). `state`: the `CapacityState` of the capacity in force, with its calm streak."""
 
-    Host bookkeeping kept beside the static `capacity`: compared by identity, so counting calm calls does
-    not change the module's graph definition (a changed static attribute recompiles an `nnx.jit` step)."""
-
-    def __init__(self):
-        self.calm_calls, self.calm_peak = 0, 0.0
+    def __init__(self, state: CapacityState | None):
+        self.state = state
 
 
 def partition_names(spec, ndim: int) -> tuple:
@@ -98,7 +103,7 @@ class MoeCausalLM(nnx.Module):
         # Static: each capacity is its own compilation, as in the pure API.
         self.capacity = (None if engine.layout.ep_size == 1 else
                          schedule.largest if capacity is None else schedule.check(capacity))
-        self.capacity_streak = CapacityStreak()
+        self._capacity_book = _HostBook(None if self.capacity is None else CapacityState(self.capacity))
         self.deterministic = deterministic
         mixed = engine.distributed_config.fsdp_mixed_precision
         self.compute_dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else (
@@ -128,28 +133,33 @@ class MoeCausalLM(nnx.Module):
         return self.engine.config
 
     # ---- dispatch capacity ---------------------------------------------------------------------------
-    # `capacity` (an attribute): the dispatch capacity of the next call (None: no dispatch buffers, ep 1).
+    # `capacity` (a static attribute): the dispatch capacity of the next call (None: no dispatch buffers,
+    # ep 1); `_capacity_book.state`: the same capacity with the schedule's calm streak (host only).
+    @property
+    def capacity_streak(self) -> CapacityState | None:
+        """The schedule's state: the capacity in force and its calm streak (`calm_calls`, `calm_peak`)."""
+        return self._capacity_book.state
+
     def set_capacity(self, capacity: float) -> None:
         """Use `capacity` (a value of `engine.capacity_schedule.ladder`) from the next call on."""
         if self.capacity is not None:
             self.capacity = self.engine.capacity_schedule.check(capacity)
-            self.capacity_streak = CapacityStreak()
+            self._capacity_book = _HostBook(CapacityState(self.capacity))
 
     def update_capacity(self) -> bool:
-        """Read the last call's statistics on the host (one scalar) and move the capacity by
-        `engine.capacity_schedule`: straight up after an overflow, one rung down after a calm streak.
-        Returns whether the last call dropped pairs: its results lack them and it must be run again (at the
-        raised capacity). Call it outside the jitted step, when convenient."""
+        """Read the last call's statistics on the host (one read: dropped pairs and required capacity) and
+        move the capacity by `engine.capacity_schedule.settle`: straight up after an overflow, one rung down
+        after a calm streak. Returns whether the last call dropped pairs: its results lack them and it must
+        be run again (at the raised capacity). Call it outside the jitted step, when convenient."""
         if self.capacity is None:
             return False
-        schedule, streak = self.engine.capacity_schedule, self.capacity_streak
-        required = float(jax.device_get(self.dispatch_statistics.get_value().required_capacity))
-        state = CapacityState(self.capacity, streak.calm_calls, streak.calm_peak)
-        dropped = schedule.overflowed(state, required)
-        state = schedule.update(state, required)
+        statistics = self.dispatch_statistics.get_value()
+        dropped, required = jax.device_get((statistics.dropped, statistics.required_capacity))
+        state, replay = self.engine.capacity_schedule.settle(self._capacity_book.state, self.capacity,
+                                                             int(dropped), float(required))
         self.capacity = state.capacity
-        streak.calm_calls, streak.calm_peak = state.calm_calls, state.calm_peak
-        return dropped
+        self._capacity_book.state = state
+        return replay
 
     # ---- the step ------------------------------------------------------------------------------------
     def __call__(self, input_ids, attention_mask=None, *, positions=None, rng: jax.Array | None = None,

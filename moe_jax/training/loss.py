@@ -6,16 +6,24 @@ mean over the predicted tokens. MoE models add `router_aux_loss_coef * aux_loss`
 `output_router_logits=True` (and labels are given). Here the cross entropy is a *sum* and a *count* per
 call, so the mean can be taken over the global batch of several micro-batches; the `[B, S, V]` logits are
 never held at once: `lm_head` runs on `chunk` positions at a time inside a rematerialised scan.
+
+`model_loss` is that loss of one batch under a model's `apply`: the train step (`step.py`) and the NNX
+face's `loss` (`moe_jax.nnx`) both call it, so it lives here with the pieces it joins, not in either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+from ..module_tree import unflatten
+
 IGNORE_INDEX = -100
+# Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
+DEFAULT_LOSS_CHUNK = 512
 
 
 def default_labels(input_ids: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
@@ -98,3 +106,20 @@ def adds_aux_loss(config) -> bool:
 
 def aux_loss_coefficient(config) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0)) if adds_aux_loss(config) else 0.0
+
+
+def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
+               capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
+               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> tuple[jax.Array, dict]:
+    """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
+
+    input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
+    the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
+    statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
+    so both give the same loss for the same parameters and data."""
+    output = model.apply(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
+                         inference=inference, return_hidden=True, compute_dtype=compute_dtype)
+    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, unflatten(params)),
+                                      loss_chunk)
+    loss = ce_sum / total_tokens + aux_weight * output.aux_loss
+    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}

@@ -29,14 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.host_arrays import host_to_global
-from ..models.base import unflatten
-from .loss import aux_loss_coefficient, chunked_cross_entropy, predicted_tokens, prediction_targets
+from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicted_tokens, prediction_targets
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
 
 BATCH_KEYS = ("input_ids", "attention_mask", "labels")
-# Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
-DEFAULT_LOSS_CHUNK = 512
 OFFLOAD_MEMORY_KIND = "pinned_host"
 
 
@@ -219,23 +216,6 @@ class TrainStep:
                           micro_batch["targets"], total_tokens=total_tokens,
                           aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk)
-
-
-def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
-               capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
-               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> tuple[jax.Array, dict]:
-    """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
-
-    input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
-    the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
-    statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
-    so both give the same loss for the same parameters and data."""
-    output = model.apply(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
-                         inference=inference, return_hidden=True, compute_dtype=compute_dtype)
-    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, unflatten(params)),
-                                      loss_chunk)
-    loss = ce_sum / total_tokens + aux_weight * output.aux_loss
-    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}
 
 
 def check_offload_supported(model) -> None:

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
 from moe_jax.models import Qwen3MoeForCausalLM
-from moe_jax.models.base import StepOptions, unflatten
+from moe_jax.models.base import StepOptions
+from moe_jax.module_tree import unflatten
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 
 # Heads divisible by tp=8, one sparse layer.
