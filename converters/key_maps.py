@@ -21,7 +21,9 @@ duplicate); export writes the first.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -287,7 +289,7 @@ KEY_MAPS: dict[str, KeyMap] = {
     "olmoe": KeyMap("olmoe", QWEN2_MOE.rules),
     "mixtral": MIXTRAL,
     "gpt_oss": GPT_OSS,
-    # Without its config: no MTP layer skipped (the model's `checkpoint_key_map` knows its layers).
+    # Without its config: no MTP layer skipped (`checkpoint_key_map` with the config knows its layers).
     "deepseek_v3": deepseek_v3_key_map(0, 0),
     # Llama 4's text checkpoints hold the in-memory layout (fused [E, H, 2I] experts): no renaming.
     "llama4_text": KeyMap("llama4_text", ()),
@@ -296,6 +298,22 @@ KEY_MAPS: dict[str, KeyMap] = {
     "llama4": KeyMap("llama4", (), ignored=(r"vision_model\..*", r"multi_modal_projector\..*"),
                      hub_prefix="language_model."),
 }
+
+
+# Families whose table depends on their config: model_type -> (the model's config object -> KeyMap). Here,
+# not on the model classes, so models/ never imports converters/ (issue 25's import layers).
+CONFIG_KEY_MAPS: dict[str, Callable[[Any], KeyMap]] = {
+    # The FP8 block of quantization_config; the MTP layers after the config's last layer skipped.
+    "deepseek_v3": lambda config: deepseek_v3_key_map(
+        config.num_hidden_layers, config.num_nextn_predict_layers, config.weight_block_size),
+}
+
+
+def checkpoint_key_map(model_type: str, config: Any) -> KeyMap:
+    """How a model of `model_type` with `config` (its config object) maps its parameters to hub keys: the
+    family's config-built table (`CONFIG_KEY_MAPS`), else its fixed one (`KEY_MAPS`)."""
+    build = CONFIG_KEY_MAPS.get(model_type)
+    return build(config) if build is not None else key_map_for(model_type)
 
 
 def key_map_for(key_map: KeyMap | str) -> KeyMap:

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from converters import load_params, save_params
+from converters.key_maps import checkpoint_key_map
 
 from .checkpoint_files import local_checkpoint, read_config
 from .inference.generation_config import GenerationConfig
@@ -46,7 +47,8 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
 
 def load_weights(model, path, *, progress: bool = True):
     """Read the HF checkpoint at `path` into `model.params`, in the model's shardings and dtype."""
-    model.params = load_params(local_checkpoint(path), model.module_tree, model.checkpoint_key_map,
+    model.params = load_params(local_checkpoint(path), model.module_tree,
+                               checkpoint_key_map(model.model_type, model.config),
                                model.storage_shardings(), dtype=model.storage_dtypes(), progress=progress,
                                layer_stack=model.layer_stack)
     return model
@@ -61,8 +63,8 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
     config = saved_config(model)
     json.dumps(config)
-    return save_params(model.hf_params(params), model.checkpoint_key_map, out_dir, config=config, max_shard_bytes=max_shard_bytes,
-                       progress=progress)
+    return save_params(model.hf_params(params), checkpoint_key_map(model.model_type, model.config), out_dir,
+                       config=config, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def saved_config(model) -> dict:

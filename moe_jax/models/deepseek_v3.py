@@ -13,7 +13,8 @@
 whatever the layout. The reference's TP plan covers the experts, the shared experts and the dense MLPs;
 MLA stays replicated under TP. Hub checkpoints may be FP8 block-quantised (`converters.fp8`, a load-only
 layout) and carry the multi-token-prediction layer(s) after the last decoder layer, which loading skips
-(the model has no MTP head, like the reference's).
+(the model has no MTP head, like the reference's): the key map built from the config is converters'
+(`converters.key_maps.CONFIG_KEY_MAPS`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from converters.fp8 import DEFAULT_BLOCK
-from converters.key_maps import KeyMap, deepseek_v3_key_map
-
 from ..module_tree import ModuleTree
 from ..nn.latent_attention import LatentDims, cached_latent_attention, latent_attention
 from ..nn.linear import linear
@@ -36,6 +34,9 @@ from ..ops.routing import group_limited_sigmoid_top_k
 from .config import HFConfigMixin
 from .decoder import MoeDecoderForCausalLM
 from .registry import register_model
+
+# quantization_config's default weight_block_size (converters.fp8.DEFAULT_BLOCK; models import no converters).
+FP8_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class DeepseekV3Config(HFConfigMixin):
     @property
     def weight_block_size(self) -> tuple[int, int]:
         """The FP8 block of quantised hub weights (quantization_config), [128, 128] by default."""
-        block = (self.quantization_config or {}).get("weight_block_size") or DEFAULT_BLOCK
+        block = (self.quantization_config or {}).get("weight_block_size") or FP8_BLOCK
         return int(block[0]), int(block[1])
 
 
@@ -171,11 +172,6 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
     def cache_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """A layer caches its normed latent (1 x kv_lora_rank) and rotated shared key (1 x qk_rope_head_dim)."""
         return (1, self.config.kv_lora_rank), (1, self.config.qk_rope_head_dim)
-
-    @property
-    def checkpoint_key_map(self) -> KeyMap:
-        c = self.config
-        return deepseek_v3_key_map(c.num_hidden_layers, c.num_nextn_predict_layers, c.weight_block_size)
 
     # ---- math --------------------------------------------------------------------------------------
     def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):

@@ -1,9 +1,12 @@
 """Key patterns, transforms and the per-architecture tables, without any file."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from converters.key_maps import KEY_MAPS, KeyMap, KeyRule, key_map_for, rename
+from converters.fp8 import DequantizeFP8
+from converters.key_maps import KEY_MAPS, KeyMap, KeyRule, checkpoint_key_map, key_map_for, rename
 from converters.key_patterns import KeyPattern
 from converters.lazy_tensors import LayoutError, LazyTensor
 from converters.safetensors_io import normalize_index
@@ -159,3 +162,12 @@ def test_unknown_architecture_lists_known_ones():
         key_map_for("llama")
     assert key_map_for("mixtral") is KEY_MAPS["mixtral"]
     assert isinstance(ConcatGateUp(), ConcatGateUp) and isinstance(StackExperts(), StackExperts)
+
+
+def test_a_family_whose_table_depends_on_its_config_is_built_from_it():
+    config = SimpleNamespace(num_hidden_layers=3, num_nextn_predict_layers=1, weight_block_size=(16, 32))
+    deepseek = checkpoint_key_map("deepseek_v3", config)
+    assert deepseek.is_ignored("model.layers.3.eh_proj.weight") and not deepseek.is_ignored("model.layers.2.x")
+    assert {transform.block for rule in deepseek.load_only for transform in rule.transforms
+            if isinstance(transform, DequantizeFP8)} == {(16, 32)}
+    assert checkpoint_key_map("mixtral", config) is KEY_MAPS["mixtral"]
