@@ -1,0 +1,196 @@
+"""The import layers of moe_jax and converters (issue 25): a module imports from its own layer and the layers
+below it, never from a layer above, nor from another layer of the same rank.
+
+Every module is read with `ast`, not imported (no JAX): every `import` and `from ... import`, the ones inside
+functions and under `TYPE_CHECKING` included (a lazy import is still a dependency), relative ones resolved.
+
+    rank 0  leaf         small modules that import nothing from moe_jax or converters
+    rank 1  ops          array ops: routing, permute, grouped matmul, accumulation, experts math
+    rank 2  distributed  DistributedConfig, mesh, plans, styles, sharding, capacity, the EP layer, runtime
+    rank 3  nn           layers: linear, attention, norms, rotary, mlp, moe, precision
+    rank 4  models       the families, base, decoder, layer stack, registry, auto, the KV cache's pytree
+    rank 5  converters | inference | training   (siblings: none of the three imports another)
+    rank 6  facade       pretrained, nnx, reporting, the package's __init__
+    rank 7  entry        the command line and its jobs
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("moe_jax", "converters")
+
+RANK = {"leaf": 0, "ops": 1, "distributed": 2, "nn": 3, "models": 4,
+        "converters": 5, "inference": 5, "training": 5, "facade": 6, "entry": 7}
+
+# Path prefix -> layer; the longest matching prefix wins. A directory ends with "/". Top-level modules are
+# listed one by one, so a new one (or a new subpackage) fails `test_every_module_has_a_layer` until placed.
+LAYER_OF_PATH = {
+    # Leaves: imported from many layers (module_tree by distributed's plans and sharding and by converters,
+    # checkpoint_files by models/auto.py, tokenization by training/data.py), importing nothing themselves.
+    "moe_jax/checkpoint_files.py": "leaf",
+    "moe_jax/module_tree.py": "leaf",
+    "moe_jax/parameter_dtypes.py": "leaf",
+    "moe_jax/tokenization.py": "leaf",
+    "moe_jax/ops/": "ops",
+    "moe_jax/distributed/": "distributed",
+    "moe_jax/nn/": "nn",
+    "moe_jax/models/": "models",
+    # auto.py calls the family's `from_pretrained` (base's facade part) but imports no loader itself.
+    "moe_jax/models/auto.py": "models",
+    "converters/": "converters",
+    "moe_jax/inference/": "inference",
+    "moe_jax/training/": "training",
+    "moe_jax/__init__.py": "facade",
+    "moe_jax/pretrained.py": "facade",
+    "moe_jax/nnx/": "facade",
+    "moe_jax/reporting/": "facade",
+    # Entry code: the moe_jax/cli/ package and the top-level files it replaces (both while they move).
+    "moe_jax/cli/": "entry",
+    "moe_jax/cli.py": "entry",
+    "moe_jax/convert_job.py": "entry",
+    "moe_jax/demo.py": "entry",
+    "moe_jax/generate_job.py": "entry",
+    "moe_jax/launch.py": "entry",
+    "moe_jax/layout_flags.py": "entry",
+    "moe_jax/train_job.py": "entry",
+}
+
+# Upward imports tolerated for now: models/base.py's facade part (from_pretrained/save_pretrained, generate).
+# They go with the facade split of issue 25; this list may only shrink (an entry that no longer occurs fails).
+KNOWN_UPWARD_IMPORTS = {
+    ("moe_jax.models.base", "moe_jax.inference.generate"),
+    ("moe_jax.models.base", "moe_jax.inference.generation_config"),
+    ("moe_jax.models.base", "moe_jax.pretrained"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    path: str
+    line: int
+    imported: str  # absolute module name
+
+
+def module_name(path: str) -> str:
+    """`moe_jax/nn/linear.py` -> `moe_jax.nn.linear`; a package's `__init__.py` is the package."""
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_paths() -> dict[str, str]:
+    """Every module of the checked packages: name -> repository-relative path."""
+    paths = {}
+    for package in PACKAGES:
+        for file in sorted((ROOT / package).rglob("*.py")):
+            path = file.relative_to(ROOT).as_posix()
+            paths[module_name(path)] = path
+    return paths
+
+
+def layer_of_path(path: str) -> str | None:
+    matches = [prefix for prefix in LAYER_OF_PATH
+               if path == prefix or (prefix.endswith("/") and path.startswith(prefix))]
+    return LAYER_OF_PATH[max(matches, key=len)] if matches else None
+
+
+def layer_of_module(name: str, paths: dict[str, str]) -> str | None:
+    """The layer of module `name`, or of its nearest enclosing module that exists (a stale import's name)."""
+    while name:
+        if name in paths:
+            return layer_of_path(paths[name])
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(path: str, source: str, known: set[str]) -> list[Import]:
+    """The moe_jax/converters modules `source` (the file at `path`) imports, resolved to absolute names:
+    `from a.b import c` names `a.b.c` when that is a module, else `a.b`."""
+    module = module_name(path)
+    package = module if path.endswith("/__init__.py") else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin
+                       for alias in node.names]
+        else:
+            continue
+        found.extend(Import(module, path, node.lineno, target) for target in dict.fromkeys(targets)
+                     if target.split(".")[0] in PACKAGES)
+    return found
+
+
+def may_import(importer: str, imported: str) -> bool:
+    return importer == imported or RANK[imported] < RANK[importer]
+
+
+def upward_imports(path: str, source: str, paths: dict[str, str]) -> list[tuple[Import, str, str]]:
+    """(import, importer's layer, imported layer) for each import of `source` the layers forbid."""
+    importer = layer_of_path(path)
+    found = []
+    for item in imports_of(path, source, set(paths)):
+        imported = layer_of_module(item.imported, paths)
+        if imported is not None and not may_import(importer, imported):
+            found.append((item, importer, imported))
+    return found
+
+
+def describe(item: Import, importer: str, imported: str) -> str:
+    return (f"{item.path}:{item.line}: {item.module} ({importer}, rank {RANK[importer]}) imports "
+            f"{item.imported} ({imported}, rank {RANK[imported]})")
+
+
+def all_upward_imports() -> list[tuple[Import, str, str]]:
+    paths = module_paths()
+    found = []
+    for path in paths.values():
+        found.extend(upward_imports(path, (ROOT / path).read_text(encoding="utf-8"), paths))
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(path for path in module_paths().values() if layer_of_path(path) is None)
+    assert not unplaced, f"modules without a layer (add them to LAYER_OF_PATH): {unplaced}"
+
+
+def test_no_upward_imports():
+    found = all_upward_imports()
+    unexpected = [describe(*entry) for entry in found
+                  if (entry[0].module, entry[0].imported) not in KNOWN_UPWARD_IMPORTS]
+    assert not unexpected, "imports from a higher layer (or a sibling layer):\n" + "\n".join(unexpected)
+    gone = KNOWN_UPWARD_IMPORTS - {(entry[0].module, entry[0].imported) for entry in found}
+    assert not gone, f"no longer imported, remove from KNOWN_UPWARD_IMPORTS: {sorted(gone)}"
+
+
+PLANTED = '''"""An op that reaches up, lazily."""
+
+import jax
+
+from . import routing
+
+
+def f():
+    from ..models import base
+'''
+
+
+def test_a_planted_upward_import_is_caught():
+    paths = module_paths()
+    found = upward_imports("moe_jax/ops/planted.py", PLANTED, paths)
+    assert [describe(*entry) for entry in found] == [
+        "moe_jax/ops/planted.py:9: moe_jax.ops.planted (ops, rank 1) imports moe_jax.models.base "
+        "(models, rank 4)"
+    ]
+    sibling = upward_imports("moe_jax/training/planted.py", "import converters.key_maps\n", paths)
+    assert [(item.imported, layer) for item, _, layer in sibling] == [("converters.key_maps", "converters")]
