@@ -16,16 +16,44 @@ Every call reports, in `DispatchStatistics`, how many pairs it `dropped` at the 
 caller keeps the capacity as its own state and moves it with a `CapacitySchedule`: straight up to the
 required capacity after an overflow (that call must then be recomputed: its output lacks the dropped
 pairs), and one step down after `patience` calls in a row that all fitted the lower capacity, so one
-skewed batch does not pin the largest buffers forever.
+skewed batch does not pin the largest buffers forever. `CapacitySchedule.settle` is that decision after one
+call; `replay_until_exact` runs a call and replays it until it dropped nothing (`forward`); `TrainLoop` and
+the NNX face, which replay later or leave the replay to their caller, use `settle` directly.
 
 (An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
 collectives, so overflow is handled between calls; see docs/design.md, "Capacity".)
+
+Glossary (one meaning per name, everywhere in moe_jax):
+
+    capacity           a dispatch buffer's size as a multiple of the balanced share (pairs / ep): a rung of
+                       the ladder, static per compilation; None where a capacity is taken: the largest
+    ladder             the capacities a call may run at, increasing; `largest` is its last, ep, whose
+                       buffers hold every pair (it never drops)
+    capacity_factor    a fixed multiple for buffers that drop on purpose (not dropless; never moves)
+    pairs              the (token, expert) pairs one device routes: rows * top_k
+    buffer_rows        rows of one dispatch buffer (per peer for all_to_all, per device for all_reduce): the
+                       function of (capacity, pairs, ep), `CapacityBuffers.buffer_rows(pairs)` at an
+                       implementation's capacity in force, and in `DispatchStatistics` a call's largest one
+    busiest_rows       the rows a call's fullest buffer needed (more than `buffer_rows`: pairs dropped)
+    dropped            pairs a call did not compute because a buffer was full (> 0: replay the call)
+    required_capacity  the lowest ladder capacity whose buffers hold a call's busiest buffer
+    CapacitySchedule   the ladder and how the capacity moves along it (`patience`): one per model,
+                       `model.capacity_schedule`, the same object its EP implementations size buffers by
+    CapacityState      one caller's capacity and calm streak: `model.forward_capacity[inference]`, the
+                       `capacity_state` of `TrainLoop.run` and checkpoints, the NNX module's `capacity_streak`
+    calm_calls         calls in a row that fitted the rung below the capacity; `calm_peak`: the largest
+                       capacity they required
+    replay             running a call again, at the capacity it required (routing is deterministic, so it
+                       fits there); `recomputed` / `replays` count them
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +89,15 @@ def buffer_rows(capacity: float, pairs: int, ep_size: int) -> int:
     return min(_round_up(math.ceil(capacity * pairs / ep_size), ROW_MULTIPLE), _round_up(pairs, ROW_MULTIPLE))
 
 
-def required_capacity(peak: jax.Array, pairs: int, ep_size: int, ladder: tuple[float, ...]) -> jax.Array:
-    """The lowest capacity of `ladder` whose buffers hold `peak` rows (float32 scalar, traced).
+def required_capacity(busiest_rows: jax.Array, pairs: int, ep_size: int,
+                      ladder: tuple[float, ...]) -> jax.Array:
+    """The lowest capacity of `ladder` whose buffers hold `busiest_rows` (float32 scalar, traced).
 
-    peak: the busiest buffer's row count of this call. The last capacity always fits when it is `ep_size`.
+    busiest_rows: the rows this call's fullest buffer needed. The last capacity always fits when it is
+    `ep_size`.
     """
     rows = jnp.asarray([buffer_rows(capacity, pairs, ep_size) for capacity in ladder], jnp.int32)
-    index = jnp.minimum(jnp.sum(peak > rows), len(ladder) - 1)
+    index = jnp.minimum(jnp.sum(busiest_rows > rows), len(ladder) - 1)
     return jnp.asarray(ladder, jnp.float32)[index]
 
 
@@ -125,7 +155,8 @@ jax.tree_util.register_pytree_node(
 @dataclass(frozen=True)
 class CapacityState:
     """The caller's dispatch capacity and its calm streak (calls in a row that fitted the lower capacity,
-    and the largest capacity they required)."""
+    and the largest capacity they required). The one state class: `forward`, `TrainLoop`, checkpoints and
+    the NNX face all hold one."""
 
     capacity: float
     calm_calls: int = 0
@@ -134,15 +165,19 @@ class CapacityState:
 
 @dataclass(frozen=True)
 class CapacitySchedule:
-    """When to change the capacity: up at once on overflow, one step down after `patience` calm calls.
+    """The capacity ladder and when to change the capacity: up at once on overflow, one step down after
+    `patience` calm calls. A model makes one (`model.capacity_schedule`) and passes it to its EP
+    implementations, whose `required_capacity` is a rung of this ladder.
 
-        schedule = CapacitySchedule.for_ep(8)
+        schedule = model.capacity_schedule
         state = schedule.start()
         out = model.apply(params, ids, capacity=state.capacity)
-        required = float(out.statistics.required_capacity)        # a host read, when convenient
-        if schedule.overflowed(state, required):                   # out lacks dropped pairs: recompute
-            ...
-        state = schedule.update(state, required)
+        dropped, required = jax.device_get((out.statistics.dropped, out.statistics.required_capacity))
+        state, replay = schedule.settle(state, state.capacity, int(dropped), float(required))
+        if replay:                                                  # out lacks dropped pairs
+            out = model.apply(params, ids, capacity=state.capacity)
+
+    (`replay_until_exact` is that loop.)
     """
 
     ladder: tuple[float, ...]
@@ -190,3 +225,57 @@ class CapacitySchedule:
         if calm_calls >= self.patience:
             return CapacityState(lower)
         return CapacityState(state.capacity, calm_calls, calm_peak)
+
+    def settle(self, state: CapacityState | None, ran_at: float | None, dropped: int, required: float
+               ) -> tuple[CapacityState, bool]:
+        """After one call made at capacity `ran_at` (None: the largest) that dropped `dropped` pairs and
+        required `required`: (the state for the next call, whether this call must be replayed).
+
+        A call that dropped pairs lacks them: it is replayed at the returned state's capacity, what it
+        required and at least one rung above `ran_at` (each replay climbs). The largest capacity holds every
+        pair, so a drop there is a bug in the EP implementation: RuntimeError. Otherwise the state moves by
+        `update` (`state` may be None only for a call that dropped pairs)."""
+        if dropped <= 0:
+            return self.update(state, required), False
+        if ran_at is None or ran_at >= self.largest:
+            at = self.largest if ran_at is None else ran_at
+            raise RuntimeError(
+                f"{int(dropped)} (token, expert) pairs were dropped at the largest capacity ({at}); its "
+                "buffers hold every pair a device sends, so this is a bug in the EP implementation."
+            )
+        rung_above = self.ladder[self.ladder.index(self.check(ran_at)) + 1]
+        return CapacityState(self.check(max(required, rung_above))), True
+
+
+class Replayed(NamedTuple):
+    """What `replay_until_exact` returns."""
+
+    output: Any              # the call's output at `capacity`, which dropped nothing
+    state: CapacityState     # the schedule's state for the next call
+    capacity: float | None   # the capacity `output` ran at
+    recomputed: int          # replays it took
+
+
+def replay_until_exact(call: Callable[[float | None], Any], schedule: CapacitySchedule,
+                       state: CapacityState, *, dispatched: tuple[Any, float | None] | None = None,
+                       statistics: Callable[[Any], DispatchStatistics] = attrgetter("statistics"),
+                       ) -> Replayed:
+    """Run `call(capacity)` at `state.capacity` and replay it where `schedule.settle` says until it dropped
+    no pair; the schedule's state moves once, by the exact call's counts.
+
+    dispatched: (output, capacity) of a call already made (`forward` dispatches at once and checks on the
+    first read). statistics: the call's `DispatchStatistics` from its output. Each check is one host read
+    of two scalars (dropped, required_capacity); routing is deterministic, so the replay at the capacity a
+    call required fits, and an overflowing call is computed twice.
+    """
+    output, capacity = dispatched if dispatched is not None else (call(state.capacity), state.capacity)
+    recomputed = 0
+    while True:
+        counts = statistics(output)
+        dropped, required = jax.device_get((counts.dropped, counts.required_capacity))
+        state, replay = schedule.settle(state, capacity, int(dropped), float(required))
+        if not replay:
+            return Replayed(output, state, capacity, recomputed)
+        capacity = state.capacity
+        output = call(capacity)
+        recomputed += 1

@@ -1,4 +1,7 @@
-"""The capacity ladder, buffer sizes, the required capacity and the schedule that moves the capacity."""
+"""The capacity ladder, buffer sizes, the required capacity, the schedule that moves the capacity and the
+replay of a call that overflowed."""
+
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import pytest
@@ -9,6 +12,7 @@ from moe_jax.distributed.capacity import (
     DispatchStatistics,
     buffer_rows,
     capacity_ladder,
+    replay_until_exact,
     required_capacity,
 )
 
@@ -72,3 +76,54 @@ def test_capacity_off_the_ladder_is_refused():
         schedule.check(2.5)
     with pytest.raises(ValueError, match="patience=0 must be >= 1"):
         CapacitySchedule((1.25, 2.0), patience=0)
+
+
+class Needs:
+    """A stand-in for a call whose busiest buffer needs `capacity`: it drops pairs below it (the counts an EP
+    implementation reports; `always_drops`: a broken one, at every capacity) and records the capacities it ran
+    at."""
+
+    def __init__(self, capacity, always_drops=False):
+        self.capacity, self.always_drops, self.ran_at = capacity, always_drops, []
+
+    def __call__(self, capacity):
+        self.ran_at.append(capacity)
+        dropped = 5 if capacity < self.capacity or self.always_drops else 0
+        statistics = DispatchStatistics(jnp.int32(dropped), jnp.int32(0), jnp.int32(16), jnp.float32(self.capacity))
+        return SimpleNamespace(statistics=statistics)
+
+
+def test_replay_until_exact_replays_once_at_the_required_capacity_and_moves_the_state_as_update_does():
+    schedule = CapacitySchedule.for_ep(8, patience=2)
+    call = Needs(3.0)
+    output, state, capacity, recomputed = replay_until_exact(call, schedule, schedule.start())
+    assert call.ran_at == [1.25, 3.0] and recomputed == 1          # straight to what it required
+    assert capacity == 3.0 and int(output.statistics.dropped) == 0
+    assert state == schedule.update(schedule.start(), 3.0) == CapacityState(3.0)
+    # Calm calls (they fit 2.0): no replay; the state moves by `update`, one rung down after `patience`.
+    for expected in (CapacityState(3.0, 1, 1.25), CapacityState(2.0)):
+        calm = Needs(1.25)
+        _, state, capacity, recomputed = replay_until_exact(calm, schedule, state)
+        assert calm.ran_at == [3.0] and recomputed == 0 and state == expected
+
+
+def test_replay_until_exact_checks_a_call_already_dispatched():
+    schedule = CapacitySchedule.for_ep(8)
+    call = Needs(4.0)
+    dispatched = (call(1.25), 1.25)
+    _, state, capacity, recomputed = replay_until_exact(call, schedule, schedule.start(), dispatched=dispatched)
+    assert call.ran_at == [1.25, 4.0] and (capacity, recomputed) == (4.0, 1) and state == CapacityState(4.0)
+
+
+def test_settle_climbs_at_least_a_rung_and_refuses_a_drop_at_the_largest_capacity():
+    schedule = CapacitySchedule.for_ep(8)
+    # A call that dropped pairs but claims to need no more than it had: replayed a rung up, not in place.
+    assert schedule.settle(CapacityState(2.0), 2.0, 3, 1.25) == (CapacityState(3.0), True)
+    assert schedule.settle(CapacityState(2.0), 2.0, 0, 1.25) == (CapacityState(2.0, 1, 1.25), False)
+    with pytest.raises(RuntimeError, match=r"3 \(token, expert\) pairs were dropped at the largest capacity "
+                                           r"\(8.0\); its buffers hold every pair a device sends"):
+        schedule.settle(CapacityState(8.0), 8.0, 3, 8.0)
+    always_drops = Needs(8.0, always_drops=True)
+    with pytest.raises(RuntimeError, match="dropped at the largest capacity"):
+        replay_until_exact(always_drops, schedule, schedule.start())
+    assert always_drops.ran_at == [1.25, 8.0]
