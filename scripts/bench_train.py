@@ -48,6 +48,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moe_jax import DistributedConfig  # noqa: E402
+from moe_jax.distributed.capacity import buffer_rows as rows_of_one_buffer  # noqa: E402
 from moe_jax.distributed.expert_parallel import AllReduceEP, tp_row_slice  # noqa: E402
 from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training.step import make_train_step  # noqa: E402
@@ -97,19 +98,18 @@ def build_model(spec: str, config: dict):
     return model, None
 
 
-def implementation_of(model, capacity):
+def implementation_of(model):
     """The EP implementation a training step uses in each sparse layer (None without dispatch)."""
-    experts = model.sharded_experts[model.sparse_layers()[0]]
-    if experts.mode != "ep":
+    implementation = model.sharded_experts[model.sparse_layers()[0]].implementation
+    if implementation is None:
         return None
-    implementation = experts.implementation(experts.experts_forward, capacity)
     if hasattr(implementation, "choose"):  # "auto": all_to_all in training
         implementation = implementation.choose(inference=False)
     return implementation
 
 
 def describe(spec: str, model) -> str:
-    implementation = implementation_of(model, model.capacity_schedule.largest)
+    implementation = implementation_of(model)
     if implementation is None:
         return "1 device" if spec.strip() == "1" else spec
     name = "all_reduce" if isinstance(implementation, AllReduceEP) else "all_to_all"
@@ -205,7 +205,7 @@ def buffer_plan(model, capacity, batch_size: int, seq_len: int) -> dict:
     config = model.config
     tokens = batch_size // model.data_parallel_size * seq_len  # rows of the batch a device holds
     top_k = config.num_experts_per_tok
-    implementation = implementation_of(model, capacity)
+    implementation = implementation_of(model)
     plan = {"tokens": tokens, "token_pairs": tokens * top_k, "implementation": None, "buffer_rows": None}
     if implementation is None:
         plan["routed"] = tokens * top_k  # every pair runs on this device's experts, no buffer
@@ -219,9 +219,11 @@ def buffer_plan(model, capacity, batch_size: int, seq_len: int) -> dict:
         pairs = tp_row_slice(tokens, groups.tp_size) * top_k  # this tp rank's slice, all sent
         routed = pairs
         plan["implementation"] = "all_to_all"
-    plan.update(pairs=pairs, routed=routed, num_buffers=implementation.num_buffers,
-                rows_per_buffer=implementation.buffer_rows(pairs),
-                buffer_rows=implementation.num_buffers * implementation.buffer_rows(pairs))
+    # The implementation is built once, at the largest capacity; a call's capacity sizes its buffers.
+    rows = rows_of_one_buffer(model.capacity_schedule.largest if capacity is None else capacity, pairs,
+                              groups.ep_size)
+    plan.update(pairs=pairs, routed=routed, num_buffers=implementation.num_buffers, rows_per_buffer=rows,
+                buffer_rows=implementation.num_buffers * rows)
     plan["bytes"] = plan["buffer_rows"] * config.hidden_size * np.dtype(model.dtype).itemsize
     return plan
 

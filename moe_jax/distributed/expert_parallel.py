@@ -1,9 +1,10 @@
 """Expert parallelism: how tokens reach the experts a device owns, inside `shard_map`.
 
-An `EPImplementation` is built once per experts module with the experts' local forward and the device
-groups; called on the batch this device holds with GLOBAL expert ids, it returns the weighted expert
-output for those tokens. Implementations are chosen by `DistributedConfig.ep_implementation` from
-`EPImplementationInterface`, which users extend:
+An `EPImplementation` is built once per experts module (`ShardedExperts`, when the model is built) with the
+experts' local forward and the device groups, and serves every call and trace after that; called on the
+batch this device holds with GLOBAL expert ids, it returns the weighted expert output for those tokens.
+Implementations are chosen by `DistributedConfig.ep_implementation` from `EPImplementationInterface`, which
+users extend:
 
     class MyEP(EPImplementation):
         def __call__(self, hidden_states, top_k_index, top_k_weights):
@@ -23,16 +24,18 @@ Registered:
 
 Dispatch in static shapes. Buffers hold a fixed number of rows set by the *capacity* in force (see
 `moe_jax.distributed.capacity`), so a layer's shapes never depend on the routing. Dropless (the default,
-`capacity_factor=None`): the caller passes a capacity from the ladder (1.25, 1.5, 2, 3, 4, 6, ... up to ep, where
-nothing can overflow); a call whose busiest buffer overflowed reports `dropped > 0` and the
-`required_capacity` that would have fitted, and the caller recomputes it there. With `capacity_factor`
-set, pairs beyond `capacity_factor` x the balanced share are dropped on purpose (their output is 0) and
-counted.
+`capacity_factor=None`): the caller passes a capacity from the model's ladder (`CapacitySchedule`: 1.25, 1.5,
+2, 3, 4, 6, ... up to ep, where nothing can overflow) with each call; a call whose busiest buffer overflowed
+reports `dropped > 0` and the `required_capacity` that would have fitted, and the caller recomputes it
+there. With `capacity_factor` set, pairs beyond `capacity_factor` x the balanced share are dropped on
+purpose (their output is 0) and counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,9 +43,51 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.accumulation import accumulating_einsum, accumulation_dtype
-from .capacity import DispatchStatistics, buffer_rows, capacity_ladder, required_capacity
+from .capacity import CapacitySchedule, DispatchStatistics, buffer_rows, required_capacity
 
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What an implementation built once needs of the call it serves (set by `ShardedExperts` while it
+    traces the call): this device's experts bound to their traced weights, and the capacity in force."""
+
+    experts_forward: ExpertsForward
+    capacity: float
+
+
+_CALL: ContextVar[_Call | None] = ContextVar("moe_jax_ep_call", default=None)
+
+
+@contextmanager
+def serving_call(experts_forward: ExpertsForward, capacity: float):
+    """Within the block, `CALL_EXPERTS` runs `experts_forward` and `CapacityBuffers` size buffers by
+    `capacity` (a context variable: per thread, and an implementation holds no per-call state)."""
+    token = _CALL.set(_Call(experts_forward, capacity))
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+class _CallExperts:
+    """The `experts_forward` `ShardedExperts` builds its implementation with: the experts of the call being
+    traced (`serving_call`), so one implementation serves every call with that call's weights."""
+
+    def __call__(self, tokens, expert_ids, weights):
+        """tokens: [N, H]; expert_ids, weights: [N, K] local ids -> [N, H]."""
+        call = _CALL.get()
+        if call is None:
+            raise RuntimeError("experts_forward of a ShardedExperts implementation was called outside a "
+                               "ShardedExperts call: it runs the weights of the call being traced.")
+        return call.experts_forward(tokens, expert_ids, weights)
+
+    def __repr__(self) -> str:
+        return "CALL_EXPERTS"
+
+
+CALL_EXPERTS = _CallExperts()
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -67,7 +112,8 @@ class EPImplementation:
     """Base class: built once per experts module; called inside `shard_map` on this device's batch.
 
     `experts_forward(tokens [N, H], local_expert_ids [N, K], weights [N, K]) -> [N, H]` runs this device's
-    experts; the sentinel id `num_local_experts` contributes nothing.
+    experts; the sentinel id `num_local_experts` contributes nothing. Under `ShardedExperts` it is
+    `CALL_EXPERTS`, the experts of the call in progress: keep no per-call state on the implementation.
     """
 
     needs_shared_batch: ClassVar[bool] = False
@@ -102,36 +148,43 @@ def tp_row_slice(rows: int, tp_size: int) -> int:
 class CapacityBuffers:
     """Static per-device buffers sized from the routed pairs (shared by all_to_all and all_reduce).
 
-    Options: `capacity` (float, default the ladder's largest, which never drops): the dropless capacity in
-    force; `capacity_factor` (float | None): when set, buffers of that size and overflow dropped on purpose.
+    Options: `schedule` (the model's `CapacitySchedule`; default the one for this ep size): the ladder the
+    `required_capacity` statistic names; `capacity` (float, default the ladder's largest, which never drops):
+    the dropless capacity outside a `ShardedExperts` call (inside one, the call's); `capacity_factor`
+    (float | None): when set, buffers of that size and overflow dropped on purpose.
     """
 
     accepts_capacity_options: ClassVar[bool] = True
 
-    def _init_capacity(self, capacity, capacity_factor) -> None:
+    def _init_capacity(self, capacity, capacity_factor, schedule) -> None:
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless dispatch).")
-        self.ladder = capacity_ladder(self.groups.ep_size)
-        if capacity is None:
-            capacity = self.ladder[-1]
-        if capacity <= 0:
+        self.schedule = schedule if schedule is not None else CapacitySchedule.for_ep(self.groups.ep_size)
+        if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0.")
-        self.capacity = capacity
+        self._built_capacity = self.schedule.largest if capacity is None else capacity
         self.capacity_factor = capacity_factor
+
+    @property
+    def capacity(self) -> float:
+        """The dropless capacity in force: the `ShardedExperts` call's being traced, else the built one."""
+        call = _CALL.get()
+        return self._built_capacity if call is None else call.capacity
 
     def buffer_rows(self, pairs: int) -> int:
         """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device."""
         factor = self.capacity if self.capacity_factor is None else self.capacity_factor
         return buffer_rows(factor, pairs, self.groups.ep_size)
 
-    def statistics(self, routed, kept, rows: int, busiest, pairs: int) -> DispatchStatistics:
-        """routed: pairs bound for this device's buffers; kept: those that fitted; busiest: the fullest
-        buffer's wanted rows."""
+    def statistics(self, routed, kept, total_rows: int, busiest_rows, pairs: int) -> DispatchStatistics:
+        """routed: pairs bound for this device's buffers; kept: those that fitted; total_rows: the rows of
+        all its buffers; busiest_rows: the rows its fullest buffer needed."""
         return DispatchStatistics(
             dropped=(routed - kept).astype(jnp.int32),
-            padded=(rows - kept).astype(jnp.int32),
-            buffer_rows=jnp.asarray(rows // self.num_buffers, jnp.int32),
-            required_capacity=required_capacity(busiest, pairs, self.groups.ep_size, self.ladder),
+            padded=(total_rows - kept).astype(jnp.int32),
+            buffer_rows=jnp.asarray(total_rows // self.num_buffers, jnp.int32),
+            required_capacity=required_capacity(busiest_rows, pairs, self.groups.ep_size,
+                                                self.schedule.ladder),
         )
 
 
@@ -141,9 +194,9 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
     num_buffers = property(lambda self: self.groups.ep_size)  # one buffer per peer
 
     def __init__(self, experts_forward, num_local_experts, groups, *, capacity=None, capacity_factor=None,
-                 **options):
+                 schedule=None, **options):
         super().__init__(experts_forward, num_local_experts, groups, **options)
-        self._init_capacity(capacity, capacity_factor)
+        self._init_capacity(capacity, capacity_factor, schedule)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats)."""
@@ -230,9 +283,9 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
     num_buffers = 1
 
     def __init__(self, experts_forward, num_local_experts, groups, *, capacity=None, capacity_factor=None,
-                 **options):
+                 schedule=None, **options):
         super().__init__(experts_forward, num_local_experts, groups, **options)
-        self._init_capacity(capacity, capacity_factor)
+        self._init_capacity(capacity, capacity_factor, schedule)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats)."""
@@ -371,5 +424,6 @@ def build_ep_implementation(
     check_registered(name, implementations)
     implementation_class = implementations[name]
     if not getattr(implementation_class, "accepts_capacity_options", False):
-        options = {key: value for key, value in options.items() if key not in ("capacity", "capacity_factor")}
+        options = {key: value for key, value in options.items()
+                   if key not in ("capacity", "capacity_factor", "schedule")}
     return implementation_class(experts_forward, num_local_experts, groups, **options)

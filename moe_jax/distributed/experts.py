@@ -27,8 +27,14 @@ from jax.sharding import PartitionSpec as P
 
 from ..ops.accumulation import is_master
 from ..ops.varying import vary_like
-from .capacity import DispatchStatistics
-from .expert_parallel import ExpertGroups, build_ep_implementation
+from .capacity import CapacitySchedule, DispatchStatistics
+from .expert_parallel import (
+    CALL_EXPERTS,
+    EPImplementation,
+    ExpertGroups,
+    build_ep_implementation,
+    serving_call,
+)
 from .mesh import MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
 
 EP_DISPATCH = "ep"
@@ -60,8 +66,12 @@ class ShardedExperts:
     `params` are the module's global arrays (`{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`);
     `intermediate_dims` says which dim of each is the intermediate dim split by tp in "tp" mode, e.g.
     `{"gate_up_proj": "packed", "down_proj": 2}` ("packed_last": gate and up halves on the last dim, Llama 4's
-    `[E, H, 2I]`). `ep_options` go to the EP implementation
-    (`capacity_factor`, or a user implementation's own options).
+    `[E, H, 2I]`). `schedule`: the model's `CapacitySchedule` (default: the one for this ep size), whose
+    ladder the EP implementation's `required_capacity` names. `ep_options` go to the EP implementation
+    (`capacity_factor`, or a user implementation's own options). In "ep" mode the implementation is built
+    here, once (unknown names and bad options fail at construction), and kept as `implementation`: each
+    call binds this device's expert weights and its capacity around it (`serving_call`), so a new trace
+    (another capacity, `jax.grad`, an outer `jit`) builds nothing.
     """
 
     def __init__(
@@ -74,6 +84,7 @@ class ShardedExperts:
         experts_forward: Callable,
         ep_implementation: str = "auto",
         intermediate_dims: dict[str, int | str] | None = None,
+        schedule: CapacitySchedule | None = None,
         **ep_options,
     ):
         self.mesh = mesh
@@ -83,21 +94,18 @@ class ShardedExperts:
         self.experts_forward = experts_forward
         self.ep_implementation = ep_implementation
         self.intermediate_dims = intermediate_dims or {"gate_up_proj": "packed", "down_proj": 2}
-        self.ep_options = ep_options
         self.groups = ExpertGroups(
             ep_axes=layout.ep_axes, tp_axes=layout.tp_axes, ep_size=layout.ep_size, tp_size=layout.tp_size,
             all_axes=MESH_AXES,
         )
+        self.schedule = schedule if schedule is not None else CapacitySchedule.for_ep(layout.ep_size)
+        self.implementation: EPImplementation | None = None
         if mode == EP_DISPATCH:
             check_experts_divisible(num_experts, layout.ep_size)
-            self.implementation(experts_forward, capacity=None)  # unknown names and bad options fail here
-
-    def implementation(self, experts_forward: Callable, capacity: float | None):
-        """The EP implementation for one call, bound to this device's expert weights (`experts_forward`)."""
-        return build_ep_implementation(
-            self.ep_implementation, experts_forward, self.num_experts // self.layout.ep_size, self.groups,
-            capacity=capacity, **self.ep_options,
-        )
+            self.implementation = build_ep_implementation(
+                ep_implementation, CALL_EXPERTS, num_experts // layout.ep_size, self.groups,
+                schedule=self.schedule, **ep_options,
+            )
 
     # Sharding of the inputs of the shard_map body.
     def _batch_spec(self) -> P:
@@ -131,6 +139,10 @@ class ShardedExperts:
         -> (output [N, H] in hidden dtype, DispatchStatistics summed over all devices).
 
         capacity: the dispatch capacity in force (`moe_jax.distributed.capacity`); None = the largest."""
+        if capacity is None:
+            capacity = self.schedule.largest
+        elif capacity <= 0:
+            raise ValueError(f"capacity={capacity} must be > 0.")
         names = list(params)
         views, specs = zip(*(self._param_spec_and_view(name, params[name]) for name in names))
         batch = self._batch_spec()
@@ -159,11 +171,12 @@ class ShardedExperts:
 
     def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
         if self.mode == EP_DISPATCH:
-            implementation = self.implementation(experts_forward, capacity)
-            if getattr(implementation, "uses_inference_flag", False):
-                result = implementation(hidden, index, weights, inference=inference)
-            else:
-                result = implementation(hidden, index, weights)
+            implementation = self.implementation
+            with serving_call(experts_forward, capacity):
+                if getattr(implementation, "uses_inference_flag", False):
+                    result = implementation(hidden, index, weights, inference=inference)
+                else:
+                    result = implementation(hidden, index, weights)
             output, statistics = result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
             # Implementations can be user classes (EPImplementationInterface): check the contract when traced.
             contract = (f"EP implementation {type(implementation).__name__} must return this device's tokens' "

@@ -6,6 +6,7 @@ stays exact when a dispatch overflows, and the capacity comes back down after ba
 """
 
 import contextlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -221,3 +222,35 @@ def test_a_drop_at_the_largest_capacity_is_an_error_not_a_wrong_result(single):
         assert output.recomputed == 1  # climbed straight from 1.25 to 8.0, then refused
     finally:
         del EPImplementationInterface._global_mapping["always_drops"]
+
+
+class CountingEP(AllToAllEP):
+    """all_to_all that counts its constructions."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        CountingEP.built += 1
+        super().__init__(*args, **kwargs)
+
+
+def test_ep_implementations_are_built_once_with_the_model_and_serve_every_trace(single):
+    EPImplementationInterface.register("counting", CountingEP)
+    try:
+        CountingEP.built = 0
+        model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8,
+                                                                      ep_implementation="counting"))
+        model.set_params(single.hf_params())
+        implementations = [experts.implementation for experts in model.sharded_experts.values()]
+        assert CountingEP.built == len(model.sparse_layers()) == len(implementations)  # one per experts module
+        assert all(implementation.schedule is model.capacity_schedule for implementation in implementations)
+        ids = tokens(8, 5)
+        for capacity in (1.25, 2.0):  # two traces (two static keys), then one under grad
+            jax.eval_shape(partial(model.apply, capacity=capacity), model.params, ids)
+        jax.eval_shape(jax.grad(lambda params: model.apply(params, ids, capacity=1.25, inference=False).aux_loss),
+                       model.params)
+        assert CountingEP.built == len(implementations)
+        assert all(experts.implementation is built
+                   for experts, built in zip(model.sharded_experts.values(), implementations))
+    finally:
+        del EPImplementationInterface._global_mapping["counting"]
