@@ -9,7 +9,8 @@ overflowed, k and the step already queued behind it returned their input state (
 loop clears the flag, raises the capacity to what k required (at least the next rung of the ladder) and
 replays k's batch and the ones after it: every batch is applied once, in order, and the results are those
 of a dropless run. The capacity moves by the model's `CapacitySchedule` (up at once, down after `patience`
-calm steps) and is part of the state, so checkpoints hold it.
+calm steps; `CapacitySchedule.settle` decides, as for `forward` and the NNX face) and is part of the state,
+so checkpoints hold it.
 
 Data sources are indexable (`data.batch(index) -> {"input_ids": [B, S], ...}`), which makes replay and
 resume exact: the state's `data_position` is the index of the next batch.
@@ -93,8 +94,15 @@ class TrainLoop:
                     continue
             entry = pending.popleft()
             values = {name: np.asarray(value) for name, value in jax.device_get(entry.metrics).items()}
+            required = float(values["required_capacity"])
             if not bool(values["applied"]):
-                state, capacity_state = self._raise_capacity(state, entry, float(values["required_capacity"]))
+                # It dropped pairs, or a step before it did (the sticky flag): replay from its batch, at least
+                # a rung up.
+                dropped = max(int(values["dropped"]), 1)
+                capacity_state, _ = self.schedule.settle(capacity_state, entry.capacity, dropped, required)
+                self.replays += 1
+                skipping = jax.device_put(jnp.zeros((), jnp.bool_), state.skipping.sharding)
+                state = state.replace(capacity=capacity_state.capacity, skipping=skipping)
                 replay_until = max(replay_until, next_index - 1)
                 next_index = entry.data_index
                 pending.clear()
@@ -104,7 +112,7 @@ class TrainLoop:
             record = self._record(values, entry, now - last_confirmation)
             last_confirmation = now
             if capacity_state is not None:
-                capacity_state = self.schedule.update(capacity_state, float(values["required_capacity"]))
+                capacity_state, _ = self.schedule.settle(capacity_state, entry.capacity, 0, required)
                 if capacity_state.capacity != state.capacity:
                     state = state.replace(capacity=capacity_state.capacity)
             self.on_step(record)
@@ -113,20 +121,6 @@ class TrainLoop:
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
         return state, capacity_state
-
-    def _raise_capacity(self, state: TrainState, entry: _InFlight, required: float
-                        ) -> tuple[TrainState, CapacityState]:
-        ladder = self.schedule.ladder
-        if entry.capacity is None or entry.capacity >= self.schedule.largest:
-            raise RuntimeError(
-                f"A step at the largest capacity ({entry.capacity}) dropped (token, expert) pairs; its buffers hold "
-                "every pair a device sends, so this is a bug in the EP implementation."
-            )
-        next_rung = ladder[ladder.index(self.schedule.check(entry.capacity)) + 1]
-        capacity = self.schedule.check(max(required, next_rung))
-        self.replays += 1
-        skipping = jax.device_put(jnp.zeros((), jnp.bool_), state.skipping.sharding)
-        return state.replace(capacity=capacity, skipping=skipping), CapacityState(capacity)
 
     def _record(self, values: dict[str, np.ndarray], entry: _InFlight, seconds: float) -> dict[str, Any]:
         tokens = int(values["tokens"])
