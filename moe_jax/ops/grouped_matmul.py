@@ -1,6 +1,6 @@
-"""Grouped matmul (each row block times its own expert weight) and capacity matmul.
+"""Grouped matmul (each row block times its own expert weight).
 
-Shape letters: M rows, H in features, O out features, E experts, C capacity.
+Shape letters: M rows, H in features, O out features, E experts.
 
 Weights use Hugging Face's layout [E, out, in] (`gate_up_proj` is [E, 2I, H],
 `down_proj` is [E, H, I]), so every backend computes x @ w[e].T per group.
