@@ -48,15 +48,7 @@ LAYER_OF_PATH = {
     "moe_jax/pretrained.py": "facade",
     "moe_jax/nnx/": "facade",
     "moe_jax/reporting/": "facade",
-    # Entry code: the moe_jax/cli/ package and the top-level files it replaces (both while they move).
-    "moe_jax/cli/": "entry",
-    "moe_jax/cli.py": "entry",
-    "moe_jax/convert_job.py": "entry",
-    "moe_jax/demo.py": "entry",
-    "moe_jax/generate_job.py": "entry",
-    "moe_jax/launch.py": "entry",
-    "moe_jax/layout_flags.py": "entry",
-    "moe_jax/train_job.py": "entry",
+    "moe_jax/cli/": "entry",  # the commands, the launcher, the demo
 }
 
 # Upward imports tolerated for now: models/base.py's facade part (from_pretrained/save_pretrained, generate).
