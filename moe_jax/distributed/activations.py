@@ -1,18 +1,31 @@
-"""Activation layouts from the plans: sharding constraints at module boundaries.
+"""Activation layouts: dims named by logical axes, mapped to mesh axes by one rules table from the plans.
 
-Parameter shardings alone leave XLA free to move activations instead of weights. Each module's output is
-pinned to what its style declares (`ParallelStyle.output`), with the batch dim always on the batch axes:
+Layer code names what each dim of an activation is, `constrain(q, ("batch", "length", "heads"))`, and never a
+module or a mesh axis (MaxText's `logical_axis_rules`, in this library's terms). One `LogicalAxisRules` per
+model, built once from its `DeviceLayout` and resolved TP plan (`logical_axis_rules`), maps each name:
 
-    colwise            [B, S, out]  P(batch, None, tp)     stays split: no collective before the rowwise
-    rowwise            [B, S, H]    P(batch, None, None)   one reduction over tp per block
-    no rule / others   [B, S, ...]  P(batch, None, ...)    weights are gathered under FSDP, never activations
+    batch               the batch axes: FSDP gathers weights, never the batch
+    tokens              the batch axes: [B*S] rows flattened batch-major (router logits), split as the batch
+    length, embed       never split: no sequence parallelism; the residual stream is whole over tp, as every
+                        HF TP block ends with a reduced (rowwise) or gathered output
+    heads, kv_heads, mlp, experts, vocab, q_lora, kv_lora
+                        output features of projections: the tp axes when the plan rule of every module that
+                        outputs the axis (the model's `output_axes`) keeps its output split on its last dim
+                        (colwise, packed_colwise), otherwise None (no rule, rowwise, gathered, replicated,
+                        or rules that disagree)
 
-so a TP block is colwise -> rowwise with one all-reduce, and FSDP gathers weights while the batch stays
-where it is. Model code calls `layouts.output(x, "model.layers.*.self_attn.q_proj")` (or `batch(x)`);
-without a mesh every call is the identity.
+so a TP block is colwise [B, S, out] P(batch, None, tp) -> rowwise [B, S, H] P(batch, None, None) with one
+reduction over tp, and a user's `tp_plan` override of a projection (verbatim HF names) moves the axis its
+output carries. A dim the mapped axes do not divide stays whole (an unsplittable batch, a width tp does not
+divide). Without a mesh every constraint is the identity.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 
 import jax
 from jax.sharding import NamedSharding
@@ -20,56 +33,115 @@ from jax.sharding import PartitionSpec as P
 
 from .mesh import DeviceLayout, spec_entry
 from .plans import replace_layer_number_by_wildcard
-from .styles import ALL_PARALLEL_STYLES, EXPERT_DISPATCH, REPLICATED, SHARDED_LAST_DIM
+from .styles import ALL_PARALLEL_STYLES, SHARDED_LAST_DIM
+
+# Logical axes whose mesh axes do not depend on plan rules, and those a projection's rule decides.
+BATCH_AXES = ("batch", "tokens")
+WHOLE_AXES = ("length", "embed")
+PLANNED_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "q_lora", "kv_lora")
+LOGICAL_AXES = BATCH_AXES + WHOLE_AXES + PLANNED_AXES
+
+MeshAxes = tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class LogicalAxisRules:
+    """The rules table: `rules` maps every name of `LOGICAL_AXES` to mesh axes (None: the dim is whole);
+    `axis_sizes` holds the mesh axes' sizes, to leave whole a dim they do not divide."""
+
+    rules: tuple[tuple[str, MeshAxes], ...]
+    axis_sizes: tuple[tuple[str, int], ...]
+
+    @cached_property
+    def _table(self) -> dict[str, MeshAxes]:
+        return dict(self.rules)
+
+    def mesh_axes(self, name: str) -> tuple[str, ...]:
+        """The mesh axes logical axis `name` is split over (() when whole)."""
+        if name not in self._table:
+            raise KeyError(f"Unknown logical axis {name!r}; use one of {', '.join(self._table)}.")
+        return self._table[name] or ()
+
+    def size(self, name: str) -> int:
+        """How many ways logical axis `name` is split."""
+        sizes = dict(self.axis_sizes)
+        return math.prod(sizes[axis] for axis in self.mesh_axes(name))
+
+    def spec(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> P:
+        """One logical name (or None: whole) per dim -> PartitionSpec; with `shape`, a dim the mapped mesh
+        axes do not divide stays whole."""
+        if shape is not None and len(shape) != len(logical_axes):
+            raise ValueError(f"logical axes {logical_axes} name {len(logical_axes)} dims; the array has "
+                             f"shape {tuple(shape)}")
+        entries = []
+        for dim, name in enumerate(logical_axes):
+            axes = () if name is None else self.mesh_axes(name)
+            if shape is not None and axes and shape[dim] % self.size(name):
+                axes = ()
+            entries.append(spec_entry(axes))
+        return P(*entries)
+
+
+def _keeps_output_split(style: str | None) -> bool:
+    return style is not None and ALL_PARALLEL_STYLES[style].output == SHARDED_LAST_DIM
+
+
+def logical_axis_rules(layout: DeviceLayout, tp_plan: Mapping[str, str],
+                       output_axes: Mapping[str, str]) -> LogicalAxisRules:
+    """The rules table of one model on one layout.
+
+    tp_plan: the resolved TP plan (concrete or `*` names: HF module -> style). output_axes: HF module name
+    (`*` for the layer) -> the logical axis of its output's last dim, for every module of the model whose
+    output is constrained with a name of `PLANNED_AXES`. Such an axis maps to the tp axes when every module
+    that outputs it has a rule keeping its output split (`SHARDED_LAST_DIM`), else to None.
+    """
+    if unknown := sorted(set(output_axes.values()) - set(PLANNED_AXES)):
+        raise ValueError(f"output_axes names {unknown}; outputs are one of {', '.join(PLANNED_AXES)}.")
+    styles = {replace_layer_number_by_wildcard(name): style for name, style in tp_plan.items()}
+    rules: list[tuple[str, MeshAxes]] = [(name, layout.batch_axes or None) for name in BATCH_AXES]
+    rules += [(name, None) for name in WHOLE_AXES]
+    for axis in PLANNED_AXES:
+        modules = [module for module, name in output_axes.items() if name == axis]
+        split = bool(modules) and all(_keeps_output_split(styles.get(module)) for module in modules)
+        rules.append((axis, layout.tp_axes if split and layout.tp_axes else None))
+    return LogicalAxisRules(tuple(rules), tuple(layout.axis_sizes.items()))
 
 
 class ActivationLayouts:
-    """`output(x, module)` / `batch(x)` constraints for one model on one mesh."""
+    """`constrain(x, logical_axes)` / `batch(x)` / `token_local(fn)` for one model on one mesh."""
 
-    def __init__(self, mesh: jax.sharding.Mesh | None, layout: DeviceLayout, tp_plan: dict[str, str]):
+    def __init__(self, mesh: jax.sharding.Mesh | None, rules: LogicalAxisRules):
         self.mesh = mesh
-        self.layout = layout
-        # Plans arrive expanded per layer; the model asks with wildcards ("model.layers.*.mlp.down_proj").
-        self.styles = {replace_layer_number_by_wildcard(name): style for name, style in tp_plan.items()}
+        self.rules = rules
 
-    def _constrain(self, x: jax.Array, last_dim_axes: tuple[str, ...] = ()) -> jax.Array:
-        if self.mesh is None or self.mesh.size == 1:
+    @property
+    def _active(self) -> bool:
+        return self.mesh is not None and self.mesh.size > 1
+
+    def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+        """x laid out as its dims' logical axes say (one name, or None for whole, per dim of x)."""
+        if not self._active:
             return x
-        batch_axes = self.layout.batch_axes
-        if x.shape[0] % self.layout.group_size("batch"):
-            batch_axes = ()  # an unsplittable batch (checked by the model's entry points) stays whole
-        last = spec_entry(last_dim_axes) if x.ndim > 1 else None
-        spec = P(spec_entry(batch_axes), *([None] * (x.ndim - 2)), last) if x.ndim > 1 else P(spec_entry(batch_axes))
+        spec = self.rules.spec(logical_axes, x.shape)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def batch(self, x: jax.Array) -> jax.Array:
-        """x: [B, ...] with B on the batch axes and every other dim whole."""
-        return self._constrain(x)
+        """x: [B, ...] with B on the batch axes and every other dim whole (inputs, masks)."""
+        return self.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
     def token_local(self, fn):
         """`fn` over rows [N, ...] -> pytree of [N, ...], run on each device's own rows (in `shard_map`).
 
         For per-token ops XLA's partitioner does not keep local (`top_k` on a batch-sharded operand is
         gathered whole first): routing stays on the devices that hold the tokens."""
-        if self.mesh is None or self.mesh.size == 1:
+        if not self._active:
             return fn
+        rows_split = self.rules.size("tokens")
 
         def run(*rows):
-            if any(row.shape[0] % self.layout.group_size("batch") for row in rows):
+            if any(row.shape[0] % rows_split for row in rows):
                 return fn(*rows)
-            spec = P(spec_entry(self.layout.batch_axes))
+            spec = P(spec_entry(self.rules.mesh_axes("tokens")))
             return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec)(*rows)
 
         return run
-
-    def output(self, x: jax.Array, module: str) -> jax.Array:
-        """x: [B, ..., F], the output of `module` (HF name, `*` for the layer), laid out as its style says."""
-        style_name = self.styles.get(module)
-        if style_name is None:
-            return self.batch(x)
-        kind = ALL_PARALLEL_STYLES[style_name].output
-        if kind == SHARDED_LAST_DIM and x.shape[-1] % self.layout.tp_size == 0:
-            return self._constrain(x, self.layout.tp_axes)
-        if kind in (REPLICATED, SHARDED_LAST_DIM, EXPERT_DISPATCH):
-            return self.batch(x)
-        return x  # "unchanged": the style leaves its input's layout as it is

@@ -154,7 +154,7 @@ class MoeForCausalLM(PlannedModel):
             resolve_scan_option(scan_layers, config.num_hidden_layers), self._layer_signature,
         )
         self.experts_backend = experts_backend
-        self.activation_layouts = ActivationLayouts(self.mesh, self.layout, self.resolved_plans.tp)
+        self.activation_layouts = ActivationLayouts(self.mesh, self.logical_axis_rules)
         # The model's one capacity ladder and schedule; its EP implementations are built with it, once.
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
@@ -427,7 +427,7 @@ class MoeForCausalLM(PlannedModel):
         ) if self.has_router_aux_loss else jnp.zeros((), jnp.float32)
         if return_hidden:
             return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
-        logits = layouts.output(self.head_logits(nested, hidden), "lm_head")
+        logits = layouts.constrain(self.head_logits(nested, hidden), ("batch", "length", "vocab"))
         return ModelOutput(logits, None, router_logits, aux_loss, total, cache)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,

@@ -18,10 +18,12 @@ layers run unrolled. Every layer is wrapped in `jax.checkpoint` with the model's
 from __future__ import annotations
 
 from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from ..distributed.activations import LogicalAxisRules, logical_axis_rules
 from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
 from ..nn.attention import attention, cached_attention
@@ -49,6 +51,16 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
 
     base_model_ep_plan = EXPERTS_EP_PLAN
     dense_activation_module = "act_fn"  # the dense MLP's activation module (HF name; Llama 4: "activation_fn")
+    # The logical axis of the output features of each module whose output the layer code constrains by it
+    # (keys as in `base_model_tp_plan`): the plan's rules for these modules set the axis' mesh axes.
+    base_model_output_axes: ClassVar[dict[str, str]] = {
+        "layers.*.self_attn.q_proj": "heads",
+        "layers.*.self_attn.k_proj": "kv_heads",
+        "layers.*.self_attn.v_proj": "kv_heads",
+        "layers.*.mlp.gate_proj": "mlp",
+        "layers.*.mlp.up_proj": "mlp",
+        "layers.*.mlp.gate": "experts",
+    }
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -121,6 +133,16 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
                 tree.param("weight", (c.vocab_size, c.hidden_size))
         return tree
 
+    @property
+    def logical_axis_rules(self) -> LogicalAxisRules:
+        """The logical axes' mesh axes on this model's layout, from its resolved TP plan: the output axis of
+        each module in `base_model_output_axes` (and the head's, `vocab`) that this model has."""
+        prefix, present = self.base_model_prefix, self.plan_names()
+        output_axes = {f"{prefix}.{module}": axis for module, axis in self.base_model_output_axes.items()}
+        output_axes["lm_head"] = "vocab"
+        return logical_axis_rules(self.layout, self.resolved_plans.tp,
+                                  {module: axis for module, axis in output_axes.items() if module in present})
+
     def layer_signature(self, layer: int) -> tuple:
         return self.is_sparse(layer), tuple(sorted(self.attention_options(layer).items()))
 
@@ -135,7 +157,8 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
 
     def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
         """hidden: [B, S, H] -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
-        `rng`: this layer's key for training-time randomness (or None); `constrain`: the plans' layouts;
+        `rng`: this layer's key for training-time randomness (or None); `constrain`: lays out activations by
+        their logical axes;
         `route`: the family's router, run where the tokens are."""
         return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
@@ -143,13 +166,11 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
                        layer_cache: tuple | None, layer_run_key: str | None):
         """The attention module: h [B, S, H] (normed) -> (output [B, S, H], layer cache with the new tokens
         stored, or None without a cache). Arguments as `decoder_layer`'s."""
-        c, layouts = self.config, step.layouts
+        c = self.config
         cos, sin = rope
         options = dict(
             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            rms_norm_eps=c.rms_norm_eps,
-            constrain=lambda y, name: layouts.output(y, f"model.layers.*.self_attn.{name}"),
-            **self.attention_options(layer),
+            rms_norm_eps=c.rms_norm_eps, constrain=step.layouts.constrain, **self.attention_options(layer),
         )
         if layer_cache is None:
             return attention(weights, h, cos, sin, attention_mask=attention_mask, **options), None
@@ -175,7 +196,6 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         `attention_mask` the keys' mask (`cached_attention`); the new tokens' keys and values come back
         stored in it (None without a cache)."""
         c, layouts = self.config, step.layouts
-        layer_name = "model.layers.*"
         h = rms_norm(weights["input_layernorm"], x, c.rms_norm_eps)
         attended, layer_cache = self.self_attention(weights["self_attn"], h, layer, rope, attention_mask, step,
                                                     layer_cache, layer_run_key)
@@ -183,16 +203,16 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         h = rms_norm(weights["post_attention_layernorm"], x, c.rms_norm_eps)
         router_logits = statistics = None
         feed_forward = self.feed_forward_module
-        constrain_mlp = lambda y, name: layouts.output(y, f"{layer_name}.{feed_forward}.{name}")  # noqa: E731
         if self.is_sparse(layer):
             out, router_logits, statistics = self.moe_output(
                 weights[feed_forward], h, step.run_experts[layer], inference=step.inference,
-                rng=step.layer_rng(layer_index), constrain=constrain_mlp,
+                rng=step.layer_rng(layer_index), constrain=layouts.constrain,
                 route=layouts.token_local(self.route),
             )
         else:
-            out = mlp(weights[feed_forward], h, c.hidden_act, constrain=constrain_mlp)
-        return layouts.batch(x + out), router_logits, statistics, layer_cache
+            out = mlp(weights[feed_forward], h, c.hidden_act, constrain=layouts.constrain)
+        x = layouts.constrain(x + out, ("batch", "length", "embed"))
+        return x, router_logits, statistics, layer_cache
 
     def _run_layers(self, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,
                     run_cache: tuple | None):
@@ -234,7 +254,7 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
         x = embed(model["embed_tokens"], input_ids)
         if step.compute_dtype is not None:
             x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
-        x = step.layouts.batch(x)
+        x = step.layouts.constrain(x, ("batch", "length", "embed"))
         inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
         rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
         cache = step.cache

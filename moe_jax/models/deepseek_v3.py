@@ -132,6 +132,18 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.down_proj": "rowwise",
     }
     has_router_aux_loss = False
+    base_model_output_axes = {
+        "layers.*.self_attn.q_proj": "heads",
+        "layers.*.self_attn.q_a_proj": "q_lora",
+        "layers.*.self_attn.q_b_proj": "heads",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "kv_lora",
+        "layers.*.self_attn.kv_b_proj": "heads",
+        "layers.*.mlp.shared_experts.gate_proj": "mlp",
+        "layers.*.mlp.shared_experts.up_proj": "mlp",
+        "layers.*.mlp.gate_proj": "mlp",
+        "layers.*.mlp.up_proj": "mlp",
+        "layers.*.mlp.gate": "experts",
+    }
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -176,7 +188,7 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
     # ---- math --------------------------------------------------------------------------------------
     def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
         cos, sin = rope
-        constrain = lambda y, name: step.layouts.output(y, f"model.layers.*.self_attn.{name}")  # noqa: E731
+        constrain = step.layouts.constrain
         if layer_cache is None:
             return latent_attention(weights, h, cos, sin, dims=self.latent_dims, attention_mask=attention_mask,
                                     constrain=constrain), None
@@ -202,11 +214,10 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
         gate = weights["gate"]
         # The reference's router runs in float32 whatever the model's dtype.
         router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
-                                         tokens.astype(jnp.float32)), "gate")
+                                         tokens.astype(jnp.float32)), ("tokens", "experts"))
         bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
         top_k_weights, top_k_index = route(router_logits, bias)
         routed, statistics = run_experts(tokens, top_k_index, top_k_weights, weights["experts"])
         routed = routed.astype(hidden.dtype).reshape(batch, sequence, width)
-        shared = mlp(weights["shared_experts"], hidden, self.config.hidden_act,
-                     constrain=lambda y, name: constrain(y, f"shared_experts.{name}"))
+        shared = mlp(weights["shared_experts"], hidden, self.config.hidden_act, constrain=constrain)
         return routed + shared, router_logits, statistics

@@ -88,6 +88,12 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
     model_type = "gpt_oss"
     config_class = GptOssConfig
     base_model_tp_plan = {}
+    base_model_output_axes = {
+        "layers.*.self_attn.q_proj": "heads",
+        "layers.*.self_attn.k_proj": "kv_heads",
+        "layers.*.self_attn.v_proj": "kv_heads",
+        "layers.*.mlp.router": "experts",
+    }
     base_model_ep_plan = {
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.gate_up_proj_bias": "grouped_gemm",

@@ -131,6 +131,16 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
         "layers.*.feed_forward.down_proj": "rowwise",
     }
     base_model_ep_plan = None  # the experts see every token pre-scaled: nothing to dispatch
+    base_model_output_axes = {
+        "layers.*.self_attn.q_proj": "heads",
+        "layers.*.self_attn.k_proj": "kv_heads",
+        "layers.*.self_attn.v_proj": "kv_heads",
+        "layers.*.feed_forward.shared_expert.gate_proj": "mlp",
+        "layers.*.feed_forward.shared_expert.up_proj": "mlp",
+        "layers.*.feed_forward.gate_proj": "mlp",
+        "layers.*.feed_forward.up_proj": "mlp",
+        "layers.*.feed_forward.router": "experts",
+    }
     feed_forward_module = "feed_forward"
     experts_intermediate_dims = {"gate_up_proj": "packed_last", "down_proj": 1}
     has_router_aux_loss = False  # the reference's forward computes none
@@ -193,7 +203,7 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
     def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
         c, (cos, sin) = self.config, rope
         options = self.attention_options(layer)
-        constrain = lambda y, name: step.layouts.output(y, f"model.layers.*.self_attn.{name}")  # noqa: E731
+        constrain = step.layouts.constrain
         q, k, v = project_qkv(weights, h, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                               head_dim=c.head_dim, constrain=constrain)
         if options["rope"]:
@@ -214,7 +224,8 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
                          key_padding_mask=attention_mask, query_index=first + jnp.arange(h.shape[1]),
                          attention_chunk_size=chunk)
         batch, sequence = h.shape[:2]
-        out = constrain(linear(weights["o_proj"], out.reshape(batch, sequence, -1)), "o_proj")
+        out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
+        out = constrain(out, ("batch", "length", "embed"))
         return out, layer_cache
 
     def route(self, router_logits):
@@ -225,8 +236,7 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
         """The shared expert plus the chosen experts on pre-scaled inputs: hidden [B, S, H] -> [B, S, H]."""
         routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, run_experts=run_experts,
                                                       constrain=constrain, router="router")
-        shared = mlp(weights["shared_expert"], hidden, self.config.hidden_act,
-                     constrain=lambda y, name: constrain(y, f"shared_expert.{name}"))
+        shared = mlp(weights["shared_expert"], hidden, self.config.hidden_act, constrain=constrain)
         return shared + routed, logits, statistics
 
 

@@ -83,9 +83,9 @@ def project_qkv(
     _check_projection(params, "v_proj", num_kv_heads * head_dim, "num_kv_heads * head_dim")
     _check_qk_norm(params, qk_norm_kind)
 
-    q = constrain(linear(params["q_proj"], hidden), "q_proj")
-    k = constrain(linear(params["k_proj"], hidden), "k_proj")
-    v = constrain(linear(params["v_proj"], hidden), "v_proj")
+    q = constrain(linear(params["q_proj"], hidden), ("batch", "length", "heads"))      # [B, S, N*D]
+    k = constrain(linear(params["k_proj"], hidden), ("batch", "length", "kv_heads"))   # [B, S, K*D]
+    v = constrain(linear(params["v_proj"], hidden), ("batch", "length", "kv_heads"))
 
     if qk_norm_kind == "full_width":
         q = rms_norm(params["q_norm"], q, rms_norm_eps)
@@ -337,7 +337,7 @@ def attention(
     sliding_window: Mixtral / Qwen2-MoE / Qwen3-MoE window (keys per query, itself included), None for full
     qk_norm_kind: "per_head" (Qwen3-MoE), "full_width" (OLMoE) or None (Qwen2-MoE, Mixtral)
     clip_qkv: OLMoE's `config.clip_qkv`
-    constrain: lays out each projection's output (`constrain(x, "q_proj")`), e.g. as the model's TP plan says
+    constrain: lays out each projection's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`)
     -> [B, S, H]
 
     The logit scale is `head_dim ** -0.5`, as in all four models.
@@ -369,7 +369,8 @@ def attention(
         query_chunk_size=query_chunk_size,
         sinks=params.get("sinks"),
     )
-    return constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
+    out = out.reshape(batch, seq, num_heads * head_dim)
+    return constrain(linear(params["o_proj"], out), ("batch", "length", "embed"))
 
 
 def cached_attention(
@@ -429,5 +430,6 @@ def cached_attention(
         query_index=query_index, sliding_window=sliding_window, implementation=implementation,
         sinks=params.get("sinks"),
     )
-    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)), "o_proj")
+    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)),
+                    ("batch", "length", "embed"))
     return out, keys, values

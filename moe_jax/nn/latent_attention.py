@@ -54,11 +54,11 @@ def latent_query(params: Mapping, hidden: jax.Array, dims: LatentDims, cos: jax.
                  constrain: Constrain = no_constraint) -> jax.Array:
     """hidden: [B, S, H]; cos, sin: [B, S, R] -> rotated queries [B, S, N, Dn + R]."""
     if dims.q_lora_rank is None:
-        q = constrain(linear(params["q_proj"], hidden), "q_proj")
+        q = constrain(linear(params["q_proj"], hidden), ("batch", "length", "heads"))
     else:
-        compressed = constrain(linear(params["q_a_proj"], hidden), "q_a_proj")
+        compressed = constrain(linear(params["q_a_proj"], hidden), ("batch", "length", "q_lora"))
         compressed = rms_norm(params["q_a_layernorm"], compressed, LATENT_NORM_EPS)
-        q = constrain(linear(params["q_b_proj"], compressed), "q_b_proj")
+        q = constrain(linear(params["q_b_proj"], compressed), ("batch", "length", "heads"))
     batch, seq = hidden.shape[:2]
     q = q.reshape(batch, seq, dims.num_heads, dims.qk_head_dim)
     q_pass, q_rot = q[..., :dims.qk_nope_head_dim], q[..., dims.qk_nope_head_dim:]
@@ -69,7 +69,7 @@ def latent_query(params: Mapping, hidden: jax.Array, dims: LatentDims, cos: jax.
 def latent_compression(params: Mapping, hidden: jax.Array, dims: LatentDims, cos: jax.Array, sin: jax.Array,
                        constrain: Constrain = no_constraint) -> tuple[jax.Array, jax.Array]:
     """hidden: [B, S, H] -> (normed latent [B, S, 1, C], rotated shared key [B, S, 1, R]): what a cache keeps."""
-    compressed = constrain(linear(params["kv_a_proj_with_mqa"], hidden), "kv_a_proj_with_mqa")
+    compressed = constrain(linear(params["kv_a_proj_with_mqa"], hidden), ("batch", "length", "kv_lora"))
     latent, k_rot = compressed[..., :dims.kv_lora_rank], compressed[..., dims.kv_lora_rank:]
     latent = rms_norm(params["kv_a_layernorm"], latent, LATENT_NORM_EPS)
     k_rot = rotate_heads(k_rot[:, :, None, :], cos, sin, interleaved=dims.rope_interleave)
@@ -80,7 +80,7 @@ def expand_latent(params: Mapping, latent: jax.Array, k_rot: jax.Array, dims: La
                   constrain: Constrain = no_constraint) -> tuple[jax.Array, jax.Array]:
     """latent: [B, T, 1, C], k_rot: [B, T, 1, R] -> keys [B, T, N, Dn + R], values [B, T, N, Dv]."""
     batch, length = latent.shape[:2]
-    expanded = constrain(linear(params["kv_b_proj"], latent[:, :, 0]), "kv_b_proj")
+    expanded = constrain(linear(params["kv_b_proj"], latent[:, :, 0]), ("batch", "length", "heads"))
     expanded = expanded.reshape(batch, length, dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim)
     k_nope, values = expanded[..., :dims.qk_nope_head_dim], expanded[..., dims.qk_nope_head_dim:]
     shared = jnp.broadcast_to(k_rot.astype(k_nope.dtype), (batch, length, dims.num_heads, dims.qk_rope_head_dim))
@@ -109,7 +109,7 @@ def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: ja
     latent, k_rot = latent_compression(params, hidden, dims, cos, sin, constrain)
     keys, values = expand_latent(params, latent, k_rot, dims, constrain)
     out = attend_latent(q, keys, values, dims, key_padding_mask=attention_mask)
-    return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), "o_proj")
+    return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
 
 
 def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -130,5 +130,5 @@ def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, 
     rotated_keys = jax.lax.dynamic_update_slice(rotated_keys, k_rot.astype(rotated_keys.dtype), start)
     keys, values = expand_latent(params, latents.astype(latent.dtype), rotated_keys, dims, constrain)
     out = attend_latent(q, keys, values, dims, key_padding_mask=key_mask, query_index=slot + jnp.arange(seq))
-    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), "o_proj")
+    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
     return out, latents, rotated_keys

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from ..ops.accumulation import accumulating_einsum
 from .precision import add_with_master, is_master, project_with_master
 
-# (output, projection name) -> the output laid out as the model's plans say for that projection.
-Constrain = Callable[[jax.Array, str], jax.Array]
+# (activation, one logical axis name per dim, e.g. ("batch", "length", "heads")) -> the activation laid out as
+# the model's rules map those names (`moe_jax.distributed.activations`).
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 
 
-def no_constraint(x: jax.Array, projection: str) -> jax.Array:
+def no_constraint(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """The default `Constrain`: leave the layout to XLA (one device, or a caller without plans)."""
     return x
 

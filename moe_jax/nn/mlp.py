@@ -21,11 +21,11 @@ def mlp(params: Mapping[str, Mapping[str, jax.Array]], x: jax.Array, act: str | 
     """Gated MLP.
 
     params: `{"gate_proj": {"weight": [I, H]}, "up_proj": {"weight": [I, H]}, "down_proj": {"weight": [H, I]}}`
-    x: [..., H]  ->  [..., H]
+    x: [..., H]  ->  [..., H]  ([B, S, H] when constrained)
     act: an HF `hidden_act` name (see `ACTIVATIONS`) or a callable.
-    constrain: lays out each projection's output (`constrain(x, "gate_proj")`), e.g. as the TP plan says.
+    constrain: lays out each projection's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`).
     """
     act_fn = get_activation(act)
-    gate = constrain(linear(params["gate_proj"], x), "gate_proj")
-    up = constrain(linear(params["up_proj"], x), "up_proj")
-    return constrain(linear(params["down_proj"], act_fn(gate) * up), "down_proj")
+    gate = constrain(linear(params["gate_proj"], x), ("batch", "length", "mlp"))
+    up = constrain(linear(params["up_proj"], x), ("batch", "length", "mlp"))
+    return constrain(linear(params["down_proj"], act_fn(gate) * up), ("batch", "length", "embed"))

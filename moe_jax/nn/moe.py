@@ -29,10 +29,10 @@ def sparse_moe_block(
     """hidden_states: [B, S, H]; params: {router: {"weight": [E, H], "bias"?: [E]}, "experts": {...}}
     -> (output [B, S, H], router_logits [B*S, E], dispatch statistics).
     router: the router module's name ("gate"; gpt-oss: "router", with a bias)
-    constrain: lays out the router's output (`constrain(x, router)`), e.g. as the model's plans say."""
+    constrain: lays out the router's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`)."""
     batch, sequence, hidden = hidden_states.shape
     tokens = hidden_states.reshape(batch * sequence, hidden)
-    router_logits = constrain(linear(params[router], tokens), router)
+    router_logits = constrain(linear(params[router], tokens), ("tokens", "experts"))
     top_k_weights, top_k_index = route(router_logits)
     output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"])
     return output.astype(hidden_states.dtype).reshape(batch, sequence, hidden), router_logits, statistics

@@ -1,4 +1,5 @@
-"""The collectives XLA compiles for one decoder layer are the ones the plans imply (activation layouts).
+"""The collectives XLA compiles for one decoder layer are the ones the plans imply (activation layouts), and
+the logical axis rules table they come from.
 
 One sparse Qwen3-MoE layer is compiled per layout and the collectives of its HLO are read back. The
 sequence length (24) is a factor of no weight dimension, so a collective whose shape has a multiple of 24
@@ -9,9 +10,11 @@ in it moves activations; any other moves weights.
     tp2 fsdp4 ep4          + one all-reduce (attention, over tp) and one all-gather (TP slices of the tokens)
 """
 
+import json
 import re
 from collections import Counter
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
-from moe_jax.models import Qwen3MoeForCausalLM
+from moe_jax.distributed.activations import LOGICAL_AXES, logical_axis_rules
+from moe_jax.distributed.mesh import DeviceLayout
+from moe_jax.models import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
 from moe_jax.models.base import StepOptions
 from moe_jax.module_tree import unflatten
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
@@ -32,6 +37,7 @@ CONFIG = dict(
     norm_topk_prob=True, max_position_embeddings=256,
 )
 BATCH, SEQUENCE = 8, 24
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 COLLECTIVE = re.compile(
     r"=\s*(\([^)]*\)|\S+)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\("
 )
@@ -115,3 +121,74 @@ def test_whole_step_on_fsdp8_ep8_never_gathers_activations():
     gathered = [shape for shape, kind in COLLECTIVE.findall(text)
                 if kind == "all-gather" and any(int(d) % SEQUENCE == 0 for d in re.findall(r"\[([\d,]+)\]", shape)[0].split(","))]
     assert gathered == [], gathered
+
+
+# ---- the rules table (no devices: abstract models) --------------------------------------------------------
+def rules_of(model_class, config: dict, **layout) -> dict:
+    return dict(model_class(config, DistributedConfig(**layout), abstract=True).logical_axis_rules.rules)
+
+
+def test_colwise_outputs_map_to_tp_and_the_rest_stays_whole():
+    rules = rules_of(Qwen3MoeForCausalLM, CONFIG, tp_size=2, fsdp_size=4, ep_size=4)
+    assert set(rules) == set(LOGICAL_AXES)
+    batch = ("efsdp", "ep_fsdp")
+    assert rules == {
+        "batch": batch, "tokens": batch, "length": None, "embed": None,
+        "heads": ("tp",), "kv_heads": ("tp",),   # q/k/v_proj colwise
+        "mlp": None,                             # no dense layer: nothing outputs it
+        "experts": None, "vocab": None,          # router: no rule; lm_head: colwise_gather_output
+        "q_lora": None, "kv_lora": None,
+    }
+
+
+def test_without_tp_only_the_batch_is_split():
+    rules = rules_of(Qwen3MoeForCausalLM, CONFIG, fsdp_size=8, ep_size=8)
+    assert {name: axes for name, axes in rules.items() if axes} == {"batch": ("ep_fsdp",), "tokens": ("ep_fsdp",)}
+    assert rules_of(Qwen3MoeForCausalLM, CONFIG, tp_size=8, ep_size=8)["batch"] is None   # one batch
+
+
+def test_dense_layers_put_mlp_on_tp():
+    config = dict(CONFIG, num_hidden_layers=2, mlp_only_layers=[0])
+    rules = rules_of(Qwen3MoeForCausalLM, config, tp_size=2, fsdp_size=4)
+    assert rules["mlp"] == ("tp",) and rules["heads"] == ("tp",)
+
+
+def test_tp_plan_overrides_move_the_axes_their_modules_output():
+    """Overrides name HF modules verbatim; the axis of a projection turned replicated (gathered) is whole, and
+    one of two modules outputting an axis is enough: k_proj gathered, v_proj colwise -> kv_heads whole."""
+    layout = dict(tp_size=2, fsdp_size=4, ep_size=4)
+    gathered_q = rules_of(Qwen3MoeForCausalLM, CONFIG, **layout,
+                          tp_plan={"model.layers.*.self_attn.q_proj": "colwise_gather_output"})
+    assert gathered_q["heads"] is None and gathered_q["kv_heads"] == ("tp",)
+    gathered_k = rules_of(Qwen3MoeForCausalLM, CONFIG, **layout,
+                          tp_plan={"model.layers.*.self_attn.k_proj": "colwise_gather_output"})
+    assert gathered_k["heads"] == ("tp",) and gathered_k["kv_heads"] is None
+    split_head = rules_of(Qwen3MoeForCausalLM, CONFIG, **layout, tp_plan={"lm_head": "colwise"})
+    assert split_head["vocab"] == ("tp",)
+
+
+def test_latent_attention_axes_follow_user_rules():
+    """DeepSeek-V3's HF plan has no attention rules: heads whole; both MLA up-projections colwise split them."""
+    config = json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text())
+    layout = dict(tp_size=2, fsdp_size=4)
+    rules = rules_of(DeepseekV3ForCausalLM, config, **layout)
+    assert (rules["heads"], rules["q_lora"], rules["kv_lora"], rules["mlp"]) == (None, None, None, ("tp",))
+    both = {"model.layers.*.self_attn.q_b_proj": "colwise", "model.layers.*.self_attn.kv_b_proj": "colwise"}
+    assert rules_of(DeepseekV3ForCausalLM, config, **layout, tp_plan=both)["heads"] == ("tp",)
+    only_q = {"model.layers.*.self_attn.q_b_proj": "colwise"}
+    assert rules_of(DeepseekV3ForCausalLM, config, **layout, tp_plan=only_q)["heads"] is None
+
+
+def test_spec_names_one_axis_per_dim_and_leaves_undivided_dims_whole():
+    layout = DeviceLayout.from_config(DistributedConfig(tp_size=4, fsdp_size=2))
+    rules = logical_axis_rules(layout, {"model.layers.0.self_attn.q_proj": "colwise"},
+                               {"model.layers.*.self_attn.q_proj": "heads"})
+    assert rules.spec(("batch", "length", "heads"), (8, 24, 32)) == P("efsdp", None, "tp")
+    assert rules.spec(("batch", "length", "heads"), (3, 24, 6)) == P(None, None, None)  # 3, 6: undivided
+    assert rules.spec(("batch", None)) == P("efsdp", None)
+    with pytest.raises(KeyError, match="Unknown logical axis 'hidden'"):
+        rules.spec(("batch", "hidden"))
+    with pytest.raises(ValueError, match="name 2 dims"):
+        rules.spec(("batch", "length"), (8, 24, 32))
+    with pytest.raises(ValueError, match="output_axes names"):
+        logical_axis_rules(layout, {}, {"model.layers.*.self_attn.q_proj": "query"})

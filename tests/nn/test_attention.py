@@ -346,6 +346,18 @@ def test_attention_jits_and_keeps_shapes():
     np.testing.assert_allclose(out, fn(params, hidden, cos, sin), atol=1e-6)  # all-ones mask == no mask
 
 
+def test_projections_name_the_logical_axes_of_their_outputs():
+    """`constrain` gets one logical axis per dim: q's heads, k's and v's kv_heads, o_proj's residual width."""
+    params = {name: {"weight": jnp.zeros(shape)} for name, shape in
+              [("q_proj", (32, 24)), ("k_proj", (16, 24)), ("v_proj", (16, 24)), ("o_proj", (24, 32))]}
+    cos = sin = jnp.ones((2, 7, 8))
+    calls = []
+    attention(params, jnp.ones((2, 7, 24)), cos, sin, num_heads=4, num_kv_heads=2, head_dim=8,
+              constrain=lambda y, axes: calls.append((y.shape, axes)) or y)
+    assert calls == [((2, 7, 32), ("batch", "length", "heads")), ((2, 7, 16), ("batch", "length", "kv_heads")),
+                     ((2, 7, 16), ("batch", "length", "kv_heads")), ((2, 7, 24), ("batch", "length", "embed"))]
+
+
 @pytest.mark.parametrize("bad_window", [0, -2, 2.5])
 def test_bad_sliding_window_is_rejected_with_the_fix(bad_window):
     q, k, v, _ = _random_qkv()

@@ -40,6 +40,15 @@ def test_mlp_matches_hf(model_type, class_name, hidden_act):
     assert diff <= 1e-5
 
 
+def test_projections_name_the_logical_axes_of_their_outputs():
+    params = {name: {"weight": jnp.zeros(shape)} for name, shape in
+              [("gate_proj", (12, 8)), ("up_proj", (12, 8)), ("down_proj", (8, 12))]}
+    calls = []
+    mlp(params, jnp.ones((2, 3, 8)), "silu", constrain=lambda y, axes: calls.append((y.shape, axes)) or y)
+    assert calls == [((2, 3, 12), ("batch", "length", "mlp")), ((2, 3, 12), ("batch", "length", "mlp")),
+                     ((2, 3, 8), ("batch", "length", "embed"))]
+
+
 @pytest.mark.reference
 def test_mlp_bf16_smoke():
     torch = pytest.importorskip("torch")
