@@ -10,8 +10,9 @@ before anything is allocated, and converters map checkpoint keys onto them.
             tree.param("weight", (vocab, hidden))
         tree.module_without_params("rotary_emb")
 
-Parameters travel as flat dicts keyed by these dotted names; `unflatten` nests one by module for the code
-that walks the tree (the model's forward, the loss's lm_head, the NNX module's attributes).
+Parameters travel as flat dicts keyed by these dotted names; code that walks the tree by module (the
+model's step, the loss's lm_head) sees them nested by a `NestedView`, whose names were split once, when the
+model was built; `unflatten` nests any flat dict (the NNX module's attributes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 from flax import traverse_util
 
 
@@ -104,3 +106,16 @@ class ModuleTree:
 def unflatten(flat: Mapping[str, Any]) -> dict:
     """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (layer numbers stay string keys)."""
     return traverse_util.unflatten_dict(dict(flat), sep=".")
+
+
+class NestedView:
+    """`unflatten` for one fixed set of names, their dots split once: `view(flat)` places the values of
+    `flat` into the nested structure computed at construction (a pytree unflatten, no string parsing), so a
+    traced step nests its parameters without reading their names. `flat` must hold exactly these names."""
+
+    def __init__(self, names):
+        leaves, self._treedef = jax.tree.flatten(unflatten({name: name for name in names}))
+        self._names = tuple(leaves)
+
+    def __call__(self, flat: Mapping[str, Any]) -> dict:
+        return jax.tree.unflatten(self._treedef, [flat[name] for name in self._names])

@@ -37,7 +37,7 @@ from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, reso
 from ..distributed.sharding import parameter_shardings
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
-from ..module_tree import ModuleTree, unflatten
+from ..module_tree import ModuleTree
 from ..ops.routing import load_balancing_loss
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
@@ -388,7 +388,7 @@ class MoeForCausalLM(PlannedModel):
             inference=inference, rng=rng, remat=self.remat, layouts=layouts, compute_dtype=compute_dtype,
             cache=cache,
         )
-        nested = unflatten(params)
+        nested = self.layer_stack.nest(params)
         hidden, router_logits, statistics, cache = self.forward_math(nested, input_ids, attention_mask, positions,
                                                                      step)
         total = DispatchStatistics.zeros()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from ..module_tree import ModuleTree
+from ..module_tree import ModuleTree, NestedView
 
 LAYERS_PREFIX = "model.layers"
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -75,6 +75,7 @@ class LayerStack:
             storage = self.storage_name(name)
             self.members[storage] = (*self.members.get(storage, ()), name)
             self._storage_of[name] = storage
+        self._nested = NestedView(self.members)
 
     @classmethod
     def plan(cls, tree: ModuleTree, num_layers: int, scan: bool,
@@ -117,6 +118,11 @@ class LayerStack:
     def is_stacked(self, storage_name: str) -> bool:
         parts = storage_name.split(".")
         return storage_name.startswith(LAYERS_PREFIX + ".") and "-" in parts[2]
+
+    def nest(self, params: Mapping[str, object]) -> dict:
+        """Storage layout -> nested dicts by module (`params["model"]["layers"]["1-3"]...`), the view a
+        family's math walks; the structure was computed with the stack, so no name is parsed per trace."""
+        return self._nested(params)
 
     def stack(self, params: Mapping[str, object]) -> dict[str, object]:
         """HF-named parameters -> storage layout (stacked runs: `jnp.stack` over the run's layers)."""

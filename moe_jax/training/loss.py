@@ -19,8 +19,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..module_tree import unflatten
-
 IGNORE_INDEX = -100
 # Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
 DEFAULT_LOSS_CHUNK = 512
@@ -119,7 +117,7 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     so both give the same loss for the same parameters and data."""
     output = model.apply(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
                          inference=inference, return_hidden=True, compute_dtype=compute_dtype)
-    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, unflatten(params)),
-                                      loss_chunk)
+    head = partial(model.head_logits, model.layer_stack.nest(params))
+    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
     return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}

@@ -19,6 +19,7 @@ from converters import record_reads
 from moe_jax import DistributedConfig
 from moe_jax.models import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from moe_jax.models.layer_stack import LayerRun, resolve_scan_option
+from moe_jax.module_tree import unflatten
 
 from .hf_reference import TINY_QWEN2_MOE, TINY_QWEN3_MOE
 
@@ -53,6 +54,11 @@ def test_storage_names_shapes_and_shardings():
     assert stacked == P(None, *per_layer)  # the layer axis is never sharded
     # Plans and `moe-jax plan` keep speaking HF names.
     assert "model.layers.2.mlp.experts.gate_up_proj" in model.param_layouts
+    # The step's nested view, from a structure built with the stack, is `unflatten`'s.
+    storage = {name: index for index, name in enumerate(shapes)}
+    assert model.layer_stack.nest(storage) == unflatten(storage)
+    assert model.layer_stack.nest(storage)["model"]["layers"]["1-2"]["mlp"]["experts"]["gate_up_proj"] == \
+        storage["model.layers.1-2.mlp.experts.gate_up_proj"]
 
 
 def test_stack_and_unstack_are_inverse_and_init_does_not_depend_on_scanning():
