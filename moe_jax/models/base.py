@@ -11,8 +11,10 @@ per experts module from the plans, and exposes the step:
     out = model.apply(model.params, ids)      # pure: jit / grad / scan it; capacity is the caller's
     logits = model(ids)                       # eager and exact: [B, S, V], B padded internally
 
-`apply` is jitted once per model; its compilations are cached per static key (capacity, inference,
-return_hidden) and per input shapes, dtypes and shardings, so a step called again never recompiles.
+The step is one pure function, `step_math`, jitted by whoever calls it: `apply` (eager callers; its
+compilations are cached per static key (capacity, inference, return_hidden, compute_dtype) and per input
+shapes, dtypes and shardings, so a step called again never recompiles), the train step, the generator's
+programs and the NNX face, each once, at its boundary, where it also runs `check_step`.
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ class MoeForCausalLM(PlannedModel):
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.params: dict | None = None
-        self._apply_jit = jax.jit(self._apply, static_argnames=("capacity", "inference", "return_hidden",
-                                                                     "compute_dtype"))
+        # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
+        self._apply_jit = jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden",
+                                                                   "compute_dtype"))
         self.generation_config = GenerationConfig.from_values(self.config.raw)  # from_pretrained: the checkpoint's
         self._generator: Generator | None = None
         # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
@@ -309,7 +312,8 @@ class MoeForCausalLM(PlannedModel):
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
-        run one cached compilation per static key. Never reads a device value on the host.
+        run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
+        reads a device value on the host.
 
         params: `model.params` layout (storage names: scanned runs stacked; `model.hf_params()` / `set_params`
             convert from HF names). input_ids: [B, S] ints, numpy or jax (global arrays spanning processes
@@ -325,17 +329,28 @@ class MoeForCausalLM(PlannedModel):
             dtype (None: the parameters'); parameters wider than it are float32 masters of mixed precision,
             applied in it with gradients in float32 (`moe_jax.nn.precision`).
         """
+        capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
+                                                  compute_dtype=compute_dtype)
+        return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
+                               cache=cache, capacity=capacity, rng=rng, inference=inference,
+                               return_hidden=return_hidden, compute_dtype=compute_dtype)
+
+    def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
+                   compute_dtype=None) -> tuple[float | None, jnp.dtype | None]:
+        """`apply`'s checks of one call on the host, shapes only: params in storage layout, input_ids' shape
+        (`shape`: [B, S], B split over the data-parallel groups), capacity on the ladder, the cache. Returns
+        (capacity, compute_dtype) as the step's static arguments: capacity None without dispatch buffers
+        (ep 1: one compilation whatever the caller holds). A caller that jits `step_math` itself runs this
+        at its own boundary, once per call."""
         self._require_mesh("apply")
         self._check_params(params)
-        self._check_batch(input_ids.shape)
+        self._check_batch(shape)
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
-            capacity = None  # no dispatch buffers: one compilation whatever the caller holds
-        compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+            capacity = None
         if cache is not None:
-            self._check_cache(cache, input_ids.shape)
-        return self._apply_jit(params, input_ids, attention_mask, positions, rng, cache, capacity=capacity,
-                               inference=inference, return_hidden=return_hidden, compute_dtype=compute_dtype)
+            self._check_cache(cache, shape)
+        return capacity, None if compute_dtype is None else jnp.dtype(compute_dtype)
 
     def _check_cache(self, cache, shape) -> None:
         if cache.batch_size != shape[0]:
@@ -371,8 +386,15 @@ class MoeForCausalLM(PlannedModel):
                 f"of this layout; use a multiple of {self.data_parallel_size} (forward() pads for you)."
             )
 
-    def _apply(self, params, input_ids, attention_mask, positions, rng, cache=None, *, capacity, inference,
-               return_hidden, compute_dtype=None):
+    def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
+                  cache=None, capacity: float | None = None, rng: jax.Array | None = None,
+                  inference: bool = True, return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
+        """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
+        step, the generator's prefill / decode and an NNX step each own the one jit around it and run
+        `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
+        if self.layout.ep_size == 1:
+            capacity = None  # no dispatch buffers (as `check_step` returns it)
+        compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         layouts = self.activation_layouts
         input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
         batch, sequence = input_ids.shape
