@@ -12,7 +12,8 @@
 The module is a thin face: each parameter of `engine.params` (the storage layout: HF names, scanned
 layer runs stacked) becomes an `nnx.Param` at the same dotted path (`model.layers.0-3.mlp.experts.
 gate_up_proj`), holding the same sharded array, with its PartitionSpec in the `out_sharding` metadata and
-the mesh in `mesh`; `__call__` and `loss` run the engine's pure `apply` on them (the same compiled math).
+the mesh in `mesh`; `__call__` and `loss` run the engine's pure step on them: inside the caller's jit
+(`nnx.jit`) its `step_math`, traced into that one program; called eagerly, its compiled `apply`.
 Nothing is read on the host inside a call. The dispatch capacity is a static attribute (a change
 recompiles, as in the pure API) and each call writes its dispatch statistics into `dispatch_statistics`.
 """
@@ -167,9 +168,10 @@ class MoeCausalLM(nnx.Module):
         """input_ids, attention_mask, positions: [B, S] -> logits [B, S, V] (or the whole `ModelOutput` with
         `return_output=True`: router logits, aux loss, statistics). B must be a multiple of the layout's
         data-parallel size. rng: key for training-time randomness (Mixtral's router jitter)."""
-        output = self.engine.apply(self.weights(), input_ids, attention_mask=attention_mask, positions=positions,
-                                   capacity=self.capacity, rng=rng, inference=self.deterministic,
-                                   compute_dtype=self.compute_dtype)
+        weights = self.weights()
+        output = self._step(weights, input_ids)(
+            weights, input_ids, attention_mask=attention_mask, positions=positions, capacity=self.capacity,
+            rng=rng, inference=self.deterministic, compute_dtype=self.compute_dtype)
         self.dispatch_statistics.set_value(output.statistics)
         return output if return_output else output.logits
 
@@ -183,13 +185,25 @@ class MoeCausalLM(nnx.Module):
         targets = prediction_targets(input_ids, attention_mask, labels)
         tokens = predicted_tokens(targets)
         coefficient = aux_loss_coefficient(self.engine.config)
-        loss, terms = model_loss(self.engine, self.weights(), input_ids, attention_mask, targets,
+        weights = self.weights()
+        loss, terms = model_loss(self.engine, weights, input_ids, attention_mask, targets,
                                  total_tokens=tokens, aux_weight=coefficient, capacity=self.capacity, rng=rng,
                                  compute_dtype=self.compute_dtype, inference=self.deterministic,
-                                 loss_chunk=loss_chunk)
+                                 loss_chunk=loss_chunk, step=self._step(weights, input_ids))
         self.dispatch_statistics.set_value(terms["statistics"])
         ce_loss = terms["ce_sum"] / tokens
         return loss, {"loss": loss, "ce_loss": ce_loss, "aux_loss": terms["aux"], "tokens": tokens.astype(jnp.int32)}
+
+    def _step(self, weights: dict, input_ids):
+        """The engine's step for one call. Traced (the ids and parameters are tracers, as in an `nnx.jit`
+        step): `step_math`, checked here, once per trace, and traced into the caller's one program. Eager:
+        `apply`, which checks and runs its own compiled program (and keeps an eager `nnx.grad` compiled)."""
+        if not (isinstance(input_ids, jax.core.Tracer)
+                and any(isinstance(leaf, jax.core.Tracer) for leaf in weights.values())):
+            return self.engine.apply
+        self.engine.check_step(weights, jnp.shape(input_ids), capacity=self.capacity,
+                               compute_dtype=self.compute_dtype)
+        return self.engine.step_math
 
     # ---- checkpoints and generation (the engine's, on this module's arrays) ---------------------------
     def save_pretrained(self, out_dir, **kwargs):

@@ -7,7 +7,7 @@ mean over the predicted tokens. MoE models add `router_aux_loss_coef * aux_loss`
 call, so the mean can be taken over the global batch of several micro-batches; the `[B, S, V]` logits are
 never held at once: `lm_head` runs on `chunk` positions at a time inside a rematerialised scan.
 
-`model_loss` is that loss of one batch under a model's `apply`: the train step (`step.py`) and the NNX
+`model_loss` is that loss of one batch under a model's step: the train step (`step.py`) and the NNX
 face's `loss` (`moe_jax.nnx`) both call it, so it lives here with the pieces it joins, not in either.
 """
 
@@ -108,15 +108,18 @@ def aux_loss_coefficient(config) -> float:
 
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
-               loss_chunk: int = DEFAULT_LOSS_CHUNK) -> tuple[jax.Array, dict]:
+               loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
 
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
     the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
     statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
-    so both give the same loss for the same parameters and data."""
-    output = model.apply(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
-                         inference=inference, return_hidden=True, compute_dtype=compute_dtype)
+    so both give the same loss for the same parameters and data. step: the model's step to run, by default
+    `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
+    `model.apply` for an eager call."""
+    step = model.step_math if step is None else step
+    output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
+                  inference=inference, return_hidden=True, compute_dtype=compute_dtype)
     head = partial(model.head_logits, model.layer_stack.nest(params))
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss

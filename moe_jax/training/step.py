@@ -5,7 +5,8 @@
     state, metrics = train_step(state, {"input_ids": ids})        # ids: [B, S]; nothing read on the host
 
 One step: the global batch is split into `grad_accum` micro-batches (each device keeps its own rows), each
-runs `model.apply(..., inference=False, return_hidden=True)` and the chunked loss; gradients are summed
+runs the model's step (`model.step_math(..., inference=False, return_hidden=True)`, traced into this jit,
+its inputs checked by `model.check_step` at each call) and the chunked loss; gradients are summed
 in float32, clipped by their global norm over all parameters (PyTorch's `clip_grad_norm_` rule), and the
 optimizer is applied. The loss is the reference's: token cross entropy averaged over every predicted
 token of the global batch, plus `router_aux_loss_coef * aux_loss` (averaged over micro-batches) when the
@@ -115,6 +116,7 @@ class TrainStep:
             raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
         if (error := self.batch_size_error(shape[0])) is not None:
             raise ValueError(error)
+        self._check_model_inputs(state, shape)
         sharding = self.model.batch_sharding()
         # Host arrays hold the whole global batch (the same on every process of a multi-process job).
         batch = {name: host_to_global(value, sharding) for name, value in batch.items()}
@@ -123,11 +125,22 @@ class TrainStep:
             self._compiled[key] = self._jit(state.capacity, key[1])
         return self._compiled[key](state, batch)
 
+    def trace(self, state: TrainState, batch: dict):
+        """The step for `state`'s capacity and `batch`'s keys, traced (`jax.stages.Traced`: `.jaxpr` is the
+        program as JAX sees it, `.lower()`). Tracing it does not fill the cache `__call__` uses."""
+        self._check_model_inputs(state, tuple(batch["input_ids"].shape))
+        return self._jit(state.capacity, tuple(sorted(batch))).trace(state, batch)
+
     def lower(self, state: TrainState, batch: dict):
         """The step for `state`'s capacity and `batch`'s keys, lowered (`jax.stages.Lowered`): for its cost
         and memory analyses, or `moe_jax.reporting.collectives_report`. Compiling it does not fill the
         cache `__call__` uses."""
-        return self._jit(state.capacity, tuple(sorted(batch))).lower(state, batch)
+        return self.trace(state, batch).lower()
+
+    def _check_model_inputs(self, state: TrainState, shape: tuple) -> None:
+        # What `model.apply` checks, once per call here: the step traces `model.step_math` directly.
+        self.model.check_step(state.params, (shape[0] // self.options.grad_accum, *shape[1:]),
+                              capacity=state.capacity, compute_dtype=self.options.compute_dtype)
 
     def _jit(self, capacity, batch_keys):
         batch_sharding = self.model.batch_sharding()

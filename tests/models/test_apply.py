@@ -9,6 +9,7 @@ import contextlib
 from functools import partial
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,6 +52,18 @@ def count_compilations(name: str | None = None):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
         jax.monitoring.unregister_event_listener(on_event)
+
+
+def jit_names(jaxpr) -> list[str]:
+    """The names of every jit (pjit) equation in a jaxpr and the jaxprs nested in it (scan bodies, ...): a
+    program that calls `model.apply` holds one named `step_math`, one that traces `step_math` itself none."""
+    names = []
+    for equation in jaxpr.eqns:
+        if equation.primitive.name in ("jit", "pjit"):
+            names.append(equation.params["name"])
+        for inner in jax.extend.core.jaxprs_in_params(equation.params):
+            names += jit_names(inner)
+    return names
 
 
 def tokens(batch, sequence, seed=0):

@@ -11,6 +11,7 @@ from moe_jax.reporting.collectives_report import REDUCTIONS, compile_with_collec
 from moe_jax.training import TrainLoop
 from moe_jax.training.optimizers import experts_and_dense, parameter_groups
 
+from ..models.test_apply import jit_names
 from .conftest import FixtureBatches, build_trainer
 
 
@@ -134,3 +135,17 @@ def test_a_batch_the_layout_cannot_split_is_refused(trainers):
         train_step(train_step.init_state(), {"input_ids": np.zeros((6, 12), np.int32)})
     with pytest.raises(ValueError, match="'input_ids'"):
         train_step(train_step.init_state(), {"tokens": np.zeros((8, 12), np.int32)})
+
+
+def test_the_step_traces_the_model_s_step_into_its_one_jit_and_checks_its_inputs_at_each_call(trainers):
+    """`make_train_step` owns the one jit: the model's step is traced into it, not called as `model.apply`'s
+    nested jit; `apply`'s checks run at the step's own call instead."""
+    model, train_step = trainers("tp2_fsdp4_ep4")
+    state, batch = train_step.init_state(), FixtureBatches().batch(0)
+    names = jit_names(train_step.trace(state, batch).jaxpr.jaxpr)
+    assert "step_math" not in names, names
+    nested = jax.make_jaxpr(lambda params, ids: model.apply(params, ids).logits)(state.params, batch["input_ids"])
+    assert "step_math" in jit_names(nested.jaxpr)     # what the check would see if the step nested apply's jit
+    params = {name: value for name, value in state.params.items() if name != "lm_head.weight"}
+    with pytest.raises(ValueError, match=r"params do not have this model's storage layout: missing \['lm_head"):
+        train_step(state.replace(params=params), batch)
