@@ -85,16 +85,18 @@ class Generator:
         return tokens if self._host_ids is None else jax.lax.with_sharding_constraint(tokens, self._host_ids)
 
     # ---- the two device programs ----------------------------------------------------------------
+    # Each traces the model's `step_math` into its own jit (`generate` checked the inputs at the call).
     def _prefill(self, params, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
         positions = prompt_positions(attention_mask)
-        out = self.model.apply(params, input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
+        out = self.model.step_math(params, input_ids, attention_mask=attention_mask, positions=positions,
+                                   cache=cache)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
         return self._for_host(tokens), out.cache, positions[:, -1] + 1, finished
 
     def _decode(self, params, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
-        out = self.model.apply(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
-                               positions=positions[:, None], cache=cache)
+        out = self.model.step_math(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
+                                   positions=positions[:, None], cache=cache)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
         return self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)
@@ -105,14 +107,17 @@ class Generator:
         key = (name, sampling, shapes)
         compile_s = 0.0
         if key not in self._programs:
-            function = self._prefill if name == "prefill" else self._decode
-            # Argument 3 is the cache in both programs: donated, so each step updates it in place.
-            jitted = jax.jit(partial(function, sampling=sampling), donate_argnums=(3,))
             start = time.perf_counter()
-            self._programs[key] = jitted.lower(*arguments).compile()
+            self._programs[key] = self.jitted(name, sampling).lower(*arguments).compile()
             compile_s = time.perf_counter() - start
             self.compilations += 1
         return self._programs[key], compile_s
+
+    def jitted(self, name: str, sampling: Sampling):
+        """The `name` ("prefill" / "decode") program's jit: its arguments as `generate` passes them."""
+        function = self._prefill if name == "prefill" else self._decode
+        # Argument 3 is the cache in both programs: donated, so each step updates it in place.
+        return jax.jit(partial(function, sampling=sampling), donate_argnums=(3,))
 
     # ---- the host loop ------------------------------------------------------------------------------
     def generate(self, input_ids, attention_mask=None, *, config: GenerationConfig, seed: int = 0,
@@ -145,6 +150,8 @@ class Generator:
         mask[:batch, bucket - prompt_length:] = attention_mask
         mask[batch:, -1] = 1  # filler rows (batch rounded up to the data-parallel size) see one key
         cache = init_cache(model, rows, bucket + new_tokens)
+        # What `model.apply` checks (the programs trace `step_math`): the prefill's inputs cover the decode's.
+        model.check_step(params, (rows, bucket), cache=cache)
         base_key = jax.random.key(seed)
         batch_sharding = model.batch_sharding()
         ids, mask = host_to_global(ids, batch_sharding), host_to_global(mask, batch_sharding)

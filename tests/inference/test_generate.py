@@ -4,11 +4,14 @@ on 8-device layouts; compilation count and host transfers of decoding; batching;
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
-from tests.models.test_apply import count_compilations
+from moe_jax.inference import init_cache
+from moe_jax.inference.sampling import Sampling
+from tests.models.test_apply import count_compilations, jit_names
 
 from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS, hf_generate
 
@@ -81,6 +84,26 @@ def test_decode_compiles_once_and_reads_only_the_new_tokens(one_device):
     assert count[0] == 0
     assert len(seen) == NEW_TOKENS + 4 and sequences.shape == (3, 6 + NEW_TOKENS + 4)
     np.testing.assert_array_equal(np.stack(seen, axis=1), sequences[:, 6:])
+
+
+def test_prefill_and_decode_trace_the_model_s_step_into_their_own_jit(one_device):
+    """Each program owns its one jit (the cache donated): the model's step is traced into it, not called as
+    `model.apply`'s nested jit; `apply`'s checks run at `generate`'s call instead."""
+    model, expected = one_device("qwen3_moe"), fixture("qwen3_moe")
+    ids, mask = expected["input_ids"], expected["attention_mask"]
+    rows = ids.shape[0]
+    key, eos, sampling = jax.random.key(0), jnp.asarray([-1], jnp.int32), Sampling()
+    prefill = model.generator.jitted("prefill", sampling).trace(
+        model.params, ids, mask, init_cache(model, rows, 16), key, eos)
+    tokens, positions = jnp.zeros(rows, jnp.int32), jnp.full(rows, ids.shape[1], jnp.int32)
+    decode = model.generator.jitted("decode", sampling).trace(
+        model.params, tokens, positions, init_cache(model, rows, 16), jnp.zeros(rows, bool), key, eos,
+        jnp.asarray(0, jnp.int32))
+    for traced in (prefill, decode):
+        assert "step_math" not in jit_names(traced.jaxpr.jaxpr)
+    params = {name: value for name, value in model.params.items() if name != "lm_head.weight"}
+    with pytest.raises(ValueError, match=r"params do not have this model's storage layout: missing \['lm_head"):
+        model.generate(ids, mask, max_new_tokens=2, params=params)
 
 
 def test_a_padded_row_of_a_batch_equals_its_prompt_alone(one_device):
