@@ -17,7 +17,7 @@ from moe_jax.training import make_train_step
 
 from ..inference.hf_generation import NEW_TOKENS
 from ..inference.test_generate import fixture
-from ..models.test_apply import count_compilations
+from ..models.test_apply import count_compilations, jit_names
 from ..training.hf_training import CHECKPOINT
 from .conftest import adamw, batches, load_module, nnx_train_step
 
@@ -90,6 +90,21 @@ def test_adamw_steps_with_nnx_optimizer_in_nnx_jit_give_the_train_step_s_losses(
     for path, leaf in mu:
         name = ".".join(str(part) for part in path)
         assert leaf.sharding.is_equivalent_to(shardings[name], leaf.ndim), name
+
+
+def test_a_traced_step_traces_the_engine_s_math_into_the_caller_s_jit():
+    """Under a jit (nnx.jit's split / merge, done here by hand to read the jaxpr) `__call__` and `loss` trace
+    the engine's `step_math`, not `apply`'s nested jit; an eager call runs `apply` (the test above)."""
+    model = load_module("tp2_fsdp4_ep4")
+    graphdef, state = nnx.split(model)
+    batch = batches(1)[0]
+
+    def step(state, batch):
+        module = nnx.merge(graphdef, state)
+        (loss, _), grads = nnx.value_and_grad(lambda m: m.loss(**batch), has_aux=True)(module)
+        return module(batch["input_ids"]), loss, grads
+
+    assert "step_math" not in jit_names(jax.make_jaxpr(step)(state, batch).jaxpr)
 
 
 def test_split_and_merge_round_trip():
