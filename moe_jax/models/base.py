@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -45,6 +44,8 @@ from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
 from .layer_stack import LayerStack, resolve_scan_option
 from .outputs import DroplessOutput, ModelOutput
+from .step_checks import NO_PARAMS, check_batch, check_cache, check_params
+from .step_options import REMAT_POLICIES, StepOptions
 
 INITIALIZERS: dict[str, Callable] = {
     "normal": lambda key, shape, dtype, std: std * jax.random.normal(key, shape, dtype),
@@ -52,12 +53,6 @@ INITIALIZERS: dict[str, Callable] = {
     "ones": lambda key, shape, dtype, std: jnp.ones(shape, dtype),
 }
 
-# remat policies of the decoder layers: what a layer keeps for the backward pass.
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,                                                  # keep everything (no recompute)
-    "full": jax.checkpoint_policies.nothing_saveable,              # keep only the layer input
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
-}
 
 
 class MoeForCausalLM(PlannedModel):
@@ -272,7 +267,7 @@ class MoeForCausalLM(PlannedModel):
         stacked layers are sliced lazily, one at a time, when looked up."""
         params = self.params if params is None else params
         if params is None:
-            raise ValueError(_NO_PARAMS)
+            raise ValueError(NO_PARAMS)
         return self.layer_stack.unstack(params)
 
     def _require_mesh(self, what: str) -> None:
@@ -343,48 +338,14 @@ class MoeForCausalLM(PlannedModel):
         (ep 1: one compilation whatever the caller holds). A caller that jits `step_math` itself runs this
         at its own boundary, once per call."""
         self._require_mesh("apply")
-        self._check_params(params)
-        self._check_batch(shape)
+        check_params(params, self.layer_stack, self.param_layouts.keys())
+        check_batch(shape, self.data_parallel_size)
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
             capacity = None
         if cache is not None:
-            self._check_cache(cache, shape)
+            check_cache(cache, shape, self.layer_stack)
         return capacity, None if compute_dtype is None else jnp.dtype(compute_dtype)
-
-    def _check_cache(self, cache, shape) -> None:
-        if cache.batch_size != shape[0]:
-            raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {shape[0]}; build it with "
-                             f"init_cache(model, batch={shape[0]}, ...).")
-        if shape[1] > cache.max_length:
-            raise ValueError(f"{shape[1]} new tokens do not fit a cache of {cache.max_length} slots.")
-        missing = {run.key for run in self.layer_stack.runs} - cache.keys.keys()
-        if missing:
-            raise ValueError(f"the cache has no keys for layer run(s) {sorted(missing)}: it was built for another "
-                             "model or layer stacking; build it with init_cache(model, ...).")
-
-    def _check_params(self, params) -> None:
-        if params is None:
-            raise ValueError(_NO_PARAMS)
-        expected = self.layer_stack.members.keys()
-        if params.keys() != expected:
-            hf_layout = params.keys() == self.param_layouts.keys()
-            raise ValueError(
-                "params do not have this model's storage layout"
-                + (" (they are per-layer HF names; pass model.layer_stack.stack(params), or use set_params)"
-                   if hf_layout else
-                   f": missing {sorted(expected - params.keys())[:5]}, unexpected {sorted(params.keys() - expected)[:5]}")
-                + "."
-            )
-
-    def _check_batch(self, shape) -> None:
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(shape)}.")
-        if shape[0] % self.data_parallel_size:
-            raise ValueError(
-                f"batch size {shape[0]} cannot be split over the {self.data_parallel_size} data-parallel groups "
-                f"of this layout; use a multiple of {self.data_parallel_size} (forward() pads for you)."
-            )
 
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
@@ -436,7 +397,7 @@ class MoeForCausalLM(PlannedModel):
         """
         params = self.params if params is None else params
         if params is None:
-            raise ValueError(_NO_PARAMS)
+            raise ValueError(NO_PARAMS)
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}.")
@@ -482,25 +443,3 @@ class MoeForCausalLM(PlannedModel):
         return self.forward(input_ids, attention_mask, **kwargs).logits
 
 
-_NO_PARAMS = "The model has no parameters: call init_params(), set_params() or from_pretrained() first."
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """What the family's `forward_math` needs besides parameters and inputs, for one traced step.
-
-    run_experts: per sparse layer, `(tokens [N, H], top_k_index, top_k_weights, experts_params) -> (out,
-    statistics)`; layouts: activation sharding constraints from the plans; remat: a `REMAT_POLICIES` name.
-    """
-
-    run_experts: dict[int, Callable]
-    inference: bool
-    rng: jax.Array | None
-    remat: str
-    layouts: ActivationLayouts
-    compute_dtype: jnp.dtype | None = None
-    cache: Any = None
-
-    def layer_rng(self, layer) -> jax.Array | None:
-        """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""
-        return None if self.rng is None else jax.random.fold_in(self.rng, layer)

@@ -34,9 +34,10 @@ from ..nn.moe import sparse_moe_block
 from ..nn.norms import rms_norm
 from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 from ..ops.experts import swiglu_experts
-from .base import REMAT_POLICIES, MoeForCausalLM, StepOptions
+from .base import MoeForCausalLM
 from .kv_cache import KVCache
 from .layer_stack import LayerRun
+from .step_options import REMAT_POLICIES, StepOptions
 
 # Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
 EXPERTS_EP_PLAN = {

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed.capacity import CapacityState, DispatchStatistics
 from ..models.base import MoeForCausalLM
+from ..models.step_checks import check_params
 from ..module_tree import unflatten
 from ..training.loss import (
     DEFAULT_LOSS_CHUNK,
@@ -83,7 +84,7 @@ class MoeCausalLM(nnx.Module):
         if params is None:
             raise ValueError("The engine has no parameters: call init_params(), set_params() or from_pretrained() "
                              "first, or pass params=.")
-        engine._check_params(params)
+        check_params(params, engine.layer_stack, engine.param_layouts.keys())
         clashes = {name.split(".", 1)[0] for name in params} & (_OWN_ATTRIBUTES | set(dir(type(self))))
         if clashes:
             raise ValueError(f"parameter tree(s) {sorted(clashes)} clash with MoeCausalLM's own attributes.")

@@ -26,7 +26,7 @@ from moe_jax import DistributedConfig
 from moe_jax.distributed.activations import LOGICAL_AXES, logical_axis_rules
 from moe_jax.distributed.mesh import DeviceLayout
 from moe_jax.models import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
-from moe_jax.models.base import StepOptions
+from moe_jax.models.step_options import StepOptions
 from moe_jax.module_tree import unflatten
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 
