@@ -52,6 +52,9 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
 
     base_model_ep_plan = EXPERTS_EP_PLAN
     dense_activation_module = "act_fn"  # the dense MLP's activation module (HF name; Llama 4: "activation_fn")
+    # RoPE's cos/sin in the activations' dtype, as HF's rotary embeddings return them (None); Llama 4's reference
+    # keeps its complex freqs_cis in float32.
+    rope_dtype: ClassVar[jnp.dtype | None] = None
     # The logical axis of the output features of each module whose output the layer code constrains by it
     # (keys as in `base_model_tp_plan`): the plan's rules for these modules set the axis' mesh axes.
     base_model_output_axes: ClassVar[dict[str, str]] = {
@@ -257,7 +260,7 @@ class MoeDecoderForCausalLM(MoeForCausalLM):
             x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
         x = step.layouts.constrain(x, ("batch", "length", "embed"))
         inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(c.to_dict()))
-        rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=x.dtype)
+        rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=self.rope_dtype or x.dtype)
         cache = step.cache
         key_mask = attention_mask
         if cache is not None:

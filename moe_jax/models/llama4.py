@@ -145,6 +145,8 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
     experts_intermediate_dims = {"gate_up_proj": "packed_last", "down_proj": 1}
     has_router_aux_loss = False  # the reference's forward computes none
     dense_activation_module = "activation_fn"
+    # HF's freqs_cis is complex64 whatever the model dtype; cos/sin rounded to fp16 gave 10x PyTorch's fp16 error.
+    rope_dtype = jnp.float32
 
     # ---- structure ---------------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
