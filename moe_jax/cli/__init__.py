@@ -7,6 +7,7 @@ Everything a user starts from the command line lives here; the library below nev
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -107,55 +108,28 @@ command("demo", "build a tiny Qwen3-MoE checkpoint, load it on 8 devices (tp=2 f
 )
 
 
-def _convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert import add_arguments
+def _job(module: str, add_arguments: str, run: str):
+    """(add_arguments, run) of a job module of this package, imported when the command's parser is built or it
+    runs, not when `moe_jax.cli` is imported."""
 
-    add_arguments(parser)
+    def add(parser: argparse.ArgumentParser) -> None:
+        getattr(importlib.import_module(f"{__name__}.{module}"), add_arguments)(parser)
 
+    def run_job(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), run)(args)
 
-def _run_convert(args: argparse.Namespace) -> int:
-    from .convert import run
-
-    return run(args)
+    return add, run_job
 
 
 command("convert", "convert parameters between HF safetensors and orbax checkpoints, onto any layout")(
-    (_convert_arguments, _run_convert)
+    _job("convert", "add_arguments", "run")
 )
-
-
-def _train_arguments(parser: argparse.ArgumentParser) -> None:
-    from .train import add_arguments
-
-    add_arguments(parser)
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    from .train import run
-
-    return run(args)
-
-
 command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any layout, with orbax checkpoints")(
-    (_train_arguments, _run_train)
+    _job("train", "add_arguments", "run")
 )
-
-
-def _generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from .generate import add_generate_arguments
-
-    add_generate_arguments(parser)
-
-
-def _run_generate(args: argparse.Namespace) -> int:
-    from .generate import run_generate
-
-    return run_generate(args)
-
-
 command("generate", "generate from an HF MoE checkpoint, text through its tokenizer or token ids "
                     "(--prompt-ids 1,2,3), on any layout, streaming")(
-    (_generate_arguments, _run_generate)
+    _job("generate", "add_generate_arguments", "run_generate")
 )
 
 
