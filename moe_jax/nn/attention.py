@@ -24,6 +24,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from ..ops.accumulation import widens_fp16
 from .linear import Constrain, linear, no_constraint
 from .norms import rms_norm
 from .rotary import apply_rotary
@@ -185,10 +186,11 @@ def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
     """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU.
 
     Its XLA path computes fp16 logits as an fp16 x fp16 -> fp32 dot, which XLA:CPU does not implement. fp16
-    operands are widened to fp32 first (exact, and fp16 products are exact in fp32, so the logits are the same);
-    the softmax weights then stay fp32 for the value sum, and the output returns in fp16. cuDNN takes fp16 as is.
+    operands are widened to fp32 there (exact, and fp16 products are exact in fp32, so the logits are the same);
+    the softmax weights then stay fp32 for the value sum, and the output returns in fp16. Elsewhere fp16 goes in
+    as is.
     """
-    if q.dtype != jnp.float16 or implementation == "cudnn":
+    if q.dtype != jnp.float16 or not widens_fp16():
         return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options)
     q, k, v = (array.astype(jnp.float32) for array in (q, k, v))
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options).astype(jnp.float16)
@@ -289,9 +291,9 @@ def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
     q: [B, S, N, D]; k, v: [B, T, K, D]; mask: [B, 1, S, T] bool; sinks: [N] -> [B, S, N, D]
     Logits and softmax in float32; the weights are cast to v's dtype for the value sum (fp16 operands are widened
-    to fp32 first, as in `_dot_product_attention`).
+    to fp32 first on CPU, as in `_dot_product_attention`).
     """
-    if q.dtype == jnp.float16:
+    if q.dtype == jnp.float16 and widens_fp16():
         widened = attend_with_sinks(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask,
                                     sinks, scale)
         return widened.astype(jnp.float16)

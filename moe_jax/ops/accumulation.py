@@ -28,7 +28,7 @@ def accumulating_einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
     for bf16 everywhere, the operands stay as they are (the accelerators' low-precision matmuls accumulate in
     fp32)."""
     accumulate = accumulation_dtype(*(operand.dtype for operand in operands))
-    if jax.default_backend() == "cpu":
+    if widens_fp16():
         operands = [operand.astype(jnp.float32) if operand.dtype == jnp.float16 else operand
                     for operand in operands]
     return jnp.einsum(subscripts, *operands, preferred_element_type=accumulate)
@@ -37,3 +37,9 @@ def accumulating_einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
 def is_master(parameter: jax.Array, activations: jax.Array) -> bool:
     """True when `parameter` is stored wider than `activations` (it is cast at use, its gradient is not)."""
     return jnp.finfo(parameter.dtype).bits > jnp.finfo(activations.dtype).bits
+
+
+def widens_fp16() -> bool:
+    """Whether fp16 operands of an fp32-accumulating dot must be widened first: XLA:CPU has no fp16 x fp16 ->
+    fp32 dot (the accelerators do)."""
+    return jax.default_backend() == "cpu"
