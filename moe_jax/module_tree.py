@@ -32,7 +32,7 @@ class ParamSpec:
 
     shape: tuple[int, ...]
     dtype: str = "float32"
-    init: str = "normal"  # an initializer name: "normal", "zeros" or "ones" (models.base.INITIALIZERS)
+    init: str = "normal"  # an initializer name: "normal", "zeros" or "ones" (causal_lm.model.INITIALIZERS)
     # A persistent torch buffer (in the state dict, not a Parameter): never trained, never sharded, kept in
     # float32 whatever the model's dtype (DeepSeek-V3's `e_score_correction_bias`).
     buffer: bool = False

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moe_jax import DistributedConfig  # noqa: E402
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 import moe_jax.nnx  # noqa: E402
 from moe_jax import DistributedConfig  # noqa: E402
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 
 CONFIG = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,

@@ -48,9 +48,9 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moe_jax import DistributedConfig  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.distributed.capacity import buffer_rows as rows_of_one_buffer  # noqa: E402
 from moe_jax.distributed.expert_parallel import AllReduceEP, tp_row_slice  # noqa: E402
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training.step import make_train_step  # noqa: E402
 
 DEFAULT_LAYOUTS = "1,fsdp8-ep8,tp2-fsdp4-ep4,tp2-ep2-fsdp4-all_reduce,tp2-fsdp4-ep4-all_reduce"

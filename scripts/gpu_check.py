@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.ops.experts import swiglu_experts  # noqa: E402
 from moe_jax.ops.grouped_matmul import (  # noqa: E402
     GROUPED_MATMUL_BACKENDS,

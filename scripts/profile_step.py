@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.module_tree import unflatten  # noqa: E402
 from moe_jax.nn.attention import attention  # noqa: E402
 from moe_jax.nn.linear import linear  # noqa: E402

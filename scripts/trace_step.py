@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from moe_jax.models import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from scripts.bench_vs_reference import CONFIG  # noqa: E402
 from scripts.timing import median_seconds  # noqa: E402

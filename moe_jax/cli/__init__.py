@@ -61,7 +61,7 @@ def _train_memory_text(model, optimizer_name: str) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from ..models.auto import AutoModelForCausalLM
+    from ..causal_lm.auto import AutoModelForCausalLM
     from ..reporting.plan_report import plan_report
 
     if args.optimizer is not None and not args.train:

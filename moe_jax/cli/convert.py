@@ -83,7 +83,7 @@ def load_model(source_format: str, source: Path, distributed_config, devices, *,
     """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
     from converters.orbax_params import read_orbax_config, restore_orbax_params
 
-    from ..models.auto import AutoModelForCausalLM
+    from ..causal_lm.auto import AutoModelForCausalLM
     from ..pretrained import checkpoint_dtype
 
     if source_format == "hf":

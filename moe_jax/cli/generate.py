@@ -110,11 +110,11 @@ def run_generate(args: argparse.Namespace) -> int:
     """The job behind `moe-jax generate` (a bad request raises before any compute; `cli.main` prints it)."""
     import jax
 
+    from ..causal_lm.auto import AutoModelForCausalLM
     from ..checkpoint_files import local_checkpoint, read_config
     from ..distributed.config import DistributedConfig
     from ..distributed.mesh import DeviceLayout
     from ..inference.generation_config import GenerationConfig
-    from ..models.auto import AutoModelForCausalLM
 
     directory = Path(args.model)
     if not directory.is_dir():

@@ -200,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    from ..causal_lm.auto import AutoModelForCausalLM
     from ..distributed.mesh import DeviceLayout
-    from ..models.auto import AutoModelForCausalLM
     from ..pretrained import load_weights
     from ..reporting.picture import count_text
     from ..training.checkpoints import TrainCheckpoints

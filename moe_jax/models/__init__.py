@@ -1,31 +1,27 @@
-"""Model families. Importing this package registers each under its HF `model_type`."""
+"""The model core: each family as data and free functions (`Family`), the shared decoder and the step.
 
-from .base import MoeForCausalLM
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from .gpt_oss import GptOssConfig, GptOssForCausalLM
-from .llama4 import Llama4ForCausalLM, Llama4TextConfig
-from .mixtral import MixtralConfig, MixtralForCausalLM
-from .olmoe import OlmoeConfig, OlmoeForCausalLM
-from .qwen2_moe import Qwen2MoeConfig, Qwen2MoeForCausalLM
-from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from .registry import MODEL_CLASSES, register_model
+Importing this package registers every family under its HF `model_type` (`FAMILIES`). The classes users hold
+(`Qwen3MoeForCausalLM`, ...) are the facade's: `moe_jax.causal_lm`.
+"""
+
+from .deepseek_v3 import DeepseekV3Config
+from .family import FAMILIES, Family, register_family
+from .gpt_oss import GptOssConfig
+from .llama4 import Llama4TextConfig
+from .mixtral import MixtralConfig
+from .olmoe import OlmoeConfig
+from .qwen2_moe import Qwen2MoeConfig
+from .qwen3_moe import Qwen3MoeConfig
 
 __all__ = [
+    "FAMILIES",
     "DeepseekV3Config",
-    "DeepseekV3ForCausalLM",
+    "Family",
     "GptOssConfig",
-    "GptOssForCausalLM",
-    "Llama4ForCausalLM",
     "Llama4TextConfig",
-    "MODEL_CLASSES",
     "MixtralConfig",
-    "MixtralForCausalLM",
-    "MoeForCausalLM",
     "OlmoeConfig",
-    "OlmoeForCausalLM",
     "Qwen2MoeConfig",
-    "Qwen2MoeForCausalLM",
     "Qwen3MoeConfig",
-    "Qwen3MoeForCausalLM",
-    "register_model",
+    "register_family",
 ]

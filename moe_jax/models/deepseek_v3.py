@@ -32,8 +32,7 @@ from ..nn.mlp import mlp
 from ..nn.rotary import rope_parameters_from_config
 from ..ops.routing import group_limited_sigmoid_top_k
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import Family, declare_dense_mlp, declare_experts, register_family
 
 # quantization_config's default weight_block_size (converters.fp8.DEFAULT_BLOCK; models import no converters).
 FP8_BLOCK = (128, 128)
@@ -116,11 +115,90 @@ class DeepseekV3Config(HFConfigMixin):
         return int(block[0]), int(block[1])
 
 
-@register_model
-class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
-    model_type = "deepseek_v3"
-    config_class = DeepseekV3Config
-    base_model_tp_plan = {
+def latent_dims(config: DeepseekV3Config) -> LatentDims:
+    c = config
+    return LatentDims(num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                      v_head_dim=c.v_head_dim, scale=c.softmax_scale, rope_interleave=c.rope_interleave)
+
+
+def declare_latent_attention(tree: ModuleTree, config: DeepseekV3Config, layer: int) -> None:
+    """MLA: q through a low-rank bottleneck (or one q_proj), a shared compressed kv + rope key, o_proj."""
+    c, hidden, bias = config, config.hidden_size, config.attention_bias
+    heads = c.num_attention_heads
+    if c.q_lora_rank is None:
+        tree.linear("q_proj", heads * c.qk_head_dim, hidden)
+    else:
+        tree.linear("q_a_proj", c.q_lora_rank, hidden, bias)
+        tree.norm("q_a_layernorm", c.q_lora_rank)
+        tree.linear("q_b_proj", heads * c.qk_head_dim, c.q_lora_rank)
+    tree.linear("kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, hidden, bias)
+    tree.norm("kv_a_layernorm", c.kv_lora_rank)
+    tree.linear("kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+    tree.linear("o_proj", hidden, heads * c.v_head_dim, bias)
+
+
+def declare_sparse_mlp(tree: ModuleTree, config: DeepseekV3Config, intermediate: int) -> None:
+    """DeepseekV3MoE lists experts, gate (with its correction-bias buffer), shared_experts."""
+    declare_experts(tree, config, intermediate)
+    with tree.module("gate"):
+        tree.param("weight", (config.num_experts, config.hidden_size))
+        tree.buffer("e_score_correction_bias", (config.num_experts,))
+    with tree.module("shared_experts"):
+        declare_dense_mlp(tree, config, config.moe_intermediate_size * config.n_shared_experts)
+
+
+def cache_heads(config: DeepseekV3Config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A layer caches its normed latent (1 x kv_lora_rank) and rotated shared key (1 x qk_rope_head_dim)."""
+    return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+
+
+def self_attention(config: DeepseekV3Config, weights, h, options, rope, attention_mask, step, layer_cache, ring):
+    """Multi-head latent attention (`nn.latent_attention`); the cache holds latents and rotated keys."""
+    cos, sin = rope
+    constrain = step.layouts.constrain
+    if layer_cache is None:
+        return latent_attention(weights, h, cos, sin, dims=latent_dims(config), attention_mask=attention_mask,
+                                constrain=constrain), None
+    out, latents, rotated_keys = cached_latent_attention(
+        weights, h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
+        dims=latent_dims(config), constrain=constrain,
+    )
+    return out, (latents, rotated_keys)
+
+
+def route(config: DeepseekV3Config, router_logits, correction_bias):
+    """router_logits: [N, E] float32; correction_bias: [N, E] (the [E] buffer, one row per token, so the
+    router runs where the tokens are) -> (weights [N, K] float32, expert ids [N, K])."""
+    c = config
+    return group_limited_sigmoid_top_k(
+        router_logits, correction_bias[0], c.num_experts_per_tok, num_groups=c.n_group,
+        top_k_groups=c.topk_group, normalize=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+    )
+
+
+def moe_block(config: DeepseekV3Config, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain,
+              route):
+    """Routed experts plus the shared experts: hidden [B, S, H] -> [B, S, H]."""
+    batch, sequence, width = hidden.shape
+    tokens = hidden.reshape(batch * sequence, width)
+    gate = weights["gate"]
+    # The reference's router runs in float32 whatever the model's dtype.
+    router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
+                                     tokens.astype(jnp.float32)), ("tokens", "experts"))
+    bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
+    top_k_weights, top_k_index = route(router_logits, bias)
+    routed, statistics = run_experts(tokens, top_k_index, top_k_weights, weights["experts"])
+    routed = routed.astype(hidden.dtype).reshape(batch, sequence, width)
+    shared = mlp(weights["shared_experts"], hidden, config.hidden_act, constrain=constrain)
+    return routed + shared, router_logits, statistics
+
+
+FAMILY = register_family(Family(
+    model_type="deepseek_v3",
+    architecture="DeepseekV3ForCausalLM",
+    config_class=DeepseekV3Config,
+    tp_plan={
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
@@ -130,9 +208,8 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
-    }
-    has_router_aux_loss = False
-    base_model_output_axes = {
+    },
+    output_axes={
         "layers.*.self_attn.q_proj": "heads",
         "layers.*.self_attn.q_a_proj": "q_lora",
         "layers.*.self_attn.q_b_proj": "heads",
@@ -143,81 +220,13 @@ class DeepseekV3ForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.gate_proj": "mlp",
         "layers.*.mlp.up_proj": "mlp",
         "layers.*.mlp.gate": "experts",
-    }
-
-    # ---- structure ---------------------------------------------------------------------------------
-    def is_sparse(self, layer: int) -> bool:
-        return layer >= self.config.first_k_dense_replace
-
-    @property
-    def latent_dims(self) -> LatentDims:
-        c = self.config
-        return LatentDims(num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-                          qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                          v_head_dim=c.v_head_dim, scale=c.softmax_scale, rope_interleave=c.rope_interleave)
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        c, hidden, bias = self.config, self.config.hidden_size, self.config.attention_bias
-        heads = c.num_attention_heads
-        if c.q_lora_rank is None:
-            tree.linear("q_proj", heads * c.qk_head_dim, hidden)
-        else:
-            tree.linear("q_a_proj", c.q_lora_rank, hidden, bias)
-            tree.norm("q_a_layernorm", c.q_lora_rank)
-            tree.linear("q_b_proj", heads * c.qk_head_dim, c.q_lora_rank)
-        tree.linear("kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, hidden, bias)
-        tree.norm("kv_a_layernorm", c.kv_lora_rank)
-        tree.linear("kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        tree.linear("o_proj", hidden, heads * c.v_head_dim, bias)
-
-    def declare_router(self, tree: ModuleTree) -> None:
-        with tree.module("gate"):
-            tree.param("weight", (self.config.num_experts, self.config.hidden_size))
-            tree.buffer("e_score_correction_bias", (self.config.num_experts,))
-
-    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
-        self.declare_experts(tree)  # DeepseekV3MoE lists experts, gate, shared_experts
-        self.declare_router(tree)
-        with tree.module("shared_experts"):
-            self.declare_dense_mlp(tree, self.config.moe_intermediate_size * self.config.n_shared_experts)
-
-    def cache_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """A layer caches its normed latent (1 x kv_lora_rank) and rotated shared key (1 x qk_rope_head_dim)."""
-        return (1, self.config.kv_lora_rank), (1, self.config.qk_rope_head_dim)
-
-    # ---- math --------------------------------------------------------------------------------------
-    def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
-        cos, sin = rope
-        constrain = step.layouts.constrain
-        if layer_cache is None:
-            return latent_attention(weights, h, cos, sin, dims=self.latent_dims, attention_mask=attention_mask,
-                                    constrain=constrain), None
-        out, latents, rotated_keys = cached_latent_attention(
-            weights, h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
-            dims=self.latent_dims, constrain=constrain,
-        )
-        return out, (latents, rotated_keys)
-
-    def route(self, router_logits, correction_bias):
-        """router_logits: [N, E] float32; correction_bias: [N, E] (the [E] buffer, one row per token, so the
-        router runs where the tokens are) -> (weights [N, K] float32, expert ids [N, K])."""
-        c = self.config
-        return group_limited_sigmoid_top_k(
-            router_logits, correction_bias[0], c.num_experts_per_tok, num_groups=c.n_group,
-            top_k_groups=c.topk_group, normalize=c.norm_topk_prob, scaling=c.routed_scaling_factor,
-        )
-
-    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
-        """Routed experts plus the shared experts: hidden [B, S, H] -> [B, S, H]."""
-        batch, sequence, width = hidden.shape
-        tokens = hidden.reshape(batch * sequence, width)
-        gate = weights["gate"]
-        # The reference's router runs in float32 whatever the model's dtype.
-        router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
-                                         tokens.astype(jnp.float32)), ("tokens", "experts"))
-        bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
-        top_k_weights, top_k_index = route(router_logits, bias)
-        routed, statistics = run_experts(tokens, top_k_index, top_k_weights, weights["experts"])
-        routed = routed.astype(hidden.dtype).reshape(batch, sequence, width)
-        shared = mlp(weights["shared_experts"], hidden, self.config.hidden_act, constrain=constrain)
-        return routed + shared, router_logits, statistics
+    },
+    route=route,
+    is_sparse=lambda config, layer: layer >= config.first_k_dense_replace,
+    declare_attention=declare_latent_attention,
+    declare_sparse_mlp=declare_sparse_mlp,
+    self_attention=self_attention,
+    cache_heads=cache_heads,
+    moe_block=moe_block,
+    has_router_aux_loss=False,  # balanced by the router's bias instead; the reference reports none
+))

@@ -23,8 +23,7 @@ from ..nn.moe import sparse_moe_block
 from ..ops.experts import biased_clamped_swiglu_experts
 from ..ops.routing import top_k_softmax
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import ROPE_ATTENTION_OUTPUT_AXES, Family, declare_attention, register_family
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -83,60 +82,62 @@ class GptOssConfig(HFConfigMixin):
         return self.num_local_experts
 
 
-@register_model
-class GptOssForCausalLM(MoeDecoderForCausalLM):
-    model_type = "gpt_oss"
-    config_class = GptOssConfig
-    base_model_tp_plan = {}
-    base_model_output_axes = {
-        "layers.*.self_attn.q_proj": "heads",
-        "layers.*.self_attn.k_proj": "kv_heads",
-        "layers.*.self_attn.v_proj": "kv_heads",
-        "layers.*.mlp.router": "experts",
-    }
-    base_model_ep_plan = {
+def declare_sink_attention(tree: ModuleTree, config: GptOssConfig, layer: int) -> None:
+    """A learned sink logit per head, then q/k/v/o with bias per attention_bias."""
+    tree.param("sinks", (config.num_attention_heads,))  # a module's own parameters come first in torch
+    declare_attention(tree, config, layer, bias=config.attention_bias)
+
+
+def declare_sparse_mlp(tree: ModuleTree, config: GptOssConfig, intermediate: int) -> None:
+    """A biased router, then experts with biases: gate_up_proj [E, H, 2I] (gate and up interleaved)."""
+    with tree.module("router"):
+        tree.param("weight", (config.num_experts, config.hidden_size))
+        tree.param("bias", (config.num_experts,))  # HF initialises it normal, not zero
+    with tree.module("experts"):
+        tree.param("gate_up_proj", (config.num_experts, config.hidden_size, 2 * intermediate))
+        tree.param("gate_up_proj_bias", (config.num_experts, 2 * intermediate), init="zeros")
+        tree.param("down_proj", (config.num_experts, intermediate, config.hidden_size))
+        tree.param("down_proj_bias", (config.num_experts, config.hidden_size), init="zeros")
+
+
+def experts(config: GptOssConfig, backend: str | None):
+    return partial(biased_clamped_swiglu_experts, alpha=config.swiglu_alpha, limit=config.swiglu_limit,
+                   backend=backend)
+
+
+def attention_options(config: GptOssConfig, layer: int) -> dict:
+    sliding = config.layer_types[layer] == "sliding_attention"
+    return {"sliding_window": config.sliding_window if sliding else None}
+
+
+def route(config: GptOssConfig, router_logits):
+    """router_logits: [N, E] (bias included) -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
+    return top_k_softmax(router_logits, config.num_experts_per_tok)
+
+
+def moe_block(config: GptOssConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
+    return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain,
+                            router="router")
+
+
+FAMILY = register_family(Family(
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    config_class=GptOssConfig,
+    tp_plan={},
+    ep_plan={
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.gate_up_proj_bias": "grouped_gemm",
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts.down_proj_bias": "grouped_gemm",
         "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
-
-    @property
-    def experts_intermediate_size(self) -> int:
-        return self.config.intermediate_size
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        tree.param("sinks", (self.config.num_attention_heads,))  # a module's own parameters come first in torch
-        super().declare_attention(tree, bias=self.config.attention_bias)
-
-    def declare_router(self, tree: ModuleTree) -> None:
-        with tree.module("router"):
-            tree.param("weight", (self.config.num_experts, self.config.hidden_size))
-            tree.param("bias", (self.config.num_experts,))  # HF initialises it normal, not zero
-
-    def declare_experts(self, tree: ModuleTree) -> None:
-        c, intermediate = self.config, self.config.intermediate_size
-        with tree.module("experts"):
-            tree.param("gate_up_proj", (c.num_experts, c.hidden_size, 2 * intermediate))
-            tree.param("gate_up_proj_bias", (c.num_experts, 2 * intermediate), init="zeros")
-            tree.param("down_proj", (c.num_experts, intermediate, c.hidden_size))
-            tree.param("down_proj_bias", (c.num_experts, c.hidden_size), init="zeros")
-
-    @property
-    def experts_forward(self):
-        c = self.config
-        return partial(biased_clamped_swiglu_experts, alpha=c.swiglu_alpha, limit=c.swiglu_limit,
-                       backend=self.experts_backend)
-
-    def attention_options(self, layer: int) -> dict:
-        sliding = self.config.layer_types[layer] == "sliding_attention"
-        return {"sliding_window": self.config.sliding_window if sliding else None}
-
-    def route(self, router_logits):
-        """router_logits: [N, E] (bias included) -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-        return top_k_softmax(router_logits, self.config.num_experts_per_tok)
-
-    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
-        return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain,
-                                router="router")
+    },
+    output_axes={**ROPE_ATTENTION_OUTPUT_AXES, "layers.*.mlp.router": "experts"},
+    route=route,
+    declare_attention=declare_sink_attention,
+    declare_sparse_mlp=declare_sparse_mlp,
+    experts_intermediate_size=lambda config: config.intermediate_size,
+    experts=experts,
+    moe_block=moe_block,
+    attention_options=attention_options,
+))

@@ -19,7 +19,7 @@ experts shard by TP: `packed_rowwise` / `colwise` / `moe_tp_experts`), so `ep_si
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar
 
@@ -37,8 +37,7 @@ from ..nn.rotary import rotate_pairs
 from ..ops.experts import prescaled_swiglu_experts
 from ..ops.routing import top_k_sigmoid
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import ROPE_ATTENTION_OUTPUT_AXES, Family, declare_attention, declare_dense_mlp, register_family
 
 LAYER_TYPES = ("chunked_attention", "full_attention")
 
@@ -111,11 +110,86 @@ class Llama4TextConfig(HFConfigMixin):
         return bool(self.no_rope_layers[layer])
 
 
-@register_model
-class Llama4ForCausalLM(MoeDecoderForCausalLM):
-    model_type = "llama4_text"
-    config_class = Llama4TextConfig
-    base_model_tp_plan = {
+def declare_rope_attention(tree: ModuleTree, config: Llama4TextConfig, layer: int) -> None:
+    """q/k/v/o (bias per attention_bias); HF lists a parameter-free `qk_norm` module on RoPE layers (use_qk_norm)."""
+    declare_attention(tree, config, layer, bias=config.attention_bias)
+    if config.use_qk_norm and config.uses_rope(layer):
+        tree.module_without_params("qk_norm")
+
+
+def declare_sparse_mlp(tree: ModuleTree, config: Llama4TextConfig, intermediate: int) -> None:
+    """Experts [E, H, 2I] / [E, I, H] (in x out), the router, the shared expert."""
+    with tree.module("experts"):
+        tree.param("gate_up_proj", (config.num_experts, config.hidden_size, 2 * intermediate))
+        tree.param("down_proj", (config.num_experts, intermediate, config.hidden_size))
+        tree.module_without_params("act_fn")
+    tree.linear("router", config.num_experts, config.hidden_size)
+    with tree.module("shared_expert"):
+        declare_dense_mlp(tree, config, config.intermediate_size, "activation_fn")
+
+
+def attention_options(config: Llama4TextConfig, layer: int) -> dict:
+    chunked = config.layer_types[layer] == "chunked_attention"
+    return {"rope": config.uses_rope(layer), "attention_chunk_size": config.attention_chunk_size if chunked else None}
+
+
+def experts(config: Llama4TextConfig, backend: str | None):
+    return partial(prescaled_swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
+
+
+def temperature(config: Llama4TextConfig, first: jax.Array, length: int) -> jax.Array:
+    """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32."""
+    index = (first + jnp.arange(length)).astype(jnp.float32)
+    return jnp.log1p(jnp.floor((index + 1.0) / config.floor_scale)) * config.attn_scale + 1.0
+
+
+def self_attention(config: Llama4TextConfig, weights, h, options, rope, attention_mask, step, layer_cache, ring):
+    """RoPE layers: complex RoPE on pairs, L2 q/k norm, chunked mask; NoPE layers: temperature-scaled queries."""
+    c, (cos, sin) = config, rope
+    constrain = step.layouts.constrain
+    q, k, v = project_qkv(weights, h, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                          head_dim=c.head_dim, constrain=constrain)
+    if options["rope"]:
+        q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        if c.use_qk_norm:
+            q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
+    first = 0 if layer_cache is None else step.cache.length
+    if c.attn_temperature_tuning and not options["rope"]:
+        q = (q * temperature(c, first, h.shape[1])[None, :, None, None]).astype(q.dtype)
+    chunk = options["attention_chunk_size"]
+    if layer_cache is None:
+        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk)
+    else:
+        keys, values = (jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, first, 0, 0))
+                        for cached, new in zip(layer_cache, (k, v)))
+        layer_cache = (keys, values)
+        out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
+                     key_padding_mask=attention_mask, query_index=first + jnp.arange(h.shape[1]),
+                     attention_chunk_size=chunk)
+    batch, sequence = h.shape[:2]
+    out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
+    return constrain(out, ("batch", "length", "embed")), layer_cache
+
+
+def route(config: Llama4TextConfig, router_logits):
+    """router_logits: [N, E] -> (sigmoid of the top-k logits [N, K], expert ids [N, K])."""
+    return top_k_sigmoid(router_logits, config.num_experts_per_tok)
+
+
+def moe_block(config: Llama4TextConfig, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain,
+              route):
+    """The shared expert plus the chosen experts on pre-scaled inputs: hidden [B, S, H] -> [B, S, H]."""
+    routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, run_experts=run_experts,
+                                                  constrain=constrain, router="router")
+    shared = mlp(weights["shared_expert"], hidden, config.hidden_act, constrain=constrain)
+    return shared + routed, logits, statistics
+
+
+FAMILY = register_family(Family(
+    model_type="llama4_text",
+    architecture="Llama4ForCausalLM",
+    config_class=Llama4TextConfig,
+    tp_plan={
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -129,117 +203,33 @@ class Llama4ForCausalLM(MoeDecoderForCausalLM):
         "layers.*.feed_forward.gate_proj": "colwise",
         "layers.*.feed_forward.up_proj": "colwise",
         "layers.*.feed_forward.down_proj": "rowwise",
-    }
-    base_model_ep_plan = None  # the experts see every token pre-scaled: nothing to dispatch
-    base_model_output_axes = {
-        "layers.*.self_attn.q_proj": "heads",
-        "layers.*.self_attn.k_proj": "kv_heads",
-        "layers.*.self_attn.v_proj": "kv_heads",
+    },
+    ep_plan=None,  # the experts see every token pre-scaled: nothing to dispatch
+    output_axes={
+        **ROPE_ATTENTION_OUTPUT_AXES,
         "layers.*.feed_forward.shared_expert.gate_proj": "mlp",
         "layers.*.feed_forward.shared_expert.up_proj": "mlp",
         "layers.*.feed_forward.gate_proj": "mlp",
         "layers.*.feed_forward.up_proj": "mlp",
         "layers.*.feed_forward.router": "experts",
-    }
-    feed_forward_module = "feed_forward"
-    experts_intermediate_dims = {"gate_up_proj": "packed_last", "down_proj": 1}
-    has_router_aux_loss = False  # the reference's forward computes none
-    dense_activation_module = "activation_fn"
+    },
+    route=route,
+    is_sparse=lambda config, layer: layer in config.moe_layers,
+    declare_attention=declare_rope_attention,
+    declare_sparse_mlp=declare_sparse_mlp,
+    experts_intermediate_size=lambda config: config.intermediate_size,
+    dense_intermediate_size=lambda config: config.intermediate_size_mlp,
+    feed_forward_module="feed_forward",
+    dense_activation_module="activation_fn",
+    experts=experts,
+    moe_block=moe_block,
+    self_attention=self_attention,
+    attention_options=attention_options,
     # HF's freqs_cis is complex64 whatever the model dtype; cos/sin rounded to fp16 gave 10x PyTorch's fp16 error.
-    rope_dtype = jnp.float32
-
-    # ---- structure ---------------------------------------------------------------------------------
-    def is_sparse(self, layer: int) -> bool:
-        return layer in self.config.moe_layers
-
-    @property
-    def experts_intermediate_size(self) -> int:
-        return self.config.intermediate_size
-
-    @property
-    def dense_intermediate_size(self) -> int:
-        return self.config.intermediate_size_mlp
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        super().declare_attention(tree, bias=self.config.attention_bias)
-
-    def declare_tree(self) -> ModuleTree:
-        tree = super().declare_tree()
-        # HF's attention lists a parameter-free `qk_norm` module on its RoPE layers (with use_qk_norm).
-        for layer in range(self.config.num_hidden_layers):
-            if self.config.use_qk_norm and self.config.uses_rope(layer):
-                position = tree.modules.index(f"model.layers.{layer}.self_attn.o_proj") + 1
-                tree.modules.insert(position, f"model.layers.{layer}.self_attn.qk_norm")
-        return tree
-
-    def declare_experts(self, tree: ModuleTree) -> None:
-        c, intermediate = self.config, self.config.intermediate_size
-        with tree.module("experts"):
-            tree.param("gate_up_proj", (c.num_experts, c.hidden_size, 2 * intermediate))
-            tree.param("down_proj", (c.num_experts, intermediate, c.hidden_size))
-            tree.module_without_params("act_fn")
-
-    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
-        self.declare_experts(tree)
-        tree.linear("router", self.config.num_experts, self.config.hidden_size)
-        with tree.module("shared_expert"):
-            self.declare_dense_mlp(tree, self.config.intermediate_size)
-
-    def attention_options(self, layer: int) -> dict:
-        c = self.config
-        chunked = c.layer_types[layer] == "chunked_attention"
-        return {"rope": c.uses_rope(layer), "attention_chunk_size": c.attention_chunk_size if chunked else None}
-
-    # ---- math --------------------------------------------------------------------------------------
-    @property
-    def experts_forward(self):
-        return partial(prescaled_swiglu_experts, act=get_activation(self.config.hidden_act),
-                       backend=self.experts_backend)
-
-    def temperature(self, first: jax.Array, length: int) -> jax.Array:
-        """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32."""
-        c = self.config
-        index = (first + jnp.arange(length)).astype(jnp.float32)
-        return jnp.log1p(jnp.floor((index + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
-
-    def self_attention(self, weights, h, layer, rope, attention_mask, step, layer_cache, layer_run_key):
-        c, (cos, sin) = self.config, rope
-        options = self.attention_options(layer)
-        constrain = step.layouts.constrain
-        q, k, v = project_qkv(weights, h, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, constrain=constrain)
-        if options["rope"]:
-            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-            if c.use_qk_norm:
-                q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
-        first = 0 if layer_cache is None else step.cache.length
-        if c.attn_temperature_tuning and not options["rope"]:
-            q = (q * self.temperature(first, h.shape[1])[None, :, None, None]).astype(q.dtype)
-        chunk = options["attention_chunk_size"]
-        if layer_cache is None:
-            out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk)
-        else:
-            keys, values = (jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, first, 0, 0))
-                            for cached, new in zip(layer_cache, (k, v)))
-            layer_cache = (keys, values)
-            out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
-                         key_padding_mask=attention_mask, query_index=first + jnp.arange(h.shape[1]),
-                         attention_chunk_size=chunk)
-        batch, sequence = h.shape[:2]
-        out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
-        out = constrain(out, ("batch", "length", "embed"))
-        return out, layer_cache
-
-    def route(self, router_logits):
-        """router_logits: [N, E] -> (sigmoid of the top-k logits [N, K], expert ids [N, K])."""
-        return top_k_sigmoid(router_logits, self.config.num_experts_per_tok)
-
-    def moe_output(self, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
-        """The shared expert plus the chosen experts on pre-scaled inputs: hidden [B, S, H] -> [B, S, H]."""
-        routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, run_experts=run_experts,
-                                                      constrain=constrain, router="router")
-        shared = mlp(weights["shared_expert"], hidden, self.config.hidden_act, constrain=constrain)
-        return shared + routed, logits, statistics
+    rope_dtype=jnp.float32,
+    has_router_aux_loss=False,  # the reference's forward computes none
+    experts_intermediate_dims={"gate_up_proj": "packed_last", "down_proj": 1},
+))
 
 
 class Llama4MultimodalConfig:
@@ -257,11 +247,7 @@ class Llama4MultimodalConfig:
         return Llama4TextConfig.from_dict({**text, "model_type": Llama4TextConfig.model_type})
 
 
-@register_model
-class Llama4ForCausalLMOfMultimodal(Llama4ForCausalLM):
-    """The text model of a multimodal Llama 4 checkpoint, as Transformers' `AutoModelForCausalLM` loads it:
-    the `text_config`, the weights under `language_model.`, the vision tower skipped. It saves as a text
-    model (`llama4_text`, keys without the prefix)."""
-
-    model_type = "llama4"
-    config_class = Llama4MultimodalConfig
+# The text model of a multimodal Llama 4 checkpoint, as Transformers' `AutoModelForCausalLM` loads it: the
+# `text_config`, the weights under `language_model.`, the vision tower skipped. It saves as a text model
+# (`llama4_text`, keys without the prefix).
+MULTIMODAL_FAMILY = register_family(replace(FAMILY, model_type="llama4", config_class=Llama4MultimodalConfig))

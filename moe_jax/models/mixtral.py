@@ -20,8 +20,7 @@ import jax
 
 from ..ops.routing import mixtral_top_k
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import Family, register_family, routed_experts_block
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,33 @@ def router_jitter(hidden_states: jax.Array, key: jax.Array, noise: float) -> jax
     return hidden_states * factor
 
 
-@register_model
-class MixtralForCausalLM(MoeDecoderForCausalLM):
-    model_type = "mixtral"
-    config_class = MixtralConfig
-    base_model_tp_plan = {
+def route(config: MixtralConfig, router_logits):
+    """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
+    return mixtral_top_k(router_logits, config.num_experts_per_tok)
+
+
+def moe_block(config: MixtralConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
+    """Router jitter in training (needs `rng`, this layer's key: `fold_in(rng, layer)`), then the block:
+    hidden [B, S, H] -> [B, S, H]."""
+    noise = config.router_jitter_noise
+    if noise > 0 and not inference:
+        if rng is None:
+            raise ValueError(
+                f"Mixtral's router jitter (router_jitter_noise={noise}) scales the MoE input by "
+                "U(1 - j, 1 + j) noise in training and needs a PRNG key: call "
+                "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with "
+                "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
+            )
+        hidden = router_jitter(hidden, rng, noise)
+    return routed_experts_block(config, weights, hidden, run_experts, inference=inference, rng=rng,
+                                constrain=constrain, route=route)
+
+
+FAMILY = register_family(Family(
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
+    config_class=MixtralConfig,
+    tp_plan={
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -91,31 +112,9 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
-    }
-
-    @property
-    def experts_intermediate_size(self) -> int:
-        return self.config.intermediate_size
-
-    def attention_options(self, layer: int) -> dict:
-        return {"sliding_window": self.config.sliding_window}
-
-    def route(self, router_logits):
-        """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
-        return mixtral_top_k(router_logits, self.config.num_experts_per_tok)
-
-    def moe_output(self, weights, hidden, run_experts, *, inference, rng, constrain, route):
-        """Router jitter in training (needs `rng`, this layer's key: `fold_in(rng, layer)`), then the block:
-        hidden [B, S, H] -> [B, S, H]."""
-        noise = self.config.router_jitter_noise
-        if noise > 0 and not inference:
-            if rng is None:
-                raise ValueError(
-                    f"Mixtral's router jitter (router_jitter_noise={noise}) scales the MoE input by "
-                    "U(1 - j, 1 + j) noise in training and needs a PRNG key: call "
-                    "model.forward(input_ids, inference=False, rng=jax.random.key(step)), run with "
-                    "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
-                )
-            hidden = router_jitter(hidden, rng, noise)
-        return super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng, constrain=constrain,
-                                  route=route)
+    },
+    route=route,
+    moe_block=moe_block,
+    experts_intermediate_size=lambda config: config.intermediate_size,
+    attention_options=lambda config, layer: {"sliding_window": config.sliding_window},
+))

@@ -18,8 +18,7 @@ from typing import ClassVar
 from ..module_tree import ModuleTree
 from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import Family, declare_attention, register_family
 
 
 @dataclass(frozen=True)
@@ -83,11 +82,23 @@ class OlmoeConfig(HFConfigMixin):
         return self.num_experts
 
 
-@register_model
-class OlmoeForCausalLM(MoeDecoderForCausalLM):
-    model_type = "olmoe"
-    config_class = OlmoeConfig
-    base_model_tp_plan = {
+def declare_full_width_qk_norm_attention(tree: ModuleTree, config: OlmoeConfig, layer: int) -> None:
+    """q/k/v/o (bias per attention_bias), then RMSNorms over the full q and k projection widths."""
+    declare_attention(tree, config, layer, bias=config.attention_bias)
+    tree.norm("q_norm", config.num_attention_heads * config.head_dim)
+    tree.norm("k_norm", config.num_key_value_heads * config.head_dim)
+
+
+def route(config: OlmoeConfig, router_logits):
+    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
+    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
+
+
+FAMILY = register_family(Family(
+    model_type="olmoe",
+    architecture="OlmoeForCausalLM",
+    config_class=OlmoeConfig,
+    tp_plan={
         "layers.*.self_attn.q_proj": "colwise_gather_output",
         "layers.*.self_attn.k_proj": "colwise_gather_output",
         "layers.*.self_attn.v_proj": "colwise_gather_output",
@@ -95,24 +106,10 @@ class OlmoeForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
-    }
-
-    @property
-    def experts_intermediate_size(self) -> int:
-        return self.config.intermediate_size  # OLMoE has no dense layers; its experts use intermediate_size
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        c, hidden = self.config, self.config.hidden_size
-        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim, c.attention_bias)
-        tree.norm("q_norm", c.num_attention_heads * c.head_dim)  # over the full projection width
-        tree.norm("k_norm", c.num_key_value_heads * c.head_dim)
-
-    def attention_options(self, layer: int) -> dict:
-        return {"qk_norm_kind": "full_width", "clip_qkv": self.config.clip_qkv}
-
-    def route(self, router_logits):
-        """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-        return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
+    },
+    route=route,
+    declare_attention=declare_full_width_qk_norm_attention,
+    # OLMoE has no dense layers; its experts use intermediate_size.
+    experts_intermediate_size=lambda config: config.intermediate_size,
+    attention_options=lambda config, layer: {"qk_norm_kind": "full_width", "clip_qkv": config.clip_qkv},
+))

@@ -23,8 +23,7 @@ from ..nn.mlp import mlp
 from ..nn.moe import shared_expert_output
 from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import Family, declare_dense_mlp, register_family, routed_experts_block, router_then_experts
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -105,11 +104,46 @@ class Qwen2MoeConfig(HFConfigMixin):
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
-@register_model
-class Qwen2MoeForCausalLM(MoeDecoderForCausalLM):
-    model_type = "qwen2_moe"
-    config_class = Qwen2MoeConfig
-    base_model_tp_plan = {
+def is_sparse(config: Qwen2MoeConfig, layer: int) -> bool:
+    return (layer not in config.mlp_only_layers and config.num_experts > 0
+            and (layer + 1) % config.decoder_sparse_step == 0)
+
+
+def declare_qkv_bias_attention(tree: ModuleTree, config: Qwen2MoeConfig, layer: int) -> None:
+    """q/k/v with bias per qkv_bias, o_proj without."""
+    hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
+    tree.linear("q_proj", width, hidden, config.qkv_bias)
+    tree.linear("k_proj", config.num_key_value_heads * config.head_dim, hidden, config.qkv_bias)
+    tree.linear("v_proj", config.num_key_value_heads * config.head_dim, hidden, config.qkv_bias)
+    tree.linear("o_proj", hidden, width)
+
+
+def declare_sparse_mlp(tree: ModuleTree, config: Qwen2MoeConfig, intermediate: int) -> None:
+    """Router, experts, the shared expert (a gated MLP) and its gate, as HF lists them."""
+    router_then_experts(tree, config, intermediate)
+    with tree.module("shared_expert"):
+        declare_dense_mlp(tree, config, config.shared_expert_intermediate_size)
+    tree.linear("shared_expert_gate", 1, config.hidden_size)
+
+
+def route(config: Qwen2MoeConfig, router_logits):
+    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
+    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
+
+
+def moe_block(config: Qwen2MoeConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
+    """Routed experts plus the gated shared expert: hidden [B, S, H] -> [B, S, H]."""
+    out, logits, statistics = routed_experts_block(config, weights, hidden, run_experts, inference=inference,
+                                                   rng=rng, constrain=constrain, route=route)
+    shared = shared_expert_output(weights, hidden, partial(mlp, act=config.hidden_act))
+    return out + shared, logits, statistics
+
+
+FAMILY = register_family(Family(
+    model_type="qwen2_moe",
+    architecture="Qwen2MoeForCausalLM",
+    config_class=Qwen2MoeConfig,
+    tp_plan={
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -120,36 +154,11 @@ class Qwen2MoeForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
-    }
-
-    def is_sparse(self, layer: int) -> bool:
-        c = self.config
-        return layer not in c.mlp_only_layers and c.num_experts > 0 and (layer + 1) % c.decoder_sparse_step == 0
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        c, hidden = self.config, self.config.hidden_size
-        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden, c.qkv_bias)
-        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden, c.qkv_bias)
-        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden, c.qkv_bias)
-        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim)
-
-    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
-        self.declare_router(tree)
-        self.declare_experts(tree)
-        with tree.module("shared_expert"):
-            self.declare_dense_mlp(tree, self.config.shared_expert_intermediate_size)
-        tree.linear("shared_expert_gate", 1, self.config.hidden_size)
-
-    def attention_options(self, layer: int) -> dict:
-        return {"sliding_window": self.config.attention_window(layer)}
-
-    def route(self, router_logits):
-        """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-        return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
-
-    def moe_output(self, weights, hidden, run_experts, *, inference, rng, constrain, route):
-        """Routed experts plus the gated shared expert: hidden [B, S, H] -> [B, S, H]."""
-        out, logits, statistics = super().moe_output(weights, hidden, run_experts, inference=inference, rng=rng,
-                                                     constrain=constrain, route=route)
-        shared = shared_expert_output(weights, hidden, partial(mlp, act=self.config.hidden_act))
-        return out + shared, logits, statistics
+    },
+    route=route,
+    is_sparse=is_sparse,
+    declare_attention=declare_qkv_bias_attention,
+    declare_sparse_mlp=declare_sparse_mlp,
+    moe_block=moe_block,
+    attention_options=lambda config, layer: {"sliding_window": config.attention_window(layer)},
+))

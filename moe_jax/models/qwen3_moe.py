@@ -14,8 +14,7 @@ from typing import ClassVar
 from ..module_tree import ModuleTree
 from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
-from .decoder import MoeDecoderForCausalLM
-from .registry import register_model
+from .family import Family, declare_attention, experts_then_router, register_family
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,29 @@ class Qwen3MoeConfig(HFConfigMixin):
         return self.sliding_window if self.use_sliding_window else None
 
 
-@register_model
-class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
-    model_type = "qwen3_moe"
-    config_class = Qwen3MoeConfig
-    base_model_tp_plan = {
+def is_sparse(config: Qwen3MoeConfig, layer: int) -> bool:
+    """MoE unless the layer is in mlp_only_layers or off the decoder_sparse_step grid."""
+    return (layer not in config.mlp_only_layers and config.num_experts > 0
+            and (layer + 1) % config.decoder_sparse_step == 0)
+
+
+def declare_qk_norm_attention(tree: ModuleTree, config: Qwen3MoeConfig, layer: int) -> None:
+    """q/k/v/o (bias per attention_bias), then an RMSNorm over each head's q and k."""
+    declare_attention(tree, config, layer, bias=config.attention_bias)
+    tree.norm("q_norm", config.head_dim)
+    tree.norm("k_norm", config.head_dim)
+
+
+def route(config: Qwen3MoeConfig, router_logits):
+    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
+    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
+
+
+FAMILY = register_family(Family(
+    model_type="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
+    config_class=Qwen3MoeConfig,
+    tp_plan={
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -77,28 +94,10 @@ class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
-    }
-
-    def is_sparse(self, layer: int) -> bool:
-        c = self.config
-        return layer not in c.mlp_only_layers and c.num_experts > 0 and (layer + 1) % c.decoder_sparse_step == 0
-
-    def declare_attention(self, tree: ModuleTree) -> None:
-        c, hidden = self.config, self.config.hidden_size
-        tree.linear("q_proj", c.num_attention_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("k_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("v_proj", c.num_key_value_heads * c.head_dim, hidden, c.attention_bias)
-        tree.linear("o_proj", hidden, c.num_attention_heads * c.head_dim, c.attention_bias)
-        tree.norm("q_norm", c.head_dim)
-        tree.norm("k_norm", c.head_dim)
-
-    def declare_sparse_mlp(self, tree: ModuleTree) -> None:
-        self.declare_experts(tree)  # HF registers the experts before the router here
-        self.declare_router(tree)
-
-    def attention_options(self, layer: int) -> dict:
-        return {"qk_norm_kind": "per_head", "sliding_window": self.config.attention_window}
-
-    def route(self, router_logits):
-        """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-        return softmax_top_k(router_logits, self.config.num_experts_per_tok, normalize=self.config.norm_topk_prob)
+    },
+    route=route,
+    is_sparse=is_sparse,
+    declare_attention=declare_qk_norm_attention,
+    declare_sparse_mlp=experts_then_router,  # HF registers the experts before the router here
+    attention_options=lambda config, layer: {"qk_norm_kind": "per_head", "sliding_window": config.attention_window},
+))

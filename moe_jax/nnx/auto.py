@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..models.auto import AutoModelForCausalLM as EngineAuto
+from ..causal_lm.auto import AutoModelForCausalLM as EngineAuto
 from .module import MoeCausalLM
 
 

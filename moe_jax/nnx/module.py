@@ -29,8 +29,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..causal_lm.model import MoeForCausalLM
 from ..distributed.capacity import CapacityState, DispatchStatistics
-from ..models.base import MoeForCausalLM
 from ..models.step_checks import check_params
 from ..module_tree import unflatten
 from ..training.loss import (

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from converters.mxfp4 import dequantize_mxfp4
 from converters.safetensors_io import record_reads
 from moe_jax import AutoModelForCausalLM, DistributedConfig
-from moe_jax.models import GptOssForCausalLM
+from moe_jax.causal_lm import GptOssForCausalLM
 
 # Expert projections need rows of whole 32-value blocks: hidden 64 (2 blocks), intermediate 32 (1 block).
 CONFIG = dict(model_type="gpt_oss", vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,

@@ -23,9 +23,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
+from moe_jax.causal_lm import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
 from moe_jax.distributed.activations import LOGICAL_AXES, logical_axis_rules
 from moe_jax.distributed.mesh import DeviceLayout
-from moe_jax.models import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
+from moe_jax.models.decoder import decoder_layer
 from moe_jax.models.step_options import StepOptions
 from moe_jax.module_tree import unflatten
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
@@ -61,7 +62,7 @@ def layer_collectives(layout: dict, *, inference: bool = True) -> Counter:
         rope = rotary_cos_sin(positions, inverse_frequencies, scaling, dtype=x.dtype)
         weights = unflatten(params)["model"]["layers"]["0"]
         mask = jnp.ones((BATCH, SEQUENCE), jnp.int32)
-        return model.decoder_layer(weights, x, layer=0, layer_index=0, rope=rope, attention_mask=mask, step=step)[0]
+        return decoder_layer(model.family, model.config, weights, x, layer=0, layer_index=0, rope=rope, attention_mask=mask, step=step)[0]
 
     text = jax.jit(one_layer).lower(model.params, x).compile().as_text()
     counts = Counter()

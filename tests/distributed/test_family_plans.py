@@ -17,7 +17,7 @@ import pytest
 
 import moe_jax.models  # noqa: F401  (registers the families)
 from moe_jax import DistributedConfig
-from moe_jax.models.registry import MODEL_CLASSES
+from moe_jax.causal_lm.families import MODEL_CLASSES
 
 from .tiny_qwen3_moe import FIXTURE
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_jax.models.qwen3_moe import Qwen3MoeForCausalLM
+from moe_jax.causal_lm import Qwen3MoeForCausalLM
 
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "reference_plans.json").read_text())
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
+from moe_jax.causal_lm import Qwen3MoeForCausalLM
 from moe_jax.distributed.capacity import CapacitySchedule
 from moe_jax.distributed.expert_parallel import AllToAllEP, EPImplementation, EPImplementationInterface
 from moe_jax.inference import init_cache
-from moe_jax.models import Qwen3MoeForCausalLM
-from moe_jax.models.base import ModelOutput
+from moe_jax.models.outputs import ModelOutput
 
 from .hf_reference import TINY_QWEN3_MOE
 

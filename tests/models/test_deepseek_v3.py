@@ -11,8 +11,9 @@ import optax
 import pytest
 
 from moe_jax import DistributedConfig
+from moe_jax.causal_lm import MODEL_CLASSES, DeepseekV3ForCausalLM
 from moe_jax.inference import init_cache
-from moe_jax.models import MODEL_CLASSES, DeepseekV3Config, DeepseekV3ForCausalLM
+from moe_jax.models import DeepseekV3Config
 from moe_jax.nn.rotary import rotate_heads
 from moe_jax.training import make_train_step
 

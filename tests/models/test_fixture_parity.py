@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import moe_jax
-import moe_jax.models
+import moe_jax.causal_lm
 from moe_jax import DistributedConfig
 
 from ..distributed.test_mesh import LAYOUTS as ALL_LAYOUTS
@@ -38,7 +38,7 @@ def _layout_id(layout):
 
 def has_ep_plan(model_type: str) -> bool:
     """Whether the family can run with ep_size > 1 (Llama 4 has no EP plan: its experts shard by TP)."""
-    return moe_jax.models.MODEL_CLASSES[model_type].base_model_ep_plan is not None
+    return moe_jax.causal_lm.MODEL_CLASSES[model_type].family.ep_plan is not None
 
 
 def every_layout_and_implementation(model_type: str | None = None):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.models import MODEL_CLASSES, GptOssConfig, GptOssForCausalLM
+from moe_jax.causal_lm import MODEL_CLASSES, GptOssForCausalLM
+from moe_jax.models import GptOssConfig
 from moe_jax.nn.attention import attend
 from moe_jax.ops.experts import biased_clamped_swiglu_experts
 from moe_jax.ops.routing import top_k_softmax

@@ -17,7 +17,7 @@ import converters.load
 import moe_jax
 from converters import record_reads
 from moe_jax import DistributedConfig
-from moe_jax.models import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from moe_jax.causal_lm import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from moe_jax.models.layer_stack import LayerRun, resolve_scan_option
 from moe_jax.module_tree import unflatten
 

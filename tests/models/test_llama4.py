@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.models import MODEL_CLASSES, Llama4ForCausalLM, Llama4TextConfig
+from moe_jax.causal_lm import MODEL_CLASSES, Llama4ForCausalLM
+from moe_jax.models import Llama4TextConfig, llama4
 from moe_jax.nn.attention import visibility_mask
 from moe_jax.nn.rotary import rotate_pairs
 from moe_jax.ops.experts import prescaled_swiglu_experts
@@ -78,7 +79,7 @@ def test_chunks_start_at_each_rows_first_real_token():
 
 def test_temperature_grows_with_the_cache_index():
     model = Llama4ForCausalLM(TINY_LLAMA4, abstract=True)
-    scales = np.asarray(model.temperature(jnp.asarray(2), 6))       # indices 2..7, floor_scale 4, attn_scale 0.5
+    scales = np.asarray(llama4.temperature(model.config, jnp.asarray(2), 6))       # indices 2..7, floor_scale 4, attn_scale 0.5
     expected = np.log1p(np.floor((np.arange(2, 8) + 1.0) / 4)) * 0.5 + 1.0
     np.testing.assert_allclose(scales, expected.astype(np.float32), rtol=1e-6)
 
@@ -167,7 +168,7 @@ def test_a_multimodal_checkpoint_loads_its_text_model_and_saves_it_as_one(tmp_pa
     import transformers
 
     from moe_jax import AutoModelForCausalLM
-    from moe_jax.models.llama4 import Llama4ForCausalLMOfMultimodal
+    from moe_jax.causal_lm import Llama4ForCausalLMOfMultimodal
 
     from .hf_reference import fixture_inputs
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.models import MODEL_CLASSES, OlmoeConfig, OlmoeForCausalLM
+from moe_jax.causal_lm import MODEL_CLASSES, OlmoeForCausalLM
+from moe_jax.models import OlmoeConfig
 
 from .hf_reference import (
     LOGITS_ATOL,

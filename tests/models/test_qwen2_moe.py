@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.models import MODEL_CLASSES, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from moe_jax.causal_lm import MODEL_CLASSES, Qwen2MoeForCausalLM
+from moe_jax.models import Qwen2MoeConfig
 
 from .hf_reference import (
     LOGITS_ATOL,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moe_jax import DistributedConfig
-from moe_jax.models import Qwen3MoeForCausalLM
+from moe_jax.causal_lm import Qwen3MoeForCausalLM
 
 from .hf_reference import LOGITS_ATOL, TINY_QWEN3_MOE, hf_logits, hf_state_dict, tiny_hf_model
 

@@ -1,7 +1,7 @@
 """`moe-jax plan`'s report keeps HF names and says which layers run scanned."""
 
 from moe_jax import DistributedConfig
-from moe_jax.models import Qwen3MoeForCausalLM
+from moe_jax.causal_lm import Qwen3MoeForCausalLM
 from moe_jax.reporting.plan_report import plan_report
 
 from ..models.hf_reference import TINY_QWEN3_MOE

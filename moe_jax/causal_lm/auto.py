@@ -6,8 +6,8 @@ import os
 
 from ..checkpoint_files import local_checkpoint, read_config
 from ..parameter_dtypes import parameter_dtype
-from .base import MoeForCausalLM
-from .registry import model_class_for
+from .families import model_class_for
+from .model import MoeForCausalLM
 
 
 class AutoModelForCausalLM:

@@ -1,17 +1,17 @@
-"""What every MoE causal LM shares: plans -> mesh -> shardings -> parameters -> one pure step function.
+"""The HF-shaped model users hold: plans -> mesh -> shardings -> parameters -> the core's pure step.
 
-A model family (one file in this package) supplies its config class, its declared module tree with HF
-names, its plans (as the HF config/model classes declare them) and its math (`forward_math`, model math
-only). This base turns a `DistributedConfig` into a mesh, resolves the plans, derives one `NamedSharding`
-per parameter, creates or loads parameters directly into those shardings, builds one `ShardedExperts`
-per experts module from the plans, and exposes the step:
+A family (`moe_jax.models.<family>`: data and free functions) says what its model is; this facade, one class
+built on it by composition, turns a `DistributedConfig` into a mesh, resolves the plans, derives one
+`NamedSharding` per parameter, creates or loads parameters directly into those shardings, builds the
+`ModelCore` (one `ShardedExperts` per experts module from the plans) and exposes the step:
 
     model = Qwen3MoeForCausalLM(config, DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4))
     model.init_params(seed=0)                 # or AutoModelForCausalLM.from_pretrained(path, ...)
     out = model.apply(model.params, ids)      # pure: jit / grad / scan it; capacity is the caller's
     logits = model(ids)                       # eager and exact: [B, S, V], B padded internally
 
-The step is one pure function, `step_math`, jitted by whoever calls it: `apply` (eager callers; its
+The step is one pure function, `moe_jax.models.core.step_math` (`model.step_math` binds the core), jitted by
+whoever calls it: `apply` (eager callers; its
 compilations are cached per static key (capacity, inference, return_hidden, compute_dtype) and per input
 shapes, dtypes and shardings, so a step called again never recompiles), the train step, the generator's
 programs and the NNX face, each once, at its boundary, where it also runs `check_step`.
@@ -29,23 +29,25 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed.activations import ActivationLayouts
-from ..distributed.capacity import CapacitySchedule, DispatchStatistics
+from ..distributed.activations import ActivationLayouts, LogicalAxisRules
+from ..distributed.capacity import CapacitySchedule
 from ..distributed.config import DistributedConfig
 from ..distributed.experts import ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
-from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN, PlannedModel, resolve_parallel_plans
+from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
+from ..models.core import ModelCore, model_axis_rules, step_math
+from ..models.decoder import declare_tree, head_logits
+from ..models.family import Family
+from ..models.layer_stack import LayerStack, resolve_scan_option
+from ..models.outputs import DroplessOutput, ModelOutput
+from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_params
+from ..models.step_options import REMAT_POLICIES
 from ..module_tree import ModuleTree
-from ..ops.routing import load_balancing_loss
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
-from .layer_stack import LayerStack, resolve_scan_option
-from .outputs import DroplessOutput, ModelOutput
-from .step_checks import NO_PARAMS, check_batch, check_cache, check_params
-from .step_options import REMAT_POLICIES, StepOptions
 
 INITIALIZERS: dict[str, Callable] = {
     "normal": lambda key, shape, dtype, std: std * jax.random.normal(key, shape, dtype),
@@ -56,27 +58,21 @@ INITIALIZERS: dict[str, Callable] = {
 
 
 class MoeForCausalLM(PlannedModel):
-    """Base of the MoE causal LMs. Subclasses set the class attributes below and implement
-    `declare_tree`, `sparse_layers`, `layer_signature`, `experts_forward` and `forward_math`."""
+    """The causal LM of one family (`family`, a `moe_jax.models.family.Family`): each family's class
+    (`moe_jax.causal_lm.families`) sets only that attribute."""
 
+    family: ClassVar[Family]
     model_type: ClassVar[str]
     config_class: ClassVar[type]
-    # The HF config class's plans (`base_model_tp_plan`, ...), relative to the base model.
-    base_model_tp_plan: ClassVar[dict[str, str] | None] = None
-    base_model_ep_plan: ClassVar[dict[str, str] | None] = None
-    base_model_fsdp_plan: ClassVar[dict[str, str]] = DEFAULT_BASE_MODEL_FSDP_PLAN
     # The HF ForCausalLM class's own rules.
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _fsdp_plan = {"lm_head": "keep_full_weight"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-    # Whether the reference computes HF's softmax load-balancing loss for this family (DeepSeek-V3 balances
-    # with its router bias instead and reports none: `aux_loss` is then 0).
-    has_router_aux_loss: ClassVar[bool] = True
-    # The layer's feed-forward module (HF name): "mlp", Llama 4's "feed_forward".
-    feed_forward_module: ClassVar[str] = "mlp"
-    # Which dim of each expert weight tensor parallelism splits (`ShardedExperts.intermediate_dims`; None: the
-    # [E, 2I, H] / [E, H, I] layout).
-    experts_intermediate_dims: ClassVar[dict | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            cls.model_type, cls.config_class = cls.family.model_type, cls.family.config_class
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
@@ -95,12 +91,11 @@ class MoeForCausalLM(PlannedModel):
         self.config = config
         self.dtype = parameter_dtype(dtype)
         self.remat = remat
-        self.module_tree: ModuleTree = self.declare_tree()
+        family = self.family
+        self.module_tree: ModuleTree = declare_tree(family, config)
         if getattr(config, "tie_word_embeddings", False):
             self.tied_embedding_modules = ("model.embed_tokens", "lm_head")
-        self.init_parallel_plans(
-            {"tp": self.base_model_tp_plan, "ep": self.base_model_ep_plan, "fsdp": self.base_model_fsdp_plan}
-        )
+        self.init_parallel_plans({"tp": family.tp_plan, "ep": family.ep_plan, "fsdp": family.fsdp_plan})
         self.distributed_config = distributed_config or DistributedConfig()
         if self.distributed_config.pp_size > 1:
             raise NotImplementedError(
@@ -128,6 +123,9 @@ class MoeForCausalLM(PlannedModel):
         # The model's one capacity ladder and schedule; its EP implementations are built with it, once.
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
+        self.core = ModelCore(family=family, config=config, layer_stack=self.layer_stack,
+                              experts=self.sharded_experts, layouts=self.activation_layouts, remat=remat,
+                              dispatches=self.layout.ep_size > 1)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden",
@@ -153,38 +151,38 @@ class MoeForCausalLM(PlannedModel):
                 f"schedule may change its patience only, not the ladder {list(schedule.ladder)}.")
         self._capacity_schedule = schedule
 
-    # ---- to implement per family -------------------------------------------------------------------
-    def declare_tree(self) -> ModuleTree:
-        raise NotImplementedError
-
+    # ---- the family's structure, for this config ---------------------------------------------------
     def sparse_layers(self) -> list[int]:
-        raise NotImplementedError
+        return self.family.sparse_layers(self.config)
 
-    def layer_signature(self, layer: int) -> tuple:
-        """What besides its parameters makes a layer's math differ from another's (attention options, ...):
-        consecutive layers with equal signatures and parameters can share one scan."""
-        raise NotImplementedError
+    def attention_options(self, layer: int) -> dict:
+        """Keyword arguments of the layer's attention besides shapes (window, q/k norm kind, ...)."""
+        return self.family.attention_options(self.config, layer)
+
+    def cache_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of what one layer's cache stores per token: its keys', then its values'."""
+        return self.family.cache_heads(self.config)
 
     @property
     def experts_forward(self) -> Callable:
         """`experts_forward(tokens, expert_ids, weights, **experts_params) -> [N, H]` of this family."""
-        raise NotImplementedError
+        return self.family.experts(self.config, self.experts_backend)
 
-    def forward_math(self, params: dict, input_ids, attention_mask, positions, step) -> tuple:
-        """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router
-        logits [B*S, E] per sparse layer, dispatch statistics per sparse layer, `step.cache` extended by these
-        tokens or None). `step` is a `StepOptions`."""
-        raise NotImplementedError
+    @property
+    def logical_axis_rules(self) -> LogicalAxisRules:
+        """The logical axes' mesh axes on this model's layout, from its resolved TP plan."""
+        return model_axis_rules(self.family, self.layout, self.resolved_plans.tp, self.plan_names(),
+                                self.base_model_prefix)
 
     def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """hidden: [B, S, H] after the final norm -> logits [B, S, V]."""
-        raise NotImplementedError
+        """params: nested (`layer_stack.nest`); hidden: [B, S, H] after the final norm -> logits [B, S, V]."""
+        return head_logits(self.config, params, hidden)
 
     # ---- layout --------------------------------------------------------------------------------------
     def _layer_signature(self, layer: int) -> tuple:
         prefix = f"model.layers.{layer}."
         specs = tuple(str(layout.spec) for name, layout in self.param_layouts.items() if name.startswith(prefix))
-        return self.layer_signature(layer), specs
+        return self.family.layer_signature(self.config, layer), specs
 
     def named_shardings(self) -> dict[str, NamedSharding]:
         """HF name -> NamedSharding of every parameter (one layer each, as checkpoints hold them)."""
@@ -294,11 +292,11 @@ class MoeForCausalLM(PlannedModel):
         return {
             layer: ShardedExperts(
                 mesh=self.mesh, layout=self.layout,
-                mode=experts_mode(f"model.layers.{layer}.{self.feed_forward_module}.experts", self.resolved_plans.tp,
-                                  self.resolved_plans.ep),
+                mode=experts_mode(f"model.layers.{layer}.{self.family.feed_forward_module}.experts",
+                                  self.resolved_plans.tp, self.resolved_plans.ep),
                 num_experts=self.config.num_experts, experts_forward=self.experts_forward,
                 ep_implementation=self.distributed_config.ep_implementation,
-                intermediate_dims=self.experts_intermediate_dims, schedule=self.capacity_schedule,
+                intermediate_dims=self.family.experts_intermediate_dims, schedule=self.capacity_schedule,
             )
             for layer in self.sparse_layers()
         }
@@ -353,38 +351,9 @@ class MoeForCausalLM(PlannedModel):
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
-        if self.layout.ep_size == 1:
-            capacity = None  # no dispatch buffers (as `check_step` returns it)
-        compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        layouts = self.activation_layouts
-        input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
-        batch, sequence = input_ids.shape
-        attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
-                          else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
-        if positions is None:
-            first = 0 if cache is None else cache.length
-            positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
-        positions = layouts.batch(jnp.asarray(positions, jnp.int32))
-        step = StepOptions(
-            run_experts={layer: partial(experts, inference=inference, capacity=capacity)
-                         for layer, experts in self.sharded_experts.items()},
-            inference=inference, rng=rng, remat=self.remat, layouts=layouts, compute_dtype=compute_dtype,
-            cache=cache,
-        )
-        nested = self.layer_stack.nest(params)
-        hidden, router_logits, statistics, cache = self.forward_math(nested, input_ids, attention_mask, positions,
-                                                                     step)
-        total = DispatchStatistics.zeros()
-        for layer_statistics in statistics:
-            total = total.combine(layer_statistics)
-        aux_loss = load_balancing_loss(
-            router_logits or None, self.config.num_experts, self.config.num_experts_per_tok, attention_mask,
-            per_token=layouts.token_local,
-        ) if self.has_router_aux_loss else jnp.zeros((), jnp.float32)
-        if return_hidden:
-            return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
-        logits = layouts.constrain(self.head_logits(nested, hidden), ("batch", "length", "vocab"))
-        return ModelOutput(logits, None, router_logits, aux_loss, total, cache)
+        return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
+                         cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
+                         compute_dtype=compute_dtype)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

@@ -1,0 +1,94 @@
+"""One built model as data (`ModelCore`) and its step as a free function (`step_math`).
+
+A `ModelCore` holds what the step needs besides parameters and inputs: the family and its config, how layers are
+stored (`LayerStack`), the experts module of each sparse layer (bound to the mesh by the plans), the activation
+layouts (logical axes -> mesh axes), the remat policy and whether the layout dispatches tokens. `step_math` is
+pure and never jitted here: the facade's `apply`, the train step, the generator and the NNX face each own the
+one jit around it, at their boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
+from ..distributed.capacity import DispatchStatistics
+from ..distributed.mesh import DeviceLayout
+from ..ops.routing import load_balancing_loss
+from .decoder import decoder_hidden, head_logits
+from .family import Family
+from .layer_stack import LayerStack
+from .outputs import ModelOutput
+from .step_options import StepOptions
+
+
+@dataclass(frozen=True)
+class ModelCore:
+    """What `step_math` needs of one built model besides parameters and inputs.
+
+    experts: sparse layer -> its experts module, `(tokens [N, H], ids [N, K], weights [N, K], params, *,
+    inference, capacity) -> (out [N, H], statistics)` (a `distributed.experts.ShardedExperts`).
+    dispatches: the layout dispatches tokens (ep > 1), so the capacity is a static argument of the step."""
+
+    family: Family
+    config: Any
+    layer_stack: LayerStack
+    experts: Mapping[int, Any]
+    layouts: ActivationLayouts
+    remat: str = "none"
+    dispatches: bool = False
+
+
+def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str, str], present: set[str],
+                     prefix: str = "model") -> LogicalAxisRules:
+    """The logical axes' mesh axes on `layout`, from the resolved TP plan: the output axis of each module in the
+    family's `output_axes` (and the head's, `vocab`) that the model has (`present`: its plan names)."""
+    output_axes = {f"{prefix}.{module}": axis for module, axis in family.output_axes.items()}
+    output_axes["lm_head"] = "vocab"
+    return logical_axis_rules(layout, tp_plan, {module: axis for module, axis in output_axes.items()
+                                                if module in present})
+
+
+def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
+              cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
+              return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
+    """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
+    hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
+    Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary."""
+    if not core.dispatches:
+        capacity = None  # no dispatch buffers: one program whatever the caller holds
+    compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    layouts, config, family = core.layouts, core.config, core.family
+    input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
+    batch, sequence = input_ids.shape
+    attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
+                      else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
+    if positions is None:
+        first = 0 if cache is None else cache.length
+        positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
+    positions = layouts.batch(jnp.asarray(positions, jnp.int32))
+    step = StepOptions(
+        run_experts={layer: partial(experts, inference=inference, capacity=capacity)
+                     for layer, experts in core.experts.items()},
+        inference=inference, rng=rng, remat=core.remat, layouts=layouts, compute_dtype=compute_dtype, cache=cache,
+    )
+    nested = core.layer_stack.nest(params)
+    hidden, router_logits, statistics, cache = decoder_hidden(family, config, core.layer_stack.runs, nested,
+                                                              input_ids, attention_mask, positions, step)
+    total = DispatchStatistics.zeros()
+    for layer_statistics in statistics:
+        total = total.combine(layer_statistics)
+    aux_loss = load_balancing_loss(
+        router_logits or None, config.num_experts, config.num_experts_per_tok, attention_mask,
+        per_token=layouts.token_local,
+    ) if family.has_router_aux_loss else jnp.zeros((), jnp.float32)
+    if return_hidden:
+        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
+    logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "vocab"))
+    return ModelOutput(logits, None, router_logits, aux_loss, total, cache)

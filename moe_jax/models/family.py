@@ -1,0 +1,186 @@
+"""A model family as data: its config class, plans, module declarations and the free functions of its math.
+
+The decoder skeleton (`moe_jax.models.decoder`) runs embed -> layers -> norm -> head for every family; a
+`Family` says what differs. Each field is a plain value or a function of the family's config, so a family file
+is its config dataclass, a few functions and one `Family(...)`. The defaults are the common case (Qwen3-MoE's
+RoPE attention, softmax router, SwiGLU experts [E, 2I, H] / [E, H, I]).
+
+    FAMILY = register_family(Family(
+        model_type="mixtral", architecture="MixtralForCausalLM", config_class=MixtralConfig,
+        tp_plan={...}, route=route, moe_block=moe_block,
+        experts_intermediate_size=lambda config: config.intermediate_size,
+    ))
+
+Signatures of the functions (config first; see the defaults below):
+    route(config, router_logits [N, E], *extra) -> (weights [N, K], expert ids [N, K])
+    experts(config, backend) -> experts_forward(tokens [N, H], expert_ids [N, K], weights [N, K], **params)
+    moe_block(config, weights, hidden [B, S, H], run_experts, *, inference, rng, constrain, route)
+        -> (output [B, S, H], router_logits [B*S, E], statistics)
+    self_attention(config, weights, h [B, S, H], options, rope, attention_mask, step, layer_cache, ring)
+        -> (output [B, S, H], layer cache or None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from ..distributed.plans import DEFAULT_BASE_MODEL_FSDP_PLAN
+from ..module_tree import ModuleTree
+from ..nn.activations import get_activation
+from ..nn.attention import attention, cached_attention
+from ..nn.moe import sparse_moe_block
+from ..ops.experts import swiglu_experts
+
+# Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
+EXPERTS_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
+
+# The logical axis of the output features of each module whose output the layer code constrains by it (keys as
+# in `base_model_tp_plan`): the plan's rules for these modules set the axis' mesh axes.
+ROPE_ATTENTION_OUTPUT_AXES = {
+    "layers.*.self_attn.q_proj": "heads",
+    "layers.*.self_attn.k_proj": "kv_heads",
+    "layers.*.self_attn.v_proj": "kv_heads",
+}
+OUTPUT_AXES = {
+    **ROPE_ATTENTION_OUTPUT_AXES,
+    "layers.*.mlp.gate_proj": "mlp",
+    "layers.*.mlp.up_proj": "mlp",
+    "layers.*.mlp.gate": "experts",
+}
+
+
+# ---- declarations (HF module names, in the order PyTorch lists them) ---------------------------------------
+def declare_attention(tree: ModuleTree, config, layer: int, *, bias: bool = False) -> None:
+    """q/k/v/o projections (with `bias` on all four)."""
+    hidden, width, kv_width = config.hidden_size, config.num_attention_heads * config.head_dim, \
+        config.num_key_value_heads * config.head_dim
+    tree.linear("q_proj", width, hidden, bias)
+    tree.linear("k_proj", kv_width, hidden, bias)
+    tree.linear("v_proj", kv_width, hidden, bias)
+    tree.linear("o_proj", hidden, width, bias)
+
+
+def declare_router(tree: ModuleTree, config) -> None:
+    tree.linear("gate", config.num_experts, config.hidden_size)
+
+
+def declare_experts(tree: ModuleTree, config, intermediate: int) -> None:
+    """SwiGLU experts in HF's packed layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    with tree.module("experts"):
+        tree.param("gate_up_proj", (config.num_experts, 2 * intermediate, config.hidden_size))
+        tree.param("down_proj", (config.num_experts, config.hidden_size, intermediate))
+        tree.module_without_params("act_fn")
+
+
+def declare_dense_mlp(tree: ModuleTree, config, intermediate: int, activation_module: str = "act_fn") -> None:
+    """A gated MLP: gate_proj / up_proj [I, H], down_proj [H, I], and its activation module."""
+    hidden = config.hidden_size
+    tree.linear("gate_proj", intermediate, hidden)
+    tree.linear("up_proj", intermediate, hidden)
+    tree.linear("down_proj", hidden, intermediate)
+    tree.module_without_params(activation_module)
+
+
+def router_then_experts(tree: ModuleTree, config, intermediate: int) -> None:
+    """The MoE block with the router listed first (Qwen2-MoE, Mixtral, OLMoE); experts of width `intermediate`."""
+    declare_router(tree, config)
+    declare_experts(tree, config, intermediate)
+
+
+def experts_then_router(tree: ModuleTree, config, intermediate: int) -> None:
+    """The MoE block with the experts listed first (Qwen3-MoE)."""
+    declare_experts(tree, config, intermediate)
+    declare_router(tree, config)
+
+
+# ---- math ------------------------------------------------------------------------------------------------
+def swiglu(config, backend: str | None) -> Callable:
+    """The experts of most families: SwiGLU on [E, 2I, H] / [E, H, I] (`ops.experts.swiglu_experts`)."""
+    return partial(swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
+
+
+def routed_experts_block(config, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
+    """The plain MoE block: router `gate`, then the experts (`nn.moe.sparse_moe_block`)."""
+    return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
+
+
+def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attention_mask, step, layer_cache,
+                   ring: bool):
+    """RoPE attention (`nn.attention`): h [B, S, H] (normed) -> (output [B, S, H], (keys, values) with the new
+    tokens stored, or None without a cache). `options`: the family's `attention_options` for the layer; `ring`:
+    the layer's cache is a sliding window's ring (its mask says where each key is)."""
+    cos, sin = rope
+    options = dict(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                   head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, constrain=step.layouts.constrain,
+                   **options)
+    if layer_cache is None:
+        return attention(weights, h, cos, sin, attention_mask=attention_mask, **options), None
+    attended, keys, values = cached_attention(weights, h, cos, sin, *layer_cache,
+                                              slot=None if ring else step.cache.length, key_mask=attention_mask,
+                                              **options)
+    return attended, (keys, values)
+
+
+def kv_cache_heads(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, width) of what one layer's cache stores per token: its keys', then its values'."""
+    return (config.num_key_value_heads, config.head_dim), (config.num_key_value_heads, config.head_dim)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF MoE family: what the shared decoder needs to build, shard and run it."""
+
+    model_type: str
+    architecture: str  # HF's ForCausalLM class name: the facade class's name, and error texts'
+    config_class: Any  # a frozen dataclass with `from_dict` / `to_dict` (`models.config.HFConfigMixin`)
+    route: Callable
+    # HF's config class's plans, relative to the base model (`base_model_tp_plan`, ...).
+    tp_plan: Mapping[str, str] | None = None
+    ep_plan: Mapping[str, str] | None = field(default_factory=lambda: dict(EXPERTS_EP_PLAN))
+    fsdp_plan: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_BASE_MODEL_FSDP_PLAN))
+    output_axes: Mapping[str, str] = field(default_factory=lambda: dict(OUTPUT_AXES))
+    # Structure.
+    is_sparse: Callable[[Any, int], bool] = lambda config, layer: True
+    declare_attention: Callable = declare_attention  # (tree, config, layer)
+    declare_sparse_mlp: Callable = router_then_experts  # (tree, config, experts' intermediate size)
+    experts_intermediate_size: Callable[[Any], int] = lambda config: config.moe_intermediate_size
+    dense_intermediate_size: Callable[[Any], int] = lambda config: config.intermediate_size
+    feed_forward_module: str = "mlp"  # the layer's feed-forward module (Llama 4: "feed_forward")
+    dense_activation_module: str = "act_fn"  # the dense MLP's activation module (Llama 4: "activation_fn")
+    # Math.
+    experts: Callable = swiglu
+    moe_block: Callable = routed_experts_block
+    self_attention: Callable = rope_attention
+    attention_options: Callable[[Any, int], dict] = lambda config, layer: {}
+    cache_heads: Callable = kv_cache_heads
+    # RoPE's cos/sin in the activations' dtype, as HF's rotary embeddings return them (None), or this dtype.
+    rope_dtype: Any = None
+    # Whether the reference computes HF's softmax load-balancing loss (DeepSeek-V3, Llama 4: none; aux_loss 0).
+    has_router_aux_loss: bool = True
+    # Which dim of each expert weight tensor parallelism splits (`ShardedExperts.intermediate_dims`; None: the
+    # [E, 2I, H] / [E, H, I] layout).
+    experts_intermediate_dims: Mapping[str, int | str] | None = None
+
+    def sparse_layers(self, config) -> list[int]:
+        return [layer for layer in range(config.num_hidden_layers) if self.is_sparse(config, layer)]
+
+    def layer_signature(self, config, layer: int) -> tuple:
+        """What besides its parameters makes a layer's math differ from another's: consecutive layers with
+        equal signatures (and parameter layouts) share one scan."""
+        return self.is_sparse(config, layer), tuple(sorted(self.attention_options(config, layer).items()))
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make a family known by its HF `model_type` (the facade builds its model class from it)."""
+    FAMILIES[family.model_type] = family
+    return family
