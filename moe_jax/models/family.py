@@ -7,7 +7,7 @@ RoPE attention, softmax router, SwiGLU experts [E, 2I, H] / [E, H, I]).
 
     FAMILY = register_family(Family(
         model_type="mixtral", architecture="MixtralForCausalLM", config_class=MixtralConfig,
-        tp_plan={...}, route=route, moe_block=moe_block,
+        tp_plan={...}, route=route, moe_block=moe_block,  # route: Mixtral's fp32 softmax top-k
         experts_intermediate_size=lambda config: config.intermediate_size,
     ))
 
@@ -33,6 +33,7 @@ from ..nn.activations import get_activation
 from ..nn.attention import attention, cached_attention
 from ..nn.moe import sparse_moe_block
 from ..ops.experts import swiglu_experts
+from ..ops.routing import softmax_top_k
 
 # Every family here shards its experts the same way under EP (HF's base_model_ep_plan of each config).
 EXPERTS_EP_PLAN = {
@@ -100,7 +101,19 @@ def experts_then_router(tree: ModuleTree, config, intermediate: int) -> None:
     declare_router(tree, config)
 
 
-# ---- math ------------------------------------------------------------------------------------------------
+# ---- structure and math --------------------------------------------------------------------------------
+def sparse_step_layers(config, layer: int) -> bool:
+    """Qwen's rule: MoE unless the layer is in mlp_only_layers or off the decoder_sparse_step grid."""
+    return (layer not in config.mlp_only_layers and config.num_experts > 0
+            and (layer + 1) % config.decoder_sparse_step == 0)
+
+
+def softmax_route(config, router_logits):
+    """router_logits: [N, E] -> (softmax top-k weights [N, K] in the logits' dtype, renormalised when
+    config.norm_topk_prob; expert ids [N, K])."""
+    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
+
+
 def swiglu(config, backend: str | None) -> Callable:
     """The experts of most families: SwiGLU on [E, 2I, H] / [E, H, I] (`ops.experts.swiglu_experts`)."""
     return partial(swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
@@ -140,7 +153,7 @@ class Family:
     model_type: str
     architecture: str  # HF's ForCausalLM class name: the facade class's name, and error texts'
     config_class: Any  # a frozen dataclass with `from_dict` / `to_dict` (`models.config.HFConfigMixin`)
-    route: Callable
+    route: Callable = softmax_route
     # HF's config class's plans, relative to the base model (`base_model_tp_plan`, ...).
     tp_plan: Mapping[str, str] | None = None
     ep_plan: Mapping[str, str] | None = field(default_factory=lambda: dict(EXPERTS_EP_PLAN))

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..module_tree import ModuleTree
-from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
 from .family import Family, declare_attention, register_family
 
@@ -89,11 +88,6 @@ def declare_full_width_qk_norm_attention(tree: ModuleTree, config: OlmoeConfig, 
     tree.norm("k_norm", config.num_key_value_heads * config.head_dim)
 
 
-def route(config: OlmoeConfig, router_logits):
-    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
-
-
 FAMILY = register_family(Family(
     model_type="olmoe",
     architecture="OlmoeForCausalLM",
@@ -107,7 +101,6 @@ FAMILY = register_family(Family(
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
     },
-    route=route,
     declare_attention=declare_full_width_qk_norm_attention,
     # OLMoE has no dense layers; its experts use intermediate_size.
     experts_intermediate_size=lambda config: config.intermediate_size,

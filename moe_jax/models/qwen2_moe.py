@@ -21,9 +21,15 @@ from typing import ClassVar
 from ..module_tree import ModuleTree
 from ..nn.mlp import mlp
 from ..nn.moe import shared_expert_output
-from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
-from .family import Family, declare_dense_mlp, register_family, routed_experts_block, router_then_experts
+from .family import (
+    Family,
+    declare_dense_mlp,
+    register_family,
+    routed_experts_block,
+    router_then_experts,
+    sparse_step_layers,
+)
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -104,11 +110,6 @@ class Qwen2MoeConfig(HFConfigMixin):
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
-def is_sparse(config: Qwen2MoeConfig, layer: int) -> bool:
-    return (layer not in config.mlp_only_layers and config.num_experts > 0
-            and (layer + 1) % config.decoder_sparse_step == 0)
-
-
 def declare_qkv_bias_attention(tree: ModuleTree, config: Qwen2MoeConfig, layer: int) -> None:
     """q/k/v with bias per qkv_bias, o_proj without."""
     hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
@@ -124,11 +125,6 @@ def declare_sparse_mlp(tree: ModuleTree, config: Qwen2MoeConfig, intermediate: i
     with tree.module("shared_expert"):
         declare_dense_mlp(tree, config, config.shared_expert_intermediate_size)
     tree.linear("shared_expert_gate", 1, config.hidden_size)
-
-
-def route(config: Qwen2MoeConfig, router_logits):
-    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
 
 
 def moe_block(config: Qwen2MoeConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
@@ -155,8 +151,7 @@ FAMILY = register_family(Family(
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     },
-    route=route,
-    is_sparse=is_sparse,
+    is_sparse=sparse_step_layers,
     declare_attention=declare_qkv_bias_attention,
     declare_sparse_mlp=declare_sparse_mlp,
     moe_block=moe_block,

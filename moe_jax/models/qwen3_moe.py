@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..module_tree import ModuleTree
-from ..ops.routing import softmax_top_k
 from .config import HFConfigMixin
-from .family import Family, declare_attention, experts_then_router, register_family
+from .family import Family, declare_attention, experts_then_router, register_family, sparse_step_layers
 
 
 @dataclass(frozen=True)
@@ -59,22 +58,11 @@ class Qwen3MoeConfig(HFConfigMixin):
         return self.sliding_window if self.use_sliding_window else None
 
 
-def is_sparse(config: Qwen3MoeConfig, layer: int) -> bool:
-    """MoE unless the layer is in mlp_only_layers or off the decoder_sparse_step grid."""
-    return (layer not in config.mlp_only_layers and config.num_experts > 0
-            and (layer + 1) % config.decoder_sparse_step == 0)
-
-
 def declare_qk_norm_attention(tree: ModuleTree, config: Qwen3MoeConfig, layer: int) -> None:
     """q/k/v/o (bias per attention_bias), then an RMSNorm over each head's q and k."""
     declare_attention(tree, config, layer, bias=config.attention_bias)
     tree.norm("q_norm", config.head_dim)
     tree.norm("k_norm", config.head_dim)
-
-
-def route(config: Qwen3MoeConfig, router_logits):
-    """router_logits: [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
 
 
 FAMILY = register_family(Family(
@@ -95,8 +83,7 @@ FAMILY = register_family(Family(
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     },
-    route=route,
-    is_sparse=is_sparse,
+    is_sparse=sparse_step_layers,
     declare_attention=declare_qk_norm_attention,
     declare_sparse_mlp=experts_then_router,  # HF registers the experts before the router here
     attention_options=lambda config, layer: {"qk_norm_kind": "per_head", "sliding_window": config.attention_window},
