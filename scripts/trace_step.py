@@ -1,7 +1,10 @@
-"""Where one device's train step spends its time, op by op, from XLA's own profiler (CPU).
+"""Where a train step spends its time, op by op, from XLA's own profiler (CPU).
 
     python scripts/trace_step.py [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
-                                 [--ops-of decoder.py]
+                                 [--ops-of decoder.py] [--tp 2 --fsdp 2 --ep 4 --ep-implementation all_to_all]
+
+With a layout (--tp / --fsdp / --ep) the step runs on that many virtual CPU devices and the op times are
+summed over the devices' threads (thread time, not wall time).
 
 bench_vs_reference's Qwen3-MoE (hidden 256, 4 layers, 16 experts top-4, vocab 4096), fp32, AdamW, one
 device. The compiled step runs `--steps` times under `jax.profiler.trace`; every executed HLO op of the trace
@@ -30,11 +33,25 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+
+def _layout_devices(argv: list[str]) -> int:
+    """Devices the command line's layout needs (read before JAX starts, to size the virtual CPU devices)."""
+    sizes = {flag: 1 for flag in ("--tp", "--fsdp")}
+    for flag in sizes:
+        if flag in argv:
+            sizes[flag] = int(argv[argv.index(flag) + 1])
+    return sizes["--tp"] * sizes["--fsdp"]
+
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={_layout_devices(sys.argv)}").strip()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from scripts.bench_vs_reference import CONFIG  # noqa: E402
@@ -157,13 +174,22 @@ def main() -> int:
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops-of", default=None, help="also list the ops attributed to sources containing this text")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--ep-implementation", default="auto")
     args = parser.parse_args()
     scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
-    model = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1], scan_layers=scan)
+    devices = args.tp * args.fsdp
+    layout = (None if devices == 1 and args.ep == 1 else
+              DistributedConfig(tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep,
+                                ep_implementation=args.ep_implementation))
+    model = Qwen3MoeForCausalLM(CONFIG, layout, devices=jax.devices()[:devices], scan_layers=scan)
     model.init_params(seed=0)
     train_step = make_train_step(model, optax.adamw(1e-4))
     batch = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
-    state = train_step.init_state()
+    capacity = model.capacity_schedule.largest if model.layout.ep_size > 1 else None
+    state = train_step.init_state(capacity=capacity)
     hlo_text = train_step.lower(state, batch).compile().as_text()
     sources, signatures = op_sources(hlo_text), op_signatures(hlo_text)
 
@@ -196,7 +222,8 @@ def main() -> int:
     rate = max(dense_rate(tokens * CONFIG["num_experts_per_tok"], CONFIG["hidden_size"], 2 * CONFIG["moe_intermediate_size"]),
                dense_rate(tokens, CONFIG["hidden_size"], CONFIG["hidden_size"]),
                dense_rate(tokens, CONFIG["hidden_size"], CONFIG["vocab_size"]))
-    print(f"one device, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
+    where = "one device" if layout is None else f"tp{args.tp} fsdp{args.fsdp} ep{args.ep} {args.ep_implementation}"
+    print(f"{where}, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
           f"({tokens / step_seconds:.0f} tokens/s), ops in the trace {traced:.0f} ms of thread time per step")
     print(f"matmul FLOPs (fwd + bwd = 3x fwd) {flops / 1e9:.1f} GFLOP; dense matmul rate of this run {rate / 1e9:.0f} "
           f"GFLOP/s -> hardware-limited step {flops / rate * 1e3:.0f} ms ({tokens / (flops / rate):.0f} tokens/s); "
@@ -209,9 +236,10 @@ def main() -> int:
         print(f"  {ms:8.1f}  {100 * ms / traced:5.1f}%  {direction}  {source}")
     if args.ops_of:
         print(f"\nops of sources containing {args.ops_of!r} (top {args.top}):")
-        ops = [(ms, op) for op, ms in per_step.items() if args.ops_of in sources.get(op, ("",))[0]]
+        source_of = {op: sources.get(op, ("(no metadata)", False)) for op in per_step}
+        ops = [(ms, op) for op, ms in per_step.items() if args.ops_of in source_of[op][0]]
         for ms, op in sorted(ops, reverse=True)[: args.top]:
-            direction = "bwd" if sources[op][1] else "fwd"
+            direction = "bwd" if source_of[op][1] else "fwd"
             print(f"  {ms:8.1f}  {kind_of(op):<24} {direction}  {op}  {signatures.get(op, '')}")
     return 0
 
