@@ -3,6 +3,7 @@
     pip install torch==2.13.0 transformers==5.23.0 accelerate   # the reference (its distributed loading needs
                                                               # accelerate); needed by this script only
     python scripts/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
+                                         [--size default|large] [--huge-pages on|off]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
 each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
@@ -13,6 +14,10 @@ each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same 
 and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
 |logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
 sequential (the machine is shared: read the ratios, not the absolute figures).
+
+`--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
+runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
+does (moe_jax/cli/host_memory.py); `off` runs both without it. The header says which.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16,
               num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False)
+SIZES = {
+    "default": CONFIG,
+    "large": {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 512,
+              "num_hidden_layers": 8, "head_dim": 64, "num_experts": 32},
+}
 # name -> DistributedConfig kwargs (None: one process / one device)
 LAYOUTS = {
     "single": None,
@@ -52,18 +62,18 @@ def implementations(layout: dict | None) -> list[str]:
     return names
 
 
-def build(workdir: Path, batch: int, seq: int) -> None:
+def build(workdir: Path, batch: int, seq: int, config: dict) -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**CONFIG), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config), dtype=torch.float32)
     with torch.no_grad():  # a sharper router: top-k choices far from ties, so both sides route alike
         for name, parameter in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 parameter.mul_(20.0)
     model.save_pretrained(workdir / "checkpoint")
-    ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (batch, seq)).astype(np.int64)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (batch, seq)).astype(np.int64)
     np.save(workdir / "ids.npy", ids)
 
 
@@ -155,10 +165,25 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
 
 
 # ---- driver -------------------------------------------------------------------------------------------
-def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int) -> dict:
+def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
+    """`environ` with glibc's hugetlb tunable added (where it applies) or removed, and a line saying which."""
+    from moe_jax.cli.host_memory import TUNABLE, huge_page_tunables
+
+    kept = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item and not item.startswith(TUNABLE)]
+    environ = {key: value for key, value in environ.items() if key != "GLIBC_TUNABLES"}
+    if kept:
+        environ["GLIBC_TUNABLES"] = ":".join(kept)
+    if huge_pages and (tunables := huge_page_tunables(environ)) is not None:
+        environ["GLIBC_TUNABLES"] = tunables
+    value = environ.get("GLIBC_TUNABLES")
+    return environ, f"GLIBC_TUNABLES={value}" if value else "GLIBC_TUNABLES unset"
+
+
+def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
+               base_environ: dict | None = None) -> dict:
     arguments = [__file__, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
                  implementation, "--steps", str(steps)]
-    environ = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    environ = dict(base_environ or os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     layout = LAYOUTS[layout_name]
     devices = 1 if layout is None else layout.get("tp_size", 1) * layout.get("fsdp_size", 1)
     if side == "reference" and layout is not None:
@@ -180,6 +205,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed calls per figure (after one warm-up)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="both sides with glibc's hugetlb tunable (where it applies) or both without")
     parser.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="single", help=argparse.SUPPRESS)
@@ -194,20 +222,23 @@ def main() -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    build(workdir, args.batch, args.seq)
+    sys.path.insert(0, str(ROOT))
+    environ, host_memory = host_memory_environ(dict(os.environ), args.huge_pages == "on")
+    build(workdir, args.batch, args.seq, SIZES[args.size])
     tokens = args.batch * args.seq
     rows = []
     for name in args.layouts.split(","):
         for implementation in implementations(LAYOUTS[name]):
-            reference = run_worker("reference", workdir, name, implementation, args.steps)
-            ours = run_worker("ours", workdir, name, implementation, args.steps)
+            reference = run_worker("reference", workdir, name, implementation, args.steps, environ)
+            ours = run_worker("ours", workdir, name, implementation, args.steps, environ)
             baseline = np.load(workdir / "logits_reference_single_-.npy")
             differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
                                                - baseline))) for side in ("reference", "ours")]
             rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
                          tokens / reference["train_s"], tokens / ours["train_s"], *differences))
             print(f"done: {name} {implementation}", file=sys.stderr, flush=True)
-    print(f"batch {args.batch} x {args.seq} tokens; tokens/s (higher is better); max |logits - 1-process reference|")
+    print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}; tokens/s "
+          "(higher is better); max |logits - 1-process reference|")
     print(f"{'layout':<15}{'ep_impl':<12}{'fwd ref':>10}{'fwd ours':>10}{'ratio':>8}{'train ref':>11}"
           f"{'train ours':>11}{'ratio':>8}{'diff ref':>10}{'diff ours':>10}")
     for name, implementation, fwd_ref, fwd_ours, train_ref, train_ours, diff_ref, diff_ours in rows:

@@ -172,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
+def entry() -> None:
+    """The `moe-jax` script and `python -m moe_jax.cli`: restarts once with huge pages for XLA:CPU's host
+    buffers where they help (`host_memory`), then runs `main` and exits with its status."""
+    from .host_memory import restart_with_huge_pages
+
+    restart_with_huge_pages(sys.argv[1:])
+    sys.exit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. A bad request prints one `error: ...` line on stderr and returns 2, as argparse
     does for bad flags; 0 is success, 1 a failed check (the demo's sharded and single-device disagree). A

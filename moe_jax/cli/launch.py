@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..distributed.runtime import FAILURE_REPORTS
+from .host_memory import huge_page_tunables
 
 POLL_S = 0.05
 SETTLE_S = 0.3  # after a first failure, for the others close behind it (see _blame)
@@ -84,6 +85,8 @@ def process_environ(base: Mapping[str, str], index: int, nproc: int, port: int,
                 raise ValueError(f"--nproc {nproc} x --devices-per-process {count} needs {nproc * count} GPUs but "
                                  f"CUDA_VISIBLE_DEVICES lists {len(visible)}.")
             environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * count:(index + 1) * count])
+    if (tunables := huge_page_tunables(environ)) is not None:
+        environ["GLIBC_TUNABLES"] = tunables  # huge pages for XLA:CPU's buffers, any command (host_memory)
     return environ
 
 
