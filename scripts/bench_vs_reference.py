@@ -164,6 +164,16 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
     print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
 
 
+def rate_worker(workdir: Path) -> None:
+    """The dense-matmul rate of this machine at the model's shapes (one device), for the ceiling column."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.timing import model_dense_rate
+
+    config = json.loads((workdir / "checkpoint" / "config.json").read_text())
+    tokens = int(np.load(workdir / "ids.npy").size)
+    print(json.dumps({"rate": model_dense_rate(config, tokens)}))
+
+
 # ---- driver -------------------------------------------------------------------------------------------
 def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
     """`environ` with glibc's hugetlb tunable added (where it applies) or removed, and a line saying which."""
@@ -210,6 +220,7 @@ def main() -> int:
                         help="both sides with glibc's hugetlb tunable (where it applies) or both without")
     parser.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rate-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="single", help=argparse.SUPPRESS)
     parser.add_argument("--implementation", default="-", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -218,6 +229,9 @@ def main() -> int:
         return 0
     if args.ours_worker:
         ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps)
+        return 0
+    if args.rate_worker:
+        rate_worker(Path(args.rate_worker))
         return 0
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
@@ -237,13 +251,23 @@ def main() -> int:
             rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
                          tokens / reference["train_s"], tokens / ours["train_s"], *differences))
             print(f"done: {name} {implementation}", file=sys.stderr, flush=True)
+    # The hardware ceiling: the train step's matmul FLOPs (3x the forward's) at the dense-matmul rate of this
+    # machine, measured now at the model's shapes (scripts/timing.py); every layout shares the same cores.
+    sys.path.insert(0, str(ROOT))
+    from scripts.timing import matmul_flops_per_token
+
+    rate = run_worker("rate", workdir, "single", "-", args.steps, environ)["rate"]
+    ceiling = rate / (3 * matmul_flops_per_token(SIZES[args.size], args.seq))   # train tokens/s
     print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}; tokens/s "
           "(higher is better); max |logits - 1-process reference|")
+    print(f"dense matmul rate {rate / 1e9:.0f} GFLOP/s -> train-step ceiling {ceiling:.0f} tokens/s; 'ceil': the "
+          "train step's share of it")
     print(f"{'layout':<15}{'ep_impl':<12}{'fwd ref':>10}{'fwd ours':>10}{'ratio':>8}{'train ref':>11}"
-          f"{'train ours':>11}{'ratio':>8}{'diff ref':>10}{'diff ours':>10}")
+          f"{'train ours':>11}{'ratio':>8}{'ceil ref':>9}{'ceil ours':>10}{'diff ref':>10}{'diff ours':>10}")
     for name, implementation, fwd_ref, fwd_ours, train_ref, train_ours, diff_ref, diff_ours in rows:
         print(f"{name:<15}{implementation:<12}{fwd_ref:>10.0f}{fwd_ours:>10.0f}{fwd_ours / fwd_ref:>7.2f}x"
-              f"{train_ref:>11.0f}{train_ours:>11.0f}{train_ours / train_ref:>7.2f}x{diff_ref:>10.1e}{diff_ours:>10.1e}")
+              f"{train_ref:>11.0f}{train_ours:>11.0f}{train_ours / train_ref:>7.2f}x{train_ref / ceiling:>8.0%}"
+              f"{train_ours / ceiling:>10.0%}{diff_ref:>10.1e}{diff_ours:>10.1e}")
     return 0
 
 

@@ -47,7 +47,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={_layout_devices(sys.argv)}").strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -55,7 +54,7 @@ from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from scripts.bench_vs_reference import CONFIG  # noqa: E402
-from scripts.timing import median_seconds  # noqa: E402
+from scripts.timing import matmul_flops_per_token, model_dense_rate  # noqa: E402
 
 OP_METADATA = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
 OP_KINDS = (("matmul", ("ynn_fusion", "dot", "dot_general", "convolution")), ("copy", ("copy", "transpose")),
@@ -152,20 +151,6 @@ def kind_of(op: str) -> str:
     return "other"
 
 
-def matmul_flops_per_token(config: dict, seq: int) -> float:
-    """Forward FLOPs per token of the model's matmuls (attention scores counted in full, as computed)."""
-    h, heads, kv, d = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    attention = h * heads * d * 2 + h * kv * d * 2 + seq * d * heads * 2
-    experts = config["num_experts_per_tok"] * 3 * h * config["moe_intermediate_size"] + h * config["num_experts"]
-    return 2.0 * (config["num_hidden_layers"] * (attention + experts) + h * config["vocab_size"])
-
-
-def dense_rate(rows: int, depth: int, cols: int) -> float:
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((rows, depth)), jnp.float32)
-    b = jnp.asarray(np.random.default_rng(1).standard_normal((depth, cols)), jnp.float32)
-    return 2.0 * rows * depth * cols / median_seconds(jax.jit(jnp.matmul), a, b, repeats=10)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -217,11 +202,7 @@ def main() -> int:
         by_kind[kind_of(op)] += ms
     tokens = args.batch * args.seq
     flops = 3 * matmul_flops_per_token(CONFIG, args.seq) * tokens
-    # The practical limit: the best rate among plain dots of the model's shapes (experts' up projection,
-    # attention's q projection, lm_head), measured now.
-    rate = max(dense_rate(tokens * CONFIG["num_experts_per_tok"], CONFIG["hidden_size"], 2 * CONFIG["moe_intermediate_size"]),
-               dense_rate(tokens, CONFIG["hidden_size"], CONFIG["hidden_size"]),
-               dense_rate(tokens, CONFIG["hidden_size"], CONFIG["vocab_size"]))
+    rate = model_dense_rate(CONFIG, tokens)  # the practical limit, measured now
     where = "one device" if layout is None else f"tp{args.tp} fsdp{args.fsdp} ep{args.ep} {args.ep_implementation}"
     print(f"{where}, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
           f"({tokens / step_seconds:.0f} tokens/s), ops in the trace {traced:.0f} ms of thread time per step")
