@@ -17,7 +17,7 @@ sequential (the machine is shared: read the ratios, not the absolute figures).
 
 `--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
 runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
-does (moe_jax/cli/host_memory.py); `off` runs both without it. The header says which.
+does (moe_jax/host_memory.py); `off` runs both without it. The header says which.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def rate_worker(workdir: Path) -> None:
 # ---- driver -------------------------------------------------------------------------------------------
 def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
     """`environ` with glibc's hugetlb tunable added (where it applies) or removed, and a line saying which."""
-    from moe_jax.cli.host_memory import TUNABLE, huge_page_tunables
+    from moe_jax.host_memory import TUNABLE, huge_page_tunables
 
     kept = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item and not item.startswith(TUNABLE)]
     environ = {key: value for key, value in environ.items() if key != "GLIBC_TUNABLES"}

@@ -30,11 +30,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # subprocesses compile the same programs and find them in the cache).
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
-# Huge pages for XLA:CPU's per-execution buffers (moe_jax/cli/host_memory.py), in the environment before
+# Huge pages for XLA:CPU's per-execution buffers (moe_jax/host_memory.py), in the environment before
 # pytest-xdist starts its workers and for the subprocesses tests start; the process reading this file keeps
 # its own allocator settings (glibc reads them at start).
 if importlib.util.find_spec("jax") is not None:
-    from moe_jax.cli.host_memory import huge_page_tunables
+    from moe_jax.host_memory import huge_page_tunables
 
     if (_tunables := huge_page_tunables(os.environ)) is not None:
         os.environ["GLIBC_TUNABLES"] = _tunables

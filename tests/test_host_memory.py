@@ -1,4 +1,4 @@
-"""Huge pages for XLA:CPU's host buffers (moe_jax/cli/host_memory.py): when the tunable is added, how the
+"""Huge pages for XLA:CPU's host buffers (moe_jax/host_memory.py): when the tunable is added, how the
 command restarts itself with it, and that the launcher hands it to every process."""
 
 from __future__ import annotations
@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-from moe_jax.cli import host_memory
-from moe_jax.cli.host_memory import (
+from moe_jax import host_memory
+from moe_jax.host_memory import (
     TUNABLE,
     huge_page_tunables,
     restart_with_huge_pages,
@@ -90,3 +91,33 @@ def test_the_launcher_gives_every_process_the_tunable():
         env=environ, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(f"tunables {TUNABLE}=1") == 2, result.stdout
+
+
+def test_a_process_started_without_it_is_told_once(monkeypatch):
+    monkeypatch.setattr(host_memory, "_warned", False)
+    monkeypatch.setattr(host_memory, "starting_environ", lambda: {"PATH": "/usr/bin"})
+    monkeypatch.setattr(host_memory, "huge_page_tunables", lambda environ: f"{TUNABLE}=1")
+    with pytest.warns(UserWarning, match="GLIBC_TUNABLES=glibc.malloc.hugetlb=1"):
+        host_memory.warn_without_huge_pages()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host_memory.warn_without_huge_pages()  # once per process
+
+
+def test_no_word_when_started_with_it_or_opted_out(monkeypatch):
+    monkeypatch.setattr(host_memory, "_warned", False)
+    monkeypatch.setattr(host_memory, "starting_environ", lambda: {"GLIBC_TUNABLES": f"{TUNABLE}=1"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host_memory.warn_without_huge_pages()
+        monkeypatch.setattr(host_memory, "starting_environ", lambda: {})
+        monkeypatch.setenv("MOE_JAX_HUGE_PAGES", "0")
+        host_memory.warn_without_huge_pages()
+
+
+def test_starting_environ_reads_the_process_environment(tmp_path):
+    environ = tmp_path / "environ"
+    environ.write_bytes(b"A=1\0GLIBC_TUNABLES=glibc.malloc.hugetlb=1\0B=x=y\0")
+    assert host_memory.starting_environ(environ) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+                                                     "B": "x=y"}
+    assert host_memory.starting_environ(tmp_path / "missing") is None

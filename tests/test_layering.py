@@ -34,6 +34,7 @@ LAYER_OF_PATH = {
     "moe_jax/checkpoint_files.py": "leaf",
     "moe_jax/module_tree.py": "leaf",
     "moe_jax/parameter_dtypes.py": "leaf",
+    "moe_jax/host_memory.py": "leaf",
     "moe_jax/tokenization.py": "leaf",
     "moe_jax/ops/": "ops",
     "moe_jax/distributed/": "distributed",

@@ -36,6 +36,7 @@ from ..distributed.experts import ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
+from ..host_memory import warn_without_huge_pages
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
 from ..models.core import ModelCore, model_axis_rules, step_math
@@ -104,6 +105,8 @@ class MoeForCausalLM(PlannedModel):
             )
         self.layout = DeviceLayout.from_config(self.distributed_config)
         self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
+        if self.mesh is not None and self.mesh.devices.flat[0].platform == "cpu":
+            warn_without_huge_pages()  # XLA:CPU's buffers on 4 KiB pages: say how to start Python (host_memory)
         self.resolved_plans = resolve_parallel_plans(self, self.distributed_config)
         self.param_layouts = parameter_shardings(self.module_tree, self.resolved_plans, self.distributed_config)
         if self.resolved_plans.ep and "ep_dispatch_experts" not in self.resolved_plans.ep.values():

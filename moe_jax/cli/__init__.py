@@ -175,7 +175,7 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError)
 def entry() -> None:
     """The `moe-jax` script and `python -m moe_jax.cli`: restarts once with huge pages for XLA:CPU's host
     buffers where they help (`host_memory`), then runs `main` and exits with its status."""
-    from .host_memory import restart_with_huge_pages
+    from ..host_memory import restart_with_huge_pages
 
     restart_with_huge_pages(sys.argv[1:])
     sys.exit(main())

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..distributed.runtime import FAILURE_REPORTS
-from .host_memory import huge_page_tunables
+from ..host_memory import huge_page_tunables
 
 POLL_S = 0.05
 SETTLE_S = 0.3  # after a first failure, for the others close behind it (see _blame)
