@@ -241,7 +241,12 @@ def main() -> int:
     build(workdir, args.batch, args.seq, SIZES[args.size])
     tokens = args.batch * args.seq
     rows = []
-    for name in args.layouts.split(","):
+    names = args.layouts.split(",")
+    if unknown := sorted(set(names) - set(LAYOUTS)):
+        parser.error(f"--layouts names {unknown}; choose from {', '.join(LAYOUTS)}")
+    if "single" not in names:  # the one-process reference is every row's logits baseline
+        names.insert(0, "single")
+    for name in names:
         for implementation in implementations(LAYOUTS[name]):
             reference = run_worker("reference", workdir, name, implementation, args.steps, environ)
             ours = run_worker("ours", workdir, name, implementation, args.steps, environ)
