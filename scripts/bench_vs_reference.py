@@ -10,7 +10,9 @@ each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same 
 - the reference: Transformers on one process, and under `torchrun --nproc-per-node 4` (gloo) with
   `DistributedConfig(...)` for tp4/ep4, fsdp4/ep4, tp2/fsdp2/ep4, each ep_implementation that applies;
   with data parallelism each rank feeds its rows of the global batch, as the reference's docs say;
-- moe_jax on 1 and on 4 virtual CPU devices with the same layouts,
+- moe_jax on 1 and on 4 virtual CPU devices with the same layouts, at the dispatch capacity its `forward` and
+  `TrainLoop` settle at for the batch (what a call at the largest capacity required), the train steps run by
+  `TrainLoop` as users run them (overflowed steps replayed at a larger capacity, replays included in the time),
 and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
 |logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
 sequential (the machine is shared: read the ratios, not the absolute figures).
@@ -133,13 +135,22 @@ def reference_worker(workdir: Path, layout_name: str, implementation: str, steps
 
 
 # ---- moe_jax (one process, on as many virtual devices as the layout needs) ---------------------------
+def settled_capacity(model, batch, inference: bool) -> float | None:
+    """The dispatch capacity `forward` / `TrainLoop` settle at for this batch (what a call at the largest capacity
+    required, a rung of the model's ladder); None without dispatch (ep 1)."""
+    if model.layout.ep_size == 1:
+        return None
+    probe = model.apply(model.params, batch, capacity=model.capacity_schedule.largest, inference=inference)
+    return model.capacity_schedule.check(float(probe.statistics.required_capacity))
+
+
 def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int) -> None:
     import jax
     import optax
 
     sys.path.insert(0, str(ROOT))
     from moe_jax import AutoModelForCausalLM, DistributedConfig
-    from moe_jax.training import make_train_step
+    from moe_jax.training import TrainLoop, make_train_step
 
     layout = LAYOUTS[layout_name]
     config = None if layout is None else DistributedConfig(**layout, ep_implementation=implementation)
@@ -147,19 +158,33 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
                                                  devices=jax.devices()[:1] if layout is None else None)
     ids = np.load(workdir / "ids.npy").astype(np.int32)
     batch = jax.device_put(ids, model.batch_sharding())
-    capacity = model.capacity_schedule.largest if model.layout.ep_size > 1 else None
-    forward = jax.jit(lambda params, ids: model.apply(params, ids, capacity=capacity).logits)
+    forward_capacity, train_capacity = settled_capacity(model, batch, True), settled_capacity(model, batch, False)
+    print(f"capacity: forward {forward_capacity}, training starts at {train_capacity}", file=sys.stderr)
+    forward = jax.jit(lambda params, ids: model.apply(params, ids, capacity=forward_capacity).logits)
+    output = model.apply(model.params, batch, capacity=forward_capacity)
+    if forward_capacity is not None and int(output.statistics.dropped):
+        sys.exit(f"the forward dropped pairs at capacity {forward_capacity}")
     logits = np.asarray(forward(model.params, batch))
     forward_s = timed(lambda: jax.block_until_ready(forward(model.params, batch)), steps)
 
+    # Training as users run it: TrainLoop (one step in flight, overflowed steps replayed at a larger capacity,
+    # the capacity moved by the model's CapacitySchedule), on the same batch every step.
     train_step = make_train_step(model, optax.adamw(LEARNING_RATE, weight_decay=0.01), grad_clip=None)
-    state = {"value": train_step.init_state(capacity=capacity)}
 
-    def step():
-        state["value"], metrics = train_step(state["value"], {"input_ids": batch})
-        jax.block_until_ready(metrics["loss"])
+    class SameBatch:
+        def batch(self, index: int) -> dict:
+            return {"input_ids": ids}
 
-    train_s = timed(step, steps)
+    loop = TrainLoop(train_step, SameBatch())
+    # Warm-up: long enough for the capacity to climb and step down (patience) once, compiling each rung it visits.
+    warm_up = 2 + 3 * model.capacity_schedule.patience
+    state, capacity_state = loop.run(train_step.init_state(capacity=train_capacity), until_step=warm_up)
+    replays = loop.replays
+    start = time.perf_counter()
+    state, capacity_state = loop.run(state, until_step=warm_up + steps, capacity_state=capacity_state)
+    train_s = (time.perf_counter() - start) / steps
+    print(f"timed steps: {loop.replays - replays} replays, final capacity "
+          f"{None if capacity_state is None else capacity_state.capacity}", file=sys.stderr)
     np.save(workdir / f"logits_ours_{layout_name}_{implementation}.npy", logits)
     print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
 
@@ -212,7 +237,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=4, help="timed calls per figure (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed calls per figure (after one warm-up call; ours: after TrainLoop's warm-up steps)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
