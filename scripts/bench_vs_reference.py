@@ -3,7 +3,7 @@
     pip install torch==2.13.0 transformers==5.23.0 accelerate   # the reference (its distributed loading needs
                                                               # accelerate); needed by this script only
     python scripts/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
-                                         [--size default|large] [--huge-pages on|off]
+                                         [--size default|large] [--huge-pages on|off] [--warm-up N]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
 each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
@@ -144,7 +144,7 @@ def settled_capacity(model, batch, inference: bool) -> float | None:
     return model.capacity_schedule.check(float(probe.statistics.required_capacity))
 
 
-def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int) -> None:
+def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int, warm_up: int | None) -> None:
     import jax
     import optax
 
@@ -177,7 +177,8 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
 
     loop = TrainLoop(train_step, SameBatch())
     # Warm-up: long enough for the capacity to climb and step down (patience) once, compiling each rung it visits.
-    warm_up = 2 + 3 * model.capacity_schedule.patience
+    if warm_up is None:
+        warm_up = 2 + 3 * model.capacity_schedule.patience
     state, capacity_state = loop.run(train_step.init_state(capacity=train_capacity), until_step=warm_up)
     replays = loop.replays
     start = time.perf_counter()
@@ -215,9 +216,11 @@ def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
 
 
 def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
-               base_environ: dict | None = None) -> dict:
+               base_environ: dict | None = None, warm_up: int | None = None) -> dict:
     arguments = [__file__, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
                  implementation, "--steps", str(steps)]
+    if side == "ours" and warm_up is not None:
+        arguments += ["--warm-up", str(warm_up)]
     environ = dict(base_environ or os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     layout = LAYOUTS[layout_name]
     devices = 1 if layout is None else layout.get("tp_size", 1) * layout.get("fsdp_size", 1)
@@ -239,6 +242,10 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8,
                         help="timed calls per figure (after one warm-up call; ours: after TrainLoop's warm-up steps)")
+    parser.add_argument("--warm-up", type=int, default=None,
+                        help="ours: TrainLoop steps before the timed ones (default 2 + 3 x the schedule's patience: "
+                             "the capacity climbs and steps down once, each rung compiled); at --size large, "
+                             "patience + 4 with --steps patience + 1 keeps the run in minutes")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
@@ -254,7 +261,7 @@ def main() -> int:
         reference_worker(Path(args.reference_worker), args.layout, args.implementation, args.steps)
         return 0
     if args.ours_worker:
-        ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps)
+        ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps, args.warm_up)
         return 0
     if args.rate_worker:
         rate_worker(Path(args.rate_worker))
@@ -275,7 +282,7 @@ def main() -> int:
     for name in names:
         for implementation in implementations(LAYOUTS[name]):
             reference = run_worker("reference", workdir, name, implementation, args.steps, environ)
-            ours = run_worker("ours", workdir, name, implementation, args.steps, environ)
+            ours = run_worker("ours", workdir, name, implementation, args.steps, environ, args.warm_up)
             baseline = np.load(workdir / "logits_reference_single_-.npy")
             differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
                                                - baseline))) for side in ("reference", "ours")]
