@@ -43,6 +43,19 @@ class LazyTensor(ABC):
         """Where the values come from, for error messages."""
 
 
+class ZerosTensor(LazyTensor):
+    """Zeros of a shape and dtype, read from no file (a pipeline group's rows for a stage without the layer)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    def read(self, index: tuple[slice, ...]) -> np.ndarray:
+        return np.zeros(tuple(s.stop - s.start for s in index), self.dtype)
+
+    def describe(self) -> str:
+        return f"zeros {list(self.shape)} {self.dtype}"
+
+
 class CheckpointTensor(LazyTensor):
     """One tensor of a checkpoint file."""
 

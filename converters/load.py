@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .key_maps import KeyMap, key_map_for
-from .lazy_tensors import StackedTensor
+from .lazy_tensors import StackedTensor, ZerosTensor
 from .load_plan import ParamSource, plan_load
 from .safetensors_io import SafetensorsCheckpoint, normalize_index, read_request
 
@@ -96,11 +96,12 @@ def stack_layer_sources(sources: dict[str, ParamSource], layer_stack) -> dict[st
     """Per-layer sources -> one source per storage name (a scanned run: a lazy stack over its layers)."""
     stacked = {}
     for storage, members in layer_stack.members.items():
-        parts = [sources[name] for name in members]
+        parts = [sources[name] for name in members if name is not None]
         if not layer_stack.is_stacked(storage):
             stacked[storage] = parts[0]
             continue
-        tensor = StackedTensor([part.tensor for part in parts])
+        zeros = ZerosTensor(parts[0].shape, parts[0].tensor.dtype)  # rows of a pipeline stage without the layer
+        tensor = StackedTensor([zeros if name is None else sources[name].tensor for name in members])
         stacked[storage] = ParamSource(storage, tensor, tuple(key for part in parts for key in part.hub_keys),
                                        stacked_layers=True)
     return stacked

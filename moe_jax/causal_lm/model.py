@@ -33,7 +33,7 @@ from ..distributed.activations import ActivationLayouts, LogicalAxisRules
 from ..distributed.capacity import CapacitySchedule
 from ..distributed.config import DistributedConfig
 from ..distributed.experts import ShardedExperts, experts_mode
-from ..distributed.mesh import DeviceLayout, build_mesh
+from ..distributed.mesh import PP, DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..host_memory import warn_without_huge_pages
@@ -44,6 +44,7 @@ from ..models.decoder import declare_tree, head_logits
 from ..models.family import Family
 from ..models.layer_stack import LayerStack, resolve_scan_option
 from ..models.outputs import DroplessOutput, ModelOutput
+from ..models.pipeline_layout import check_pipeline_options
 from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_params
 from ..models.step_options import REMAT_POLICIES
 from ..module_tree import ModuleTree
@@ -77,12 +78,18 @@ class MoeForCausalLM(PlannedModel):
 
     def __init__(self, config, distributed_config: DistributedConfig | dict | None = None, *,
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
-                 scan_layers: bool | str | None = "auto", remat: str = "none"):
+                 scan_layers: bool | str | None = "auto", remat: str = "none",
+                 pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
+                 pipeline_repeats: int = 1):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
         scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
             (True / False / "auto": from 4 layers on). remat: what each layer keeps for the backward pass,
-            one of `REMAT_POLICIES` ("none", "full", "dots_saveable")."""
+            one of `REMAT_POLICIES` ("none", "full", "dots_saveable").
+        With `pp_size > 1` (`moe_jax.models.pipeline`): pipeline_microbatches: M, how many microbatches a batch
+            is cut into (default pp_size); pipeline_schedule: "gpipe" (the reference's split of the layers) or
+            "circular" (pipeline_repeats chunks of layers per stage, needs M >= pp_size); the three are options
+            of this library, outside `DistributedConfig`, so a reference config means the same here."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
@@ -98,11 +105,6 @@ class MoeForCausalLM(PlannedModel):
             self.tied_embedding_modules = ("model.embed_tokens", "lm_head")
         self.init_parallel_plans({"tp": family.tp_plan, "ep": family.ep_plan, "fsdp": family.fsdp_plan})
         self.distributed_config = distributed_config or DistributedConfig()
-        if self.distributed_config.pp_size > 1:
-            raise NotImplementedError(
-                f"pp_size={self.distributed_config.pp_size}: pipeline parallelism is not implemented in moe_jax "
-                "yet. Use tp_size / fsdp_size / ep_size, or pp_size=1."
-            )
         self.layout = DeviceLayout.from_config(self.distributed_config)
         self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
         if self.mesh is not None and self.mesh.devices.flat[0].platform == "cpu":
@@ -117,10 +119,17 @@ class MoeForCausalLM(PlannedModel):
                 "dispatch. Add `'<...>.mlp.experts': 'ep_dispatch_experts'` to ep_plan to dispatch tokens.",
                 UserWarning, stacklevel=2,
             )
-        self.layer_stack = LayerStack.plan(
-            self.module_tree, config.num_hidden_layers,
-            resolve_scan_option(scan_layers, config.num_hidden_layers), self._layer_signature,
-        )
+        self.pipeline_microbatches = check_pipeline_options(self.layout.pp_size, pipeline_microbatches,
+                                                            pipeline_schedule, pipeline_repeats)
+        if self.layout.pp_size > 1:
+            self.layer_stack = LayerStack.plan_pipeline(self.module_tree, config.num_hidden_layers,
+                                                        self._layer_signature, self.layout.pp_size,
+                                                        pipeline_repeats, pipeline_schedule)
+        else:
+            self.layer_stack = LayerStack.plan(
+                self.module_tree, config.num_hidden_layers,
+                resolve_scan_option(scan_layers, config.num_hidden_layers), self._layer_signature,
+            )
         self.experts_backend = experts_backend
         self.activation_layouts = ActivationLayouts(self.mesh, self.logical_axis_rules)
         # The model's one capacity ladder and schedule; its EP implementations are built with it, once.
@@ -128,7 +137,7 @@ class MoeForCausalLM(PlannedModel):
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.core = ModelCore(family=family, config=config, layer_stack=self.layer_stack,
                               experts=self.sharded_experts, layouts=self.activation_layouts, remat=remat,
-                              dispatches=self.layout.ep_size > 1)
+                              dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden",
@@ -195,16 +204,17 @@ class MoeForCausalLM(PlannedModel):
         """Storage name -> NamedSharding of `model.params` (a scanned run: its layers' spec behind an
         unsharded layer axis)."""
         shardings = {}
-        for storage, names in self.layer_stack.members.items():
-            spec = self.param_layouts[names[0]].spec
+        stage_axis = PP if self.layer_stack.pipeline is not None else None  # pipeline rows: stage by stage
+        for storage in self.layer_stack.members:
+            spec = self.param_layouts[self.layer_stack.first_member(storage)].spec
             if self.layer_stack.is_stacked(storage):
-                spec = P(None, *spec)
+                spec = P(stage_axis, *spec)
             shardings[storage] = NamedSharding(self.mesh, spec)
         return shardings
 
     def param_dtype(self, name: str) -> jnp.dtype:
         """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers."""
-        spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.members[name][0]]
+        spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.first_member(name)]
         return jnp.dtype(jnp.float32) if spec.buffer else self.dtype
 
     def storage_dtypes(self) -> dict[str, jnp.dtype]:
@@ -213,8 +223,9 @@ class MoeForCausalLM(PlannedModel):
 
     def storage_shapes(self) -> dict[str, tuple[int, ...]]:
         specs = dict(self.module_tree.named_parameters())
-        return {storage: ((len(names),) if self.layer_stack.is_stacked(storage) else ()) + specs[names[0]].shape
-                for storage, names in self.layer_stack.members.items()}
+        stack = self.layer_stack
+        return {storage: ((len(names),) if stack.is_stacked(storage) else ()) + specs[stack.first_member(storage)].shape
+                for storage, names in stack.members.items()}
 
     def batch_sharding(self) -> NamedSharding:
         axes = self.layout.batch_axes
@@ -340,11 +351,16 @@ class MoeForCausalLM(PlannedModel):
         at its own boundary, once per call."""
         self._require_mesh("apply")
         check_params(params, self.layer_stack, self.param_layouts.keys())
-        check_batch(shape, self.data_parallel_size)
+        check_batch(shape, self.data_parallel_size, self.pipeline_microbatches)
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
             capacity = None
         if cache is not None:
+            if self.layer_stack.pipeline is not None:
+                raise NotImplementedError(
+                    f"pp_size={self.layout.pp_size}: a KV cache (generate, prefill / decode) through pipeline "
+                    "stages is not implemented yet; the forward and the train step run with pipeline stages. "
+                    "Generate on a layout without pp (the checkpoint loads on any layout).")
             check_cache(cache, shape, self.layer_stack)
         return capacity, None if compute_dtype is None else jnp.dtype(compute_dtype)
 

@@ -31,7 +31,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .mesh import DeviceLayout, spec_entry
+from .mesh import PP, DeviceLayout, spec_entry
 from .plans import replace_layer_number_by_wildcard
 from .styles import ALL_PARALLEL_STYLES, SHARDED_LAST_DIM
 
@@ -125,6 +125,14 @@ class ActivationLayouts:
         spec = self.rules.spec(logical_axes, x.shape)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+    def constrain_staged(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+        """x: [stages, ...] with the stage axis over `pp` (a pipeline's per-stage state) and the other dims
+        laid out as `logical_axes` say."""
+        if not self._active:
+            return x
+        spec = self.rules.spec(logical_axes, x.shape[1:])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(PP, *spec)))
+
     def batch(self, x: jax.Array) -> jax.Array:
         """x: [B, ...] with B on the batch axes and every other dim whole (inputs, masks)."""
         return self.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
@@ -142,6 +150,7 @@ class ActivationLayouts:
             if any(row.shape[0] % rows_split for row in rows):
                 return fn(*rows)
             spec = P(spec_entry(self.rules.mesh_axes("tokens")))
-            return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec)(*rows)
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=self.mesh.shape.get(PP, 1) == 1)(*rows)  # see experts.py
 
         return run

@@ -35,7 +35,7 @@ from .expert_parallel import (
     build_ep_implementation,
     serving_call,
 )
-from .mesh import MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
+from .mesh import STAGE_MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
 
 EP_DISPATCH = "ep"
 TENSOR_PARALLEL = "tp"
@@ -96,7 +96,7 @@ class ShardedExperts:
         self.intermediate_dims = intermediate_dims or {"gate_up_proj": "packed", "down_proj": 2}
         self.groups = ExpertGroups(
             ep_axes=layout.ep_axes, tp_axes=layout.tp_axes, ep_size=layout.ep_size, tp_size=layout.tp_size,
-            all_axes=MESH_AXES,
+            all_axes=STAGE_MESH_AXES,
         )
         self.schedule = schedule if schedule is not None else CapacitySchedule.for_ep(layout.ep_size)
         self.implementation: EPImplementation | None = None
@@ -158,14 +158,19 @@ class ShardedExperts:
                 local_params["gate_up_proj"] = view.reshape(*view.shape[:2], -1)
             experts_forward = partial(self.experts_forward, **local_params)
             output, statistics = self._run_on_device(experts_forward, hidden, index, weights, inference, capacity)
-            # Counts are per device (TP ranks count disjoint slices), so the sum over every device is the total.
-            return output.astype(hidden.dtype), statistics.over_devices(MESH_AXES)
+            # Counts are per device (TP ranks count disjoint slices), so the sum over the stage's devices is the
+            # total (a pipeline stage's; the pipeline adds its stages' up where they are valid).
+            return output.astype(hidden.dtype), statistics.over_devices(STAGE_MESH_AXES)
 
         run = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(batch, batch, batch, *specs),
             out_specs=(batch, P()),
+            # Under a pipeline's vmap over stages (`spmd_axis_name="pp"`) JAX's mesh-variance types lose track of
+            # `pp` inside batched conds (jax 0.10: "requires varying manual axes to match"); the pipeline's
+            # parity tests (values and gradients against pp=1) check this body without them.
+            check_vma=self.layout.pp_size == 1,
         )
         return run(hidden_states, top_k_index, top_k_weights, *views)
 

@@ -43,6 +43,9 @@ EFSDP = "efsdp"
 EP_FSDP = "ep_fsdp"
 TP = "tp"
 MESH_AXES = (PP, DP_REPLICATE, EFSDP, EP_FSDP, TP)
+# The axes inside one pipeline stage: collectives of a layer (its experts' dispatch, their statistics) never
+# cross `pp`, where another stage runs other layers.
+STAGE_MESH_AXES = (DP_REPLICATE, EFSDP, EP_FSDP, TP)
 
 LOGICAL_GROUPS = ("batch", "fsdp", "tp", "ep", "efsdp", "dp_replicate", "pp")
 

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.mesh import DeviceLayout
-from ..ops.routing import load_balancing_loss
+from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits
 from .family import Family
 from .layer_stack import LayerStack
 from .outputs import ModelOutput
+from .pipeline import pipeline_hidden
 from .step_options import StepOptions
 
 
@@ -43,6 +44,7 @@ class ModelCore:
     layouts: ActivationLayouts
     remat: str = "none"
     dispatches: bool = False
+    microbatches: int = 1     # pipeline microbatches (with pipeline stages: `layer_stack.pipeline`)
 
 
 def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str, str], present: set[str],
@@ -79,15 +81,23 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         inference=inference, rng=rng, remat=core.remat, layouts=layouts, compute_dtype=compute_dtype, cache=cache,
     )
     nested = core.layer_stack.nest(params)
-    hidden, router_logits, statistics, cache = decoder_hidden(family, config, core.layer_stack.runs, nested,
-                                                              input_ids, attention_mask, positions, step)
-    total = DispatchStatistics.zeros()
-    for layer_statistics in statistics:
-        total = total.combine(layer_statistics)
-    aux_loss = load_balancing_loss(
-        router_logits or None, config.num_experts, config.num_experts_per_tok, attention_mask,
-        per_token=layouts.token_local,
-    ) if family.has_router_aux_loss else jnp.zeros((), jnp.float32)
+    if core.layer_stack.pipeline is not None:
+        aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
+        hidden, sums, total = pipeline_hidden(family, config, core.layer_stack.pipeline, core.microbatches, nested,
+                                              input_ids, attention_mask, positions, step, aux_sums)
+        router_logits = []   # each layer's logits stay in its stage; the aux loss comes from their sums
+        aux_loss = (load_balancing_from_sums(*sums, config.num_experts) if aux_sums
+                    else jnp.zeros((), jnp.float32))
+    else:
+        hidden, router_logits, statistics, cache = decoder_hidden(family, config, core.layer_stack.runs, nested,
+                                                                  input_ids, attention_mask, positions, step)
+        total = DispatchStatistics.zeros()
+        for layer_statistics in statistics:
+            total = total.combine(layer_statistics)
+        aux_loss = load_balancing_loss(
+            router_logits or None, config.num_experts, config.num_experts_per_tok, attention_mask,
+            per_token=layouts.token_local,
+        ) if family.has_router_aux_loss else jnp.zeros((), jnp.float32)
     if return_hidden:
         return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "vocab"))

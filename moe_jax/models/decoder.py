@@ -113,6 +113,16 @@ def run_layers(family: Family, config, run: LayerRun, weights: dict, x, rope, at
     return x, [logits[i] for i in range(count)], per_layer, run_cache
 
 
+def embedded_inputs(family: Family, config, model: dict, input_ids, positions, step: StepOptions):
+    """input_ids, positions: [B, S] -> (x [B, S, H] embedded, rope (cos, sin) [B, S, D]); model: params["model"]."""
+    x = embed(model["embed_tokens"], input_ids)
+    if step.compute_dtype is not None:
+        x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
+    x = step.layouts.constrain(x, ("batch", "length", "embed"))
+    inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(config.to_dict()))
+    return x, rotary_cos_sin(positions, inv_freq, scaling, dtype=family.rope_dtype or x.dtype)
+
+
 def decoder_hidden(family: Family, config, runs: tuple[LayerRun, ...], params, input_ids, attention_mask, positions,
                    step: StepOptions):
     """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router logits
@@ -120,12 +130,7 @@ def decoder_hidden(family: Family, config, runs: tuple[LayerRun, ...], params, i
 
     params: nested by module (`LayerStack.nest`: each run's layers under `model.layers.<run key>`)."""
     model = params["model"]
-    x = embed(model["embed_tokens"], input_ids)
-    if step.compute_dtype is not None:
-        x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
-    x = step.layouts.constrain(x, ("batch", "length", "embed"))
-    inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(config.to_dict()))
-    rope = rotary_cos_sin(positions, inv_freq, scaling, dtype=family.rope_dtype or x.dtype)
+    x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
     cache = step.cache
     key_mask = attention_mask
     if cache is not None:

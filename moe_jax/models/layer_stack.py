@@ -11,6 +11,9 @@ layer axis that is never sharded, under a storage name that spells the run's lay
 
 Everything HF-facing keeps per-layer names: the converters stack while loading (each device still reads
 only its slices) and unstack while exporting; `LayerStack.stack` / `unstack` convert in memory.
+
+With pipeline stages (`LayerStack.plan_pipeline`) the layers are stored by `PipelineLayout` groups instead
+(`model.layers.pp0-3.<rest>`, rows ordered stage by stage; rows a stage does not use are zeros, member None).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from ..module_tree import ModuleTree, NestedView
+from .pipeline_layout import PipelineLayout
 
 LAYERS_PREFIX = "model.layers"
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -62,32 +66,76 @@ def resolve_scan_option(scan_layers: bool | str | None, num_layers: int) -> bool
     raise ValueError(f"scan_layers={scan_layers!r}: use True, False or 'auto'.")
 
 
-class LayerStack:
-    """The runs of a model's layers and the map between HF parameter names and storage names."""
+def layer_signatures(tree: ModuleTree, num_layers: int, layer_signature: Callable[[int], Hashable]) -> list:
+    """Per layer: its parameters (names, shapes, dtypes) and `layer_signature(layer)`; equal for layers that can
+    share one program."""
+    shapes: dict[int, list] = {layer: [] for layer in range(num_layers)}
+    for name, spec in tree.named_parameters():
+        parts = split_layer_name(name)
+        if parts is not None:
+            shapes[parts[0]].append((parts[1], spec.shape, spec.dtype))
+    return [(tuple(shapes[layer]), layer_signature(layer)) for layer in range(num_layers)]
 
-    def __init__(self, runs: tuple[LayerRun, ...], tree: ModuleTree):
+
+class LayerStack:
+    """The runs of a model's layers (or its pipeline groups) and the map between HF parameter names and storage
+    names. `pipeline`: the `PipelineLayout` when the layers are stored by pipeline groups (then `runs` is
+    empty)."""
+
+    def __init__(self, runs: tuple[LayerRun, ...], tree: ModuleTree, pipeline: PipelineLayout | None = None):
         self.runs = runs
+        self.pipeline = pipeline
         self._run_of_layer = {layer: run for run in runs for layer in run.layers}
-        # storage name -> HF names it holds (one, or one per layer of a scanned run, in layer order)
-        self.members: dict[str, tuple[str, ...]] = {}
+        # storage name -> HF names it holds (one, or one per row of a stacked entry, in row order; None: a
+        # zero row of a pipeline group)
+        self.members: dict[str, tuple[str | None, ...]] = {}
         self._storage_of: dict[str, str] = {}
+        self._stacked: set[str] = set()
+        pipelined = self._pipeline_members(tree) if pipeline is not None else {}
+        in_groups = {name for names in pipelined.values() for name in names}
         for name, _ in tree.named_parameters():
+            if name in in_groups:
+                continue
             storage = self.storage_name(name)
             self.members[storage] = (*self.members.get(storage, ()), name)
             self._storage_of[name] = storage
+            if self._is_run_storage(storage):
+                self._stacked.add(storage)
+        for storage, names in pipelined.items():
+            self.members[storage] = names
+            self._stacked.add(storage)
+            self._storage_of.update((name, storage) for name in names if name is not None)
+        self._storage_of = {name: self._storage_of[name] for name, _ in tree.named_parameters()}  # declared order
         self._nested = NestedView(self.members)
+
+    def _pipeline_members(self, tree: ModuleTree) -> dict[str, tuple[str | None, ...]]:
+        """Pipeline storage name -> the HF name of each row (None: zeros), for every layer parameter."""
+        per_layer: dict[int, list[str]] = {}
+        for name, _ in tree.named_parameters():
+            if (parts := split_layer_name(name)) is not None:
+                per_layer.setdefault(parts[0], []).append(parts[1])
+        members = {}
+        for group in self.pipeline.groups:
+            for index, kind in enumerate(group.kinds):
+                rows = self.pipeline.members(group, index)
+                for rest in per_layer[kind.representative]:
+                    members[f"{LAYERS_PREFIX}.{group.key(index)}.{rest}"] = tuple(
+                        None if layer is None else f"{LAYERS_PREFIX}.{layer}.{rest}" for layer in rows)
+        return members
+
+    @classmethod
+    def plan_pipeline(cls, tree: ModuleTree, num_layers: int, layer_signature: Callable[[int], Hashable],
+                      stages: int, repeats: int = 1, schedule: str = "gpipe") -> LayerStack:
+        """The layers stored by the groups of `PipelineLayout.plan` (`moe_jax.models.pipeline_layout`)."""
+        signatures = layer_signatures(tree, num_layers, layer_signature)
+        return cls((), tree, PipelineLayout.plan(num_layers, stages, repeats, schedule, signatures))
 
     @classmethod
     def plan(cls, tree: ModuleTree, num_layers: int, scan: bool,
              layer_signature: Callable[[int], Hashable]) -> LayerStack:
         """Maximal runs of consecutive layers whose parameters (names, shapes, `layer_signature`) agree;
         runs of two or more layers are scanned when `scan`."""
-        shapes: dict[int, list] = {layer: [] for layer in range(num_layers)}
-        for name, spec in tree.named_parameters():
-            parts = split_layer_name(name)
-            if parts is not None:
-                shapes[parts[0]].append((parts[1], spec.shape, spec.dtype))
-        signatures = [(tuple(shapes[layer]), layer_signature(layer)) for layer in range(num_layers)]
+        signatures = layer_signatures(tree, num_layers, layer_signature)
         runs, start = [], 0
         for layer in range(1, num_layers + 1):
             if layer == num_layers or signatures[layer] != signatures[start]:
@@ -103,6 +151,8 @@ class LayerStack:
         return any(run.scanned for run in self.runs)
 
     def storage_name(self, name: str) -> str:
+        if name in self._storage_of:
+            return self._storage_of[name]
         parts = split_layer_name(name)
         if parts is None:
             return name
@@ -115,7 +165,16 @@ class LayerStack:
             raise KeyError(f"{name!r} is not a parameter of this model.")
         return self._storage_of[name]
 
+    def first_member(self, storage_name: str) -> str:
+        """The first HF parameter `storage_name` holds (a pipeline group's rows may start with zero rows)."""
+        return next(name for name in self.members[storage_name] if name is not None)
+
     def is_stacked(self, storage_name: str) -> bool:
+        """Whether `storage_name` holds several layers on a leading axis (a scanned run, a pipeline group)."""
+        return storage_name in self._stacked
+
+    @staticmethod
+    def _is_run_storage(storage_name: str) -> bool:
         parts = storage_name.split(".")
         return storage_name.startswith(LAYERS_PREFIX + ".") and "-" in parts[2]
 
@@ -126,10 +185,12 @@ class LayerStack:
 
     def stack(self, params: Mapping[str, object]) -> dict[str, object]:
         """HF-named parameters -> storage layout (stacked runs: `jnp.stack` over the run's layers)."""
-        return {
-            storage: jnp.stack([params[name] for name in names]) if self.is_stacked(storage) else params[names[0]]
-            for storage, names in self.members.items()
-        }
+        def rows(names):
+            like = params[next(name for name in names if name is not None)]
+            return jnp.stack([jnp.zeros_like(like) if name is None else params[name] for name in names])
+
+        return {storage: rows(names) if self.is_stacked(storage) else params[names[0]]
+                for storage, names in self.members.items()}
 
     def unstack(self, params: Mapping[str, object]) -> Mapping[str, object]:
         """Storage layout -> HF-named parameters in declaration order. Lazy: a stacked run's layer is sliced

@@ -36,10 +36,16 @@ def check_params(params, layer_stack, hf_names) -> None:
         )
 
 
-def check_batch(shape: tuple[int, ...], data_parallel_size: int) -> None:
-    """input_ids' `shape` is [B, S] with B split evenly over the data-parallel groups."""
+def check_batch(shape: tuple[int, ...], data_parallel_size: int, microbatches: int = 1) -> None:
+    """input_ids' `shape` is [B, S] with B split evenly over the data-parallel groups (and, with pipeline stages,
+    into `microbatches` microbatches each split over them)."""
     if len(shape) != 2:
         raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(shape)}.")
+    if microbatches > 1 and shape[0] % (microbatches * data_parallel_size):
+        raise ValueError(
+            f"batch size {shape[0]} cannot be cut into {microbatches} pipeline microbatches each split over the "
+            f"{data_parallel_size} data-parallel groups; use a multiple of {microbatches * data_parallel_size} "
+            "(pipeline_microbatches x the data-parallel size), or another pipeline_microbatches.")
     if shape[0] % data_parallel_size:
         raise ValueError(
             f"batch size {shape[0]} cannot be split over the {data_parallel_size} data-parallel groups "

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .grouped_matmul import grouped_matmul
-from .permute import gather_rows, sort_by_expert, unpermute
+from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
 from .varying import vary_like
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -169,7 +169,7 @@ def biased_clamped_swiglu_experts(
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
     # Expert of each sorted row; E for the sentinel rows past sum(group_sizes), which get no bias.
-    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0]), side="right")
+    row_expert = count_at_most(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0], dtype=jnp.int32))
     # grouped_matmul takes HF's usual [E, out, in]; gpt-oss stores [E, in, out].
     gate_up = grouped_matmul(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), group_sizes, backend=backend)
     gate_up = gate_up + _bias_rows(gate_up_proj_bias, row_expert)

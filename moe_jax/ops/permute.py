@@ -146,3 +146,11 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
     y_pairs = _take_permuted(y_sorted, inverse, order)
     y_pairs = jnp.reshape(y_pairs, (num_tokens, top_k, y_sorted.shape[1]))
     return accumulating_einsum("tkh,tk->th", y_pairs, top_k_weights)
+
+
+def count_at_most(sorted_values: jax.Array, queries: jax.Array) -> jax.Array:
+    """`jnp.searchsorted(sorted_values, queries, side="right")`: per query, how many values are <= it.
+
+    sorted_values: [E] increasing; queries: [N] -> [N] int32. One [N, E] comparison (E is an expert count, small);
+    jnp.searchsorted's own lowering fails on operands of mixed mesh variance (inside a pipeline stage's vmap)."""
+    return jnp.sum(queries[:, None] >= sorted_values[None, :], axis=1, dtype=jnp.int32)

@@ -217,3 +217,21 @@ def top_k_sigmoid(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     values, top_k_index = jax.lax.top_k(router_logits, top_k)
     weights = jax.nn.sigmoid(values.astype(jnp.float32)).astype(router_logits.dtype)
     return weights, top_k_index.astype(jnp.int32)
+
+
+def load_balancing_sums(router_logits: jax.Array, top_k: int, token_weight: jax.Array, *,
+                        per_token: Callable[[Callable], Callable] = lambda fn: fn
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's additive share of `load_balancing_loss`, for callers that see the batch in parts (pipeline
+    microbatches): router_logits [T, E], token_weight [T] (the mask) -> (tokens per expert [E], router
+    probabilities per expert [E], counted rows), each a weighted sum over the T tokens, float32.
+    `load_balancing_from_sums` of their totals over layers and parts is the loss of the whole batch."""
+    picks, probs = per_token(partial(_picks_and_probs, top_k=top_k))(router_logits)
+    weight = token_weight.astype(jnp.float32)
+    return jnp.einsum("te,t->e", picks, weight), jnp.einsum("te,t->e", probs, weight), jnp.sum(weight)
+
+
+def load_balancing_from_sums(tokens_per_expert_sum: jax.Array, router_prob_sum: jax.Array, rows: jax.Array,
+                             num_experts: int) -> jax.Array:
+    """`load_balancing_loss` from `load_balancing_sums` totalled over every layer and part of the batch."""
+    return jnp.sum((tokens_per_expert_sum / rows) * (router_prob_sum / rows)) * num_experts

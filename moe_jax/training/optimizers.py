@@ -65,7 +65,7 @@ def experts_and_dense(experts: optax.GradientTransformation, dense: optax.Gradie
 def buffer_storage_names(model) -> set[str]:
     """Storage names of `model.params` that hold buffers (`ModuleTree.buffer`)."""
     buffers = set(model.module_tree.buffers())
-    return {storage for storage, names in model.layer_stack.members.items() if names[0] in buffers}
+    return {storage for storage in model.layer_stack.members if model.layer_stack.first_member(storage) in buffers}
 
 
 def freeze_buffers(optimizer: optax.GradientTransformation, model) -> optax.GradientTransformation:

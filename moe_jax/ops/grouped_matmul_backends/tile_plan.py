@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..permute import count_at_most
+
 
 class TileVisits(NamedTuple):
     """One entry per visit, all [V]; V = max_visits(M, E, R)."""
@@ -65,7 +67,7 @@ def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> T
     visit = jnp.arange(max_visits(num_rows, num_experts, tile_rows), dtype=jnp.int32)
     # Visit v belongs to the first expert whose running chunk count exceeds v;
     # empty experts have no chunks and are skipped by side="right".
-    owner = jnp.searchsorted(chunk_count_end, visit, side="right").astype(jnp.int32)
+    owner = count_at_most(chunk_count_end, visit)
     live = owner < num_experts
     expert = jnp.minimum(owner, num_experts - 1)
 

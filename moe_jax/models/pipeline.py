@@ -1,0 +1,168 @@
+"""The decoder layers as a pipeline over the mesh's `pp` axis, inside the one jitted step.
+
+The batch is cut into M microbatches that stream through the stages (GPipe; with a circular layout each stage
+holds `repeats` chunks of layers and a microbatch passes it `repeats` times). Every stage runs the same program,
+`jax.vmap` over a leading stage axis with `spmd_axis_name="pp"` (MaxText's pipeline), so each device computes
+only its stage's slice and the stage-to-stage hand-over (`jnp.roll` over that axis) is a collective-permute
+across `pp`. The iterations are one `jax.lax.scan`, so the program and its compile time do not grow with M:
+
+    iteration t, stage p: work item w = t - p (valid when 0 <= w < M * repeats): microbatch w % M, repeat w // M
+    stage 0 takes microbatch w's embeddings (repeat 0) or the last stage's output of it (later repeats)
+    T = M * repeats + stages - 1 iterations; the bubble fraction is (stages - 1) / T
+
+Bubble iterations (a stage with no valid work item) compute on zeros, and everything they produce is dropped by
+selects: their outputs, dispatch statistics and router sums never reach the results or the gradients.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..distributed.capacity import DispatchStatistics
+from ..distributed.mesh import PP
+from ..nn.norms import rms_norm
+from ..ops.routing import load_balancing_sums
+from .decoder import decoder_layer, embedded_inputs
+from .family import Family
+from .pipeline_layout import PipelineLayout
+from .step_options import REMAT_POLICIES, StepOptions
+
+
+def microbatched(array: jax.Array, microbatches: int) -> jax.Array:
+    """[B, ...] -> [M, B / M, ...]: microbatch m holds rows m, M + m, 2M + m, ... (each data-parallel device's
+    rows split among the microbatches in place: no data moves)."""
+    batch = array.shape[0]
+    return array.reshape(batch // microbatches, microbatches, *array.shape[1:]).swapaxes(0, 1)
+
+
+def unmicrobatched(array: jax.Array) -> jax.Array:
+    """[M, B / M, ...] -> [B, ...], the inverse of `microbatched`."""
+    return array.swapaxes(0, 1).reshape(-1, *array.shape[2:])
+
+
+def _zero_statistics(shape=()) -> DispatchStatistics:
+    zero = jnp.zeros(shape, jnp.int32)
+    return DispatchStatistics(zero, zero, zero, jnp.zeros(shape, jnp.float32))
+
+
+def _where(keep, value, otherwise):
+    return jax.tree.map(lambda a, b: jnp.where(keep, a, b), value, otherwise)
+
+
+def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches: int, layers: dict, x, rope,
+                    attention_mask, step: StepOptions, aux_sums: bool):
+    """The decoder layers on x [B, S, H] through the pipeline -> (x [B, S, H], router sums or None, statistics).
+
+    layers: `params["model"]["layers"]` of a pipeline `LayerStack` (each group's leaves [stages * repeats *
+    slots, ...], split over `pp`). rope: (cos, sin) [B, S, D]; attention_mask: [B, S]. Router sums (with
+    `aux_sums`): (tokens per expert [E], router probabilities per expert [E], rows) over every sparse layer and
+    microbatch (`moe_jax.ops.routing.load_balancing_from_sums` gives the aux loss)."""
+    stages, repeats, m_count = layout.stages, layout.repeats, microbatches
+    work_items = m_count * repeats
+    layouts = step.layouts
+    inputs = layouts.constrain(microbatched(x, m_count), (None, "batch", "length", "embed"))
+    masks = microbatched(attention_mask, m_count)
+    ropes = jax.tree.map(lambda a: microbatched(a, m_count), rope)
+    stage_weights = jax.tree.map(lambda leaf: leaf.reshape(stages, repeats, -1, *leaf.shape[1:]), layers)
+    # Per (stage, repeat): the layer number at each slot (for per-layer randomness) and which kind each group's
+    # chunk is; constants of the layout.
+    layer_numbers = np.zeros((stages, repeats, layout.slots), np.int32)
+    for stage in range(stages):
+        for repeat in range(repeats):
+            start, stop = layout.chunk(stage, repeat)
+            layer_numbers[stage, repeat, :stop - start] = np.arange(start, stop)
+    present = [[np.asarray(kind.present, bool).reshape(stages, repeats) for kind in group.kinds]
+               for group in layout.groups]
+    experts = config.num_experts if aux_sums else 1
+    stage = partial(_stage, family, config, layout, step, aux_sums, experts)
+
+    def iteration(carry, t):
+        state, outputs, statistics, sums = carry
+        stage_ids = jnp.arange(stages)
+        work = t - stage_ids
+        valid = (work >= 0) & (work < work_items)
+        work = jnp.clip(work, 0, work_items - 1)
+        micro, repeat = work % m_count, work // m_count
+        first = jnp.where(repeat[0] == 0, inputs[micro[0]], outputs[micro[0]])
+        state = jnp.where((stage_ids == 0)[:, None, None, None], first[None], state)
+        state = jnp.where(valid[:, None, None, None], state, jnp.zeros_like(state))  # bubbles compute on zeros
+        state = layouts.constrain_staged(state, ("batch", "length", "embed"))
+        out, stage_statistics, stage_sums = jax.vmap(stage, spmd_axis_name=PP)(
+            stage_weights, state, masks[micro], jax.tree.map(lambda a: a[micro], ropes), repeat, valid,
+            jnp.asarray(layer_numbers), [[jnp.asarray(p) for p in kinds] for kinds in present])
+        out = layouts.constrain_staged(out, ("batch", "length", "embed"))
+        last = micro[stages - 1]
+        outputs = outputs.at[last].set(jnp.where(valid[stages - 1], out[stages - 1], outputs[last]))
+        statistics = statistics.combine(stage_statistics)
+        sums = jax.tree.map(jnp.add, sums, stage_sums)
+        return (jnp.roll(out, 1, axis=0), outputs, statistics, sums), None
+
+    state = jnp.zeros((stages, *inputs.shape[1:]), x.dtype)
+    sums = (jnp.zeros((stages, experts), jnp.float32), jnp.zeros((stages, experts), jnp.float32),
+            jnp.zeros((stages,), jnp.float32))
+    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")), jnp.zeros_like(inputs),
+             _zero_statistics((stages,)), sums)
+    iterations = work_items + stages - 1
+    (_, outputs, statistics, sums), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+    statistics = DispatchStatistics(statistics.dropped.sum(), statistics.padded.sum(),
+                                    statistics.buffer_rows.max(), statistics.required_capacity.max())
+    hidden = layouts.constrain(unmicrobatched(outputs), ("batch", "length", "embed"))
+    return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics
+
+
+def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, aux_sums: bool, experts: int,
+           weights, x, mask, rope, repeat, valid, layer_numbers, present):
+    """One stage's chunk on its microbatch (under `vmap` over stages): x [mb, S, H] -> (x, statistics, sums)."""
+    weights = jax.tree.map(lambda leaf: leaf[repeat], weights)   # this repeat's chunk: [slots of group, ...]
+    numbers = layer_numbers[repeat]
+    statistics = _zero_statistics()
+    sums = (jnp.zeros((experts,), jnp.float32), jnp.zeros((experts,), jnp.float32), jnp.zeros((), jnp.float32))
+    token_weight = mask.reshape(-1)
+    for group, kinds_present in zip(layout.groups, present):
+        result = x
+        for index, kind in enumerate(group.kinds):
+            here = kinds_present[index][repeat]
+            layer_fn = partial(decoder_layer, family, config, layer=kind.representative, rope=rope,
+                               attention_mask=mask, step=step)
+            if step.remat != "none":
+                layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
+
+            def body(carry, inputs, layer_fn=layer_fn):
+                layer_weights, number = inputs
+                carry, logits, layer_statistics, _ = layer_fn(layer_weights, carry, layer_index=number)
+                return carry, (logits, layer_statistics)
+
+            slot_numbers = jax.lax.dynamic_slice_in_dim(numbers, group.start, group.slots)
+            y, (logits, layer_statistics) = jax.lax.scan(body, x, (weights[group.key(index)], slot_numbers))
+            result = jnp.where(here, y, result)
+            if layer_statistics is None:
+                continue
+            counted = here & valid
+            layer_statistics = DispatchStatistics(layer_statistics.dropped.sum(), layer_statistics.padded.sum(),
+                                                  layer_statistics.buffer_rows.max(),
+                                                  layer_statistics.required_capacity.max())
+            statistics = statistics.combine(_where(counted, layer_statistics, _zero_statistics()))
+            if aux_sums:
+                for slot_logits in logits:
+                    slot_sums = load_balancing_sums(slot_logits, config.num_experts_per_tok, token_weight,
+                                                    per_token=step.layouts.token_local)
+                    kept = _where(counted, slot_sums, jax.tree.map(jnp.zeros_like, slot_sums))
+                    sums = jax.tree.map(jnp.add, sums, kept)
+        x = result
+    return x, statistics, sums
+
+
+def pipeline_hidden(family: Family, config, layout: PipelineLayout, microbatches: int, params: dict, input_ids,
+                    attention_mask, positions, step: StepOptions, aux_sums: bool):
+    """`decoder_hidden` with the layers through the pipeline: input_ids, attention_mask, positions [B, S] ->
+    (hidden [B, S, H] after the final norm, router sums or None, dispatch statistics). The embeddings, the final
+    norm and the head run outside the stages, on every stage's devices (laid out as without pp)."""
+    model = params["model"]
+    x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
+    x, sums, statistics = pipeline_layers(family, config, layout, microbatches, model["layers"], x, rope,
+                                          attention_mask, step, aux_sums)
+    return rms_norm(model["norm"], x, config.rms_norm_eps), sums, statistics
