@@ -381,7 +381,8 @@ class MoeForCausalLM(PlannedModel):
         Runs `apply` at the model's current capacity for this mode and returns at once; the first field
         read checks the call's dispatch statistics (two scalars) and, if it overflowed, recomputes it at the
         capacity it required (same `rng`: the same computation), so results are always those of the
-        unsharded model. B is padded to a multiple of the data-parallel size and cut back.
+        unsharded model. B is padded to a multiple of the data-parallel size (times the pipeline microbatches) and
+        cut back.
         """
         params = self.params if params is None else params
         if params is None:
@@ -391,7 +392,7 @@ class MoeForCausalLM(PlannedModel):
             raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}.")
         batch = input_ids.shape[0]
         attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
-        padding = -batch % self.data_parallel_size
+        padding = -batch % (self.data_parallel_size * self.pipeline_microbatches)
         if padding:
             pad = lambda array: jnp.pad(array, ((0, padding), (0, 0)))  # noqa: E731
             input_ids, attention_mask = pad(input_ids), pad(attention_mask)

@@ -31,6 +31,11 @@ from .family import Family
 from .pipeline_layout import PipelineLayout
 from .step_options import REMAT_POLICIES, StepOptions
 
+# What the pipeline's buffers (the stages' state, the outputs not yet written) hold before a stage writes them:
+# bubble iterations read them. tests/models/test_pipeline.py sets NaN to show that nothing read there reaches the
+# results, statistics or gradients (bubbles compute on zeros selected in their place).
+BUBBLE_FILL = 0.0
+
 
 def microbatched(array: jax.Array, microbatches: int) -> jax.Array:
     """[B, ...] -> [M, B / M, ...]: microbatch m holds rows m, M + m, 2M + m, ... (each data-parallel device's
@@ -101,10 +106,10 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         sums = jax.tree.map(jnp.add, sums, stage_sums)
         return (jnp.roll(out, 1, axis=0), outputs, statistics, sums), None
 
-    state = jnp.zeros((stages, *inputs.shape[1:]), x.dtype)
+    state = jnp.full((stages, *inputs.shape[1:]), BUBBLE_FILL, x.dtype)
     sums = (jnp.zeros((stages, experts), jnp.float32), jnp.zeros((stages, experts), jnp.float32),
             jnp.zeros((stages,), jnp.float32))
-    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")), jnp.zeros_like(inputs),
+    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")), jnp.full_like(inputs, BUBBLE_FILL),
              _zero_statistics((stages,)), sums)
     iterations = work_items + stages - 1
     (_, outputs, statistics, sums), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
