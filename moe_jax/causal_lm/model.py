@@ -343,15 +343,16 @@ class MoeForCausalLM(PlannedModel):
                                return_hidden=return_hidden, compute_dtype=compute_dtype)
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
-                   compute_dtype=None) -> tuple[float | None, jnp.dtype | None]:
+                   compute_dtype=None, microbatches: int | None = None) -> tuple[float | None, jnp.dtype | None]:
         """`apply`'s checks of one call on the host, shapes only: params in storage layout, input_ids' shape
         (`shape`: [B, S], B split over the data-parallel groups), capacity on the ladder, the cache. Returns
         (capacity, compute_dtype) as the step's static arguments: capacity None without dispatch buffers
         (ep 1: one compilation whatever the caller holds). A caller that jits `step_math` itself runs this
-        at its own boundary, once per call."""
+        at its own boundary, once per call. microbatches: the pipeline microbatches the caller's step cuts a
+        batch into (default the model's)."""
         self._require_mesh("apply")
         check_params(params, self.layer_stack, self.param_layouts.keys())
-        check_batch(shape, self.data_parallel_size, self.pipeline_microbatches)
+        check_batch(shape, self.data_parallel_size, microbatches or self.pipeline_microbatches)
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
             capacity = None

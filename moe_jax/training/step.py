@@ -20,7 +20,7 @@ late and replays from the first overflowed step at a larger capacity (`moe_jax.t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -30,6 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.host_arrays import host_to_global
+from ..models.core import step_math
+from ..models.pipeline_layout import check_pipeline_options
 from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicted_tokens, prediction_targets
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
@@ -45,7 +47,8 @@ class TrainStepOptions:
     parameters'; bfloat16 with float32 parameters is mixed precision: each parameter is cast where it is
     used and its gradient accumulated and reduced in float32, `moe_jax.nn.precision`);
     check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs);
-    offload: keep parameters and optimizer state in host memory between steps."""
+    offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
+    pipeline stages, how many microbatches each micro-batch is cut into (None: the model's)."""
 
     grad_accum: int = 1
     grad_clip: float | None = None
@@ -53,6 +56,7 @@ class TrainStepOptions:
     compute_dtype: jnp.dtype | None = None
     check_overflow: bool = True
     offload: bool = False
+    pipeline_microbatches: int | None = None
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
@@ -87,6 +91,14 @@ class TrainStep:
         self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
         self.aux_coefficient = aux_loss_coefficient(model.config)
         self._compiled: dict[tuple, callable] = {}
+        self.pipeline_microbatches = model.pipeline_microbatches
+        self._step_math = None   # the model's own step (`model.step_math`)
+        if options.pipeline_microbatches is not None:
+            layout = model.layer_stack.pipeline
+            self.pipeline_microbatches = check_pipeline_options(
+                model.layout.pp_size, options.pipeline_microbatches,
+                "gpipe" if layout is None else layout.schedule, 1 if layout is None else layout.repeats)
+            self._step_math = partial(step_math, replace(model.core, microbatches=self.pipeline_microbatches))
 
     # ---- state ---------------------------------------------------------------------------------------
     def shardings(self, capacity: float | None) -> TrainState:
@@ -98,11 +110,13 @@ class TrainStep:
 
     def batch_size_error(self, batch_size: int) -> str | None:
         """Why `batch_size` cannot be a global batch of this step (None when it can)."""
-        groups = self.model.data_parallel_size * self.options.grad_accum
+        groups = self.model.data_parallel_size * self.options.grad_accum * self.pipeline_microbatches
         if batch_size % groups:
+            pipeline = (f" x {self.pipeline_microbatches} pipeline microbatches" if self.pipeline_microbatches > 1
+                        else "")
             return (f"batch size {batch_size} cannot be split into {self.options.grad_accum} micro-batch(es) over "
-                    f"the {self.model.data_parallel_size} data-parallel group(s) of this layout; use a multiple of "
-                    f"{groups}.")
+                    f"the {self.model.data_parallel_size} data-parallel group(s) of this layout{pipeline}; use a "
+                    f"multiple of {groups}.")
         return None
 
     # ---- the step ------------------------------------------------------------------------------------
@@ -140,7 +154,8 @@ class TrainStep:
     def _check_model_inputs(self, state: TrainState, shape: tuple) -> None:
         # What `model.apply` checks, once per call here: the step traces `model.step_math` directly.
         self.model.check_step(state.params, (shape[0] // self.options.grad_accum, *shape[1:]),
-                              capacity=state.capacity, compute_dtype=self.options.compute_dtype)
+                              capacity=state.capacity, compute_dtype=self.options.compute_dtype,
+                              microbatches=self.pipeline_microbatches)
 
     def _jit(self, capacity, batch_keys):
         batch_sharding = self.model.batch_sharding()
@@ -228,7 +243,8 @@ class TrainStep:
         return model_loss(self.model, params, micro_batch["input_ids"], micro_batch.get("attention_mask"),
                           micro_batch["targets"], total_tokens=total_tokens,
                           aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
-                          compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk)
+                          compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
+                          step=self._step_math)
 
 
 def check_offload_supported(model) -> None:
@@ -245,11 +261,12 @@ def check_offload_supported(model) -> None:
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
                     grad_clip: float | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
                     mixed_precision: bool | None = None, offload: bool | None = None,
-                    check_overflow: bool = True) -> TrainStep:
+                    check_overflow: bool = True, pipeline_microbatches: int | None = None) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
-    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory)."""
+    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory).
+    pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -258,5 +275,6 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                          "build it with dtype=float32.")
     options = TrainStepOptions(grad_accum=grad_accum, grad_clip=grad_clip, loss_chunk=loss_chunk,
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
-                               check_overflow=check_overflow, offload=offload)
+                               check_overflow=check_overflow, offload=offload,
+                               pipeline_microbatches=pipeline_microbatches)
     return TrainStep(model, optimizer, options)

@@ -14,6 +14,7 @@ from moe_jax.distributed.plans import (
     resolve_parallel_plans,
 )
 
+from .test_config import LIFTED_REFUSALS
 from .tiny_qwen3_moe import FIXTURE, TinyQwen3MoeForCausalLM
 
 ALL_CASES = {**FIXTURE["plan_cases"], **FIXTURE["all_sparse_plan_cases"]}
@@ -75,7 +76,12 @@ def test_composed_model_plans_match_reference_including_order():
 @pytest.mark.parametrize("case", sorted(ALL_CASES))
 def test_resolved_plans_match_reference(case, caplog):
     expected = ALL_CASES[case]
-    assert _tuples(resolve_case(expected, caplog)) == _as_lists(expected)
+    result = _tuples(resolve_case(expected, caplog))
+    if expected.get("error", "").startswith(LIFTED_REFUSALS):
+        # A refusal moe_jax lifts (token dispatch with pipeline stages): the plans resolve.
+        assert "error" not in result and "ep_dispatch_experts" in dict(result["ep"]).values(), result
+        return
+    assert result == _as_lists(expected)
 
 
 def test_explicit_embedding_rule_wins_over_automatic_one():
