@@ -19,7 +19,7 @@ With pipeline stages (`LayerStack.plan_pipeline`) the layers are stored by `Pipe
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -55,6 +55,37 @@ def split_layer_name(name: str) -> tuple[int, str] | None:
     """"model.layers.3.self_attn.q_proj.weight" -> (3, "self_attn.q_proj.weight"); None outside layers."""
     match = _LAYER_NAME.match(name)
     return (int(match.group(1)), match.group(2)) if match else None
+
+
+def module_path(storage_or_hf_name: str) -> str:
+    """The name without its layer segment ("model.layers.1-3.mlp.gate.weight" -> "model.layers.*.mlp.gate.weight");
+    names outside the layers unchanged: what a parameter is, whichever layout stores it."""
+    parts = storage_or_hf_name.split(".")
+    if storage_or_hf_name.startswith(LAYERS_PREFIX + ".") and len(parts) > 3:
+        return ".".join(parts[:2] + ["*"] + parts[3:])
+    return storage_or_hf_name
+
+
+def unstacked_rows(values: Mapping[str, object], saved_members: Mapping[str, Sequence[str | None]]
+                   ) -> dict[str, object]:
+    """`values` stored by some layer layout (`saved_members`: its storage name -> the HF name of each row, None for
+    a zero row) -> HF name -> value, one layer each (traceable; rows are sliced)."""
+    per_layer = {}
+    for storage, value in values.items():
+        names = saved_members[storage]
+        if not stack_rows(storage, saved_members):
+            per_layer[names[0]] = value
+            continue
+        for row, name in enumerate(names):
+            if name is not None:
+                per_layer[name] = value[row]
+    return per_layer
+
+
+def stack_rows(storage: str, members: Mapping[str, Sequence[str | None]]) -> bool:
+    """Whether `storage` of a saved layout is stacked: a layer entry named by a run ("1-3") or a pipeline group."""
+    parts = storage.split(".")
+    return storage.startswith(LAYERS_PREFIX + ".") and ("-" in parts[2] or parts[2].startswith("pp"))
 
 
 def resolve_scan_option(scan_layers: bool | str | None, num_layers: int) -> bool:
@@ -185,12 +216,15 @@ class LayerStack:
 
     def stack(self, params: Mapping[str, object]) -> dict[str, object]:
         """HF-named parameters -> storage layout (stacked runs: `jnp.stack` over the run's layers)."""
-        def rows(names):
-            like = params[next(name for name in names if name is not None)]
-            return jnp.stack([jnp.zeros_like(like) if name is None else params[name] for name in names])
+        return {storage: self.stack_entry(storage, params) for storage in self.members}
 
-        return {storage: rows(names) if self.is_stacked(storage) else params[names[0]]
-                for storage, names in self.members.items()}
+    def stack_entry(self, storage: str, params: Mapping[str, object]):
+        """Storage entry `storage` from HF-named `params` (a stacked entry's zero rows as zeros)."""
+        names = self.members[storage]
+        if not self.is_stacked(storage):
+            return params[names[0]]
+        like = params[self.first_member(storage)]
+        return jnp.stack([jnp.zeros_like(like) if name is None else params[name] for name in names])
 
     def unstack(self, params: Mapping[str, object]) -> Mapping[str, object]:
         """Storage layout -> HF-named parameters in declaration order. Lazy: a stacked run's layer is sliced

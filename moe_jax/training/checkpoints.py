@@ -28,25 +28,45 @@ import sys
 import threading
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import optax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..distributed.capacity import CapacityState
-from .state import TrainState, abstract_train_state
+from ..models.layer_stack import stack_rows, unstacked_rows
+from .state import TrainState, abstract_train_state, parameter_sharding_of
 
 FORMAT = "moe_jax.train_state/1"
 
 
 def model_record(model) -> dict:
-    """What identifies a model's train state: type, config (minus the layout) and storage shapes."""
+    """What identifies a model's train state: type, config (minus the layout), storage shapes and which HF
+    parameters each storage entry holds (`storage`: the layer layout, pipeline stages or scanned runs)."""
     config = model.config.to_dict()
     config.pop("distributed_config", None)
     return {
         "model_type": model.model_type,
         "config": json.loads(json.dumps(config, default=str)),
         "parameters": {name: list(shape) for name, shape in model.storage_shapes().items()},
+        "storage": {name: list(members) for name, members in model.layer_stack.members.items()},
         "dtype": jnp.dtype(model.dtype).name,
     }
+
+
+def hf_shapes(record: dict) -> dict[str, list[int]] | None:
+    """HF parameter name -> shape, from a record's storage shapes and members (None for records without them)."""
+    if "storage" not in record:
+        return None
+    shapes = {}
+    for storage, members in record["storage"].items():
+        shape = record["parameters"][storage]
+        for name in members:
+            if name is not None:
+                shapes[name] = shape[1:] if stack_rows(storage, record["storage"]) else shape
+    return shapes
 
 
 def _is_per_parameter(node) -> bool:
@@ -157,10 +177,11 @@ class TrainCheckpoints:
             problems.append(f"format {record.get('format')!r} is not {FORMAT!r}")
         if record.get("model_type") != ours["model_type"]:
             problems.append(f"model_type {record.get('model_type')!r} != {ours['model_type']!r}")
-        theirs = record.get("parameters", {})
-        if theirs != ours["parameters"]:
-            differ = sorted(name for name in theirs.keys() | ours["parameters"].keys()
-                            if theirs.get(name) != ours["parameters"].get(name))
+        theirs, mine = record.get("parameters", {}), ours["parameters"]
+        if hf_shapes(record) is not None and record["storage"] != ours["storage"]:
+            theirs, mine = hf_shapes(record), hf_shapes(ours)  # another layer layout: compare per HF parameter
+        if theirs != mine:
+            differ = sorted(name for name in theirs.keys() | mine.keys() if theirs.get(name) != mine.get(name))
             problems.append(f"parameter shapes differ ({len(differ)}: {', '.join(differ[:4])}"
                             f"{', ...' if len(differ) > 4 else ''})")
         if record.get("dtype") != ours["dtype"]:
@@ -187,13 +208,61 @@ class TrainCheckpoints:
         capacity = None if capacity_state is None else capacity_state.capacity
         target = abstract_train_state(self.model, self.train_step.optimizer, capacity,
                                       memory_kind=self.train_step.memory_kind)
+        saved_members = record.get("storage")
+        relayout = saved_members is not None and saved_members != model_record(self.model)["storage"]
+        if relayout:  # saved with other pipeline stages / scanned runs: read it as saved, then restack
+            saved_target = self._saved_layout_target(target, record)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target.arrays())))["state"]
+                state=ocp.args.StandardRestore((saved_target if relayout else target).arrays())))["state"]
         except ValueError as error:  # a state the record cannot vouch for; orbax's advice does not apply here
             raise ValueError(f"{self.directory} step {step} does not fit this model and optimizer: "
                              f"{str(error).splitlines()[0]}") from None
+        if relayout:
+            restored = self._restacked(restored, saved_members, target)
         return TrainState(**restored, capacity=capacity), capacity_state
+
+    def _saved_layout_target(self, target: TrainState, record: dict) -> TrainState:
+        """The restore target in the saved storage layout, on this model's mesh: each entry sharded as its
+        parameter is here, a stacked entry's row axis whole."""
+        shardings, mesh = self.model.named_shardings(), self.model.mesh
+        params = {}
+        for storage, members in record["storage"].items():
+            first = next(name for name in members if name is not None)
+            spec = shardings[first].spec
+            if stack_rows(storage, record["storage"]):
+                spec = P(None, *spec)
+            params[storage] = jax.ShapeDtypeStruct(tuple(record["parameters"][storage]),
+                                                   self.model.param_dtype(first), sharding=NamedSharding(mesh, spec))
+        replicated = NamedSharding(mesh, P())
+        opt_state = jax.eval_shape(self.train_step.optimizer.init, params)
+        shapes = {name: leaf.shape for name, leaf in params.items()}
+        param_shardings = {name: leaf.sharding for name, leaf in params.items()}
+        opt_state = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=parameter_sharding_of(
+                path, leaf, param_shardings, shapes, replicated)), opt_state)
+        return target.replace(params=params, opt_state=opt_state)
+
+    def _restacked(self, restored: dict, saved_members: dict, target: TrainState) -> dict:
+        """The restored arrays moved from the saved storage layout into this model's (one jitted program). Every
+        per-parameter dict (params, adam's mu / nu, ...) is restacked; entries without state (`optax.MaskedNode`:
+        frozen buffers) stay without it."""
+        stack, names = self.model.layer_stack, set(saved_members)
+
+        def per_parameter(node) -> bool:
+            return isinstance(node, dict) and set(node) == names
+
+        def convert(node):
+            if not per_parameter(node):
+                return node
+            arrays = {name: value for name, value in node.items() if not isinstance(value, optax.MaskedNode)}
+            per_layer = unstacked_rows(arrays, saved_members)
+            return {storage: stack.stack_entry(storage, per_layer) if stack.first_member(storage) in per_layer
+                    else optax.MaskedNode() for storage in stack.members}
+
+        out_shardings = jax.tree.map(lambda leaf: leaf.sharding, target.arrays())
+        return jax.jit(lambda tree: jax.tree.map(convert, tree, is_leaf=per_parameter),
+                       out_shardings=out_shardings)(restored)
 
     def _optimizer_structure(self) -> str:
         return optimizer_structure(abstract_train_state(self.model, self.train_step.optimizer).opt_state)

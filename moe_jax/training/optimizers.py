@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import optax
 
+from ..models.layer_stack import module_path
+
 EXPERT_MARKER = ".experts."  # routed experts (`mlp.experts`, `feed_forward.experts`), not `shared_experts`
 
 
@@ -70,11 +72,13 @@ def buffer_storage_names(model) -> set[str]:
 
 def freeze_buffers(optimizer: optax.GradientTransformation, model) -> optax.GradientTransformation:
     """`optimizer` on the model's trainable parameters; its buffers get zero updates and no optimizer state
-    (a torch optimizer never sees them: they are not `Parameter`s). Unchanged for a model without buffers."""
-    buffers = buffer_storage_names(model)
+    (a torch optimizer never sees them: they are not `Parameter`s). Unchanged for a model without buffers.
+    Buffers are told by module path, so the same optimizer also labels another layer layout's storage (a train
+    state restored across pipeline layouts)."""
+    buffers = {module_path(name) for name in buffer_storage_names(model)}
     if not buffers:
         return optimizer
     return optax.multi_transform(
         {"trainable": optimizer, "buffer": optax.set_to_zero()},
-        lambda params: {name: "buffer" if name in buffers else "trainable" for name in params},
+        lambda params: {name: "buffer" if module_path(name) in buffers else "trainable" for name in params},
     )

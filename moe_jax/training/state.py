@@ -52,7 +52,7 @@ ARRAY_FIELDS = ("step", "params", "opt_state", "rng", "data_position", "skipping
 jax.tree_util.register_dataclass(TrainState, data_fields=list(ARRAY_FIELDS), meta_fields=["capacity"])
 
 
-def _parameter_sharding(path, leaf, parameters: dict[str, NamedSharding], shapes: dict[str, tuple],
+def parameter_sharding_of(path, leaf, parameters: dict[str, NamedSharding], shapes: dict[str, tuple],
                         replicated: NamedSharding) -> NamedSharding:
     """The sharding of an optimizer-state leaf: that of the parameter it belongs to (the innermost dict key
     naming a parameter of the same shape: adam's mu / nu, momentum, ...), else replicated (counts)."""
@@ -76,7 +76,7 @@ def train_state_shardings(model, optimizer: optax.GradientTransformation, capaci
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     shapes = model.storage_shapes()
     opt_state = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _parameter_sharding(path, leaf, parameters, shapes, replicated), abstract_opt_state
+        lambda path, leaf: parameter_sharding_of(path, leaf, parameters, shapes, replicated), abstract_opt_state
     )
     return TrainState(step=replicated, params=parameters, opt_state=opt_state, rng=replicated,
                       data_position=replicated, skipping=replicated, capacity=capacity)

@@ -122,3 +122,49 @@ def test_the_readme_snippet_run_as_a_script_leaves_complete_checkpoints(tmp_path
     assert complete_steps(tmp_path / "ckpt") == [2, 4] and complete_steps(tmp_path / "late") == [5]
     manager = ocp.CheckpointManager(tmp_path / "ckpt")
     assert manager.restore(4, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]["step"] == 4
+
+
+class RandomBatches:
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        return {"input_ids": np.random.default_rng(index).integers(0, 128, (8, 10)).astype(np.int32)}
+
+
+def test_a_state_saved_with_pipeline_stages_resumes_on_other_stage_counts(tmp_path):
+    """pp2 x fsdp2 x ep2 -> one device (scanned layers) -> pp4 x fsdp2: each restore restacks params and AdamW's
+    moments into the new layer layout, and the losses go on as the uninterrupted pp2 run's."""
+    from moe_jax import DistributedConfig
+    from moe_jax.causal_lm import Qwen3MoeForCausalLM
+
+    from ..models.hf_reference import TINY_QWEN3_MOE
+
+    config = dict(TINY_QWEN3_MOE, num_hidden_layers=4)
+
+    def trainer(layout):
+        distributed = DistributedConfig(**layout)
+        model = Qwen3MoeForCausalLM(config, distributed, devices=jax.devices()[:distributed.num_devices],
+                                    scan_layers=True)
+        model.init_params(seed=1)
+        return make_train_step(model, reference_optimizer(), grad_clip=1.0)
+
+    def losses(train_step, state, until, checkpoints=None, capacity_state=None):
+        records = []
+        loop = TrainLoop(train_step, RandomBatches(), on_step=records.append, checkpoints=checkpoints)
+        state, capacity_state = loop.run(state, until, capacity_state)
+        return state, [record["loss"] for record in records]
+
+    staged = trainer(dict(pp_size=2, fsdp_size=2, ep_size=2))
+    first = TrainCheckpoints(tmp_path / "pp2", staged.model, staged, save_every=2)
+    state, _ = losses(staged, staged.init_state(), 2, first)
+    _, expected = losses(staged, state, 4)
+
+    one = trainer({})
+    restored, _ = TrainCheckpoints(tmp_path / "pp2", one.model, one).restore()
+    assert "model.layers.1-3.mlp.experts.gate_up_proj" in restored.params
+    second = TrainCheckpoints(tmp_path / "pp1", one.model, one, save_every=3)
+    _, resumed = losses(one, restored, 3, second)
+
+    four = trainer(dict(pp_size=4, fsdp_size=2))
+    restored, _ = TrainCheckpoints(tmp_path / "pp1", four.model, four).restore()
+    assert int(restored.step) == 3
+    _, resumed_again = losses(four, restored, 4)
+    np.testing.assert_allclose(resumed + resumed_again, expected, rtol=1e-5)
