@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import re
+from pathlib import Path
 
 from moe_jax.cli import build_parser, main
 from tests.models.hf_reference import TINY_QWEN3_MOE
@@ -63,3 +65,13 @@ def test_the_help_describes_the_commands_and_every_flag():
 def test_a_one_device_layout_is_one_device(capsys):
     assert main(["layout", "--tp", "1"]) == 0
     assert capsys.readouterr().out.startswith("1 device: tp_size=1")
+
+
+def test_plan_shows_the_pipeline_stages(capsys):
+    """Layers, devices and bytes per stage, and the bubble fraction of the schedule."""
+    checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
+    assert main(["plan", "--model", str(checkpoint), "--pp", "2", "--fsdp", "2", "--pp-microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages, gpipe, 4 microbatches per batch (bubble fraction 20%)" in out
+    assert re.search(r"^  0 +0 +0,1 +[\d.]+ KiB$", out, re.MULTILINE)
+    assert re.search(r"^  1 +1-2 +2,3 +[\d.]+ KiB$", out, re.MULTILINE)

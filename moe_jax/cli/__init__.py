@@ -11,7 +11,12 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from .layout_flags import add_layout_flags, distributed_config_from_flags, layout_devices
+from .layout_flags import (
+    add_layout_flags,
+    distributed_config_from_flags,
+    layout_devices,
+    pipeline_options_from_flags,
+)
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {}
 
@@ -68,13 +73,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
     distributed_config = distributed_config_from_flags(args)
     if not args.train:
-        model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True)
+        model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True,
+                                                 **pipeline_options_from_flags(args))
         print(plan_report(model))
         return 0
     from ..distributed.mesh import DeviceLayout
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "plan")
-    model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices)
+    model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices,
+                                             **pipeline_options_from_flags(args))
     print(plan_report(model))
     print()
     print(_train_memory_text(model, args.optimizer or "adamw"))

@@ -28,6 +28,7 @@ from .layout_flags import (
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    pipeline_options_from_flags,
     warn_about_head_split,
 )
 
@@ -144,7 +145,8 @@ def run_generate(args: argparse.Namespace) -> int:
                          f"model's {limit} positions (max_position_embeddings); shorten it or lower --max-new-tokens.")
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
-    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
+                                                 **pipeline_options_from_flags(args))
     warn_about_head_split(model)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
           file=sys.stderr)

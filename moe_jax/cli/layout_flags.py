@@ -2,6 +2,7 @@
 
     add_layout_flags(parser)                        # --tp --fsdp --ep --dp-replicate [--pp] [--ep-implementation]
     config = distributed_config_from_flags(args)    # DistributedConfig(tp_size=args.tp, ...)
+    options = pipeline_options_from_flags(args)     # pipeline_microbatches=args.pp_microbatches, ... (model kwargs)
 
 Kept free of JAX imports so `moe-jax --help` stays fast.
 """
@@ -23,7 +24,14 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
     parser.add_argument("--ep", type=int, default=None, help=f"ep_size{what}")
     parser.add_argument("--dp-replicate", type=int, default=None, help=f"dp_replicate_size (HSDP replicas){what}")
     if pipeline:
-        parser.add_argument("--pp", type=int, default=None, help="pp_size")
+        parser.add_argument("--pp", type=int, default=None, help="pp_size: pipeline stages")
+        parser.add_argument("--pp-microbatches", type=int, default=None,
+                            help="with --pp: microbatches a batch is cut into (default: one per stage)")
+        parser.add_argument("--pp-schedule", choices=("gpipe", "circular"), default="gpipe",
+                            help="with --pp: gpipe (the reference's split of the layers) or circular "
+                                 "(--pp-repeats chunks of layers per stage; default gpipe)")
+        parser.add_argument("--pp-repeats", type=int, default=1,
+                            help="with --pp-schedule circular: chunks of layers per stage (default 1)")
     if ep_implementation:
         parser.add_argument("--ep-implementation", default="auto",
                             help="a registered EP implementation: auto, all_to_all, all_reduce, ...")
@@ -35,6 +43,15 @@ def distributed_config_from_flags(args: argparse.Namespace):
 
     values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items() if hasattr(args, flag)}
     return DistributedConfig(**values)
+
+
+def pipeline_options_from_flags(args: argparse.Namespace) -> dict:
+    """The model's pipeline keyword arguments from --pp-microbatches / --pp-schedule / --pp-repeats ({} for a
+    command without them)."""
+    if not hasattr(args, "pp_schedule"):
+        return {}
+    return {"pipeline_microbatches": args.pp_microbatches, "pipeline_schedule": args.pp_schedule,
+            "pipeline_repeats": args.pp_repeats}
 
 
 def layout_given(args: argparse.Namespace) -> bool:
@@ -76,8 +93,9 @@ def layout_devices(count: int, command: str) -> list:
 
 
 def describe_layout(distributed_config) -> str:
+    stages = f" pp={distributed_config.pp_size}" if distributed_config.pp_size > 1 else ""
     return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
-            f"dp_replicate={distributed_config.dp_replicate_size}")
+            f"dp_replicate={distributed_config.dp_replicate_size}{stages}")
 
 
 def warn_about_head_split(model) -> None:

@@ -30,6 +30,7 @@ from .layout_flags import (
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    pipeline_options_from_flags,
     warn_about_head_split,
 )
 
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", type=float, default=1.0,
                         help="max global gradient norm over all parameters (default 1.0, as HF Trainer; 0 = off)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    add_layout_flags(parser, pipeline=False, ep_implementation=True)
+    add_layout_flags(parser, ep_implementation=True)
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 
         distributed_config = DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
     model_options = dict(devices=devices, dtype=args.dtype, scan_layers=SCAN_CHOICES[args.scan_layers],
-                         remat=args.remat)
+                         remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
     optimizer = build_optimizer(args.optimizer, args.lr, args.weight_decay, expert_learning_rate=args.expert_lr)

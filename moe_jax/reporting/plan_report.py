@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+
+import numpy as np
 
 from ..distributed.plans import replace_layer_number_by_wildcard
 from .picture import layout_picture
@@ -17,9 +20,53 @@ def _layers_text(layers: list[str]) -> str:
     return "layers " + ",".join(str(n) for n in numbers)
 
 
+def pipeline_stages_text(model) -> str:
+    """Per pipeline stage: its layers, its devices and the parameter bytes one of its devices holds."""
+    stack = model.layer_stack
+    layout = stack.pipeline
+    ranks = np.arange(model.layout.num_devices).reshape(model.layout.mesh_shape)
+    itemsize = np.dtype(model.dtype).itemsize
+    shared = sum(math.prod(sharding.local_shape) * itemsize for name, sharding in model.param_layouts.items()
+                 if not name.startswith("model.layers."))   # embeddings, final norm, head: on every stage
+    lines = [f"pipeline: {layout.stages} stages, {layout.schedule}"
+             + (f" x {layout.repeats} repeats" if layout.repeats > 1 else "")
+             + f", {model.pipeline_microbatches} microbatches per batch (bubble fraction "
+             f"{(layout.stages - 1) / (model.pipeline_microbatches * layout.repeats + layout.stages - 1):.0%}); "
+             "layer parameters are stored by group, each stage's rows on its devices (the PartitionSpecs above "
+             "behind a leading 'pp')"]
+    rows = [("stage", "layers", "devices", "parameter bytes per device")]
+    for stage in range(layout.stages):
+        stage_bytes = shared
+        for storage, members in stack.members.items():
+            if stack.is_stacked(storage):
+                rows_per_stage = len(members) // layout.stages
+                per_row = model.param_layouts[stack.first_member(storage)].local_shape
+                stage_bytes += rows_per_stage * math.prod(per_row) * itemsize
+        layers = layout.stage_layers(stage)
+        rows.append((str(stage), _layers_text([str(layer) for layer in layers]).removeprefix("layers "),
+                     ",".join(str(rank) for rank in ranks[stage].flat), _bytes_text(stage_bytes)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    zero_rows = sum(name is None for members in stack.members.values() for name in members)
+    if zero_rows:
+        lines.append(f"  ({zero_rows} parameter rows are zeros: slots where a stage's layer differs in structure "
+                     "or an uneven split leaves a stage short; one program runs every stage)")
+    return "\n".join(lines)
+
+
+def _bytes_text(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
 def _layer_runs_text(model) -> str:
     """How the layers run: scanned runs store their parameters stacked on an unsharded leading layer axis."""
     stack = getattr(model, "layer_stack", None)
+    if stack is not None and stack.pipeline is not None:
+        return pipeline_stages_text(model)
     if stack is None or not stack.scanned:
         return "layers: unrolled (one compiled copy per layer)"
     parts = [f"{run.start}-{run.stop - 1} scanned" if run.scanned else f"{run.start}" for run in stack.runs]

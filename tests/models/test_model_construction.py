@@ -2,8 +2,6 @@
 
 import warnings
 
-import pytest
-
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 
 from .hf_reference import TINY_QWEN3_MOE
@@ -31,9 +29,12 @@ def test_the_default_ep_plan_does_not_warn():
     assert not [m for m in built_with_warnings(DistributedConfig(fsdp_size=8, ep_size=8)) if NO_DISPATCH in m]
 
 
-def test_pipeline_parallelism_is_refused_when_the_model_is_built():
-    config = DistributedConfig(tp_size=4, pp_size=2)  # a legal layout: pp combines with TP
-    with pytest.raises(NotImplementedError, match="pp_size=2: pipeline parallelism is not implemented"):
-        AutoModelForCausalLM.from_config(CONFIG, config)
-    with pytest.raises(NotImplementedError, match="pp_size=2"):
-        AutoModelForCausalLM.from_config(CONFIG, config, abstract=True)
+def test_pipeline_stages_are_built_on_the_pp_axis():
+    """pp_size > 1 builds (tests/models/test_pipeline.py checks what it computes): layer parameters stored by
+    pipeline group, each stage's rows on its devices."""
+    config = DistributedConfig(tp_size=4, pp_size=2)
+    model = AutoModelForCausalLM.from_config(CONFIG, config)
+    assert model.layer_stack.pipeline is not None and model.pipeline_microbatches == 2
+    stacked = [name for name in model.layer_stack.members if model.layer_stack.is_stacked(name)]
+    assert stacked and all(model.storage_shardings()[name].spec[0] == "pp" for name in stacked)
+    assert AutoModelForCausalLM.from_config(CONFIG, config, abstract=True).layer_stack.pipeline is not None
