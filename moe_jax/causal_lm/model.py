@@ -357,11 +357,6 @@ class MoeForCausalLM(PlannedModel):
         if self.layout.ep_size == 1:
             capacity = None
         if cache is not None:
-            if self.layer_stack.pipeline is not None:
-                raise NotImplementedError(
-                    f"pp_size={self.layout.pp_size}: a KV cache (generate, prefill / decode) through pipeline "
-                    "stages is not implemented yet; the forward and the train step run with pipeline stages. "
-                    "Generate on a layout without pp (the checkpoint loads on any layout).")
             check_cache(cache, shape, self.layer_stack)
         return capacity, None if compute_dtype is None else jnp.dtype(compute_dtype)
 

@@ -4,7 +4,8 @@
     out = model.apply(params, prompt, attention_mask=mask, positions=pos, cache=cache)   # prefill
     out = model.apply(params, next_ids, positions=pos + 1, cache=out.cache)              # one decode step
 
-Storage follows the model's layer runs (`moe_jax.models.layer_stack`): run "1-47" holds keys/values
+Storage follows the model's layer runs (`moe_jax.models.layer_stack`; with pipeline stages its groups, rows
+split over `pp` as their parameters' are): run "1-47" holds keys/values
 [L, B, T, K, D] for its L layers (what a layer stores per token is the model's `cache_heads()`: DeepSeek's
 latent attention keeps its compressed latent and rotated key instead), so a scanned run carries its cache
 through the same scan. The batch is
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed.mesh import spec_entry
+from ..distributed.mesh import PP, spec_entry
 from ..models.kv_cache import KVCache  # with the decoder that fills it (models sit below inference)
 
 # Cache lengths are rounded up to a multiple of this (or to a power of two below it), so generations of
@@ -32,9 +33,9 @@ from ..models.kv_cache import KVCache  # with the decoder that fills it (models 
 LENGTH_BUCKET = 128
 
 
-def ring_length(model, run, max_length: int) -> int | None:
-    """The ring a sliding-window run keeps in a cache of `max_length` (None: it keeps every slot)."""
-    window = model.attention_options(run.start).get("sliding_window")
+def ring_length(model, layer: int, max_length: int) -> int | None:
+    """The ring a sliding-window layer's run keeps in a cache of `max_length` (None: it keeps every slot)."""
+    window = model.attention_options(layer).get("sliding_window")
     if window is None or window - 1 >= max_length:
         return None
     return max(window - 1, 1)
@@ -55,16 +56,18 @@ def cache_shardings(model, batch: int, max_length: int) -> KVCache:
     layout = model.layout
     batch_entry = spec_entry(layout.batch_axes) if batch % model.data_parallel_size == 0 else None
 
+    stage_axis = PP if model.layer_stack.pipeline is not None else None  # pipeline rows: stage by stage
+
     def per_layer(heads: int) -> NamedSharding:
         heads_entry = spec_entry(layout.tp_axes) if heads % layout.tp_size == 0 else None
-        return NamedSharding(model.mesh, P(None, batch_entry, None, heads_entry, None))
+        return NamedSharding(model.mesh, P(stage_axis, batch_entry, None, heads_entry, None))
 
     (key_heads, _), (value_heads, _) = model.cache_heads()
     rows = NamedSharding(model.mesh, P(batch_entry, None))
-    runs = model.layer_stack.runs
-    rings = {run.key: rows for run in runs if ring_length(model, run, max_length) is not None}
-    return KVCache(keys={run.key: per_layer(key_heads) for run in runs},
-                   values={run.key: per_layer(value_heads) for run in runs}, key_mask=rows,
+    entries = model.layer_stack.cache_entries()
+    rings = {key: rows for key, layer, _ in entries if ring_length(model, layer, max_length) is not None}
+    return KVCache(keys={key: per_layer(key_heads) for key, _, _ in entries},
+                   values={key: per_layer(value_heads) for key, _, _ in entries}, key_mask=rows,
                    length=NamedSharding(model.mesh, P()), window_masks=rings)
 
 
@@ -84,17 +87,17 @@ def init_cache(model, batch: int, max_length: int, *, dtype=None, bucket: bool =
     dtype = jnp.dtype(dtype or model.dtype)
     shardings = cache_shardings(model, batch, length)
 
-    runs = model.layer_stack.runs
-    slots = {run.key: ring_length(model, run, length) or length for run in runs}
+    entries = model.layer_stack.cache_entries()
+    slots = {key: ring_length(model, layer, length) or length for key, layer, _ in entries}
     key_heads, value_heads = model.cache_heads()
 
     # jnp.zeros straight into each sharding: created on the devices, one cached program per shape.
-    def per_layer(run, heads, sharding):
-        return jnp.zeros((run.stop - run.start, batch, slots[run.key], *heads), dtype, device=sharding)
+    def per_layer(key, rows, heads, sharding):
+        return jnp.zeros((rows, batch, slots[key], *heads), dtype, device=sharding)
 
     return KVCache(
-        keys={run.key: per_layer(run, key_heads, shardings.keys[run.key]) for run in runs},
-        values={run.key: per_layer(run, value_heads, shardings.values[run.key]) for run in runs},
+        keys={key: per_layer(key, rows, key_heads, shardings.keys[key]) for key, _, rows in entries},
+        values={key: per_layer(key, rows, value_heads, shardings.values[key]) for key, _, rows in entries},
         key_mask=jnp.zeros((batch, length), jnp.int32, device=shardings.key_mask),
         length=jnp.zeros((), jnp.int32, device=shardings.length),
         window_masks={key: jnp.zeros((batch, slots[key]), jnp.int32, device=sharding)

@@ -140,7 +140,8 @@ class Generator:
         pad = jnp.asarray(config.padding_token(), jnp.int32)
         eos_ids = np.asarray(config.eos_token_id, np.int64)
 
-        rows = -(-batch // model.data_parallel_size) * model.data_parallel_size
+        group = model.data_parallel_size * model.pipeline_microbatches  # rows each program splits evenly
+        rows = -(-batch // group) * group
         bucket = bucket_length(prompt_length)
         if limit is not None:
             bucket = max(prompt_length, min(bucket, limit - new_tokens))

@@ -83,8 +83,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     nested = core.layer_stack.nest(params)
     if core.layer_stack.pipeline is not None:
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
-        hidden, sums, total = pipeline_hidden(family, config, core.layer_stack.pipeline, core.microbatches, nested,
-                                              input_ids, attention_mask, positions, step, aux_sums)
+        hidden, sums, total, cache = pipeline_hidden(family, config, core.layer_stack.pipeline, core.microbatches,
+                                                     nested, input_ids, attention_mask, positions, step, aux_sums)
         router_logits = []   # each layer's logits stay in its stage; the aux loss comes from their sums
         aux_loss = (load_balancing_from_sums(*sums, config.num_experts) if aux_sums
                     else jnp.zeros((), jnp.float32))

@@ -177,6 +177,14 @@ class LayerStack:
                 start = layer
         return cls(tuple(runs), tree)
 
+    def cache_entries(self) -> list[tuple[str, int, int]]:
+        """(key, a layer of it, rows) of each KV-cache entry: one per layer run, or per pipeline group and kind
+        (rows ordered as its parameters' rows)."""
+        if self.pipeline is None:
+            return [(run.key, run.start, run.stop - run.start) for run in self.runs]
+        return [(group.key(index), kind.representative, len(self.pipeline.members(group, index)))
+                for group in self.pipeline.groups for index, kind in enumerate(group.kinds)]
+
     @property
     def scanned(self) -> bool:
         return any(run.scanned for run in self.runs)

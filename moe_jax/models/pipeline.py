@@ -28,6 +28,7 @@ from ..nn.norms import rms_norm
 from ..ops.routing import load_balancing_sums
 from .decoder import decoder_layer, embedded_inputs
 from .family import Family
+from .kv_cache import KVCache
 from .pipeline_layout import PipelineLayout
 from .step_options import REMAT_POLICIES, StepOptions
 
@@ -59,20 +60,27 @@ def _where(keep, value, otherwise):
 
 
 def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches: int, layers: dict, x, rope,
-                    attention_mask, step: StepOptions, aux_sums: bool):
-    """The decoder layers on x [B, S, H] through the pipeline -> (x [B, S, H], router sums or None, statistics).
+                    token_mask, masks: dict, step: StepOptions, aux_sums: bool, caches: dict | None = None):
+    """The decoder layers on x [B, S, H] through the pipeline -> (x [B, S, H], router sums or None, statistics,
+    updated caches or None).
 
     layers: `params["model"]["layers"]` of a pipeline `LayerStack` (each group's leaves [stages * repeats *
-    slots, ...], split over `pp`). rope: (cos, sin) [B, S, D]; attention_mask: [B, S]. Router sums (with
-    `aux_sums`): (tokens per expert [E], router probabilities per expert [E], rows) over every sparse layer and
-    microbatch (`moe_jax.ops.routing.load_balancing_from_sums` gives the aux loss)."""
+    slots, ...], split over `pp`). rope: (cos, sin) [B, S, D]. token_mask: [B, S], 1 for the real tokens among
+    x's (the router sums count them). masks: the keys' mask [B, K] per cache entry key
+    (a sliding-window ring's own), "": the mask of every other entry. caches: cache entry key -> (keys, values)
+    [rows, B, T, K, D] (`KVCache.keys` / `values`), each stage writing its rows for the microbatch it runs.
+    Router sums (with `aux_sums`): (tokens per expert [E], router probabilities per expert [E], rows) over every
+    sparse layer and microbatch (`moe_jax.ops.routing.load_balancing_from_sums` gives the aux loss)."""
     stages, repeats, m_count = layout.stages, layout.repeats, microbatches
     work_items = m_count * repeats
     layouts = step.layouts
     inputs = layouts.constrain(microbatched(x, m_count), (None, "batch", "length", "embed"))
-    masks = microbatched(attention_mask, m_count)
+    masks = {key: microbatched(mask, m_count) for key, mask in masks.items()}
+    token_masks = microbatched(token_mask, m_count)
     ropes = jax.tree.map(lambda a: microbatched(a, m_count), rope)
-    stage_weights = jax.tree.map(lambda leaf: leaf.reshape(stages, repeats, -1, *leaf.shape[1:]), layers)
+    per_stage = lambda leaf: leaf.reshape(stages, repeats, -1, *leaf.shape[1:])  # noqa: E731
+    stage_weights = jax.tree.map(per_stage, layers)
+    stage_caches = None if caches is None else jax.tree.map(per_stage, caches)
     # Per (stage, repeat): the layer number at each slot (for per-layer randomness) and which kind each group's
     # chunk is; constants of the layout.
     layer_numbers = np.zeros((stages, repeats, layout.slots), np.int32)
@@ -83,10 +91,10 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     present = [[np.asarray(kind.present, bool).reshape(stages, repeats) for kind in group.kinds]
                for group in layout.groups]
     experts = config.num_experts if aux_sums else 1
-    stage = partial(_stage, family, config, layout, step, aux_sums, experts)
+    stage = partial(_stage, family, config, layout, step, aux_sums, experts, m_count)
 
     def iteration(carry, t):
-        state, outputs, statistics, sums = carry
+        state, outputs, statistics, sums, stage_caches = carry
         stage_ids = jnp.arange(stages)
         work = t - stage_ids
         valid = (work >= 0) & (work < work_items)
@@ -96,54 +104,85 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         state = jnp.where((stage_ids == 0)[:, None, None, None], first[None], state)
         state = jnp.where(valid[:, None, None, None], state, jnp.zeros_like(state))  # bubbles compute on zeros
         state = layouts.constrain_staged(state, ("batch", "length", "embed"))
-        out, stage_statistics, stage_sums = jax.vmap(stage, spmd_axis_name=PP)(
-            stage_weights, state, masks[micro], jax.tree.map(lambda a: a[micro], ropes), repeat, valid,
-            jnp.asarray(layer_numbers), [[jnp.asarray(p) for p in kinds] for kinds in present])
+        out, stage_statistics, stage_sums, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
+            stage_weights, state, {key: mask[micro] for key, mask in masks.items()},
+            token_masks[micro], jax.tree.map(lambda a: a[micro], ropes), repeat, micro, valid,
+            jnp.asarray(layer_numbers),
+            [[jnp.asarray(p) for p in kinds] for kinds in present], stage_caches)
         out = layouts.constrain_staged(out, ("batch", "length", "embed"))
         last = micro[stages - 1]
         outputs = outputs.at[last].set(jnp.where(valid[stages - 1], out[stages - 1], outputs[last]))
         statistics = statistics.combine(stage_statistics)
         sums = jax.tree.map(jnp.add, sums, stage_sums)
-        return (jnp.roll(out, 1, axis=0), outputs, statistics, sums), None
+        return (jnp.roll(out, 1, axis=0), outputs, statistics, sums, stage_caches), None
 
     state = jnp.full((stages, *inputs.shape[1:]), BUBBLE_FILL, x.dtype)
     sums = (jnp.zeros((stages, experts), jnp.float32), jnp.zeros((stages, experts), jnp.float32),
             jnp.zeros((stages,), jnp.float32))
     carry = (layouts.constrain_staged(state, ("batch", "length", "embed")), jnp.full_like(inputs, BUBBLE_FILL),
-             _zero_statistics((stages,)), sums)
+             _zero_statistics((stages,)), sums, stage_caches)
     iterations = work_items + stages - 1
-    (_, outputs, statistics, sums), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+    (_, outputs, statistics, sums, stage_caches), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
     statistics = DispatchStatistics(statistics.dropped.sum(), statistics.padded.sum(),
                                     statistics.buffer_rows.max(), statistics.required_capacity.max())
     hidden = layouts.constrain(unmicrobatched(outputs), ("batch", "length", "embed"))
-    return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics
+    caches = None if caches is None else jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), stage_caches)
+    return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics, caches
+
+
+def _microbatch_rows(array, micro, m_count: int):
+    """array [n, B, ...] -> the rows of microbatch `micro` [n, B / M, ...] (rows micro, M + micro, ...)."""
+    split = array.reshape(array.shape[0], -1, m_count, *array.shape[2:])
+    return jax.lax.dynamic_index_in_dim(split, micro, axis=2, keepdims=False)
+
+
+def _with_microbatch_rows(array, rows, micro, m_count: int):
+    """array [n, B, ...] with microbatch `micro`'s rows replaced by `rows` [n, B / M, ...]."""
+    split = array.reshape(array.shape[0], -1, m_count, *array.shape[2:])
+    return jax.lax.dynamic_update_index_in_dim(split, rows, micro, axis=2).reshape(array.shape)
 
 
 def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, aux_sums: bool, experts: int,
-           weights, x, mask, rope, repeat, valid, layer_numbers, present):
-    """One stage's chunk on its microbatch (under `vmap` over stages): x [mb, S, H] -> (x, statistics, sums)."""
+           m_count: int, weights, x, masks, token_mask, rope, repeat, micro, valid, layer_numbers, present,
+           caches):
+    """One stage's chunk on its microbatch (under `vmap` over stages): x [mb, S, H] -> (x, statistics, sums,
+    caches). caches: key -> (keys, values) [repeats, slots, B, T, K, D] of this stage, or None."""
     weights = jax.tree.map(lambda leaf: leaf[repeat], weights)   # this repeat's chunk: [slots of group, ...]
     numbers = layer_numbers[repeat]
     statistics = _zero_statistics()
     sums = (jnp.zeros((experts,), jnp.float32), jnp.zeros((experts,), jnp.float32), jnp.zeros((), jnp.float32))
-    token_weight = mask.reshape(-1)
+    token_weight = token_mask.reshape(-1)
     for group, kinds_present in zip(layout.groups, present):
         result = x
         for index, kind in enumerate(group.kinds):
+            key = group.key(index)
             here = kinds_present[index][repeat]
+            mask = masks.get(key, masks[""])
             layer_fn = partial(decoder_layer, family, config, layer=kind.representative, rope=rope,
-                               attention_mask=mask, step=step)
+                               attention_mask=mask, step=step, ring=caches is not None and key in masks)
             if step.remat != "none":
                 layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
 
             def body(carry, inputs, layer_fn=layer_fn):
-                layer_weights, number = inputs
-                carry, logits, layer_statistics, _ = layer_fn(layer_weights, carry, layer_index=number)
-                return carry, (logits, layer_statistics)
+                layer_weights, number, layer_cache = inputs
+                carry, logits, layer_statistics, layer_cache = layer_fn(layer_weights, carry, layer_index=number,
+                                                                        layer_cache=layer_cache)
+                return carry, (logits, layer_statistics, layer_cache)
 
+            chunk_cache = None
+            if caches is not None:
+                chunk_cache = tuple(_microbatch_rows(array[repeat], micro, m_count) for array in caches[key])
             slot_numbers = jax.lax.dynamic_slice_in_dim(numbers, group.start, group.slots)
-            y, (logits, layer_statistics) = jax.lax.scan(body, x, (weights[group.key(index)], slot_numbers))
+            y, (logits, layer_statistics, chunk_cache) = jax.lax.scan(
+                body, x, (weights[group.key(index)], slot_numbers, chunk_cache))
             result = jnp.where(here, y, result)
+            if caches is not None:
+                written = here & valid
+                caches = dict(caches)
+                caches[key] = tuple(
+                    array.at[repeat].set(jnp.where(written, _with_microbatch_rows(array[repeat], new, micro, m_count),
+                                                   array[repeat]))
+                    for array, new in zip(caches[key], chunk_cache))
             if layer_statistics is None:
                 continue
             counted = here & valid
@@ -158,16 +197,32 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
                     kept = _where(counted, slot_sums, jax.tree.map(jnp.zeros_like, slot_sums))
                     sums = jax.tree.map(jnp.add, sums, kept)
         x = result
-    return x, statistics, sums
+    return x, statistics, sums, caches
 
 
 def pipeline_hidden(family: Family, config, layout: PipelineLayout, microbatches: int, params: dict, input_ids,
                     attention_mask, positions, step: StepOptions, aux_sums: bool):
     """`decoder_hidden` with the layers through the pipeline: input_ids, attention_mask, positions [B, S] ->
-    (hidden [B, S, H] after the final norm, router sums or None, dispatch statistics). The embeddings, the final
-    norm and the head run outside the stages, on every stage's devices (laid out as without pp)."""
+    (hidden [B, S, H] after the final norm, router sums or None, dispatch statistics, the updated `step.cache`
+    or None). The embeddings, the final norm and the head run outside the stages, on every stage's devices (laid
+    out as without pp)."""
     model = params["model"]
     x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
-    x, sums, statistics = pipeline_layers(family, config, layout, microbatches, model["layers"], x, rope,
-                                          attention_mask, step, aux_sums)
-    return rms_norm(model["norm"], x, config.rms_norm_eps), sums, statistics
+    cache = step.cache
+    if cache is None:
+        masks, caches = {"": attention_mask}, None
+    else:  # as decoder_hidden: the keys' mask with the new tokens, and each window ring's own
+        key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask.astype(cache.key_mask.dtype),
+                                                (0, cache.length))
+        masks, window_masks = {"": key_mask}, {}
+        for key, ring in cache.window_masks.items():
+            masks[key] = jnp.concatenate([ring, attention_mask.astype(ring.dtype)], axis=1)
+            window_masks[key] = masks[key][:, -ring.shape[1]:]
+        caches = {key: (cache.keys[key], cache.values[key]) for key in cache.keys}
+    x, sums, statistics, caches = pipeline_layers(family, config, layout, microbatches, model["layers"], x, rope,
+                                                  attention_mask, masks, step, aux_sums, caches)
+    if cache is not None:
+        cache = KVCache(keys={key: pair[0] for key, pair in caches.items()},
+                        values={key: pair[1] for key, pair in caches.items()}, key_mask=key_mask,
+                        length=cache.length + input_ids.shape[1], window_masks=window_masks)
+    return rms_norm(model["norm"], x, config.rms_norm_eps), sums, statistics, cache

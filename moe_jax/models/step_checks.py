@@ -13,10 +13,11 @@ def check_cache(cache, shape: tuple[int, ...], layer_stack) -> None:
                          f"init_cache(model, batch={shape[0]}, ...).")
     if shape[1] > cache.max_length:
         raise ValueError(f"{shape[1]} new tokens do not fit a cache of {cache.max_length} slots.")
-    missing = {run.key for run in layer_stack.runs} - cache.keys.keys()
+    missing = {key for key, _, _ in layer_stack.cache_entries()} - cache.keys.keys()
     if missing:
         raise ValueError(f"the cache has no keys for layer run(s) {sorted(missing)}: it was built for another "
-                         "model or layer stacking; build it with init_cache(model, ...).")
+                         "model or layer stacking (scanned runs, pipeline stages); build it with "
+                         "init_cache(model, ...).")
 
 
 def check_params(params, layer_stack, hf_names) -> None:

@@ -1,6 +1,7 @@
 """Pipeline stages (`pp_size > 1`, moe_jax/models/pipeline.py) give the one-stage model's logits, aux loss,
 gradients and training curve, on every family and with TP, FSDP, HSDP and each ep_implementation; bubbles are
-inert; loading reads only a stage's own layers; export is unchanged. The whole grid of pp layouts is
+inert; greedy generation (each stage's KV cache) gives one device's tokens; loading reads only a stage's own
+layers; export is unchanged. The whole grid of pp layouts is
 `python scripts/check_pipeline_layouts.py`."""
 
 import math
@@ -174,6 +175,24 @@ def test_export_through_stages_is_the_checkpoint(tmp_path):
         np.testing.assert_array_equal(written[key], original[key], err_msg=key)
 
 
+@pytest.mark.parametrize("family, layout, options", [
+    ("gpt_oss", dict(pp_size=2), {}),   # sliding-window rings; 2 microbatches keep both stages busy
+    ("deepseek_v3", dict(pp_size=2, tp_size=2, fsdp_size=2), dict(pipeline_microbatches=1)),  # stage by stage
+], ids=["gpt_oss-pp2", "deepseek_v3-pp2-tp2-fsdp2-m1"])
+def test_greedy_generation_through_stages_equals_one_device(family, layout, options):
+    """Prefill and decode with each stage's KV cache rows: the same tokens as one device (all 7 families:
+    scripts/check_pipeline_layouts.py)."""
+    ids = np.random.default_rng(0).integers(3, 120, (3, 7)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0
+    one = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / family, None, devices=jax.devices()[:1],
+                                                       progress=False)
+    staged = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / family, DistributedConfig(**layout),
+                                                          devices=_devices(layout), progress=False, **options)
+    np.testing.assert_array_equal(staged.generate(ids, mask, max_new_tokens=6),
+                                  one.generate(ids, mask, max_new_tokens=6))
+
+
 def test_bad_pipeline_inputs_are_one_clear_error():
     layout = dict(pp_size=2, fsdp_size=2)
     model = Qwen3MoeForCausalLM(FOUR_LAYERS, DistributedConfig(**layout), devices=_devices(layout),
@@ -182,8 +201,5 @@ def test_bad_pipeline_inputs_are_one_clear_error():
     with pytest.raises(ValueError, match=r"batch size 4 cannot be cut into 4 pipeline microbatches each split over "
                                          r"the 2 data-parallel groups; use a multiple of 8"):
         model.apply(model.params, np.zeros((4, 5), np.int32))
-    with pytest.raises(NotImplementedError, match=r"pp_size=2: a KV cache \(generate, prefill / decode\) through "
-                                                  r"pipeline stages is not implemented yet"):
-        model.generate(np.zeros((8, 3), np.int32), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"pp_size=8 is larger than the model's 4 layers"):
         Qwen3MoeForCausalLM(FOUR_LAYERS, DistributedConfig(pp_size=8))
