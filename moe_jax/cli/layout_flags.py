@@ -74,8 +74,8 @@ def layout_devices(count: int, command: str) -> list:
     if jax.process_count() > 1 and count != len(devices):
         raise ValueError(
             f"The layout covers {count} device(s) but this job of {jax.process_count()} processes has "
-            f"{len(devices)}: a multi-process job must use all of them (every process holds some). Choose --tp, "
-            f"--fsdp, --ep and --dp-replicate whose product is {len(devices)}."
+            f"{len(devices)}: a multi-process job must use all of them (every process holds some). Choose --pp, "
+            f"--dp-replicate, --fsdp and --tp whose product is {len(devices)} (--ep regroups those devices)."
         )
     if len(devices) >= count:
         return devices[:count]
@@ -87,8 +87,8 @@ def layout_devices(count: int, command: str) -> list:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={count} moe-jax {command} ...), or use a smaller layout."
         )
     raise ValueError(
-        f"The layout needs {count} devices but JAX sees {len(devices)} {platform} device(s); choose --tp, --fsdp "
-        f"and --dp-replicate whose product is at most {len(devices)}."
+        f"The layout needs {count} devices but JAX sees {len(devices)} {platform} device(s); choose --pp, "
+        f"--dp-replicate, --fsdp and --tp whose product is at most {len(devices)}."
     )
 
 
