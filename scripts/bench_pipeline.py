@@ -1,6 +1,6 @@
 """Pipeline stages on 8 virtual CPU devices: step time against microbatches, compile time, memory, collectives.
 
-    python scripts/bench_pipeline.py [--layers 8] [--batch 16] [--seq 64] [--steps 3]
+    python scripts/bench_pipeline.py [--layers 8] [--batch 32] [--seq 64] [--steps 3]
 
 A Qwen3-MoE (hidden 128, 16 experts top-4, vocab 2048, `--layers` layers, random weights), AdamW train steps at
 the largest dispatch capacity on the same global batch, for each row:
@@ -12,7 +12,9 @@ the largest dispatch capacity on the same global batch, for each row:
   the work of a step grows with the iterations, T = R*M + P - 1, against the R*M that carry a microbatch;
 - compile seconds (the iteration loop is one scan: flat in M);
 - the train state bytes one device holds, and the compiled step's temporary bytes (activations) per device;
-- the collectives the partitioner emitted, each tagged by whether its device groups cross stages.
+- the collectives of the compiled step, each tagged by whether its device groups cross stages;
+then, with fsdp 2 and pp = 1, 2, 4: the train state one device holds, and the checkpoint bytes the busiest device
+reads when the model is loaded (each stage's devices read only their layers).
 
 Every row is a fresh model in this process; the machine's 2 cores run all 8 virtual devices, so the figures
 are ratios of total work, not of a real pipeline's wall time (docs/benchmarks.md).
@@ -24,6 +26,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +38,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import moe_jax  # noqa: E402
+from converters import record_reads  # noqa: E402
 from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.reporting.collectives_report import compile_with_collectives  # noqa: E402
@@ -61,9 +66,11 @@ def rows(layers: int) -> list[tuple[str, dict, dict]]:
     return cases
 
 
-def crossing_collectives(hlo: str, stage_size: int) -> dict[str, list[int]]:
-    """op -> [within one stage, across stages] counts, from the device groups in the partitioned HLO text."""
+def crossing_collectives(hlo: str, stage_size: int) -> tuple[dict[str, list[int]], list[str]]:
+    """(op -> [within one stage, across stages] counts, "op shape" of each crossing one but the permutes), from
+    the device groups in the compiled HLO text."""
     counts: dict[str, list[int]] = {}
+    crossing: list[str] = []
     for line in hlo.splitlines():
         match = re.search(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
         if not match:
@@ -74,7 +81,10 @@ def crossing_collectives(hlo: str, stage_size: int) -> dict[str, list[int]]:
         sets = [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", groups.group(1))]
         crosses = any(len({device // stage_size for device in group}) > 1 for group in sets)
         counts.setdefault(match.group(1), [0, 0])[int(crosses)] += 1
-    return counts
+        if crosses and match.group(1) != "collective-permute":
+            shape = re.search(r"=\s+(\S+?)(?:\{[^}]*\})?\s+" + match.group(1), line)
+            crossing.append(f"{match.group(1)} {shape.group(1) if shape else '?'}")
+    return counts, crossing
 
 
 def measure(label: str, layout: dict, options: dict, args) -> dict:
@@ -92,7 +102,8 @@ def measure(label: str, layout: dict, options: dict, args) -> dict:
     compiled, _ = compile_with_collectives(lowered)
     compile_s = time.perf_counter() - began
     stage_size = distributed.num_devices // distributed.pp_size
-    crossing = crossing_collectives(compiled.as_text(), stage_size) if distributed.pp_size > 1 else {}
+    crossing, crossing_shapes = (crossing_collectives(compiled.as_text(), stage_size) if distributed.pp_size > 1
+                                 else ({}, []))
     temp = compiled.memory_analysis().temp_size_in_bytes
     state_bytes = train_state_memory(abstract_train_state(model, train_step.optimizer, capacity)).per_device["total"]
     state, _ = train_step(state, batch)  # compiles the cached program __call__ uses, then warm
@@ -109,13 +120,47 @@ def measure(label: str, layout: dict, options: dict, args) -> dict:
         work = model.pipeline_microbatches * layout_p.repeats
         predicted = (work + layout_p.stages - 1) / work
     return dict(label=label, ms=1e3 * float(np.median(times)), compile_s=compile_s, state=state_bytes, temp=temp,
-                predicted=predicted, crossing=crossing, loss=float(metrics["loss"]))
+                predicted=predicted, crossing=crossing, crossing_shapes=crossing_shapes, loss=float(metrics["loss"]))
+
+
+def state_bytes_at_fixed_fsdp(layers: int) -> list[tuple[int, int]]:
+    """(pp, train-state bytes on the busiest device) with fsdp 2 and pp = 1, 2, 4 (no compilation)."""
+    config = dict(CONFIG, num_hidden_layers=layers)
+    out = []
+    for stages in (1, 2, 4):
+        distributed = DistributedConfig(pp_size=stages, fsdp_size=2)
+        model = Qwen3MoeForCausalLM(config, distributed, devices=jax.devices()[:distributed.num_devices])
+        state = abstract_train_state(model, optax.adamw(1e-4))
+        out.append((stages, train_state_memory(state).per_device["total"]))
+    return out
+
+
+def loading_bytes(layers: int, directory: Path) -> list[tuple[int, int, int]]:
+    """(pp, bytes of the busiest device's reads, bytes of the whole checkpoint) loading a saved checkpoint onto
+    pp x fsdp2: each stage's devices read only their layers."""
+    config = dict(CONFIG, num_hidden_layers=layers)
+    source = Qwen3MoeForCausalLM(config, devices=jax.devices()[:1])
+    source.init_params(seed=0)
+    source.save_pretrained(directory, progress=False)
+    total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    out = []
+    for stages in (1, 2, 4):
+        per_device: dict[int, int] = {}
+        with record_reads() as reads:
+            moe_jax.AutoModelForCausalLM.from_pretrained(
+                directory, DistributedConfig(pp_size=stages, fsdp_size=2), progress=False,
+                devices=jax.devices()[:2 * stages])
+        for read in reads:
+            for device in read.request[2]:
+                per_device[device] = per_device.get(device, 0) + read.nbytes
+        out.append((stages, max(per_device.values()), total))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
@@ -134,6 +179,14 @@ def main() -> int:
         crossing = ", ".join(f"{op} {within}/{across}" for op, (within, across) in sorted(row["crossing"].items()))
         print(f"{row['label']:<36}{row['ms']:>9.0f}{row['ms'] / base:>7.2f}x{row['predicted']:>7.2f}x"
               f"{row['compile_s']:>11.1f}{human_bytes(row['state']):>11}{human_bytes(row['temp']):>10}  {crossing}")
+    shapes = sorted({shape for row in results for shape in row["crossing_shapes"]})
+    print(f"collectives other than permutes that cross stages, by shape: {', '.join(shapes) or 'none'}")
+    print("train state on the busiest device with fsdp 2: " + ", ".join(
+        f"pp{stages} {human_bytes(size)}" for stages, size in state_bytes_at_fixed_fsdp(args.layers)))
+    with tempfile.TemporaryDirectory() as directory:
+        print("checkpoint bytes read for the busiest device, pp x fsdp2: " + ", ".join(
+            f"pp{stages} {human_bytes(size)} of {human_bytes(total)}"
+            for stages, size, total in loading_bytes(args.layers, Path(directory))))
     return 0
 
 
