@@ -113,8 +113,10 @@ def main() -> int:
             ok = difference <= 1e-5 and same["one"]
             failures += [] if ok else [family]
             if "pp" in runs:
-                theirs = ("its pipeline run's tokens " + ("equal its one-process run's" if np.array_equal(
-                    runs["pp"]["tokens"], runs["one"]["tokens"]) else "DIFFER from its one-process run's"))
+                rows = [row for row in range(len(tokens))
+                        if not np.array_equal(runs["pp"]["tokens"][row], runs["one"]["tokens"][row])]
+                theirs = ("its pipeline run's tokens " + (f"DIFFER from its one-process run's in rows {rows} (row 0 "
+                                                          "is left-padded)" if rows else "equal its one-process run's"))
                 versus = f"pipeline run (torchrun x2); tokens equal its pipeline run's: {same['pp']}"
             else:
                 theirs, versus = "its pipeline run fails at build", "one-process run"
