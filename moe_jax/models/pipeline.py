@@ -7,7 +7,8 @@ only its stage's slice and the stage-to-stage hand-over (`jnp.roll` over that ax
 across `pp`. The iterations are one `jax.lax.scan`, so the program and its compile time do not grow with M:
 
     iteration t, stage p: work item w = t - p (valid when 0 <= w < M * repeats): microbatch w % M, repeat w // M
-    stage 0 takes microbatch w's embeddings (repeat 0) or the last stage's output of it (later repeats)
+    stage 0 reads microbatch w from its own buffer: the embeddings (repeat 0), then the last stage's output of
+    it (later repeats), which the roll handed it; after the loop that buffer holds every result
     T = M * repeats + stages - 1 iterations; the bubble fraction is (stages - 1) / T
 
 Bubble iterations (a stage with no valid work item) compute on zeros, and everything they produce is dropped by
@@ -93,15 +94,30 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     experts = config.num_experts if aux_sums else 1
     stage = partial(_stage, family, config, layout, step, aux_sums, experts, m_count)
 
+    def keep_last_output(state, buffer, t):
+        """Stage 0's buffer takes the last stage's output of iteration t - 1, which the roll just handed to stage
+        0 (its work item t - stages): a circular schedule's next repeat reads it there, and after the last
+        iteration the buffer holds every microbatch's result. Local to stage 0: nothing but the roll crosses
+        stages while the loop runs."""
+        finished = t - stages
+        written = (finished >= 0) & (finished < work_items)
+        slot = jnp.clip(finished, 0, work_items - 1) % m_count
+        # Written for every stage at once, stage 0's only: an op on the stage axis as a whole stays on each stage's
+        # devices, where taking stage 0's slice would gather it everywhere.
+        keep = (written & (jnp.arange(stages) == 0))[:, None, None, None]
+        return buffer.at[:, slot].set(jnp.where(keep, state, buffer[:, slot]))
+
     def iteration(carry, t):
-        state, outputs, statistics, sums, stage_caches = carry
+        state, buffer, statistics, sums, stage_caches = carry
+        buffer = keep_last_output(state, buffer, t)
         stage_ids = jnp.arange(stages)
         work = t - stage_ids
         valid = (work >= 0) & (work < work_items)
         work = jnp.clip(work, 0, work_items - 1)
         micro, repeat = work % m_count, work // m_count
-        first = jnp.where(repeat[0] == 0, inputs[micro[0]], outputs[micro[0]])
-        state = jnp.where((stage_ids == 0)[:, None, None, None], first[None], state)
+        # Stage 0 reads the embeddings (repeat 0) or the kept output (each stage reads its own buffer; only stage 0's
+        # is used).
+        state = jnp.where((stage_ids == 0)[:, None, None, None], buffer[:, micro[0]], state)
         state = jnp.where(valid[:, None, None, None], state, jnp.zeros_like(state))  # bubbles compute on zeros
         state = layouts.constrain_staged(state, ("batch", "length", "embed"))
         out, stage_statistics, stage_sums, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
@@ -110,22 +126,26 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
             jnp.asarray(layer_numbers),
             [[jnp.asarray(p) for p in kinds] for kinds in present], stage_caches)
         out = layouts.constrain_staged(out, ("batch", "length", "embed"))
-        last = micro[stages - 1]
-        outputs = outputs.at[last].set(jnp.where(valid[stages - 1], out[stages - 1], outputs[last]))
         statistics = statistics.combine(stage_statistics)
         sums = jax.tree.map(jnp.add, sums, stage_sums)
-        return (jnp.roll(out, 1, axis=0), outputs, statistics, sums, stage_caches), None
+        return (jnp.roll(out, 1, axis=0), buffer, statistics, sums, stage_caches), None
 
     state = jnp.full((stages, *inputs.shape[1:]), BUBBLE_FILL, x.dtype)
+    # Stage 0's buffer starts as the microbatches' embeddings (the other stages' are unused): it is stage 0's input
+    # at every repeat, so neither the embeddings nor their gradient cross stages inside the loop.
+    buffer = jnp.full((stages, *inputs.shape), BUBBLE_FILL, x.dtype).at[0].set(inputs)
     sums = (jnp.zeros((stages, experts), jnp.float32), jnp.zeros((stages, experts), jnp.float32),
             jnp.zeros((stages,), jnp.float32))
-    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")), jnp.full_like(inputs, BUBBLE_FILL),
+    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")),
+             layouts.constrain_staged(buffer, (None, "batch", "length", "embed")),
              _zero_statistics((stages,)), sums, stage_caches)
     iterations = work_items + stages - 1
-    (_, outputs, statistics, sums, stage_caches), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+    (state, buffer, statistics, sums, stage_caches), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+    buffer = keep_last_output(state, buffer, iterations)
     statistics = DispatchStatistics(statistics.dropped.sum(), statistics.padded.sum(),
                                     statistics.buffer_rows.max(), statistics.required_capacity.max())
-    hidden = layouts.constrain(unmicrobatched(outputs), ("batch", "length", "embed"))
+    # The results leave stage 0 once, for the norm and head (replicated over pp).
+    hidden = layouts.constrain(unmicrobatched(buffer[0]), ("batch", "length", "embed"))
     caches = None if caches is None else jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), stage_caches)
     return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics, caches
 
