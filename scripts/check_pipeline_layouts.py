@@ -27,10 +27,9 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as the tests run
 
-import moe_jax  # noqa: E402
-from moe_jax import DistributedConfig  # noqa: E402
 from tests.distributed.test_mesh import legal_layouts  # noqa: E402
 from tests.models.test_fixture_parity import FAMILIES, FIXTURES, check_against_fixture, has_ep_plan  # noqa: E402
+from tests.models.test_pipeline import greedy_tokens  # noqa: E402
 
 
 def pipeline_cases(family: str) -> list[tuple[dict, dict]]:
@@ -56,14 +55,8 @@ def pipeline_cases(family: str) -> list[tuple[dict, dict]]:
 
 
 def generation_matches(family: str, layout: dict) -> bool:
-    ids = np.random.default_rng(0).integers(3, 120, (3, 7)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[0, :2] = 0
-    one = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / family, None, devices=jax.devices()[:1],
-                                                       progress=False)
-    staged = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / family, DistributedConfig(**layout),
-                                                          progress=False)
-    return bool((staged.generate(ids, mask, max_new_tokens=6) == one.generate(ids, mask, max_new_tokens=6)).all())
+    staged, one = greedy_tokens(family, layout)
+    return bool(np.array_equal(staged, one))
 
 
 def main(argv: list[str] | None = None) -> int:

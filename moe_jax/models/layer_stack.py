@@ -73,7 +73,7 @@ def unstacked_rows(values: Mapping[str, object], saved_members: Mapping[str, Seq
     per_layer = {}
     for storage, value in values.items():
         names = saved_members[storage]
-        if not stack_rows(storage, saved_members):
+        if not stack_rows(storage):
             per_layer[names[0]] = value
             continue
         for row, name in enumerate(names):
@@ -82,8 +82,9 @@ def unstacked_rows(values: Mapping[str, object], saved_members: Mapping[str, Seq
     return per_layer
 
 
-def stack_rows(storage: str, members: Mapping[str, Sequence[str | None]]) -> bool:
-    """Whether `storage` of a saved layout is stacked: a layer entry named by a run ("1-3") or a pipeline group."""
+def stack_rows(storage: str) -> bool:
+    """Whether storage name `storage` (of any layer layout) holds stacked layers: a layer entry named by a scanned
+    run ("1-3") or a pipeline group ("pp0", "pp0-3k1")."""
     parts = storage.split(".")
     return storage.startswith(LAYERS_PREFIX + ".") and ("-" in parts[2] or parts[2].startswith("pp"))
 
@@ -121,7 +122,6 @@ class LayerStack:
         # zero row of a pipeline group)
         self.members: dict[str, tuple[str | None, ...]] = {}
         self._storage_of: dict[str, str] = {}
-        self._stacked: set[str] = set()
         pipelined = self._pipeline_members(tree) if pipeline is not None else {}
         in_groups = {name for names in pipelined.values() for name in names}
         for name, _ in tree.named_parameters():
@@ -130,11 +130,8 @@ class LayerStack:
             storage = self.storage_name(name)
             self.members[storage] = (*self.members.get(storage, ()), name)
             self._storage_of[name] = storage
-            if self._is_run_storage(storage):
-                self._stacked.add(storage)
         for storage, names in pipelined.items():
             self.members[storage] = names
-            self._stacked.add(storage)
             self._storage_of.update((name, storage) for name in names if name is not None)
         self._storage_of = {name: self._storage_of[name] for name, _ in tree.named_parameters()}  # declared order
         self._nested = NestedView(self.members)
@@ -210,12 +207,7 @@ class LayerStack:
 
     def is_stacked(self, storage_name: str) -> bool:
         """Whether `storage_name` holds several layers on a leading axis (a scanned run, a pipeline group)."""
-        return storage_name in self._stacked
-
-    @staticmethod
-    def _is_run_storage(storage_name: str) -> bool:
-        parts = storage_name.split(".")
-        return storage_name.startswith(LAYERS_PREFIX + ".") and "-" in parts[2]
+        return stack_rows(storage_name)
 
     def nest(self, params: Mapping[str, object]) -> dict:
         """Storage layout -> nested dicts by module (`params["model"]["layers"]["1-3"]...`), the view a

@@ -65,7 +65,7 @@ def hf_shapes(record: dict) -> dict[str, list[int]] | None:
         shape = record["parameters"][storage]
         for name in members:
             if name is not None:
-                shapes[name] = shape[1:] if stack_rows(storage, record["storage"]) else shape
+                shapes[name] = shape[1:] if stack_rows(storage) else shape
     return shapes
 
 
@@ -230,7 +230,7 @@ class TrainCheckpoints:
         for storage, members in record["storage"].items():
             first = next(name for name in members if name is not None)
             spec = shardings[first].spec
-            if stack_rows(storage, record["storage"]):
+            if stack_rows(storage):
                 spec = P(None, *spec)
             params[storage] = jax.ShapeDtypeStruct(tuple(record["parameters"][storage]),
                                                    self.model.param_dtype(first), sharding=NamedSharding(mesh, spec))
