@@ -37,8 +37,11 @@ from ..distributed.mesh import PP, DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..host_memory import warn_without_huge_pages
+from ..inference.batch import generate_batch
+from ..inference.continuous import ContinuousBatchingConfig, ServingEngine
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
+from ..inference.manager import ContinuousBatchingManager
 from ..models.core import ModelCore, model_axis_rules, step_math
 from ..models.decoder import declare_tree, head_logits
 from ..models.family import Family
@@ -414,6 +417,32 @@ class MoeForCausalLM(PlannedModel):
         )
         return self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
                                        on_tokens=streamer).sequences
+
+    def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                       continuous_batching_config=None, *, progress_bar: bool = False, params=None, **kwargs):
+        """Transformers' `generate_batch`: prompts (token-id lists, no padding) through continuous batching ->
+        {request id: GenerationOutput} in input order (`moe_jax.inference.batch`)."""
+        return generate_batch(self, inputs, generation_config, continuous_batching_config,
+                              progress_bar=progress_bar, params=params, **kwargs)
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
+                                 continuous_batching_config=None, *, params=None, decode=None, **config_fields):
+        """A `ContinuousBatchingManager` (Transformers' verbs: start, add_request, get_result,
+        request_id_iter, cancel_request, stop) over this model; config_fields: `ContinuousBatchingConfig`'s
+        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows)."""
+        config = continuous_batching_config or ContinuousBatchingConfig(**config_fields)
+        return ContinuousBatchingManager(self, generation_config, config, params=params, decode=decode)
+
+    def continuous_batching_engine(self, config, *, params=None):
+        """The `ServingEngine` for `config` (kept, with its compiled programs and page pools, for the next call
+        with the same config; one at a time)."""
+        self._require_mesh("generate_batch")
+        engine = getattr(self, "_batch_engine", None)
+        if engine is None or engine.config != config or engine.has_work():
+            engine = self._batch_engine = None   # the old pools go before the new ones are made
+            engine = self._batch_engine = ServingEngine(self, config)
+        engine.params = self.params if params is None else params
+        return engine
 
     @property
     def generator(self) -> Generator:

@@ -1,11 +1,27 @@
-"""Inference: the KV cache, next-token rules and `generate` (prefill + decode steps, cache donated)."""
+"""Inference: the KV cache, next-token rules, `generate` (prefill + decode steps, cache donated) and continuous
+batching over a paged cache (`ServingEngine`, `ContinuousBatchingManager`, `generate_batch`)."""
 
+from .batch import generate_batch
 from .cache import KVCache, bucket_length, cache_shardings, init_cache
+from .continuous import (
+    ContinuousBatchingConfig,
+    GenerationOutput,
+    Request,
+    RequestSettings,
+    RequestStatus,
+    ServingEngine,
+    StepEvent,
+)
 from .generate import GenerationResult, GenerationTimings, Generator, prompt_positions
 from .generation_config import GenerationConfig
-from .sampling import Sampling, next_tokens, warp
+from .manager import ContinuousBatchingManager
+from .paged import PageBook, init_page_pools
+from .sampling import Sampling, next_tokens, next_tokens_per_row, warp
 
 __all__ = [
-    "GenerationConfig", "GenerationResult", "GenerationTimings", "Generator", "KVCache", "Sampling",
-    "bucket_length", "cache_shardings", "init_cache", "next_tokens", "prompt_positions", "warp",
+    "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationConfig", "GenerationOutput",
+    "GenerationResult", "GenerationTimings", "Generator", "KVCache", "PageBook", "Request", "RequestSettings",
+    "RequestStatus", "Sampling", "ServingEngine", "StepEvent", "bucket_length", "cache_shardings",
+    "generate_batch", "init_cache", "init_page_pools", "next_tokens", "next_tokens_per_row", "prompt_positions",
+    "warp",
 ]

@@ -72,7 +72,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
                       else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
     if positions is None:
-        first = 0 if cache is None else cache.length
+        first = 0 if cache is None else cache.next_index
         positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
     positions = layouts.batch(jnp.asarray(positions, jnp.int32))
     step = StepOptions(

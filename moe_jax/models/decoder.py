@@ -23,7 +23,6 @@ from ..nn.mlp import mlp
 from ..nn.norms import rms_norm
 from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 from .family import Family, declare_dense_mlp
-from .kv_cache import KVCache
 from .layer_stack import LayerRun
 from .step_options import REMAT_POLICIES, StepOptions
 
@@ -56,18 +55,19 @@ def declare_tree(family: Family, config) -> ModuleTree:
 
 
 def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
-                  step: StepOptions, layer_cache: tuple | None = None, ring: bool = False):
+                  step: StepOptions, layer_cache: tuple | None = None, kv_view=None):
     """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
 
     `layer` is static (options, experts module: the same for every layer of a scanned run); `layer_index` is the
     layer's number, traced inside a scan (per-layer randomness). With a cache, `layer_cache` is this layer's
-    (keys, values) [B, T, K, D], `ring` whether it is a sliding window's ring, and `attention_mask` the keys'
-    mask; the new tokens' keys and values come back stored in it (None without a cache)."""
+    stored (keys, values) and `kv_view` makes its storage (`nn.kv_store`) from them, which also says what each
+    query sees; the arrays come back with the new tokens stored (None without a cache)."""
     layouts = step.layouts
     h = rms_norm(weights["input_layernorm"], x, config.rms_norm_eps)
+    layer_kv = None if layer_cache is None else kv_view(layer_cache)
     attended, layer_cache = family.self_attention(config, weights["self_attn"], h,
                                                   family.attention_options(config, layer), rope, attention_mask,
-                                                  step, layer_cache, ring)
+                                                  step, layer_kv)
     x = x + attended
     h = rms_norm(weights["post_attention_layernorm"], x, config.rms_norm_eps)
     router_logits = statistics = None
@@ -85,12 +85,11 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
 
 
 def run_layers(family: Family, config, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,
-               run_cache: tuple | None):
+               run_cache: tuple | None, kv_view=None):
     """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer, the run's
-    cache (keys, values) [L, B, T, K, D] with the new tokens written, or None)."""
-    ring = step.cache is not None and run.key in step.cache.window_masks
+    cache (keys, values) [L, ...] with the new tokens written, or None). kv_view: as `decoder_layer`'s."""
     layer_fn = partial(decoder_layer, family, config, layer=run.start, rope=rope, attention_mask=attention_mask,
-                       step=step, ring=ring)
+                       step=step, kv_view=kv_view)
     if step.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
     if not run.scanned:
@@ -131,29 +130,19 @@ def decoder_hidden(family: Family, config, runs: tuple[LayerRun, ...], params, i
     params: nested by module (`LayerStack.nest`: each run's layers under `model.layers.<run key>`)."""
     model = params["model"]
     x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
-    cache = step.cache
-    key_mask = attention_mask
-    if cache is not None:
-        key_mask = jax.lax.dynamic_update_slice(cache.key_mask, attention_mask.astype(cache.key_mask.dtype),
-                                                (0, cache.length))
-    router_logits, statistics, keys, values, window_masks = [], [], {}, {}, {}
+    cache_step = None if step.cache is None else step.cache.begin(attention_mask)
+    router_logits, statistics, stored = [], [], {}
     for run in runs:
-        run_cache, run_mask = None, key_mask
-        if cache is not None:
-            run_cache = (cache.keys[run.key], cache.values[run.key])
-            if run.key in cache.window_masks:  # a window ring: its mask, then the new tokens'
-                ring = cache.window_masks[run.key]
-                run_mask = jnp.concatenate([ring, attention_mask.astype(ring.dtype)], axis=1)
-                window_masks[run.key] = run_mask[:, -ring.shape[1]:]
+        run_cache = kv_view = None
+        if cache_step is not None:
+            run_cache, kv_view = cache_step.arrays(run.key), cache_step.view(run.key)
         x, run_logits, run_statistics, run_cache = run_layers(family, config, run, model["layers"][run.key], x, rope,
-                                                              run_mask, step, run_cache)
+                                                              attention_mask, step, run_cache, kv_view)
         router_logits += run_logits
         statistics += run_statistics
         if run_cache is not None:
-            keys[run.key], values[run.key] = run_cache
-    if cache is not None:
-        cache = KVCache(keys=keys, values=values, key_mask=key_mask, length=cache.length + input_ids.shape[1],
-                        window_masks=window_masks)
+            stored[run.key] = run_cache
+    cache = None if cache_step is None else cache_step.finish(stored)
     return rms_norm(model["norm"], x, config.rms_norm_eps), router_logits, statistics, cache
 
 

@@ -153,18 +153,14 @@ def cache_heads(config: DeepseekV3Config) -> tuple[tuple[int, int], tuple[int, i
     return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
 
 
-def self_attention(config: DeepseekV3Config, weights, h, options, rope, attention_mask, step, layer_cache, ring):
+def self_attention(config: DeepseekV3Config, weights, h, options, rope, attention_mask, step, layer_kv):
     """Multi-head latent attention (`nn.latent_attention`); the cache holds latents and rotated keys."""
     cos, sin = rope
     constrain = step.layouts.constrain
-    if layer_cache is None:
+    if layer_kv is None:
         return latent_attention(weights, h, cos, sin, dims=latent_dims(config), attention_mask=attention_mask,
                                 constrain=constrain), None
-    out, latents, rotated_keys = cached_latent_attention(
-        weights, h, cos, sin, *layer_cache, slot=step.cache.length, key_mask=attention_mask,
-        dims=latent_dims(config), constrain=constrain,
-    )
-    return out, (latents, rotated_keys)
+    return cached_latent_attention(weights, h, cos, sin, layer_kv, dims=latent_dims(config), constrain=constrain)
 
 
 def route(config: DeepseekV3Config, router_logits, correction_bias):

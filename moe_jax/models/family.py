@@ -16,8 +16,8 @@ Signatures of the functions (config first; see the defaults below):
     experts(config, backend) -> experts_forward(tokens [N, H], expert_ids [N, K], weights [N, K], **params)
     moe_block(config, weights, hidden [B, S, H], run_experts, *, inference, rng, constrain, route)
         -> (output [B, S, H], router_logits [B*S, E], statistics)
-    self_attention(config, weights, h [B, S, H], options, rope, attention_mask, step, layer_cache, ring)
-        -> (output [B, S, H], layer cache or None)
+    self_attention(config, weights, h [B, S, H], options, rope, attention_mask, step, layer_kv)
+        -> (output [B, S, H], the layer's stored cache arrays, or None without a cache)
 """
 
 from __future__ import annotations
@@ -124,21 +124,17 @@ def routed_experts_block(config, weights: dict, hidden, run_experts, *, inferenc
     return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
 
 
-def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attention_mask, step, layer_cache,
-                   ring: bool):
-    """RoPE attention (`nn.attention`): h [B, S, H] (normed) -> (output [B, S, H], (keys, values) with the new
-    tokens stored, or None without a cache). `options`: the family's `attention_options` for the layer; `ring`:
-    the layer's cache is a sliding window's ring (its mask says where each key is)."""
+def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attention_mask, step, layer_kv):
+    """RoPE attention (`nn.attention`): h [B, S, H] (normed) -> (output [B, S, H], the layer's cache arrays with
+    the new tokens stored, or None without a cache). `options`: the family's `attention_options` for the layer;
+    `layer_kv`: the layer's cache storage (`nn.kv_store`), whose mask replaces `attention_mask`."""
     cos, sin = rope
     options = dict(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
                    head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, constrain=step.layouts.constrain,
                    **options)
-    if layer_cache is None:
+    if layer_kv is None:
         return attention(weights, h, cos, sin, attention_mask=attention_mask, **options), None
-    attended, keys, values = cached_attention(weights, h, cos, sin, *layer_cache,
-                                              slot=None if ring else step.cache.length, key_mask=attention_mask,
-                                              **options)
-    return attended, (keys, values)
+    return cached_attention(weights, h, cos, sin, layer_kv, **options)
 
 
 def kv_cache_heads(config) -> tuple[tuple[int, int], tuple[int, int]]:

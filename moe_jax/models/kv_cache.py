@@ -9,9 +9,13 @@ its own mask in `window_masks`. Making, sizing and placing a cache is `moe_jax.i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
+
+from ..nn.kv_store import ContiguousKV, PagedKV, RingKV
 
 
 @dataclass
@@ -34,6 +38,92 @@ class KVCache:
     def batch_size(self) -> int:
         return self.key_mask.shape[0]
 
+    @property
+    def next_index(self) -> jax.Array:
+        """The cache index (and default position) of every row's next token."""
+        return self.length
+
+    def begin(self, attention_mask: jax.Array) -> CacheStep:
+        """The step that stores S new tokens (attention_mask: [B, S], 1 for real ones) at slot `length`."""
+        new_mask = attention_mask.astype(self.key_mask.dtype)
+        key_mask = jax.lax.dynamic_update_slice(self.key_mask, new_mask, (0, self.length))
+        ring_masks = {key: jnp.concatenate([ring, new_mask], axis=1) for key, ring in self.window_masks.items()}
+
+        def view(key: str) -> Callable[[tuple], ContiguousKV | RingKV]:
+            if key in ring_masks:
+                return lambda arrays: RingKV(arrays, ring_masks[key])
+            return lambda arrays: ContiguousKV(arrays, self.length, key_mask)
+
+        def finish(stored: dict[str, tuple]) -> KVCache:
+            windows = {key: mask[:, -self.window_masks[key].shape[1]:] for key, mask in ring_masks.items()}
+            return KVCache(keys={key: pair[0] for key, pair in stored.items()},
+                           values={key: pair[1] for key, pair in stored.items()}, key_mask=key_mask,
+                           length=self.length + attention_mask.shape[1], window_masks=windows)
+
+        return CacheStep(arrays=lambda key: (self.keys[key], self.values[key]), view=view, finish=finish)
+
 
 jax.tree_util.register_dataclass(
     KVCache, data_fields=["keys", "values", "key_mask", "length", "window_masks"], meta_fields=[])
+
+
+@dataclass
+class PagedKVCache:
+    """A continuous batch's cache: page pools shared by its rows, and this step's rows' page tables and lengths.
+
+    keys, values: run key -> [L, G, pages, P, K, D], G data-parallel groups, each with its own pool (a row of group
+    g reads and writes only pool g); page_table: [B, M] each row's pages in order (indices into its group's pool;
+    rows g*B/G .. (g+1)*B/G - 1 are group g's); lengths: [B] int32 tokens each row holds. Which pages a row owns is
+    the host's bookkeeping (`moe_jax.inference.paged`); a step only reads the table. Sliding-window layers keep
+    every page (their window is a mask)."""
+
+    keys: dict[str, jax.Array]
+    values: dict[str, jax.Array]
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return next(iter(self.keys.values())).shape[3]
+
+    @property
+    def max_length(self) -> int:
+        """The tokens a row's page table can address."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def next_index(self) -> jax.Array:
+        """[B, 1]: each row's next token's index, which is its position (a slot's sequence starts at 0)."""
+        return self.lengths[:, None]
+
+    def begin(self, attention_mask: jax.Array) -> CacheStep:
+        """The step that appends each row's real new tokens (attention_mask: [B, S], real tokens first) after its
+        `lengths[row]` stored ones."""
+        def finish(stored: dict[str, tuple]) -> PagedKVCache:
+            return PagedKVCache(keys={key: pair[0] for key, pair in stored.items()},
+                                values={key: pair[1] for key, pair in stored.items()}, page_table=self.page_table,
+                                lengths=self.lengths + jnp.sum(attention_mask > 0, axis=1).astype(self.lengths.dtype))
+
+        return CacheStep(arrays=lambda key: (self.keys[key], self.values[key]),
+                         view=lambda key: lambda arrays: PagedKV(arrays, self.page_table, self.lengths,
+                                                                 attention_mask),
+                         finish=finish)
+
+
+jax.tree_util.register_dataclass(
+    PagedKVCache, data_fields=["keys", "values", "page_table", "lengths"], meta_fields=[])
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One step's use of a cache. arrays(run key): the run's stored (keys, values) [L, ...]; view(run key): makes
+    a layer's `nn.kv_store` storage from its (keys, values) slice; finish(stored): the cache after the step, from
+    every run's stored arrays."""
+
+    arrays: Callable[[str], tuple]
+    view: Callable[[str], Callable[[tuple], object]]
+    finish: Callable[[dict], object]

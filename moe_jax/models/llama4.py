@@ -138,12 +138,13 @@ def experts(config: Llama4TextConfig, backend: str | None):
 
 
 def temperature(config: Llama4TextConfig, first: jax.Array, length: int) -> jax.Array:
-    """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32."""
+    """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32, or [B, length]
+    when `first` is [B, 1] (each row its own index)."""
     index = (first + jnp.arange(length)).astype(jnp.float32)
     return jnp.log1p(jnp.floor((index + 1.0) / config.floor_scale)) * config.attn_scale + 1.0
 
 
-def self_attention(config: Llama4TextConfig, weights, h, options, rope, attention_mask, step, layer_cache, ring):
+def self_attention(config: Llama4TextConfig, weights, h, options, rope, attention_mask, step, layer_kv):
     """RoPE layers: complex RoPE on pairs, L2 q/k norm, chunked mask; NoPE layers: temperature-scaled queries."""
     c, (cos, sin) = config, rope
     constrain = step.layouts.constrain
@@ -153,22 +154,21 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if c.use_qk_norm:
             q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
-    first = 0 if layer_cache is None else step.cache.length
     if c.attn_temperature_tuning and not options["rope"]:
-        q = (q * temperature(c, first, h.shape[1])[None, :, None, None]).astype(q.dtype)
+        first = 0 if layer_kv is None else layer_kv.first_index
+        scale = jnp.broadcast_to(temperature(c, first, h.shape[1]), h.shape[:2])      # [B, S]
+        q = (q * scale[:, :, None, None]).astype(q.dtype)
     chunk = options["attention_chunk_size"]
-    if layer_cache is None:
+    stored = None
+    if layer_kv is None:
         out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk)
     else:
-        keys, values = (jax.lax.dynamic_update_slice(cached, new.astype(cached.dtype), (0, first, 0, 0))
-                        for cached, new in zip(layer_cache, (k, v)))
-        layer_cache = (keys, values)
+        (keys, values), mask_options, stored = layer_kv.store(k, v)
         out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
-                     key_padding_mask=attention_mask, query_index=first + jnp.arange(h.shape[1]),
-                     attention_chunk_size=chunk)
+                     attention_chunk_size=chunk, **mask_options)
     batch, sequence = h.shape[:2]
     out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
-    return constrain(out, ("batch", "length", "embed")), layer_cache
+    return constrain(out, ("batch", "length", "embed")), stored
 
 
 def route(config: Llama4TextConfig, router_logits):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.mesh import PP
+from ..nn.kv_store import ContiguousKV, RingKV
 from ..nn.norms import rms_norm
 from ..ops.routing import load_balancing_sums
 from .decoder import decoder_layer, embedded_inputs
@@ -178,8 +179,12 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
             key = group.key(index)
             here = kinds_present[index][repeat]
             mask = masks.get(key, masks[""])
+            kv_view = None
+            if caches is not None:  # a window ring's own mask, or the keys' mask at slot `length`
+                kv_view = ((lambda arrays, mask=mask: RingKV(arrays, mask)) if key in masks else
+                           (lambda arrays, mask=mask: ContiguousKV(arrays, step.cache.length, mask)))
             layer_fn = partial(decoder_layer, family, config, layer=kind.representative, rope=rope,
-                               attention_mask=mask, step=step, ring=caches is not None and key in masks)
+                               attention_mask=mask, step=step, kv_view=kv_view)
             if step.remat != "none":
                 layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
 
@@ -229,6 +234,9 @@ def pipeline_hidden(family: Family, config, layout: PipelineLayout, microbatches
     model = params["model"]
     x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
     cache = step.cache
+    if cache is not None and not isinstance(cache, KVCache):
+        raise ValueError(f"a {type(cache).__name__} cannot run through pipeline stages: continuous batching "
+                         "(paged caches) needs pp_size=1; `generate` runs with pipeline stages.")
     if cache is None:
         masks, caches = {"": attention_mask}, None
     else:  # as decoder_hidden: the keys' mask with the new tokens, and each window ring's own

@@ -380,11 +380,8 @@ def cached_attention(
     hidden: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
+    layer_kv,
     *,
-    slot: jax.Array | None,
-    key_mask: jax.Array,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -394,19 +391,16 @@ def cached_attention(
     clip_qkv: float | None = None,
     implementation: Literal["xla", "cudnn"] | None = None,
     constrain: Constrain = no_constraint,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`attention` for S new tokens against a KV cache (prefill into an empty cache, or decode).
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """`attention` for S new tokens against a KV cache (prefill into an empty cache, decode, or a chunk of a
+    prompt joining a continuous batch).
 
     hidden: [B, S, H]; cos, sin: [B, S, D] at the new tokens' positions
-    keys, values: [B, T, K, D], the cache, in one of two forms:
-      full (slot given): the new tokens go to slots [slot, slot + S) of every row;
-        key_mask: [B, T], 1 for every stored real token, the new ones included
-      window ring (slot=None, a sliding-window layer): the last T tokens in order, oldest first; the new
-        tokens are appended and the oldest dropped, so the ring stays in order;
-        key_mask: [B, T + S], the ring's mask followed by the new tokens'
-    -> (out [B, S, H], keys, values with the new tokens stored)
+    layer_kv: the layer's storage (`kv_store.ContiguousKV`, `RingKV` or `PagedKV`): it stores the new keys and
+        values and says which keys each query sees (its mask options)
+    -> (out [B, S, H], the layer's stored arrays with the new tokens)
 
-    Masking is `attend`'s (causal by key order, sliding window, padding). A ring of `sliding_window - 1`
+    Masking is `attend`'s (causal by key index, sliding window, padding). A ring of `sliding_window - 1`
     tokens is all a query can see besides itself and the other new tokens.
     """
     batch, seq, _ = hidden.shape
@@ -416,22 +410,11 @@ def cached_attention(
     )
     q, k = apply_rotary(q, k, cos, sin)
     q, k = q.astype(v.dtype), k.astype(v.dtype)
-    if slot is None:
-        ring = keys.shape[1]
-        all_keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=1)       # [B, T + S, K, D]
-        all_values = jnp.concatenate([values, v.astype(values.dtype)], axis=1)
-        query_index = ring + jnp.arange(seq)
-        keys, values = all_keys[:, -ring:], all_values[:, -ring:]
-    else:
-        start = (0, slot, 0, 0)
-        all_keys = keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), start)
-        all_values = values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), start)
-        query_index = slot + jnp.arange(seq)
+    (keys, values), mask_options, stored = layer_kv.store(k, v)
     out = attend(
-        q, all_keys.astype(v.dtype), all_values.astype(v.dtype), scale=head_dim**-0.5, key_padding_mask=key_mask,
-        query_index=query_index, sliding_window=sliding_window, implementation=implementation,
-        sinks=params.get("sinks"),
+        q, keys.astype(v.dtype), values.astype(v.dtype), scale=head_dim**-0.5, sliding_window=sliding_window,
+        implementation=implementation, sinks=params.get("sinks"), **mask_options,
     )
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)),
                     ("batch", "length", "embed"))
-    return out, keys, values
+    return out, stored

@@ -112,23 +112,20 @@ def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: ja
     return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
 
 
-def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array,
-                            latents: jax.Array, rotated_keys: jax.Array, *, slot: jax.Array, key_mask: jax.Array,
+def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array, layer_kv, *,
                             dims: LatentDims, constrain: Constrain = no_constraint
-                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`latent_attention` for S new tokens against a cache (prefill into an empty cache, or decode).
+                            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """`latent_attention` for S new tokens against a cache (prefill into an empty cache, decode, or a prompt chunk).
 
-    latents: [B, T, 1, C], rotated_keys: [B, T, 1, R], the cache; the new tokens go to slots [slot, slot + S)
-    key_mask: [B, T], 1 for every stored real token, the new ones included
-    -> (out [B, S, H], latents, rotated_keys with the new tokens stored)
+    layer_kv: the layer's storage of (latents [.., 1, C], rotated keys [.., 1, R]) (`kv_store`): it stores the new
+        pair and hands back every stored pair the queries may see, with the mask options
+    -> (out [B, S, H], the stored arrays with the new tokens)
     """
     batch, seq, _ = hidden.shape
     q = latent_query(params, hidden, dims, cos, sin, constrain)
     latent, k_rot = latent_compression(params, hidden, dims, cos, sin, constrain)
-    start = (0, slot, 0, 0)
-    latents = jax.lax.dynamic_update_slice(latents, latent.astype(latents.dtype), start)
-    rotated_keys = jax.lax.dynamic_update_slice(rotated_keys, k_rot.astype(rotated_keys.dtype), start)
+    (latents, rotated_keys), mask_options, stored = layer_kv.store(latent, k_rot)
     keys, values = expand_latent(params, latents.astype(latent.dtype), rotated_keys, dims, constrain)
-    out = attend_latent(q, keys, values, dims, key_padding_mask=key_mask, query_index=slot + jnp.arange(seq))
+    out = attend_latent(q, keys, values, dims, **mask_options)
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
-    return out, latents, rotated_keys
+    return out, stored

@@ -1,0 +1,61 @@
+"""`generate_batch`: a list of prompts through continuous batching, in the caller's thread.
+
+    outputs = model.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=16)   # {"req_0": GenerationOutput, ...}
+
+Transformers' `generate_batch`: the result maps request ids ("req_0", "req_1", ... in input order) to
+`GenerationOutput`s whose `generated_tokens` are what `generate` gives each prompt alone (greedy), EOS
+included when one ends it. Unless a `ContinuousBatchingConfig` says otherwise, the engine is sized for this
+call: up to 32 slots and a context of the longest prompt plus the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from .cache import bucket_length
+from .continuous import ContinuousBatchingConfig, GenerationOutput, Request
+from .generation_config import GenerationConfig
+from .manager import ContinuousBatchingManager
+
+DEFAULT_MAX_SLOTS = 32
+
+
+def batch_config(model, inputs: list[list[int]], new_tokens: int) -> ContinuousBatchingConfig:
+    """Slots for every prompt (up to DEFAULT_MAX_SLOTS, a multiple of the data-parallel size) and a context for
+    the longest prompt plus `new_tokens` (bucketed, so nearby calls reuse the compiled programs)."""
+    groups = model.data_parallel_size
+    slots = -(-min(len(inputs), DEFAULT_MAX_SLOTS) // groups) * groups
+    length = bucket_length(max(len(ids) for ids in inputs) + new_tokens + 1)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:
+        length = min(length, limit)
+    return ContinuousBatchingConfig(max_slots=slots, page_size=16, max_model_len=length,
+                                    prefill_chunk=min(128, length))
+
+
+def generate_batch(model, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                   continuous_batching_config: ContinuousBatchingConfig | None = None, *,
+                   progress_bar: bool = False, params=None, **kwargs) -> dict[str, GenerationOutput]:
+    """inputs: prompts as token-id lists -> {request id: GenerationOutput}, in input order. kwargs: max_new_tokens,
+    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop."""
+    if not inputs:
+        return {}
+    seed = kwargs.pop("seed", 0)
+    helper = ContinuousBatchingManager.__new__(ContinuousBatchingManager)   # its `settings` rule only
+    helper.generation_config = generation_config or model.generation_config
+    settings = [helper.settings(prompt_length=len(ids), seed=seed + i, **kwargs) for i, ids in enumerate(inputs)]
+    config = continuous_batching_config or batch_config(model, inputs, max(s.max_new_tokens for s in settings))
+    engine = model.continuous_batching_engine(config, params=params)
+    requests = [Request(f"req_{i}", [int(t) for t in ids], replace(s)) for i, (ids, s) in
+                enumerate(zip(inputs, settings))]
+    for request in requests:
+        engine.check(request)
+    for request in requests:
+        engine.add(request)
+    with tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
+              unit="request") as bar:
+        while engine.has_work():
+            bar.update(sum(event.finished for event in engine.step()))
+    return {request.request_id: request.output for request in requests}

@@ -1,0 +1,414 @@
+"""Continuous batching: requests join and leave a running batch between steps, keys and values in pages.
+
+    engine = ServingEngine(model, ContinuousBatchingConfig(max_slots=8, page_size=16, max_model_len=512))
+    engine.add(Request("a", prompt_ids, RequestSettings(max_new_tokens=32)))
+    while engine.has_work():
+        for event in engine.step():          # what each request produced in this step
+            ...
+
+A fixed number of slots (rows of the decode program) hold the running requests; a request takes a free slot and
+the pages its prompt and `max_new_tokens` need when both are free (first come, first served), so a running
+request never waits for memory. Each engine step runs at most two programs, each compiled once:
+
+    prefill  [G * prefill_rows, prefill_chunk] tokens: the next chunk of up to `prefill_rows` prompts per
+             data-parallel group (a prompt longer than a chunk is prefilled over several steps)
+    decode   [max_slots, 1]: one token for every decoding slot (idle slots store nothing)
+
+so new prompts are prefilled in chunks between decode steps, and nothing recompiles as requests come and go.
+Both programs sample each row by its own request's settings (`sampling.next_tokens_per_row`, seeded per request)
+and return only the new ids [rows]: what the host reads each step. Experts run at the largest dispatch capacity,
+which never drops a pair, so no step climbs a capacity ladder or reads dispatch statistics.
+
+A slot's sequence starts at cache index 0 and positions equal indices (no left padding), so a request's greedy
+tokens equal `generate`'s for its prompt alone. One process only: a multi-process job serves with `generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..distributed.mesh import spec_entry
+from ..models.kv_cache import PagedKVCache
+from .paged import PageBook, init_page_pools
+from .sampling import Sampling, next_tokens_per_row
+
+
+class RequestStatus(IntEnum):
+    """Transformers' request lifecycle (`transformers.generation.continuous_batching.RequestStatus`)."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """One request's generation settings. eos_token_id: ids that end it (kept in its tokens, as Transformers);
+    stop: strings that end it (needs the engine's `decode`); seed: its sampling stream (tokens are drawn by
+    `fold_in(key(seed), index)`, so a request's draws do not depend on what else is batched)."""
+
+    max_new_tokens: int = 20
+    eos_token_id: tuple[int, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1.")
+        Sampling(self.do_sample, self.temperature, self.top_k, self.top_p)   # its checks and error texts
+
+
+@dataclass
+class GenerationOutput:
+    """A request's result so far, as Transformers' `GenerationOutput`: prompt_ids, generated_tokens, status, error,
+    created_time, lifespan (started, finished) and one timestamp per token (perf_counter seconds).
+    finish_reason: "stop" (EOS or a stop string), "length" (max_new_tokens or the context), "cancelled" or None."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    timestamps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return self.timestamps[0] - self.created_time if self.timestamps else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return list(np.diff(self.timestamps)) if len(self.timestamps) > 1 else []
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it (`output` is what callers see)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    settings: RequestSettings = field(default_factory=RequestSettings)
+    output: GenerationOutput = None
+    # The engine's bookkeeping.
+    slot: int | None = None
+    group: int | None = None
+    pages: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    stop_text_from: int = 0
+
+    def __post_init__(self):
+        if self.output is None:
+            self.output = GenerationOutput(self.request_id, list(self.prompt_ids))
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingConfig:
+    """max_slots: requests decoded together (the decode program's rows; a multiple of the data-parallel size);
+    page_size: tokens per page; max_model_len: the longest prompt + generation a slot holds; num_pages: pages in
+    all pools together (default: every slot at max_model_len, so only slots limit admission); prefill_chunk:
+    prompt tokens per row of a prefill step; prefill_rows: prompts prefilled together per data-parallel group."""
+
+    max_slots: int = 8
+    page_size: int = 16
+    max_model_len: int = 512
+    num_pages: int | None = None
+    prefill_chunk: int = 128
+    prefill_rows: int = 1
+
+
+@dataclass
+class StepEvent:
+    """What one request got from one engine step: its new tokens, and whether it finished."""
+
+    request: Request
+    new_tokens: list[int]
+    finished: bool
+
+
+class ServingEngine:
+    """The continuous-batching loop's state and steps (no threads: `ContinuousBatchingManager` runs it)."""
+
+    def __init__(self, model, config: ContinuousBatchingConfig | None = None, *, params=None,
+                 decode: Callable[[list[int]], str] | None = None):
+        if jax.process_count() > 1:
+            raise NotImplementedError("continuous batching runs in one process (any layout of its devices); a "
+                                      "multi-process job generates with model.generate().")
+        self.model = model
+        self.params = model.params if params is None else params
+        self.config = config = config or ContinuousBatchingConfig()
+        self.decode_text = decode
+        groups = model.data_parallel_size
+        if config.max_slots < 1 or config.max_slots % groups:
+            raise ValueError(f"max_slots={config.max_slots} must be a positive multiple of the layout's "
+                             f"{groups} data-parallel groups (each group decodes its own slots).")
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if config.max_model_len < 2 or (limit is not None and config.max_model_len > limit):
+            raise ValueError(f"max_model_len={config.max_model_len} must be in [2, {limit}] (the model's "
+                             "max_position_embeddings).")
+        if config.prefill_chunk < 1 or config.prefill_rows < 1:
+            raise ValueError(f"prefill_chunk={config.prefill_chunk} and prefill_rows={config.prefill_rows} must "
+                             "be >= 1.")
+        self.groups = groups
+        self.pages_per_slot = -(-config.max_model_len // config.page_size)
+        total = config.num_pages or config.max_slots * self.pages_per_slot
+        if total % groups or total // groups < self.pages_per_slot:
+            raise ValueError(f"num_pages={total} must be a multiple of the {groups} data-parallel groups and give "
+                             f"each group at least {self.pages_per_slot} pages (one slot at max_model_len="
+                             f"{config.max_model_len} with page_size={config.page_size}).")
+        self.book = PageBook(groups, total // groups, config.page_size)
+        self.keys, self.values = init_page_pools(model, pages_per_group=total // groups,
+                                                 page_size=config.page_size)
+        self.slots: list[Request | None] = [None] * config.max_slots
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._programs: dict[tuple, Callable] = {}
+        self.compilations = 0
+        self.steps = {"prefill": 0, "decode": 0}
+        self.generated_tokens = 0
+        mesh, axes = model.mesh, model.layout.batch_axes
+        self._rows = NamedSharding(mesh, P(spec_entry(axes)))
+        self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
+        self._replicated = NamedSharding(mesh, P())
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request; errors (a prompt the context cannot hold, a duplicate id) raise here."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """The errors `add` raises, without queueing (safe from another thread)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        if request.settings.stop and self.decode_text is None:
+            raise ValueError("stop strings need a tokenizer: build the engine with decode=tokenizer.decode.")
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("the prompt is empty: a request needs at least one token.")
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this server's context (max_model_len) is {limit}, "
+                             "which must leave room for at least one new token.")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}.")
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop a request now (pending or running): its slot and pages are free for the next step."""
+        request = self.requests.get(request_id)
+        if request is None or request.output.is_finished():
+            return None
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "cancelled")
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(slot is not None for slot in self.slots)
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(slot is not None for slot in self.slots)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Admit what fits, run one prefill chunk (if any prompt waits for one) and one decode step (if any
+        request decodes) -> what each request got."""
+        self._admit()
+        events = []
+        prefilling = [r for r in self.slots if r is not None and r.output.status == RequestStatus.PREFILLING]
+        if prefilling:
+            events += self._prefill(prefilling)
+        # A prompt that just finished prefilling decodes its second token in the same step.
+        decoding = [r for r in self.slots if r is not None and r.output.status == RequestStatus.DECODING]
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    def _admit(self) -> None:
+        per_group = self.config.max_slots // self.groups
+        while self.waiting:
+            request = self.waiting[0]
+            tokens = min(len(request.prompt_ids) + request.settings.max_new_tokens, self.config.max_model_len)
+            free = [(self.book.free_pages(g), g) for g in range(self.groups)
+                    if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))]
+            placed = False
+            for _, group in sorted(free, reverse=True):
+                pages = self.book.allocate(group, tokens)
+                if pages is None:
+                    continue
+                slot = next(s for s in range(group * per_group, (group + 1) * per_group) if self.slots[s] is None)
+                request.slot, request.group, request.pages = slot, group, pages
+                self.slots[slot] = request
+                request.output.status = RequestStatus.PREFILLING
+                request.output.lifespan = (time.perf_counter(), -1)
+                self.waiting.popleft()
+                placed = True
+                break
+            if not placed:
+                return
+
+    def _page_row(self, request: Request) -> np.ndarray:
+        row = np.zeros(self.pages_per_slot, np.int32)
+        row[:len(request.pages)] = request.pages
+        return row
+
+    def _prefill(self, prefilling: list[Request]) -> list[StepEvent]:
+        config = self.config
+        rows, chunk = self.groups * config.prefill_rows, config.prefill_chunk
+        chosen: list[Request | None] = [None] * rows
+        for request in prefilling:   # oldest slot first within each group
+            base = request.group * config.prefill_rows
+            for i in range(base, base + config.prefill_rows):
+                if chosen[i] is None:
+                    chosen[i] = request
+                    break
+        inputs = self._host_inputs(rows, chunk)
+        counts = []
+        for row, request in enumerate(chosen):
+            if request is None:
+                counts.append(0)
+                continue
+            piece = request.prompt_ids[request.prefilled:request.prefilled + chunk]
+            inputs["ids"][row, :len(piece)] = piece
+            inputs["mask"][row, :len(piece)] = 1
+            inputs["page_table"][row] = self._page_row(request)
+            inputs["lengths"][row] = request.prefilled
+            self._sampling_inputs(inputs, row, request)
+            counts.append(len(piece))
+        tokens = self._run("prefill", inputs)
+        self.steps["prefill"] += 1
+        events = []
+        for row, request in enumerate(chosen):
+            if request is None:
+                continue
+            request.prefilled += counts[row]
+            if request.prefilled == len(request.prompt_ids):
+                request.output.status = RequestStatus.DECODING
+                events.append(self._emit(request, int(tokens[row])))
+        return events
+
+    def _decode(self, decoding: list[Request]) -> list[StepEvent]:
+        inputs = self._host_inputs(self.config.max_slots, 1)
+        for request in decoding:
+            row = request.slot
+            inputs["ids"][row, 0] = request.output.generated_tokens[-1]
+            inputs["mask"][row, 0] = 1
+            inputs["page_table"][row] = self._page_row(request)
+            inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
+            self._sampling_inputs(inputs, row, request)
+        tokens = self._run("decode", inputs)
+        self.steps["decode"] += 1
+        return [self._emit(request, int(tokens[request.slot])) for request in decoding]
+
+    def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:
+        return dict(ids=np.zeros((rows, length), np.int32), mask=np.zeros((rows, length), np.int32),
+                    page_table=np.zeros((rows, self.pages_per_slot), np.int32), lengths=np.zeros(rows, np.int32),
+                    do_sample=np.zeros(rows, bool), temperature=np.ones(rows, np.float32),
+                    top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
+                    seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32))
+
+    @staticmethod
+    def _sampling_inputs(inputs: dict, row: int, request: Request) -> None:
+        s = request.settings
+        inputs["do_sample"][row] = s.do_sample
+        inputs["temperature"][row] = s.temperature
+        inputs["top_k"][row] = s.top_k or 0
+        inputs["top_p"][row] = s.top_p
+        inputs["seeds"][row] = s.seed % (1 << 32)
+        inputs["counters"][row] = len(request.output.generated_tokens)
+
+    def _emit(self, request: Request, token: int) -> StepEvent:
+        output = request.output
+        output.generated_tokens.append(token)
+        output.timestamps.append(time.perf_counter())
+        self.generated_tokens += 1
+        s = request.settings
+        reason = None
+        if token in s.eos_token_id:
+            reason = "stop"
+        elif s.stop and self.decode_text is not None and self._hit_stop_string(request):
+            reason = "stop"
+        elif len(output.generated_tokens) >= s.max_new_tokens:
+            reason = "length"
+        elif len(request.prompt_ids) + len(output.generated_tokens) >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason)
+        return StepEvent(request, [token], reason is not None)
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self.decode_text(request.output.generated_tokens)
+        return any(stop in text for stop in request.settings.stop)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        output = request.output
+        output.status = RequestStatus.FINISHED
+        output.finish_reason = reason
+        output.lifespan = (output.lifespan[0], time.perf_counter())
+        self.requests.pop(request.request_id, None)   # ids need only be unique among live requests
+        if request.slot is not None:
+            self.slots[request.slot] = None
+            self.book.release(request.group, request.pages)
+            request.slot, request.pages = None, []
+
+    # ---- the device programs --------------------------------------------------------------------------
+    def _run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Place the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
+        placed = {key: jax.device_put(value, self._rows_2d if value.ndim == 2 else self._rows)
+                  for key, value in inputs.items()}
+        shape = inputs["ids"].shape
+        program = self._programs.get((name, shape))
+        if program is None:
+            program = jax.jit(self._step_math, donate_argnums=(1, 2)).lower(
+                self.params, self.keys, self.values, placed).compile()
+            self._programs[(name, shape)] = program
+            self.compilations += 1
+        tokens, self.keys, self.values = program(self.params, self.keys, self.values, placed)
+        return np.asarray(jax.device_get(tokens))
+
+    def _step_math(self, params, keys, values, inputs):
+        """The pools and one step's rows -> (new ids [rows], the pools with the new tokens stored)."""
+        cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"], lengths=inputs["lengths"])
+        mask = inputs["mask"]
+        out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
+                                   inference=True, return_hidden=True)
+        last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
+        hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
+        logits = self.model.head_logits(self.model.layer_stack.nest(params), hidden)[:, 0]
+        logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
+        keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
+            inputs["seeds"], inputs["counters"])
+        tokens = next_tokens_per_row(logits, keys_per_row, inputs["do_sample"], inputs["temperature"],
+                                     inputs["top_k"], inputs["top_p"])
+        tokens = jax.lax.with_sharding_constraint(tokens, self._replicated)
+        return tokens, out.cache.keys, out.cache.values
+
+    @property
+    def compiled_shapes(self) -> list[tuple[str, tuple[int, int]]]:
+        """The programs compiled so far: (name, [rows, tokens]) — at most the two the config fixes."""
+        return sorted(self._programs)
+

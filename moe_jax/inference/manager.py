@@ -1,0 +1,256 @@
+"""`ContinuousBatchingManager`: a `ServingEngine` on a background thread, with Transformers' verbs.
+
+    manager = model.init_continuous_batching(max_slots=8, max_model_len=512)
+    manager.start()
+    request_id = manager.add_request(prompt_ids, max_new_tokens=32, streaming=True)
+    for output in manager.request_id_iter(request_id):      # one output per new token, the last one finished
+        print(output.generated_tokens)
+    manager.cancel_request(other_id)                         # frees its slot and pages at the next step
+    manager.stop()
+
+Requests are checked when added (a bad one raises in the caller's thread, nothing is queued); the engine's
+thread admits them, steps, and delivers outputs: to the request's own queue (`get_result(request_id)`,
+`request_id_iter`), or to a handler (`register_result_handler`, the server's path). Streaming requests get an
+output per token, others one when they finish. A step that fails ends every request with status FAILED and its
+error, and stops the thread (`error` keeps it).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from .continuous import (
+    ContinuousBatchingConfig,
+    GenerationOutput,
+    Request,
+    RequestSettings,
+    RequestStatus,
+    ServingEngine,
+)
+from .generation_config import GenerationConfig, eos_tuple
+
+# Seconds of history behind the tokens/s figure of `metrics()`.
+RATE_WINDOW_S = 10.0
+
+
+class ContinuousBatchingManager:
+    def __init__(self, model, generation_config: GenerationConfig | None = None,
+                 config: ContinuousBatchingConfig | None = None, *, params=None,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.generation_config = generation_config or model.generation_config
+        self.engine = ServingEngine(model, config, params=params, decode=decode)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: deque[Request] = deque()
+        self._cancels: deque[str] = deque()
+        self._queues: dict[str, queue.Queue] = {}
+        self._handlers: dict[str, Callable[[GenerationOutput], None]] = {}
+        self._streaming: set[str] = set()
+        self._ready: queue.Queue[str] = queue.Queue()
+        self._counter = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._accepting = True
+        self._recent: deque[tuple[float, int]] = deque()
+        self.finished_requests = 0
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> ContinuousBatchingManager:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="moe-jax-continuous-batching", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, block: bool = True, timeout: float | None = None, *, drain: bool = False) -> None:
+        """Stop the thread; with `drain`, first stop accepting requests and finish the ones already added."""
+        self._accepting = False
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.is_running() and (self._incoming or self.engine.has_work()):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> ContinuousBatchingManager:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def settings(self, max_new_tokens: int | None = None, eos_token_id=None, *, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int = 0, stop=None, prompt_length: int = 0) -> RequestSettings:
+        """A request's settings: the call's values over the manager's generation config."""
+        config = self.generation_config.updated(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                                temperature=temperature, top_k=top_k, top_p=top_p)
+        eos = config.eos_token_id if eos_token_id is None else eos_tuple(eos_token_id)
+        eos = tuple(token for token in eos if token >= 0)   # Transformers' -1: no EOS
+        stops = () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
+        return RequestSettings(max_new_tokens=config.new_tokens(prompt_length), eos_token_id=eos,
+                               do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
+                               top_p=config.top_p, seed=seed, stop=stops)
+
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = True, eos_token_id=None, **sampling) -> str:
+        """Queue a prompt (token ids) -> its request id. sampling: do_sample, temperature, top_k, top_p, seed,
+        stop (strings; the manager needs `decode`). Raises ValueError for a request the engine cannot serve."""
+        if not self._accepting:
+            raise RuntimeError("the manager is stopping and accepts no new requests.")
+        if self.error is not None:
+            raise RuntimeError(f"the manager stopped after an error: {self.error}")
+        prompt = [int(token) for token in input_ids]
+        settings = self.settings(max_new_tokens, eos_token_id, prompt_length=len(prompt), **sampling)
+        with self._lock:
+            request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use.")
+            request = Request(request_id, prompt, settings)
+            self.engine.check(request)
+            self._queues[request_id] = queue.Queue()
+            if streaming:
+                self._streaming.add(request_id)
+            self._incoming.append(request)
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
+                     **kwargs) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming, **kwargs)
+                for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """End a request at the next step (status FINISHED, finish_reason "cancelled"); its slot and pages
+        are freed. Unknown or finished ids are ignored."""
+        self._cancels.append(request_id)
+        self._wake.set()
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
+        """Deliver this request's outputs to `callback` (called on the engine's thread) instead of its queue;
+        outputs already queued are handed over first."""
+        with self._lock:
+            pending = self._queues.get(request_id)
+            self._handlers[request_id] = callback
+        while pending is not None and not pending.empty():
+            callback(pending.get_nowait())
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output of `request_id` (or of any request), waiting up to `timeout` seconds; None if none."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                if request_id is not None:
+                    owner = self._queues.get(request_id)
+                    if owner is None:
+                        return None
+                    output = owner.get(timeout=remaining if remaining is not None else 3600)
+                    if output.is_finished():
+                        self._queues.pop(request_id, None)
+                    return output
+                ready = self._ready.get(timeout=remaining if remaining is not None else 3600)
+            except queue.Empty:
+                return None
+            owner = self._queues.get(ready)
+            if owner is not None and not owner.empty():
+                output = owner.get_nowait()
+                if output.is_finished():
+                    self._queues.pop(ready, None)
+                return output
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Every output of `request_id` as it comes, until the finished one (blocking)."""
+        while True:
+            output = self.get_result(request_id, timeout=0.1)
+            if output is None:
+                if not self.is_running() and self.error is not None:
+                    return
+                continue
+            yield output
+            if output.is_finished():
+                return
+
+    # ---- metrics -------------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Slots in use, pages free, requests waiting / running / finished, tokens/s over the last seconds."""
+        engine, now = self.engine, time.perf_counter()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
+        span = now - recent[0][0] if recent else 0.0
+        return dict(slots_total=engine.config.max_slots, slots_in_use=engine.slots_in_use,
+                    pages_total=engine.book.total_pages, pages_free=engine.book.free_pages(),
+                    page_size=engine.config.page_size, requests_waiting=len(engine.waiting) + len(self._incoming),
+                    requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
+                    generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
+                    decode_steps=engine.steps["decode"], compiled_programs=len(engine.compiled_shapes),
+                    tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0)
+
+    # ---- the engine's thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                while self._incoming:
+                    engine.add(self._incoming.popleft())
+                while self._cancels:
+                    cancelled = engine.cancel(self._cancels.popleft())
+                    if cancelled is not None:
+                        self._deliver(cancelled.output, finished=True)
+                if not engine.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                events = engine.step()
+                self._recent.append((time.perf_counter(), len(events)))
+                while self._recent and time.perf_counter() - self._recent[0][0] > RATE_WINDOW_S:
+                    self._recent.popleft()
+                for event in events:
+                    self._deliver(event.request.output, finished=event.finished)
+        except BaseException as error:  # noqa: BLE001 - every request learns of it, then the thread ends
+            self.error = error
+            self._fail_all(error)
+
+    def _deliver(self, output: GenerationOutput, *, finished: bool) -> None:
+        request_id = output.request_id
+        if not finished and request_id not in self._streaming:
+            return
+        snapshot = copy.deepcopy(output)
+        if finished:
+            self.finished_requests += 1
+            self._streaming.discard(request_id)
+        with self._lock:
+            handler = self._handlers.get(request_id)
+            if finished:
+                self._handlers.pop(request_id, None)
+        if handler is not None:
+            handler(snapshot)
+            if finished:
+                self._queues.pop(request_id, None)
+            return
+        owner = self._queues.get(request_id)
+        if owner is not None:
+            owner.put(snapshot)
+            self._ready.put(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        requests = list(self.engine.requests.values()) + list(self._incoming)
+        for request in requests:
+            if request.output.is_finished():
+                continue
+            request.output.status = RequestStatus.FAILED
+            request.output.error = f"{type(error).__name__}: {error}"
+            self._deliver(request.output, finished=True)

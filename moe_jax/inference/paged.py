@@ -1,0 +1,91 @@
+"""The paged KV cache of continuous batching: device page pools, and the host's book of who owns which page.
+
+    pools = init_page_pools(model, groups=..., pages_per_group=256, page_size=16)   # zeros, sharded
+    book = PageBook(groups=2, pages_per_group=256, page_size=16)
+    pages = book.allocate(group=0, tokens=300)          # 19 pages of group 0's pool, or None if too few are free
+    book.release(0, pages)
+
+Every layer run keeps keys and values [L, G, pages, P, K, D]: G data-parallel groups (the pool's group axis is
+split over the batch's mesh axes, so a row's pages sit on its own devices), `pages` pages of P tokens each, the
+KV heads split over tp as the k/v projections' outputs are (replicated when tp does not divide them). DeepSeek's
+latent attention pages its latent and rotated key (`model.cache_heads()`). Sliding-window layers keep every page
+of a sequence (their window is a mask), so one page table serves every layer.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..distributed.mesh import spec_entry
+
+
+def pool_sharding(model, heads: int) -> NamedSharding:
+    """The sharding of one run's pool [L, G, pages, P, heads, D]."""
+    layout = model.layout
+    heads_entry = spec_entry(layout.tp_axes) if heads % layout.tp_size == 0 else None
+    return NamedSharding(model.mesh, P(None, spec_entry(layout.batch_axes), None, None, heads_entry, None))
+
+
+def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None) -> tuple[dict, dict]:
+    """Zeroed (keys, values) pools per layer run: [L, G, pages_per_group, page_size, K, D], G the model's
+    data-parallel size, in the model's dtype (or `dtype`), placed by `pool_sharding`."""
+    if model.layer_stack.pipeline is not None:
+        raise ValueError("continuous batching needs pp_size=1 (a paged cache does not run through pipeline "
+                         "stages); serve with tp / ep / fsdp / dp_replicate, or use generate().")
+    if page_size < 1 or pages_per_group < 1:
+        raise ValueError(f"page_size={page_size} and pages_per_group={pages_per_group} must be >= 1.")
+    groups = model.data_parallel_size
+    dtype = jnp.dtype(dtype or model.dtype)
+    (key_heads, key_dim), (value_heads, value_dim) = model.cache_heads()
+
+    def pool(rows: int, heads: int, dim: int):
+        return jnp.zeros((rows, groups, pages_per_group, page_size, heads, dim), dtype,
+                         device=pool_sharding(model, heads))
+
+    entries = model.layer_stack.cache_entries()
+    return ({key: pool(rows, key_heads, key_dim) for key, _, rows in entries},
+            {key: pool(rows, value_heads, value_dim) for key, _, rows in entries})
+
+
+def pool_bytes(model, *, pages_per_group: int, page_size: int, dtype=None) -> int:
+    """Bytes of every pool together (all groups), before any is made."""
+    (key_heads, key_dim), (value_heads, value_dim) = model.cache_heads()
+    layers = sum(rows for _, _, rows in model.layer_stack.cache_entries())
+    per_token = layers * (key_heads * key_dim + value_heads * value_dim) * jnp.dtype(dtype or model.dtype).itemsize
+    return per_token * model.data_parallel_size * pages_per_group * page_size
+
+
+class PageBook:
+    """Which pages of each group's pool are free. Pages are handed out whole and returned whole; nothing here
+    touches the device."""
+
+    def __init__(self, groups: int, pages_per_group: int, page_size: int):
+        self.groups, self.pages_per_group, self.page_size = groups, pages_per_group, page_size
+        # Lowest pages first: a freshly started server fills its pools from the front.
+        self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def free_pages(self, group: int | None = None) -> int:
+        return sum(len(free) for free in self._free) if group is None else len(self._free[group])
+
+    @property
+    def total_pages(self) -> int:
+        return self.groups * self.pages_per_group
+
+    def allocate(self, group: int, tokens: int) -> list[int] | None:
+        """Pages of group `group` for `tokens` tokens, or None (nothing taken) when too few are free."""
+        count = self.pages_for(tokens)
+        free = self._free[group]
+        if count > len(free):
+            return None
+        return [free.pop() for _ in range(count)]
+
+    def release(self, group: int, pages: list[int]) -> None:
+        free = self._free[group]
+        if len(free) + len(pages) > self.pages_per_group or set(pages) & set(free):
+            raise RuntimeError(f"pages {pages} of group {group} released twice.")
+        free.extend(sorted(pages, reverse=True))
