@@ -16,12 +16,12 @@ from .generate import GenerationResult, GenerationTimings, Generator, prompt_pos
 from .generation_config import GenerationConfig
 from .manager import ContinuousBatchingManager
 from .paged import PageBook, init_page_pools
-from .sampling import Sampling, next_tokens, next_tokens_per_row, warp
+from .sampling import Sampling, next_tokens, next_tokens_per_row, warp, warp_per_row
 
 __all__ = [
     "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationConfig", "GenerationOutput",
     "GenerationResult", "GenerationTimings", "Generator", "KVCache", "PageBook", "Request", "RequestSettings",
     "RequestStatus", "Sampling", "ServingEngine", "StepEvent", "bucket_length", "cache_shardings",
     "generate_batch", "init_cache", "init_page_pools", "next_tokens", "next_tokens_per_row", "prompt_positions",
-    "warp",
+    "warp", "warp_per_row",
 ]

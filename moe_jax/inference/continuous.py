@@ -116,7 +116,6 @@ class Request:
     group: int | None = None
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
-    stop_text_from: int = 0
 
     def __post_init__(self):
         if self.output is None:
@@ -140,11 +139,13 @@ class ContinuousBatchingConfig:
 
 @dataclass
 class StepEvent:
-    """What one request got from one engine step: its new tokens, and whether it finished."""
+    """What one request got from one engine step: its new tokens, whether it finished, and how many tokens it had
+    then (a request can get two events in one step: its prompt's last chunk, then a decode)."""
 
     request: Request
     new_tokens: list[int]
     finished: bool
+    generated: int = 0
 
 
 class ServingEngine:
@@ -205,7 +206,10 @@ class ServingEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use.")
         if request.settings.stop and self.decode_text is None:
             raise ValueError("stop strings need a tokenizer: build the engine with decode=tokenizer.decode.")
-        prompt = request.prompt_ids
+        self.check_prompt(request.prompt_ids)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """A prompt this engine can serve: not empty, ids in the vocabulary, room for one new token."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token.")
         limit = self.config.max_model_len
@@ -358,7 +362,7 @@ class ServingEngine:
             reason = "length"
         if reason is not None:
             self._finish(request, reason)
-        return StepEvent(request, [token], reason is not None)
+        return StepEvent(request, [token], reason is not None, len(output.generated_tokens))
 
     def _hit_stop_string(self, request: Request) -> bool:
         text = self.decode_text(request.output.generated_tokens)

@@ -115,6 +115,7 @@ class ContinuousBatchingManager:
         if self.error is not None:
             raise RuntimeError(f"the manager stopped after an error: {self.error}")
         prompt = [int(token) for token in input_ids]
+        self.engine.check_prompt(prompt)
         settings = self.settings(max_new_tokens, eos_token_id, prompt_length=len(prompt), **sampling)
         with self._lock:
             request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
@@ -219,16 +220,21 @@ class ContinuousBatchingManager:
                 while self._recent and time.perf_counter() - self._recent[0][0] > RATE_WINDOW_S:
                     self._recent.popleft()
                 for event in events:
-                    self._deliver(event.request.output, finished=event.finished)
+                    self._deliver(event.request.output, finished=event.finished, generated=event.generated)
         except BaseException as error:  # noqa: BLE001 - every request learns of it, then the thread ends
             self.error = error
             self._fail_all(error)
 
-    def _deliver(self, output: GenerationOutput, *, finished: bool) -> None:
+    def _deliver(self, output: GenerationOutput, *, finished: bool, generated: int | None = None) -> None:
+        """Hand `output` as it was after its first `generated` tokens (all by default) to its reader."""
         request_id = output.request_id
         if not finished and request_id not in self._streaming:
             return
         snapshot = copy.deepcopy(output)
+        if not finished and generated is not None:   # a later event of the same step already extended it
+            snapshot.generated_tokens = snapshot.generated_tokens[:generated]
+            snapshot.timestamps = snapshot.timestamps[:generated]
+            snapshot.status, snapshot.finish_reason = RequestStatus.DECODING, None
         if finished:
             self.finished_requests += 1
             self._streaming.discard(request_id)

@@ -61,26 +61,32 @@ def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Ar
     return jax.random.categorical(key, warp(logits, sampling), axis=-1).astype(jnp.int32)
 
 
+def warp_per_row(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`warp` with each row's own settings (traced, so one program serves every request's).
+
+    logits: [B, V]; temperature: [B] float (> 0); top_k: [B] int (0: off); top_p: [B] float (1.0: off)
+    -> [B, V] float32 with the filtered entries at -inf, Transformers' order (temperature, top-k, top-p)."""
+    logits = logits.astype(jnp.float32) / temperature[:, None]
+    vocab = logits.shape[-1]
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)   # ties with the k-th stay (HF)
+    # top-p as HF: ascending order, drop what the cumulative probability keeps <= 1 - top_p, never the top token.
+    order = jnp.argsort(logits, axis=-1)
+    ascending = jnp.take_along_axis(logits, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop_sorted = (cumulative <= (1 - top_p)[:, None]).at[:, -1].set(False)
+    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    return jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, logits)
+
+
 def next_tokens_per_row(logits: jax.Array, keys: jax.Array, do_sample: jax.Array, temperature: jax.Array,
                         top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Each row its own rule (continuous batching: one compiled program for every request's settings).
 
-    logits: [B, V]; keys: [B] typed PRNG keys; do_sample: [B] bool (False: greedy, as `next_tokens`);
-    temperature: [B] float (> 0 where sampling); top_k: [B] int (0: off); top_p: [B] float (1.0: off)
-    -> token ids [B] int32. Sampled rows go through `warp`'s filters in Transformers' order."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.where(do_sample, temperature, 1.0)[:, None]
-    descending = -jnp.sort(-scaled, axis=-1)
-    kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
-    scaled = jnp.where((top_k[:, None] > 0) & (scaled < kth), -jnp.inf, scaled)   # ties with the k-th stay (HF)
-    # top-p as HF: ascending order, drop what the cumulative probability keeps <= 1 - top_p, never the top token.
-    order = jnp.argsort(scaled, axis=-1)
-    ascending = jnp.take_along_axis(scaled, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    drop_sorted = (cumulative <= (1 - top_p)[:, None]).at[:, -1].set(False)
-    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-    scaled = jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, scaled)
-    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled).astype(jnp.int32)
+    logits: [B, V]; keys: [B] typed PRNG keys; do_sample: [B] bool (False: greedy, as `next_tokens`); temperature,
+    top_k, top_p: [B] as `warp_per_row` -> token ids [B] int32."""
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    warped = warp_per_row(logits, jnp.where(do_sample, temperature, 1.0), top_k, top_p)
+    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, warped).astype(jnp.int32)
     return jnp.where(do_sample, sampled, greedy)

@@ -1,0 +1,241 @@
+"""Continuous batching (`ServingEngine`, `ContinuousBatchingManager`, `model.generate_batch`) against
+Transformers' `generate` (the committed fixtures) and our own `generate`: requests that arrive at different
+times, with different lengths, on one device and on TP/EP layouts; the fixed programs; pages and slots coming
+back; per-request sampling; errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.inference import (
+    ContinuousBatchingConfig,
+    Request,
+    RequestSettings,
+    RequestStatus,
+    Sampling,
+    ServingEngine,
+    warp,
+    warp_per_row,
+)
+from tests.models.test_apply import count_compilations
+
+from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS
+
+SMALL = ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=64, prefill_chunk=3)
+
+
+def load(model_type: str, layout: dict | None = None):
+    return AutoModelForCausalLM.from_pretrained(
+        MODELS / model_type, None if layout is None else DistributedConfig(**layout),
+        devices=jax.devices()[:1] if layout is None else None, progress=False)
+
+
+def fixture_prompts(model_type: str) -> tuple[list[list[int]], np.ndarray, dict]:
+    """The fixture's three prompts without their left padding (7, 4 and 2 tokens) and HF's greedy new tokens."""
+    expected = dict(np.load(FIXTURES / f"{model_type}.npz"))
+    ids, mask = expected["input_ids"], expected["attention_mask"]
+    prompts = [[int(t) for t, m in zip(ids[row], mask[row]) if m] for row in range(ids.shape[0])]
+    return prompts, expected["greedy"][:, ids.shape[1]:], expected
+
+
+def run_staggered(engine: ServingEngine, prompts, settings: RequestSettings, stagger: int = 3) -> list[Request]:
+    """Request i joins after i * stagger engine steps (so later prompts prefill while earlier ones decode)."""
+    requests = [Request(f"r{i}", prompt, settings) for i, prompt in enumerate(prompts)]
+    step = 0
+    while step == 0 or engine.has_work() or requests[-1].output.status == RequestStatus.PENDING:
+        for i, request in enumerate(requests):
+            if i * stagger == step:
+                engine.add(request)
+        engine.step()
+        step += 1
+    return requests
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_times(model_type):
+    """2 slots for 3 requests (the third waits for a free slot), prompts prefilled in chunks of 3 across steps,
+    pages of 4 tokens (sliding windows of 4-5 and Llama 4's chunks of 4 cross page boundaries)."""
+    prompts, greedy, _ = fixture_prompts(model_type)
+    engine = ServingEngine(load(model_type), SMALL)
+    requests = run_staggered(engine, prompts, RequestSettings(max_new_tokens=NEW_TOKENS))
+    for request, expected in zip(requests, greedy):
+        assert request.output.generated_tokens == list(expected), request.request_id
+        assert request.output.finish_reason == "length"
+    assert engine.book.free_pages() == engine.book.total_pages
+    assert sorted(engine.compiled_shapes) == [("decode", (2, 1)), ("prefill", (1, 3))]
+
+
+@pytest.mark.parametrize("model_type,layout", [
+    ("qwen3_moe", dict(tp_size=2, ep_size=2, fsdp_size=4)),        # 4 data-parallel groups, masked all_reduce
+    ("deepseek_v3", dict(tp_size=2, fsdp_size=4, ep_size=4)),      # latent pages, token dispatch
+])
+def test_greedy_tokens_equal_transformers_on_8_devices(model_type, layout):
+    prompts, greedy, _ = fixture_prompts(model_type)
+    model = load(model_type, layout)
+    config = ContinuousBatchingConfig(max_slots=model.data_parallel_size, page_size=4, max_model_len=64,
+                                      prefill_chunk=3)
+    engine = ServingEngine(model, config)
+    requests = run_staggered(engine, prompts, RequestSettings(max_new_tokens=NEW_TOKENS), stagger=2)
+    assert [r.output.generated_tokens for r in requests] == [list(row) for row in greedy]
+    assert engine.book.free_pages() == engine.book.total_pages
+
+
+def test_eos_ends_a_request_and_its_slot_serves_the_next():
+    prompts, _, expected = fixture_prompts("olmoe")
+    eos = int(expected["eos_token_id"])
+    engine = ServingEngine(load("olmoe"), SMALL)
+    requests = run_staggered(engine, prompts, RequestSettings(max_new_tokens=NEW_TOKENS, eos_token_id=(eos,)))
+    width = expected["input_ids"].shape[1]
+    for request, row in zip(requests, expected["with_eos"]):
+        new = list(row[width:])
+        if eos in new:   # HF pads after the EOS; ours stops with it
+            assert request.output.generated_tokens == new[:new.index(eos) + 1]
+            assert request.output.finish_reason == "stop"
+        else:
+            assert request.output.generated_tokens == new
+
+
+def test_nothing_recompiles_as_requests_come_and_go():
+    model = load("qwen3_moe")
+    engine = ServingEngine(model, SMALL)
+    rng = np.random.default_rng(0)
+    run_staggered(engine, [[5, 6, 7]], RequestSettings(max_new_tokens=2))   # compiles both programs
+    prompts = [list(rng.integers(3, 100, n)) for n in (1, 9, 4, 17, 2)]
+    with count_compilations("_step_math") as count:
+        settings = [RequestSettings(max_new_tokens=int(n), do_sample=bool(n % 2), temperature=0.8, top_k=int(n),
+                                    seed=int(n)) for n in (3, 7, 1, 5, 2)]
+        for i, (prompt, setting) in enumerate(zip(prompts, settings)):
+            engine.add(Request(f"x{i}", [int(t) for t in prompt], setting))
+        while engine.has_work():
+            engine.step()
+    assert count[0] == 0
+    assert len(engine.compiled_shapes) == 2
+
+
+def test_requests_wait_for_pages_and_every_page_comes_back():
+    """Pages for one slot at max_model_len and two slots: the second request waits until the first frees
+    its pages, then gets the same greedy tokens it gets alone."""
+    prompts, greedy, _ = fixture_prompts("mixtral")
+    config = ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=32, num_pages=8, prefill_chunk=4)
+    engine = ServingEngine(load("mixtral"), config)
+    first, second = (Request(f"p{i}", prompts[i], RequestSettings(max_new_tokens=NEW_TOKENS)) for i in (0, 1))
+    engine.add(first)
+    engine.add(second)
+    engine.step()
+    assert first.output.status == RequestStatus.PREFILLING and second.output.status == RequestStatus.PENDING
+    assert engine.book.free_pages() == 1      # 7 + 20 tokens take 7 of the 8 pages
+    while engine.has_work():
+        engine.step()
+    assert first.output.generated_tokens == list(greedy[0]) and second.output.generated_tokens == list(greedy[1])
+    assert engine.book.free_pages() == engine.book.total_pages
+
+
+def test_cancel_frees_the_slot_and_pages_at_once():
+    engine = ServingEngine(load("qwen3_moe"), SMALL)
+    request = Request("c", [4, 5, 6, 7], RequestSettings(max_new_tokens=40))
+    engine.add(request)
+    for _ in range(4):
+        engine.step()
+    assert engine.slots_in_use == 1 and engine.book.free_pages() < engine.book.total_pages
+    assert engine.cancel("c") is request
+    assert request.output.finish_reason == "cancelled" and request.output.is_finished()
+    assert engine.slots_in_use == 0 and engine.book.free_pages() == engine.book.total_pages
+    assert not engine.has_work() and engine.cancel("c") is None
+
+
+def test_a_request_samples_the_same_tokens_whatever_else_runs():
+    """Draws come from the request's own seed and token index, not from the batch it shares."""
+    engine = ServingEngine(load("olmoe"), SMALL)
+    sampled = RequestSettings(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0, seed=7)
+    alone = run_staggered(engine, [[9, 8, 7, 6]], sampled)[0].output.generated_tokens
+    together = run_staggered(engine, [[3, 4, 5], [9, 8, 7, 6]], sampled, stagger=1)[1].output.generated_tokens
+    assert alone == together
+    other_seed = RequestSettings(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0, seed=8)
+    assert run_staggered(engine, [[9, 8, 7, 6]], other_seed)[0].output.generated_tokens != alone
+    prompts, greedy, _ = fixture_prompts("olmoe")
+    top_1 = run_staggered(engine, prompts[:1], RequestSettings(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1))
+    assert top_1[0].output.generated_tokens == list(greedy[0])
+
+
+def test_per_row_warpers_equal_transformers_order_warpers():
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    rows = [Sampling(True, 0.7, 5, 1.0), Sampling(True, 1.3, 0, 0.8), Sampling(True, 1.0, 12, 0.5),
+            Sampling(True, 2.0, None, 1.0)]
+    per_row = warp_per_row(logits, jnp.asarray([s.temperature for s in rows]),
+                           jnp.asarray([s.top_k or 0 for s in rows]), jnp.asarray([s.top_p for s in rows]))
+    for row, sampling in enumerate(rows):
+        np.testing.assert_allclose(per_row[row], warp(logits[row:row + 1], sampling)[0], rtol=1e-6)
+
+
+def test_stop_strings_end_a_request():
+    decode = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731 - a stand-in tokenizer
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    engine = ServingEngine(load("qwen3_moe"), SMALL, decode=decode)
+    stop = f"{greedy[0][2]} {greedy[0][3]}"
+    request = run_staggered(engine, prompts[:1], RequestSettings(max_new_tokens=NEW_TOKENS, stop=(stop,)))[0]
+    assert request.output.generated_tokens == list(greedy[0][:4]) and request.output.finish_reason == "stop"
+
+
+def test_bad_requests_and_configs_raise_before_anything_runs():
+    model = load("qwen3_moe")
+    engine = ServingEngine(model, SMALL)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add(Request("long", list(range(3, 67)), RequestSettings()))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add(Request("empty", [], RequestSettings()))
+    with pytest.raises(ValueError, match=r"must be in \[0, 128\)"):
+        engine.add(Request("vocab", [1, 500], RequestSettings()))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add(Request("stop", [1, 2], RequestSettings(stop=("x",))))
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        RequestSettings(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        RequestSettings(do_sample=True, top_p=1.5)
+    engine.add(Request("same", [1, 2], RequestSettings()))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add(Request("same", [3, 4], RequestSettings()))
+    assert len(engine.waiting) == 1
+    sharded = load("qwen3_moe", dict(tp_size=2, ep_size=2, fsdp_size=4))
+    with pytest.raises(ValueError, match="max_slots=2 must be a positive multiple of the layout's 4"):
+        ServingEngine(sharded, SMALL)
+    with pytest.raises(ValueError, match="num_pages=4"):
+        ServingEngine(model, ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=64, num_pages=4))
+
+
+def test_manager_streams_tokens_and_delivers_results():
+    model = load("qwen3_moe")
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    with model.init_continuous_batching(max_slots=2, page_size=4, max_model_len=64) as manager:
+        streamed = manager.add_request(prompts[0], max_new_tokens=NEW_TOKENS, streaming=True)
+        whole = manager.add_request(prompts[1], max_new_tokens=NEW_TOKENS)
+        cancelled = manager.add_request(prompts[2], max_new_tokens=500 - len(prompts[2]) - 450)
+        manager.cancel_request(cancelled)
+        outputs = list(manager.request_id_iter(streamed))
+        assert [len(o.generated_tokens) for o in outputs] == list(range(1, NEW_TOKENS + 1))
+        assert outputs[-1].generated_tokens == list(greedy[0]) and outputs[-1].is_finished()
+        assert len(outputs[-1].timestamps) == NEW_TOKENS and outputs[-1].time_to_first_token > 0
+        result = manager.get_result(whole, timeout=60)
+        assert result.generated_tokens == list(greedy[1]) and result.finish_reason == "length"
+        assert manager.get_result(cancelled, timeout=60).status == RequestStatus.FINISHED
+        with pytest.raises(ValueError, match="max_model_len"):
+            manager.add_request(list(range(3, 100)))
+        metrics = manager.metrics()
+        assert metrics["slots_in_use"] == 0 and metrics["pages_free"] == metrics["pages_total"]
+        assert metrics["compiled_programs"] == 2
+    assert not manager.is_running()
+
+
+def test_generate_batch_equals_generate_for_each_prompt():
+    model = load("gpt_oss")
+    prompts, greedy, _ = fixture_prompts("gpt_oss")
+    outputs = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+    assert list(outputs) == ["req_0", "req_1", "req_2"]
+    for output, prompt, expected in zip(outputs.values(), prompts, greedy):
+        assert output.prompt_ids == prompt and output.generated_tokens == list(expected)
+        alone = model.generate(np.asarray([prompt]), max_new_tokens=NEW_TOKENS)
+        assert list(alone[0, len(prompt):]) == output.generated_tokens
+    assert model.generate_batch([]) == {}
