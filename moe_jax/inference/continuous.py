@@ -8,13 +8,15 @@
 
 A fixed number of slots (rows of the decode program) hold the running requests; a request takes a free slot and
 the pages its prompt and `max_new_tokens` need when both are free (first come, first served), so a running
-request never waits for memory. Each engine step runs at most two programs, each compiled once:
+request never waits for memory. Each engine step runs at most two programs:
 
     prefill  [G * prefill_rows, prefill_chunk] tokens: the next chunk of up to `prefill_rows` prompts per
              data-parallel group (a prompt longer than a chunk is prefilled over several steps)
     decode   [max_slots, 1]: one token for every decoding slot (idle slots store nothing)
 
-so new prompts are prefilled in chunks between decode steps, and nothing recompiles as requests come and go.
+each compiled for a few page-table widths (powers of two up to max_model_len / page_size pages, `page_widths`):
+a step reads only the pages its longest row needs, so short requests do not pay for the longest context. New
+prompts are prefilled in chunks between decode steps, and nothing recompiles as requests come and go.
 Both programs sample each row by its own request's settings (`sampling.next_tokens_per_row`, seeded per request)
 and return only the new ids [rows]: what the host reads each step. Experts run at the largest dispatch capacity,
 which never drops a pair, so no step climbs a capacity ladder or reads dispatch statistics.
@@ -380,17 +382,51 @@ class ServingEngine:
             request.slot, request.pages = None, []
 
     # ---- the device programs --------------------------------------------------------------------------
-    def _run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Place the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
-        placed = {key: jax.device_put(value, self._rows_2d if value.ndim == 2 else self._rows)
-                  for key, value in inputs.items()}
-        shape = inputs["ids"].shape
-        program = self._programs.get((name, shape))
+    def page_width(self, tokens: int) -> int:
+        """The page-table width a step whose rows hold at most `tokens` tokens runs with: the pages they need,
+        rounded up to a power of two (at most `pages_per_slot`), so attention reads what the longest row needs
+        and a few widths cover every step."""
+        needed = -(-tokens // self.config.page_size)
+        return min(1 << max(needed - 1, 0).bit_length(), self.pages_per_slot)
+
+    @property
+    def page_widths(self) -> list[int]:
+        """Every width `page_width` can give: the compiled programs are (prefill, decode) x these."""
+        return sorted({self.page_width(tokens) for tokens in range(1, self.pages_per_slot * self.config.page_size
+                                                                   + 1, self.config.page_size)})
+
+    def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile every program a step can run (prefill and decode at each page width) now, so no request
+        waits for a compilation; `progress(done, total)` after each. Returns how many were compiled."""
+        shapes = [("prefill", self.groups * self.config.prefill_rows, self.config.prefill_chunk),
+                  ("decode", self.config.max_slots, 1)]
+        work = [(name, rows, length, width) for name, rows, length in shapes for width in self.page_widths]
+        for done, (name, rows, length, width) in enumerate(work, 1):
+            self._program(name, self._placed(self._host_inputs(rows, length), width))
+            if progress is not None:
+                progress(done, len(work))
+        return len(work)
+
+    def _placed(self, inputs: dict[str, np.ndarray], width: int) -> dict[str, jax.Array]:
+        inputs = dict(inputs, page_table=inputs["page_table"][:, :width])
+        return {key: jax.device_put(value, self._rows_2d if value.ndim == 2 else self._rows)
+                for key, value in inputs.items()}
+
+    def _program(self, name: str, placed: dict[str, jax.Array]) -> Callable:
+        key = (name, placed["ids"].shape, placed["page_table"].shape[1])
+        program = self._programs.get(key)
         if program is None:
             program = jax.jit(self._step_math, donate_argnums=(1, 2)).lower(
                 self.params, self.keys, self.values, placed).compile()
-            self._programs[(name, shape)] = program
+            self._programs[key] = program
             self.compilations += 1
+        return program
+
+    def _run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Place the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
+        width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
+        placed = self._placed(inputs, width)
+        program = self._program(name, placed)
         tokens, self.keys, self.values = program(self.params, self.keys, self.values, placed)
         return np.asarray(jax.device_get(tokens))
 
@@ -406,13 +442,17 @@ class ServingEngine:
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
             inputs["seeds"], inputs["counters"])
-        tokens = next_tokens_per_row(logits, keys_per_row, inputs["do_sample"], inputs["temperature"],
-                                     inputs["top_k"], inputs["top_p"])
+        # The warpers sort every row's logits: only when some row samples (a greedy batch skips them).
+        tokens = jax.lax.cond(
+            jnp.any(inputs["do_sample"]),
+            lambda: next_tokens_per_row(logits, keys_per_row, inputs["do_sample"], inputs["temperature"],
+                                        inputs["top_k"], inputs["top_p"]),
+            lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         tokens = jax.lax.with_sharding_constraint(tokens, self._replicated)
         return tokens, out.cache.keys, out.cache.values
 
     @property
-    def compiled_shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        """The programs compiled so far: (name, [rows, tokens]) — at most the two the config fixes."""
+    def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
+        """The programs compiled so far: (name, [rows, tokens], page-table width); at most 2 x `page_widths`."""
         return sorted(self._programs)
 

@@ -1,0 +1,301 @@
+"""Serving throughput and latency: `moe-jax serve` (continuous batching) against static `generate` batches and
+Transformers' continuous batching, on the same checkpoint, requests and machine, in one run.
+
+    pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
+    python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots 8] [--prompt 16-256]
+                                  [--output 16-128] [--size default|large] [--seed 0] [--skip-reference]
+
+Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
+`max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
+ranges, token ids random), then measures, each in a fresh process:
+- ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
+  (each sends its next request when the last one ends); time to first token and inter-token latency are
+  measured at the client, from sending the request;
+- static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
+  to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
+  request's own tokens count); compilation excluded (every batch shape runs once before the timed pass);
+- reference: Transformers' `init_continuous_batching` manager, every request added at once with its own
+  `max_new_tokens` (its default config; one warm-up request first).
+Prints tokens/s (generated tokens of every request / wall seconds of the whole pass), p50 / p99 TTFT and ITL,
+and the ratios ours / static and ours / reference. Greedy on every side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_vs_reference import SIZES  # noqa: E402
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, high = (int(part) for part in text.split("-"))
+    return low, high
+
+
+def build(workdir: Path, size: str) -> None:
+    import torch
+    import transformers
+
+    config = dict(SIZES[size], eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.save_pretrained(workdir / "checkpoint")
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}}
+    (workdir / "checkpoint" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (workdir / "checkpoint" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
+
+
+def draw_requests(count: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [dict(prompt=[int(t) for t in rng.integers(3, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))],
+                 max_tokens=int(rng.integers(output[0], output[1] + 1))) for _ in range(count)]
+
+
+def percentiles(values) -> dict:
+    values = np.asarray(values, float)
+    if values.size == 0:
+        return {"p50": float("nan"), "p99": float("nan")}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def summary(tokens: int, seconds: float, ttft, itl) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft": percentiles(ttft),
+            "itl": percentiles(itl)}
+
+
+# ---- ours: the server and its clients ---------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ours(workdir: Path, requests: list[dict], args) -> dict:
+    import httpx
+
+    port = free_port()
+    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
+    command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(workdir / "checkpoint"),
+               "--port", str(port), "--max-slots", str(args.max_slots), "--page-size", "16",
+               "--max-model-len", str(max_len), "--served-model-name", "bench"]
+    log = open(workdir / "server.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: see {workdir / 'server.log'}")
+            time.sleep(0.5)
+        # One short pass first: the server's first steps and the clients' connections warmed.
+        drive(base, requests[:args.clients], args.clients)
+        start = time.perf_counter()
+        results = drive(base, requests, args.clients)
+        seconds = time.perf_counter() - start
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    finally:
+        server.terminate()
+        server.wait(60)
+        log.close()
+    wrong = [i for i, (r, got) in enumerate(zip(requests, results)) if got["tokens"] != r["max_tokens"]]
+    if wrong:
+        raise RuntimeError(f"requests {wrong[:5]} got the wrong number of tokens")
+    out = summary(sum(r["tokens"] for r in results), seconds, [r["ttft"] for r in results],
+                  [gap for r in results for gap in r["gaps"]])
+    out["server_metrics"] = {line.split()[0]: line.split()[1] for line in metrics.splitlines()
+                             if line and not line.startswith("#") and len(line.split()) == 2}
+    return out
+
+
+def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
+    """`clients` threads, each streaming its next request after the last one ended -> per request: tokens,
+    time to first token, gaps between tokens (seconds, at the client)."""
+    import httpx
+
+    results: list[dict | None] = [None] * len(requests)
+    lock, cursor = threading.Lock(), [0]
+
+    def client():
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    index = cursor[0]
+                    cursor[0] += 1
+                if index >= len(requests):
+                    return
+                request = requests[index]
+                body = {"model": "bench", "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                sent, stamps, tokens = time.perf_counter(), [], 0
+                with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                            stamps.append(time.perf_counter())
+                results[index] = {"tokens": tokens, "ttft": stamps[0] - sent if stamps else float("nan"),
+                                  "gaps": list(np.diff(stamps))}
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+# ---- static generate ---------------------------------------------------------------------------------------
+def static_worker(workdir: Path, max_slots: int) -> None:
+    import jax
+
+    from moe_jax import AutoModelForCausalLM
+
+    requests = json.loads((workdir / "requests.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False)
+    batches = [requests[i:i + max_slots] for i in range(0, len(requests), max_slots)]
+
+    def run_batch(batch):
+        width = max(len(r["prompt"]) for r in batch)
+        ids = np.zeros((len(batch), width), np.int32)
+        mask = np.zeros((len(batch), width), np.int32)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r["prompt"]):] = r["prompt"]
+            mask[row, width - len(r["prompt"]):] = 1
+        return model.generator.generate(ids, mask, config=model.generation_config.updated(
+            max_new_tokens=max(r["max_tokens"] for r in batch)))
+
+    for batch in batches:       # every prefill / decode shape compiled before the timed pass
+        run_batch(batch)
+    ttft, itl, tokens = [], [], 0
+    start = time.perf_counter()
+    for batch in batches:
+        began = time.perf_counter() - start
+        result = run_batch(batch)
+        timings = result.timings
+        ttft += [began + timings.prefill_s] * len(batch)
+        gap = timings.decode_s / max(timings.steps - 1, 1)
+        itl += [gap] * sum(r["max_tokens"] - 1 for r in batch)
+        tokens += sum(r["max_tokens"] for r in batch)
+    seconds = time.perf_counter() - start
+    print(json.dumps(summary(tokens, seconds, ttft, itl)))
+
+
+# ---- the reference ---------------------------------------------------------------------------------------
+def reference_worker(workdir: Path) -> None:
+    import torch
+    import transformers
+
+    requests = json.loads((workdir / "requests.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", dtype=torch.float32).eval()
+    config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
+    with torch.no_grad():
+        manager = model.init_continuous_batching(generation_config=config)
+        manager.start()
+        warm = manager.add_request(requests[0]["prompt"], max_new_tokens=4, record_timestamps=True)
+        while not (manager.get_result(warm, timeout=60) or _Never).is_finished():
+            pass
+        start = time.perf_counter()
+        ids = [manager.add_request(r["prompt"], max_new_tokens=r["max_tokens"], record_timestamps=True)
+               for r in requests]
+        finished = {}
+        while len(finished) < len(ids):
+            result = manager.get_result(timeout=600)
+            if result is not None and result.is_finished():
+                finished[result.request_id] = result
+        seconds = time.perf_counter() - start
+        manager.stop(block=True)
+    outputs = [finished[i] for i in ids]
+    tokens = sum(len(o.generated_tokens) for o in outputs)
+    ttft = [o.timestamps[0] - start for o in outputs if o.timestamps]
+    itl = [gap for o in outputs for gap in np.diff(o.timestamps)]
+    print(json.dumps(summary(tokens, seconds, ttft, itl)))
+
+
+class _Never:
+    @staticmethod
+    def is_finished() -> bool:
+        return False
+
+
+def in_fresh_process(role: str, workdir: Path, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--role", role, "--workdir", str(workdir), *extra],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MOE_JAX_HUGE_PAGES": "0"})
+    if out.returncode:
+        raise RuntimeError(f"{role} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-slots", type=int, default=8)
+    parser.add_argument("--prompt", type=parse_range, default=(16, 256), help="prompt lengths, LOW-HIGH")
+    parser.add_argument("--output", type=parse_range, default=(16, 128), help="output lengths, LOW-HIGH")
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "static":
+        static_worker(args.workdir, args.max_slots)
+        return 0
+    if args.role == "reference":
+        reference_worker(args.workdir)
+        return 0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        build(workdir, args.size)
+        requests = draw_requests(args.requests, args.prompt, args.output, SIZES[args.size]["vocab_size"], args.seed)
+        (workdir / "requests.json").write_text(json.dumps(requests))
+        print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
+              f"{args.output[0]}-{args.output[1]} tokens; {args.clients} clients, {args.max_slots} slots; "
+              f"size {args.size}; {os.cpu_count()} CPUs", flush=True)
+        rows = {"moe_jax serve": run_ours(workdir, requests, args)}
+        rows["static generate"] = in_fresh_process("static", workdir, "--max-slots", str(args.max_slots))
+        if not args.skip_reference:
+            rows["transformers CB"] = in_fresh_process("reference", workdir)
+    print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
+    for name, row in rows.items():
+        print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"
+              f"{row['itl']['p50'] * 1e3:9.1f}m{row['itl']['p99'] * 1e3:9.1f}m")
+    ours = rows["moe_jax serve"]["tokens_per_s"]
+    for name in ("static generate", "transformers CB"):
+        if name in rows:
+            print(f"ours / {name}: {ours / rows[name]['tokens_per_s']:.2f}x throughput")
+    print(json.dumps({name: {k: v for k, v in row.items() if k != "server_metrics"} for name, row in rows.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
