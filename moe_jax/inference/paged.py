@@ -5,8 +5,9 @@
     pages = book.allocate(group=0, tokens=300)          # 19 pages of group 0's pool, or None if too few are free
     book.release(0, pages)
 
-Every layer run keeps keys and values [L, G, pages, P, K, D]: G data-parallel groups (the pool's group axis is
-split over the batch's mesh axes, so a row's pages sit on its own devices), `pages` pages of P tokens each, the
+Every layer run keeps keys and values [G, L, pages, P, K, D]: G data-parallel groups (the pool's group axis is
+split over the batch's mesh axes, so a row's pages sit on its own devices; it leads, so a group's pools are one
+contiguous block and the batched page writes keep the default layout), L layers, `pages` pages of P tokens, the
 KV heads split over tp as the k/v projections' outputs are (replicated when tp does not divide them). DeepSeek's
 latent attention pages its latent and rotated key (`model.cache_heads()`). Sliding-window layers keep every page
 of a sequence (their window is a mask), so one page table serves every layer.
@@ -22,14 +23,14 @@ from ..distributed.mesh import spec_entry
 
 
 def pool_sharding(model, heads: int) -> NamedSharding:
-    """The sharding of one run's pool [L, G, pages, P, heads, D]."""
+    """The sharding of one run's pool [G, L, pages, P, heads, D]."""
     layout = model.layout
     heads_entry = spec_entry(layout.tp_axes) if heads % layout.tp_size == 0 else None
-    return NamedSharding(model.mesh, P(None, spec_entry(layout.batch_axes), None, None, heads_entry, None))
+    return NamedSharding(model.mesh, P(spec_entry(layout.batch_axes), None, None, None, heads_entry, None))
 
 
 def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None) -> tuple[dict, dict]:
-    """Zeroed (keys, values) pools per layer run: [L, G, pages_per_group, page_size, K, D], G the model's
+    """Zeroed (keys, values) pools per layer run: [G, L, pages_per_group, page_size, K, D], G the model's
     data-parallel size, in the model's dtype (or `dtype`), placed by `pool_sharding`."""
     if model.layer_stack.pipeline is not None:
         raise ValueError("continuous batching needs pp_size=1 (a paged cache does not run through pipeline "
@@ -41,7 +42,7 @@ def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None) 
     (key_heads, key_dim), (value_heads, value_dim) = model.cache_heads()
 
     def pool(rows: int, heads: int, dim: int):
-        return jnp.zeros((rows, groups, pages_per_group, page_size, heads, dim), dtype,
+        return jnp.zeros((groups, rows, pages_per_group, page_size, heads, dim), dtype,
                          device=pool_sharding(model, heads))
 
     entries = model.layer_stack.cache_entries()

@@ -55,16 +55,17 @@ def declare_tree(family: Family, config) -> ModuleTree:
 
 
 def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
-                  step: StepOptions, layer_cache: tuple | None = None, kv_view=None):
+                  step: StepOptions, layer_cache: tuple | None = None, kv_view=None, cache_row=None):
     """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
 
     `layer` is static (options, experts module: the same for every layer of a scanned run); `layer_index` is the
-    layer's number, traced inside a scan (per-layer randomness). With a cache, `layer_cache` is this layer's
-    stored (keys, values) and `kv_view` makes its storage (`nn.kv_store`) from them, which also says what each
-    query sees; the arrays come back with the new tokens stored (None without a cache)."""
+    layer's number, traced inside a scan (per-layer randomness). With a cache, `layer_cache` is the stored
+    (keys, values) and `kv_view(layer_cache, cache_row)` makes this layer's storage (`nn.kv_store`) from them,
+    which also says what each query sees; the arrays come back with the new tokens stored (None without a
+    cache)."""
     layouts = step.layouts
     h = rms_norm(weights["input_layernorm"], x, config.rms_norm_eps)
-    layer_kv = None if layer_cache is None else kv_view(layer_cache)
+    layer_kv = None if layer_cache is None else kv_view(layer_cache, cache_row)
     attended, layer_cache = family.self_attention(config, weights["self_attn"], h,
                                                   family.attention_options(config, layer), rope, attention_mask,
                                                   step, layer_kv)
@@ -87,24 +88,26 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
 def run_layers(family: Family, config, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,
                run_cache: tuple | None, kv_view=None):
     """The layers of `run` on x [B, S, H] -> (x, router logits per sparse layer, statistics per layer, the run's
-    cache (keys, values) [L, ...] with the new tokens written, or None). kv_view: as `decoder_layer`'s."""
+    cache (keys, values) [L, ...] with the new tokens written, or None). kv_view: as `decoder_layer`'s; the cache
+    rides through the scan whole (in the carry), so each layer's write updates it in place."""
     layer_fn = partial(decoder_layer, family, config, layer=run.start, rope=rope, attention_mask=attention_mask,
                        step=step, kv_view=kv_view)
     if step.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
     if not run.scanned:
-        layer_cache = None if run_cache is None else tuple(array[0] for array in run_cache)
-        x, logits, statistics, layer_cache = layer_fn(weights, x, layer_index=run.start, layer_cache=layer_cache)
-        run_cache = None if layer_cache is None else tuple(array[None] for array in layer_cache)
+        x, logits, statistics, run_cache = layer_fn(weights, x, layer_index=run.start, layer_cache=run_cache,
+                                                    cache_row=0)
         return x, [logits] if logits is not None else [], [statistics] if statistics is not None else [], run_cache
 
     def body(carry, inputs):
-        layer_weights, index, layer_cache = inputs
-        carry, logits, statistics, layer_cache = layer_fn(layer_weights, carry, layer_index=index,
-                                                          layer_cache=layer_cache)
-        return carry, (logits, statistics, layer_cache)
+        carry, run_cache = carry
+        layer_weights, index = inputs
+        carry, logits, statistics, run_cache = layer_fn(layer_weights, carry, layer_index=index,
+                                                        layer_cache=run_cache, cache_row=index - run.start)
+        return (carry, run_cache), (logits, statistics)
 
-    x, (logits, statistics, run_cache) = jax.lax.scan(body, x, (weights, jnp.arange(run.start, run.stop), run_cache))
+    (x, run_cache), (logits, statistics) = jax.lax.scan(body, (x, run_cache),
+                                                        (weights, jnp.arange(run.start, run.stop)))
     if logits is None:
         return x, [], [], run_cache
     count = run.stop - run.start

@@ -49,10 +49,10 @@ class KVCache:
         key_mask = jax.lax.dynamic_update_slice(self.key_mask, new_mask, (0, self.length))
         ring_masks = {key: jnp.concatenate([ring, new_mask], axis=1) for key, ring in self.window_masks.items()}
 
-        def view(key: str) -> Callable[[tuple], ContiguousKV | RingKV]:
+        def view(key: str) -> Callable[[tuple, jax.Array], ContiguousKV | RingKV]:
             if key in ring_masks:
-                return lambda arrays: RingKV(arrays, ring_masks[key])
-            return lambda arrays: ContiguousKV(arrays, self.length, key_mask)
+                return lambda arrays, layer: RingKV(arrays, ring_masks[key], layer)
+            return lambda arrays, layer: ContiguousKV(arrays, self.length, key_mask, layer)
 
         def finish(stored: dict[str, tuple]) -> KVCache:
             windows = {key: mask[:, -self.window_masks[key].shape[1]:] for key, mask in ring_masks.items()}
@@ -71,7 +71,7 @@ jax.tree_util.register_dataclass(
 class PagedKVCache:
     """A continuous batch's cache: page pools shared by its rows, and this step's rows' page tables and lengths.
 
-    keys, values: run key -> [L, G, pages, P, K, D], G data-parallel groups, each with its own pool (a row of group
+    keys, values: run key -> [G, L, pages, P, K, D], G data-parallel groups, each with its own pool (a row of group
     g reads and writes only pool g); page_table: [B, M] each row's pages in order (indices into its group's pool;
     rows g*B/G .. (g+1)*B/G - 1 are group g's); lengths: [B] int32 tokens each row holds. Which pages a row owns is
     the host's bookkeeping (`moe_jax.inference.paged`); a step only reads the table. Sliding-window layers keep
@@ -109,8 +109,8 @@ class PagedKVCache:
                                 lengths=self.lengths + jnp.sum(attention_mask > 0, axis=1).astype(self.lengths.dtype))
 
         return CacheStep(arrays=lambda key: (self.keys[key], self.values[key]),
-                         view=lambda key: lambda arrays: PagedKV(arrays, self.page_table, self.lengths,
-                                                                 attention_mask),
+                         view=lambda key: lambda arrays, layer: PagedKV(arrays, self.page_table, self.lengths,
+                                                                        attention_mask, layer),
                          finish=finish)
 
 
@@ -121,8 +121,8 @@ jax.tree_util.register_dataclass(
 @dataclass(frozen=True)
 class CacheStep:
     """One step's use of a cache. arrays(run key): the run's stored (keys, values) [L, ...]; view(run key): makes
-    a layer's `nn.kv_store` storage from its (keys, values) slice; finish(stored): the cache after the step, from
-    every run's stored arrays."""
+    layer `layer`'s `nn.kv_store` storage from the run's whole (keys, values) [L, ...] (they ride through the
+    layer scan whole, updated in place); finish(stored): the cache after the step, from every run's arrays."""
 
     arrays: Callable[[str], tuple]
     view: Callable[[str], Callable[[tuple], object]]

@@ -181,8 +181,8 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
             mask = masks.get(key, masks[""])
             kv_view = None
             if caches is not None:  # a window ring's own mask, or the keys' mask at slot `length`
-                kv_view = ((lambda arrays, mask=mask: RingKV(arrays, mask)) if key in masks else
-                           (lambda arrays, mask=mask: ContiguousKV(arrays, step.cache.length, mask)))
+                kv_view = ((lambda arrays, row, mask=mask: RingKV(arrays, mask)) if key in masks else
+                           (lambda arrays, row, mask=mask: ContiguousKV(arrays, step.cache.length, mask)))
             layer_fn = partial(decoder_layer, family, config, layer=kind.representative, rope=rope,
                                attention_mask=mask, step=step, kv_view=kv_view)
             if step.remat != "none":

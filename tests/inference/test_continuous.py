@@ -66,7 +66,8 @@ def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_time
         assert request.output.generated_tokens == list(expected), request.request_id
         assert request.output.finish_reason == "length"
     assert engine.book.free_pages() == engine.book.total_pages
-    assert sorted(engine.compiled_shapes) == [("decode", (2, 1)), ("prefill", (1, 3))]
+    assert {(name, shape) for name, shape, _ in engine.compiled_shapes} == {("decode", (2, 1)), ("prefill", (1, 3))}
+    assert {width for _, _, width in engine.compiled_shapes} <= set(engine.page_widths)
 
 
 @pytest.mark.parametrize("model_type,layout", [
@@ -103,7 +104,7 @@ def test_nothing_recompiles_as_requests_come_and_go():
     model = load("qwen3_moe")
     engine = ServingEngine(model, SMALL)
     rng = np.random.default_rng(0)
-    run_staggered(engine, [[5, 6, 7]], RequestSettings(max_new_tokens=2))   # compiles both programs
+    assert engine.compile_all() == 2 * len(engine.page_widths)
     prompts = [list(rng.integers(3, 100, n)) for n in (1, 9, 4, 17, 2)]
     with count_compilations("_step_math") as count:
         settings = [RequestSettings(max_new_tokens=int(n), do_sample=bool(n % 2), temperature=0.8, top_k=int(n),
@@ -113,7 +114,6 @@ def test_nothing_recompiles_as_requests_come_and_go():
         while engine.has_work():
             engine.step()
     assert count[0] == 0
-    assert len(engine.compiled_shapes) == 2
 
 
 def test_requests_wait_for_pages_and_every_page_comes_back():
@@ -225,7 +225,7 @@ def test_manager_streams_tokens_and_delivers_results():
             manager.add_request(list(range(3, 100)))
         metrics = manager.metrics()
         assert metrics["slots_in_use"] == 0 and metrics["pages_free"] == metrics["pages_total"]
-        assert metrics["compiled_programs"] == 2
+        assert metrics["compiled_programs"] <= 2 * len(manager.engine.page_widths)
     assert not manager.is_running()
 
 
