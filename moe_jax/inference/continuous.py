@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -402,22 +403,28 @@ class ServingEngine:
                   ("decode", self.config.max_slots, 1)]
         work = [(name, rows, length, width) for name, rows, length in shapes for width in self.page_widths]
         for done, (name, rows, length, width) in enumerate(work, 1):
-            self._program(name, self._placed(self._host_inputs(rows, length), width))
+            self._program(name, self._placed(self._host_inputs(rows, length), width), length)
             if progress is not None:
                 progress(done, len(work))
         return len(work)
 
-    def _placed(self, inputs: dict[str, np.ndarray], width: int) -> dict[str, jax.Array]:
-        inputs = dict(inputs, page_table=inputs["page_table"][:, :width])
-        return {key: jax.device_put(value, self._rows_2d if value.ndim == 2 else self._rows)
-                for key, value in inputs.items()}
+    def _placed(self, inputs: dict[str, np.ndarray], width: int) -> tuple[jax.Array, jax.Array]:
+        """The host inputs as two arrays (one transfer each, not ten): ints [rows, 2S + W + 5] (ids, mask, page
+        table cut to `width`, lengths, do_sample, top_k, seed bits, counter) and floats [rows, 2] (temperature,
+        top_p)."""
+        ints = np.concatenate([inputs["ids"], inputs["mask"], inputs["page_table"][:, :width],
+                               np.stack([inputs["lengths"], inputs["do_sample"].astype(np.int32), inputs["top_k"],
+                                         inputs["seeds"].view(np.int32), inputs["counters"]], axis=1)], axis=1)
+        floats = np.stack([inputs["temperature"], inputs["top_p"]], axis=1).astype(np.float32)
+        return (jax.device_put(ints.astype(np.int32), self._rows_2d), jax.device_put(floats, self._rows_2d))
 
-    def _program(self, name: str, placed: dict[str, jax.Array]) -> Callable:
-        key = (name, placed["ids"].shape, placed["page_table"].shape[1])
+    def _program(self, name: str, placed: tuple[jax.Array, jax.Array], length: int) -> Callable:
+        width = placed[0].shape[1] - 2 * length - 5
+        key = (name, (placed[0].shape[0], length), width)
         program = self._programs.get(key)
         if program is None:
-            program = jax.jit(self._step_math, donate_argnums=(1, 2)).lower(
-                self.params, self.keys, self.values, placed).compile()
+            program = jax.jit(partial(self._step_math, length=length), donate_argnums=(1, 2)).lower(
+                self.params, self.keys, self.values, *placed).compile()
             self._programs[key] = program
             self.compilations += 1
         return program
@@ -426,12 +433,20 @@ class ServingEngine:
         """Place the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
         width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
         placed = self._placed(inputs, width)
-        program = self._program(name, placed)
-        tokens, self.keys, self.values = program(self.params, self.keys, self.values, placed)
+        program = self._program(name, placed, inputs["ids"].shape[1])
+        tokens, self.keys, self.values = program(self.params, self.keys, self.values, *placed)
         return np.asarray(jax.device_get(tokens))
 
-    def _step_math(self, params, keys, values, inputs):
-        """The pools and one step's rows -> (new ids [rows], the pools with the new tokens stored)."""
+    def _step_math(self, params, keys, values, ints, floats, *, length: int):
+        """The pools and one step's rows (`_placed`'s two arrays) -> (new ids [rows], the pools with the new
+        tokens stored)."""
+        width = ints.shape[1] - 2 * length - 5
+        columns = [length, length, width, 1, 1, 1, 1, 1]
+        ids, mask, page_table, lengths, do_sample, top_k, seeds, counters = jnp.split(
+            ints, np.cumsum(columns)[:-1], axis=1)
+        inputs = dict(ids=ids, mask=mask, page_table=page_table, lengths=lengths[:, 0], do_sample=do_sample[:, 0] > 0,
+                      top_k=top_k[:, 0], seeds=jax.lax.bitcast_convert_type(seeds[:, 0], jnp.uint32),
+                      counters=counters[:, 0], temperature=floats[:, 0], top_p=floats[:, 1])
         cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"], lengths=inputs["lengths"])
         mask = inputs["mask"]
         out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,

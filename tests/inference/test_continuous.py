@@ -102,7 +102,8 @@ def test_eos_ends_a_request_and_its_slot_serves_the_next():
 
 def test_nothing_recompiles_as_requests_come_and_go():
     model = load("qwen3_moe")
-    engine = ServingEngine(model, SMALL)
+    engine = ServingEngine(model, ContinuousBatchingConfig(max_slots=2, page_size=16, max_model_len=64,
+                                                           prefill_chunk=3))
     rng = np.random.default_rng(0)
     assert engine.compile_all() == 2 * len(engine.page_widths)
     prompts = [list(rng.integers(3, 100, n)) for n in (1, 9, 4, 17, 2)]
