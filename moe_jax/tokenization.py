@@ -3,6 +3,7 @@ else the `tokenizers` library on tokenizer.json.
 
     tokenizer = load_checkpoint_tokenizer("ckpt/", instead="give token ids with --data FILE.npy")
     ids = tokenizer.encode("hello world"); text = tokenizer.decode(ids)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])   # None without a chat template
     write_byte_tokenizer("ckpt/")        # a 256-id byte-level tokenizer (the demo's vocabulary)
     copy_tokenizer_files("ckpt/", "trained/")
 """
@@ -20,10 +21,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclass(frozen=True)
 class CheckpointTokenizer:
-    """encode: text -> ids; decode: ids -> text (special tokens skipped)."""
+    """encode: text -> ids; decode: ids -> text (special tokens skipped); apply_chat_template: chat messages
+    ([{"role": ..., "content": ...}]) -> the prompt's ids, ending with the assistant's turn (Transformers'
+    `apply_chat_template(messages, add_generation_prompt=True)`); None when the checkpoint has no chat
+    template or only the `tokenizers` library reads it."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
+    apply_chat_template: Callable[[list[dict]], list[int]] | None = None
 
 
 def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer:
@@ -45,7 +50,8 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
         except (OSError, ValueError) as error:
             raise ValueError(f"{directory}: transformers cannot load its tokenizer ({error}); {instead}.") from None
         return CheckpointTokenizer(encode=lambda text: tokenizer(text)["input_ids"],
-                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                   apply_chat_template=_chat_template(tokenizer))
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
@@ -58,6 +64,19 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _chat_template(tokenizer) -> Callable[[list[dict]], list[int]] | None:
+    """A Transformers tokenizer's chat template as messages -> ids, or None when it has none. The template's
+    text holds the special tokens it wants (BOS among them), so it is encoded without adding any."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+
+    def apply(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return apply
 
 
 # Besides TOKENIZER_FILES, what a saved Transformers tokenizer may consist of.

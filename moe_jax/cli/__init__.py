@@ -1,6 +1,6 @@
 """The `moe-jax` command (also `python -m moe_jax.cli`). Each subcommand is registered in `COMMANDS` with
-its parser and handler; the jobs behind them are this package's modules (train, generate, convert, demo,
-launch, with the shared layout_flags), imported only when their command runs so `moe-jax --help` stays fast.
+its parser and handler; the jobs behind them are this package's modules (train, generate, serve, convert,
+demo, launch, with the shared layout_flags), imported only when their command runs so `moe-jax --help` stays fast.
 Everything a user starts from the command line lives here; the library below never imports it.
 """
 
@@ -137,6 +137,10 @@ command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any l
 command("generate", "generate from an HF MoE checkpoint, text through its tokenizer or token ids "
                     "(--prompt-ids 1,2,3), on any layout, streaming")(
     _job("generate", "add_generate_arguments", "run_generate")
+)
+command("serve", "serve an HF MoE checkpoint over HTTP with OpenAI's completions and chat API (continuous "
+                 "batching, streaming), on any layout of one process's devices")(
+    _job("serve", "add_arguments", "run")
 )
 
 

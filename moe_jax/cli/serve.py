@@ -1,0 +1,236 @@
+"""`moe-jax serve`: an OpenAI-compatible HTTP server over continuous batching (`moe_jax.serving`).
+
+    moe-jax serve --model ckpt/ --port 8000 --max-slots 16 --max-model-len 4096 --tp 2 --ep 4 --fsdp 4
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 32}'
+    openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
+
+The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles
+two programs: prefill [data-parallel groups x --prefill-rows, --prefill-chunk] and decode [--max-slots, 1]
+(each for every page-table width the engine uses, where it has several). With --warmup (the default) tiny
+requests run through all of them before the port accepts connections, so no client waits for a
+compilation; the startup line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
+(default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
+requests in flight finish (up to 30 s), then the engine stops.
+
+One process only: continuous batching runs in one process (any layout of its devices); --pp and
+multi-process jobs are refused. Needs the `serve` extra (fastapi, uvicorn) and the checkpoint's tokenizer;
+chat needs a chat template in it (and Transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .layout_flags import (
+    add_layout_flags,
+    describe_layout,
+    distributed_config_from_flags,
+    layout_devices,
+    layout_given,
+)
+
+# Seconds a graceful shutdown gives the requests in flight (then the engine's drain gets as long).
+SHUTDOWN_TIMEOUT_S = 30
+# --max-model-len when not given: this, or the model's positions if fewer.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory, with its tokenizer files")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients name (default: the checkpoint directory's name)")
+    parser.add_argument("--max-slots", type=int, default=8,
+                        help="requests decoded together: the decode program's rows (default 8)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help=f"prompt + completion tokens one request may hold (default: {DEFAULT_MAX_MODEL_LEN}, "
+                             "or the model's max_position_embeddings if fewer)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV-cache pages in all (default: every slot at --max-model-len)")
+    parser.add_argument("--prefill-chunk", type=int, default=128,
+                        help="prompt tokens per row of a prefill step (default 128)")
+    parser.add_argument("--prefill-rows", type=int, default=1,
+                        help="prompts prefilled together per data-parallel group (default 1)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile the prefill and decode programs before listening (default on)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's log level (info logs each request; default info)")
+    add_layout_flags(parser, ep_implementation=True)
+
+
+def _check_request(args: argparse.Namespace, limit: int | None) -> int:
+    """Errors found without loading anything; returns max_model_len."""
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f'moe-jax serve needs {" and ".join(missing)}, not installed: '
+                         f'pip install "moe_jax[serve]"')
+    if args.pp is not None and args.pp > 1:
+        raise ValueError(f"--pp {args.pp}: continuous batching does not run pipeline stages; serve with --tp, "
+                         "--fsdp, --ep and --dp-replicate (one process).")
+    for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535].")
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)
+    if max_model_len < 2 or (limit is not None and max_model_len > limit):
+        raise ValueError(f"--max-model-len {max_model_len} must be in [2, {limit}] (the model's "
+                         "max_position_embeddings).")
+    return max_model_len
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, so a port in use is an error before the checkpoint loads; it listens once
+    the model is ready (until then connections are refused), just before the startup line."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host}: {error.strerror}.") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}.") from None
+    return sock
+
+
+def _warm_up(manager) -> float:
+    """Runs requests that compile every program the engine can run: one per page-table width it compiles for
+    (`engine.page_widths`; one width when it has none), each a prompt that fills that many pages but for one
+    token (prefilled at that width) and two new tokens with EOS off (the second decoded at that width), one at
+    a time. Returns the seconds they took."""
+    engine = manager.engine
+    page_size, limit = engine.config.page_size, engine.config.max_model_len
+    widths = getattr(engine, "page_widths", None) or [1]
+    start = time.perf_counter()
+    for width in widths:
+        length = max(1, min(width * page_size - 1, limit - 2))
+        request_id = manager.add_request([0] * length, max_new_tokens=2, eos_token_id=-1, streaming=False)
+        output = manager.get_result(request_id)
+        if output is None or output.status.name != "FINISHED":
+            raise RuntimeError(f"the warm-up request failed: {getattr(output, 'error', None) or manager.error}")
+    return time.perf_counter() - start
+
+
+def compiled_programs(engine) -> str:
+    """The engine's compiled programs, e.g. "prefill [1, 128], decode [8, 1]" (with the page-table widths
+    each is compiled for, when the engine compiles per width)."""
+    widths: dict[tuple, list[int]] = {}
+    for name, shape, *rest in engine.compiled_shapes:
+        widths.setdefault((name, tuple(shape)), []).extend(rest[:1])
+    parts = []
+    for (name, shape), found in sorted(widths.items(), key=lambda item: item[0][0] != "prefill"):
+        pages = f" x page-table widths {', '.join(str(w) for w in sorted(found))}" if found else ""
+        parts.append(f"{name} {list(shape)}{pages}")
+    return ", ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The job behind `moe-jax serve` (a bad request raises before anything loads; `cli.main` prints it)."""
+    import jax
+
+    from ..checkpoint_files import local_checkpoint, read_config
+    from ..distributed.mesh import DeviceLayout
+    from ..tokenization import load_checkpoint_tokenizer
+
+    directory = Path(args.model)
+    if not directory.is_dir():
+        raise ValueError(f"--model {directory} is not a checkpoint directory.")
+    config = read_config(local_checkpoint(directory))
+    max_model_len = _check_request(args, config.get("max_position_embeddings"))
+    tokenizer = load_checkpoint_tokenizer(
+        directory, instead="moe-jax serve reads and writes text, so the checkpoint needs its tokenizer files")
+    distributed_config = (distributed_config_from_flags(args) if layout_given(args) else
+                          _one_device_config(args))
+    # Before anything starts JAX: on CPU, layout_devices asks for the virtual devices the layout needs.
+    devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "serve")
+    if jax.process_count() > 1:
+        raise ValueError(f"moe-jax serve runs in one process (continuous batching serves any layout of one "
+                         f"process's devices); this is a job of {jax.process_count()} processes.")
+    sock = _listening_socket(args.host, args.port)
+    try:
+        return _serve(args, directory, config, tokenizer, distributed_config, devices, max_model_len, sock)
+    finally:
+        sock.close()
+
+
+def _one_device_config(args):
+    from ..distributed.config import DistributedConfig
+
+    return DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
+
+
+def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, devices, max_model_len: int,
+           sock) -> int:
+    import uvicorn
+
+    from ..causal_lm.auto import AutoModelForCausalLM
+    from ..inference.generation_config import GenerationConfig
+    from ..serving import build_app
+    from .layout_flags import warn_about_head_split
+
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    warn_about_head_split(model)
+    generation = GenerationConfig.for_checkpoint(directory, config)
+    manager = model.init_continuous_batching(
+        generation, max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
+        num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+        decode=tokenizer.decode)
+    manager.start()
+    try:
+        compiled = "programs compile on the first request (--no-warmup)"
+        if args.warmup:
+            seconds = _warm_up(manager)
+            compiled = f"compiled {compiled_programs(manager.engine)} in {seconds:.1f} s"
+        name = args.served_model_name or directory.resolve().name
+        app = build_app(manager, tokenizer, model_name=name, max_model_len=max_model_len,
+                        drain_timeout=SHUTDOWN_TIMEOUT_S)
+        sock.listen(2048)   # connections wait in the backlog from now on, until uvicorn accepts them
+        host, port = sock.getsockname()[:2]
+        engine = manager.engine
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"serving {name} at http://{url_host}:{port}/v1 ({describe_layout(model.distributed_config)} on "
+              f"{len(devices)} {devices[0].platform} device(s); {engine.config.max_slots} slots, max_model_len "
+              f"{max_model_len}, {engine.book.total_pages} pages of {engine.config.page_size} tokens; {compiled})",
+              file=sys.stderr, flush=True)
+        server = _graceful_server_class()(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
+                                                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
+        server.run(sockets=[sock])
+        if not server.started:
+            return 1
+    finally:
+        manager.stop(timeout=SHUTDOWN_TIMEOUT_S)
+    metrics = manager.metrics()
+    print(f"stopped: {metrics['requests_finished']} requests finished, {metrics['generated_tokens']} tokens "
+          "generated", file=sys.stderr, flush=True)
+    return 0
+
+
+def _graceful_server_class():
+    import contextlib
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, except that a graceful shutdown on SIGTERM / SIGINT ends the command with status 0
+        (uvicorn raises the signal again once it has shut down, which would kill the process, or raise
+        KeyboardInterrupt, before the engine stops)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer

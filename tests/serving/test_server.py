@@ -1,0 +1,335 @@
+"""`moe_jax.serving` and `moe-jax serve`: a live server on 127.0.0.1 driven by the official OpenAI client (and
+raw HTTP for errors, metrics and disconnects), over a tiny random checkpoint with a byte-level tokenizer and a
+chat template. The random model's bytes are often not UTF-8, so the streamed text exercises held-back
+incomplete characters.
+
+One server (uvicorn in a thread, the model on tp=2 ep=2 fsdp=2) serves most tests; one test runs the real
+command in a subprocess (one device) and stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers", reason="chat templates are applied by Transformers' tokenizer")
+
+import jax  # noqa: E402
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig  # noqa: E402
+from moe_jax.serving import build_app  # noqa: E402
+from moe_jax.tokenization import CheckpointTokenizer, load_checkpoint_tokenizer, write_byte_tokenizer  # noqa: E402
+
+CONFIG = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+              num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=256,
+              tie_word_embeddings=False)
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+NAME = "tiny-moe"
+MAX_MODEL_LEN = 256
+SERVER_FLAGS = dict(max_slots=4, page_size=8, max_model_len=MAX_MODEL_LEN, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random tiny Qwen3-MoE (vocabulary 256: the byte tokenizer's) with a chat template."""
+    directory = tmp_path_factory.mktemp("serve") / "tiny"
+    model = AutoModelForCausalLM.from_config(CONFIG, devices=jax.devices()[:1])
+    model.init_params(0)
+    model.params = {name: value * (8.0 if name.endswith("mlp.gate.weight") else 1.0)
+                    for name, value in model.params.items()}
+    model.save_pretrained(directory, progress=False)
+    write_byte_tokenizer(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
+    return directory
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Served:
+    def __init__(self, model, manager, tokenizer, port):
+        self.model, self.manager, self.tokenizer, self.port = model, manager, tokenizer, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def greedy(self, prompt_ids: list[int], new_tokens: int) -> str:
+        """What `model.generate` continues `prompt_ids` with, as text."""
+        out = self.model.generate(np.array([prompt_ids]), max_new_tokens=new_tokens)
+        return self.tokenizer.decode(out[0, len(prompt_ids):].tolist())
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {match[1]: float(match[2]) for match in re.finditer(r"^(moe_jax_\w+) (\S+)$", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    tokenizer = load_checkpoint_tokenizer(checkpoint, instead="-")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, DistributedConfig(tp_size=2, ep_size=2, fsdp_size=2),
+                                                 devices=jax.devices()[:4], progress=False)
+    manager = model.init_continuous_batching(decode=tokenizer.decode, **SERVER_FLAGS)
+    app = build_app(manager, tokenizer, model_name=NAME, max_model_len=MAX_MODEL_LEN)
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield Served(model, manager, tokenizer, sock.getsockname()[1])
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+    assert not manager.is_running()   # the lifespan's shutdown stopped the engine
+
+
+def test_completions_greedy_text_equals_generate_plain_and_streamed(served):
+    prompt = "Hello"
+    ids = served.tokenizer.encode(prompt)
+    expected = served.greedy(ids, 12)
+    assert "\ufffd" in expected   # the random model's bytes: incomplete characters in the stream
+    response = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason) == (expected, "length")
+    assert response.id.startswith("cmpl-") and response.object == "text_completion" and response.model == NAME
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
+        len(ids), 12, len(ids) + 12)
+    # The prompt as token ids, streamed: the same text, in deltas that never end in half a character.
+    chunks = list(served.client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert "".join(texts) == expected
+    assert all(not text.endswith("\ufffd") for text in texts[:-2])
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_applies_the_template_plain_and_streamed(served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = served.tokenizer.apply_chat_template(messages)
+    assert served.tokenizer.decode(ids) == "<system>Be brief.\n<user>Hi there\n<assistant>"
+    expected = served.greedy(ids, 8)
+    response = served.client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=8,
+                                                     temperature=0)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    message = response.choices[0].message
+    assert (message.role, message.content, response.choices[0].finish_reason) == ("assistant", expected, "length")
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 8)
+    chunks = list(served.client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+
+
+def test_a_stop_string_ends_the_text_before_it(served):
+    prompt = "The end"
+    full = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    # Two characters of the greedy text (no replacement character) from its fourth on: often two tokens apart.
+    start = next(i for i in range(3, len(full) - 1) if "\ufffd" not in full[i:i + 2])
+    stop = full[start:start + 2]
+    expected = full[:full.find(stop)]
+    response = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                                stop=[stop, "never seen"])
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (expected, "stop")
+    assert response.usage.completion_tokens < 24
+    chunks = list(served.client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                                   stop=stop, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_share_the_batch_and_each_get_their_own_text(served):
+    prompts = ["one", "two", "three", "four!"]
+
+    def complete(prompt, stream=False):
+        kwargs = dict(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+        if stream:
+            return "".join(chunk.choices[0].text for chunk in served.client.completions.create(**kwargs, stream=True))
+        return served.client.completions.create(**kwargs).choices[0].text
+
+    alone = [complete(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, prompts, [True, False] * 2))
+    assert together == alone
+
+
+def test_sampling_is_reproducible_by_seed(served):
+    def sample(seed):
+        return served.client.completions.create(model=NAME, prompt="abc", max_tokens=10, temperature=0.8, top_p=0.9,
+                                                seed=seed, extra_body={"top_k": 20}).choices[0].text
+
+    assert sample(3) == sample(3)
+
+
+def test_bad_requests_are_openai_errors(served):
+    def post(path, **kwargs):
+        response = httpx.post(f"{served.url}{path}", **kwargs)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        return response.status_code, error
+
+    status, error = post("/v1/completions", content=b'{"prompt": "a", ')
+    assert status == 400 and "not valid JSON" in error["message"] and error["type"] == "invalid_request_error"
+    status, error = post("/v1/completions", json={"model": "gpt-4", "prompt": "a"})
+    assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+    status, error = post("/v1/completions", json={"prompt": "x" * MAX_MODEL_LEN})
+    assert (status, error["code"]) == (400, "context_length_exceeded") and "256 tokens" in error["message"]
+    status, error = post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 300}]})
+    assert (status, error["code"]) == (400, "context_length_exceeded")
+    invalid = {"max_tokens": 0, "temperature": -0.5, "top_p": 1.5, "n": 2, "echo": True, "prompt": ["a", "b"],
+               "stop": [""], "top_k": -2, "stream": "maybe"}
+    for param, value in invalid.items():
+        status, error = post("/v1/completions", json={"prompt": "a"} | {param: value})
+        assert (status, error["param"]) == (400, param), (param, error)
+    for body in ({"prompt": [1, 2, 300]}, {"prompt": ""}, {"prompt": 5}, [1, 2], {"messages": []}):
+        assert post("/v1/completions", json=body)[0] == 400
+    assert post("/v1/chat/completions", json={"messages": []})[0] == 400
+    assert post("/v1/chat/completions", json={"messages": [{"content": "no role"}]})[1]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        served.client.completions.create(model="other", prompt="a", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        served.client.completions.create(model=NAME, prompt="a", n=3)
+
+
+def test_chat_without_a_template_is_a_400(served):
+    """A tokenizer without a chat template (as a tokenizers-only install reads one): checked before the manager
+    sees the request, so an app over the running manager is asked in-process, without starting it."""
+    tokenizer = CheckpointTokenizer(encode=served.tokenizer.encode, decode=served.tokenizer.decode)
+    app = build_app(served.manager, tokenizer, model_name=NAME, max_model_len=MAX_MODEL_LEN)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+
+    response = asyncio.run(ask())
+    assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
+
+
+def test_health_models_and_metrics(served):
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    assert [model.id for model in served.client.models.list()] == [NAME]
+    assert served.client.models.retrieve(NAME).id == NAME
+    served.client.completions.create(model=NAME, prompt="count me", max_tokens=3, temperature=0)
+    metrics = served.metrics()
+    assert metrics["moe_jax_slots_total"] == 4 and metrics["moe_jax_slots_in_use"] == 0
+    assert metrics["moe_jax_pages_free"] == metrics["moe_jax_pages_total"] == 4 * MAX_MODEL_LEN // 8
+    assert metrics["moe_jax_requests_finished_total"] >= 1 and metrics["moe_jax_generated_tokens_total"] >= 3
+    assert metrics["moe_jax_time_to_first_token_seconds_count"] >= 1
+    assert metrics["moe_jax_inter_token_latency_seconds_count"] >= 2
+    compiled = served.manager.engine.compiled_shapes
+    assert metrics["moe_jax_compiled_programs"] == len(compiled) and {entry[0] for entry in compiled} == {
+        "prefill", "decode"}
+
+
+def wait_idle(served, timeout=30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = served.metrics()
+        if metrics["moe_jax_slots_in_use"] == 0 and metrics["moe_jax_pages_free"] == metrics["moe_jax_pages_total"]:
+            return metrics
+        assert time.monotonic() < deadline, f"the server did not free its slots and pages: {metrics}"
+        time.sleep(0.05)
+
+
+def test_a_client_that_goes_away_frees_its_slot_and_pages(served, monkeypatch):
+    cancelled = []
+    original = served.manager.cancel_request
+    monkeypatch.setattr(served.manager, "cancel_request", lambda request_id: (cancelled.append(request_id),
+                                                                             original(request_id)))
+    # Steps of 20 ms at least: the requests cannot finish before their clients leave.
+    step = served.manager.engine.step
+    monkeypatch.setattr(served.manager.engine, "step", lambda: (time.sleep(0.02), step())[1])
+    before = wait_idle(served)["moe_jax_generated_tokens_total"]
+    asked = 100
+    body = {"prompt": "stream me", "max_tokens": asked, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ") and next(lines) == "" and next(lines).startswith("data: ")
+    # A plain request whose client gives up (read timeout) is cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body | {"stream": False}, timeout=httpx.Timeout(30, read=0.3))
+    after = wait_idle(served)
+    assert len(cancelled) == 2 and all(request_id.startswith("cmpl-") for request_id in cancelled)
+    assert after["moe_jax_generated_tokens_total"] - before < asked
+    response = served.client.completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
+    assert response.usage.completion_tokens == 2
+
+
+def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
+    command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(checkpoint), "--port", "0",
+               "--max-slots", "2", "--page-size", "16", "--max-model-len", "32", "--prefill-chunk", "16",
+               "--log-level", "warning"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    watchdog = threading.Timer(180, process.kill)   # reading its lines must not hang the suite
+    watchdog.start()
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        started = lines[-1] if lines else ""
+        assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
+        assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "4 pages of 16 tokens" in started
+        assert "decode [2, 1]" in started and "prefill [1, 16]" in started
+        url = re.search(r"(http://\S+/v1)", started).group(1)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        response = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0)
+        assert response.usage.completion_tokens == 4 and response.choices[0].finish_reason == "length"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        # Stopped after the engine drained (the warm-up requests count too).
+        assert re.search(r"stopped: \d+ requests finished", process.stderr.read())
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
+def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
+    from moe_jax.cli import main
+
+    assert main(["serve", "--model", str(checkpoint), "--pp", "2"]) == 2
+    assert "error: --pp 2: continuous batching does not run pipeline stages" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint), "--max-model-len", "1000"]) == 2
+    assert "must be in [2, 256]" in capsys.readouterr().err
+    taken = free_socket()
+    taken.listen()
+    try:
+        assert main(["serve", "--model", str(checkpoint), "--port", str(taken.getsockname()[1])]) == 2
+        assert f"error: cannot listen on 127.0.0.1:{taken.getsockname()[1]}" in capsys.readouterr().err
+    finally:
+        taken.close()
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else find_spec(name, *a))
+    assert main(["serve", "--model", str(checkpoint)]) == 2
+    assert 'pip install "moe_jax[serve]"' in capsys.readouterr().err
