@@ -6,14 +6,15 @@
 
 The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles
 two programs: prefill [data-parallel groups x --prefill-rows, --prefill-chunk] and decode [--max-slots, 1]
-(each for every page-table width the engine uses, where it has several). With --warmup (the default) tiny
-requests run through all of them before the port accepts connections, so no client waits for a
-compilation; the startup line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
+(each for every page-table width the engine uses, `ServingEngine.page_widths`). With --warmup (the default)
+all of them compile before the port accepts connections, so no client waits for a compilation; the startup
+line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
 (default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
 requests in flight finish (up to 30 s), then the engine stops.
 
-One process only: continuous batching runs in one process (any layout of its devices); --pp and
-multi-process jobs are refused. Needs the `serve` extra (fastapi, uvicorn) and the checkpoint's tokenizer;
+Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
+each step's inputs to the other processes, which run the same programs on their devices until it stops. --pp is
+refused (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn) and the checkpoint's tokenizer;
 chat needs a chat template in it (and Transformers).
 """
 
@@ -73,7 +74,7 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
                          f'pip install "moe_jax[serve]"')
     if args.pp is not None and args.pp > 1:
         raise ValueError(f"--pp {args.pp}: continuous batching does not run pipeline stages; serve with --tp, "
-                         "--fsdp, --ep and --dp-replicate (one process).")
+                         "--fsdp, --ep and --dp-replicate.")
     for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
@@ -104,20 +105,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(manager) -> float:
-    """Runs requests that compile every program the engine can run: one per page-table width it compiles for
-    (`engine.page_widths`; one width when it has none), each a prompt that fills that many pages but for one
-    token (prefilled at that width) and two new tokens with EOS off (the second decoded at that width), one at
-    a time. Returns the seconds they took."""
-    engine = manager.engine
-    page_size, limit = engine.config.page_size, engine.config.max_model_len
-    widths = getattr(engine, "page_widths", None) or [1]
+    """Compile every program the engine can run (`ServingEngine.compile_all`: prefill and decode at each
+    page-table width) before the port listens. Returns the seconds it took."""
     start = time.perf_counter()
-    for width in widths:
-        length = max(1, min(width * page_size - 1, limit - 2))
-        request_id = manager.add_request([0] * length, max_new_tokens=2, eos_token_id=-1, streaming=False)
-        output = manager.get_result(request_id)
-        if output is None or output.status.name != "FINISHED":
-            raise RuntimeError(f"the warm-up request failed: {getattr(output, 'error', None) or manager.error}")
+    manager.engine.compile_all()
     return time.perf_counter() - start
 
 
@@ -153,14 +144,31 @@ def run(args: argparse.Namespace) -> int:
                           _one_device_config(args))
     # Before anything starts JAX: on CPU, layout_devices asks for the virtual devices the layout needs.
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "serve")
-    if jax.process_count() > 1:
-        raise ValueError(f"moe-jax serve runs in one process (continuous batching serves any layout of one "
-                         f"process's devices); this is a job of {jax.process_count()} processes.")
+    if jax.process_index() != 0:   # a multi-process job: process 0 serves, the others run its steps
+        return _follow(args, directory, distributed_config, devices, max_model_len)
     sock = _listening_socket(args.host, args.port)
     try:
         return _serve(args, directory, config, tokenizer, distributed_config, devices, max_model_len, sock)
     finally:
         sock.close()
+
+
+def _engine_config(args, max_model_len: int):
+    from ..inference.continuous import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
+                                    num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
+                                    prefill_rows=args.prefill_rows)
+
+
+def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:
+    """Processes 1.. of a multi-process `serve`: the same model and engine, every step process 0 runs."""
+    from ..causal_lm.auto import AutoModelForCausalLM
+    from ..inference.continuous import ServingEngine
+
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    ServingEngine(model, _engine_config(args, max_model_len)).follow()
+    return 0
 
 
 def _one_device_config(args):
@@ -181,10 +189,8 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
     warn_about_head_split(model)
     generation = GenerationConfig.for_checkpoint(directory, config)
-    manager = model.init_continuous_batching(
-        generation, max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
-        num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-        decode=tokenizer.decode)
+    manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode)
+    manager.engine.lead()   # a multi-process job: the other processes run each step with it (`_follow`)
     manager.start()
     try:
         compiled = "programs compile on the first request (--no-warmup)"
@@ -209,6 +215,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
             return 1
     finally:
         manager.stop(timeout=SHUTDOWN_TIMEOUT_S)
+        manager.engine.release_followers()
     metrics = manager.metrics()
     print(f"stopped: {metrics['requests_finished']} requests finished, {metrics['generated_tokens']} tokens "
           "generated", file=sys.stderr, flush=True)

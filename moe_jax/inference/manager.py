@@ -22,6 +22,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -107,9 +108,12 @@ class ContinuousBatchingManager:
                                top_p=config.top_p, seed=seed, stop=stops)
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, record_timestamps: bool = True, eos_token_id=None, **sampling) -> str:
+                    streaming: bool = False, record_timestamps: bool = True, eos_token_id=None,
+                    handler: Callable[[GenerationOutput], None] | None = None, **sampling) -> str:
         """Queue a prompt (token ids) -> its request id. sampling: do_sample, temperature, top_k, top_p, seed,
-        stop (strings; the manager needs `decode`). Raises ValueError for a request the engine cannot serve."""
+        stop (strings; the manager needs `decode`). handler: receives this request's outputs (on the engine's
+        thread, in order) instead of its queue, from the first one. Raises ValueError for a request the engine
+        cannot serve."""
         if not self._accepting:
             raise RuntimeError("the manager is stopping and accepts no new requests.")
         if self.error is not None:
@@ -124,6 +128,8 @@ class ContinuousBatchingManager:
             request = Request(request_id, prompt, settings)
             self.engine.check(request)
             self._queues[request_id] = queue.Queue()
+            if handler is not None:
+                self._handlers[request_id] = handler
             if streaming:
                 self._streaming.add(request_id)
             self._incoming.append(request)
@@ -243,9 +249,13 @@ class ContinuousBatchingManager:
             if finished:
                 self._handlers.pop(request_id, None)
         if handler is not None:
-            handler(snapshot)
             if finished:
                 self._queues.pop(request_id, None)
+            try:
+                handler(snapshot)
+            except Exception as error:  # noqa: BLE001 - one reader's bug must not stop every request
+                warnings.warn(f"the result handler of request {request_id!r} raised {error!r}; the engine goes on.",
+                              RuntimeWarning, stacklevel=1)
             return
         owner = self._queues.get(request_id)
         if owner is not None:

@@ -11,8 +11,8 @@ What runs: one `ContinuousBatchingManager` (its engine on a background thread) s
 The engine's programs have shapes its config fixes, whatever the requests: prefill [data-parallel groups x
 prefill_rows, prefill_chunk] and decode [max_slots, 1] (each for the page-table widths the engine uses, where
 it has several; `engine.compiled_shapes`), so requests join and leave the running batch without recompiling;
-`moe-jax serve` compiles them all before it listens. One process only: the engine serves any layout of one
-process's devices (tp, fsdp, ep, dp_replicate), not a multi-process job nor pipeline stages.
+`moe-jax serve` compiles them all before it listens. Any layout of tp, fsdp, ep and dp_replicate, in one process
+or several (process 0 serves HTTP and leads: `ServingEngine.lead` / `follow`); not pipeline stages.
 
 Modules: `app` (routes, streaming, disconnects), `protocol` (request bodies, OpenAI's error shape), `text`
 (ids -> streamed text, stop strings), `metrics` (Prometheus text). FastAPI, uvicorn and pydantic are the

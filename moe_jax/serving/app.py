@@ -136,27 +136,26 @@ class _Server:
         generation = _Generation(self, request_id, prompt, body.stop_strings(), streaming)
         seed = body.seed if body.seed is not None else secrets.randbits(32)
         loop = asyncio.get_running_loop()
-        try:
-            self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming,
-                                     stop=generation.stops or None, seed=seed, **body.sampling())
-        except ValueError as error:
-            raise InvalidRequest(str(error), param=what if "prompt" in str(error) else None) from None
-        except RuntimeError as error:   # stopping, or stopped after an engine error
-            raise InvalidRequest(str(error), status=503, kind="server_error") from None
         stats = self.stats
 
-        def deliver(output) -> None:   # on the engine's thread: an exception here would stop the engine
+        def deliver(output) -> None:   # on the engine's thread, in order, from the request's first output
             try:
                 if output.is_finished():
                     stats.record(output)
-            except Exception:  # noqa: BLE001 - a statistic is not worth the engine
+            except Exception:  # noqa: BLE001 - a statistic is not worth the request
                 pass
             try:
                 loop.call_soon_threadsafe(generation.queue.put_nowait, output)
             except RuntimeError:   # the event loop has closed
                 pass
 
-        self.manager.register_result_handler(request_id, deliver)
+        try:
+            self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming,
+                                     stop=generation.stops or None, seed=seed, handler=deliver, **body.sampling())
+        except ValueError as error:
+            raise InvalidRequest(str(error), param=what if "prompt" in str(error) else None) from None
+        except RuntimeError as error:   # stopping, or stopped after an engine error
+            raise InvalidRequest(str(error), status=503, kind="server_error") from None
         return generation
 
     # ---- responses ------------------------------------------------------------------------------------

@@ -109,6 +109,16 @@ def test_greedy_generation_equals_transformers(two_processes):
         np.testing.assert_array_equal(job["generated"], GENERATION["greedy"])
 
 
+def test_continuous_batching_equals_transformers_across_processes(two_processes):
+    """generate_batch run alike by both processes, and a manager on process 0 leading process 1 (how
+    `moe-jax serve` runs multi-process): the same greedy tokens as Transformers' generate."""
+    width = GENERATION["input_ids"].shape[1]
+    expected = GENERATION["greedy"][:, width:]
+    for job in two_processes:
+        np.testing.assert_array_equal(job["batch_generated"], expected)
+    np.testing.assert_array_equal(two_processes[0]["served"], expected)
+
+
 def test_each_process_reads_only_its_rows_of_a_batch(two_processes):
     rows = np.arange(16 * 12, dtype=np.int32).reshape(16, 12)
     asked = [set(job["rows_asked"].tolist()) for job in two_processes]

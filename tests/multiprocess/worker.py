@@ -26,10 +26,13 @@ import numpy as np  # noqa: E402
 from converters.safetensors_io import record_reads  # noqa: E402
 from moe_jax import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 from moe_jax.distributed.host_arrays import to_host  # noqa: E402
+from moe_jax.inference import ContinuousBatchingConfig  # noqa: E402
 from moe_jax.training import TrainCheckpoints  # noqa: E402
 from moe_jax.training.data import TokenRows, place_batch  # noqa: E402
 from tests.multiprocess.shared_work import (  # noqa: E402
     FORWARD_LAYOUTS,
+    GENERATION,
+    NEW_TOKENS,
     TRAIN_LAYOUT,
     export_loaded,
     forward,
@@ -59,6 +62,8 @@ def main(workdir: Path) -> None:
         phase(f"load + forward {name}")
     seen["generated"] = generate(model)
     phase("generate")
+    seen["batch_generated"], seen["served"] = continuous_batching(model)
+    phase("continuous batching")
     export_loaded(model, workdir / "export_2proc")
     phase("export")
 
@@ -78,6 +83,29 @@ def main(workdir: Path) -> None:
     seen["batch_1"] = to_host(place_batch(source, 1, model.batch_sharding())["input_ids"])
     seen["rows_asked"] = np.concatenate(asked)
     np.savez(workdir / f"process_{jax.process_index()}.npz", **seen)
+
+
+def continuous_batching(model) -> tuple[np.ndarray, np.ndarray]:
+    """The fixture's prompts through continuous batching, twice: `generate_batch` run alike by both processes,
+    then a manager on process 0 leading the other process (the server's arrangement) -> new tokens [3, n]
+    of each (the second on process 0 only; -1 elsewhere)."""
+    mask = GENERATION["attention_mask"].astype(bool)
+    prompts = [[int(t) for t in row[keep]] for row, keep in zip(GENERATION["input_ids"], mask)]
+    outputs = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+    batch = np.asarray([output.generated_tokens for output in outputs.values()])
+    config = ContinuousBatchingConfig(max_slots=model.data_parallel_size, page_size=4, max_model_len=64,
+                                      prefill_chunk=3)
+    if jax.process_index() != 0:
+        engine = model.continuous_batching_engine(config)
+        assert engine.follow() > 0
+        return batch, np.full_like(batch, -1)
+    manager = model.init_continuous_batching(continuous_batching_config=config)
+    manager.engine.lead()
+    with manager:
+        ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts]
+        served = [manager.get_result(request_id, timeout=300).generated_tokens for request_id in ids]
+    manager.engine.release_followers()
+    return batch, np.asarray(served)
 
 
 if __name__ == "__main__":
