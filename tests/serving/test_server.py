@@ -280,6 +280,49 @@ def test_a_client_that_goes_away_frees_its_slot_and_pages(served, monkeypatch):
     assert response.usage.completion_tokens == 2
 
 
+def test_200_requests_with_10_percent_of_clients_leaving_mid_stream(served):
+    """The issue's fault test: random prompt and output lengths, 16 clients at a time, every tenth client reads
+    one chunk and disconnects. Every completed response equals `generate`'s greedy text for its prompt, the
+    page pool comes back fully free, and the server still answers."""
+    rng = np.random.default_rng(1)
+    requests = [dict(prompt=[int(t) for t in rng.integers(1, 256, int(rng.integers(1, 40)))],
+                     max_tokens=int(rng.integers(1, 17)), stream=bool(i % 2), leaves=i % 10 == 3)
+                for i in range(200)]
+    kept = [r for r in requests if not r["leaves"]]
+    width = max(len(r["prompt"]) for r in kept)
+    ids, mask = np.zeros((len(kept), width), np.int32), np.zeros((len(kept), width), np.int32)
+    for row, r in enumerate(kept):
+        ids[row, width - len(r["prompt"]):], mask[row, width - len(r["prompt"]):] = r["prompt"], 1
+    eos = set(served.manager.generation_config.eos_token_id)
+    generated = served.model.generate(ids, mask, max_new_tokens=16)[:, width:]
+    for r, row in zip(kept, generated):
+        tokens = row[:r["max_tokens"]].tolist()
+        ended = [i for i, t in enumerate(tokens) if t in eos]
+        r["expected"] = served.tokenizer.decode(tokens[:ended[0] + 1] if ended else tokens)
+
+    def client(r) -> str | None:
+        body = {"model": NAME, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
+                "stream": r["stream"] or r["leaves"]}
+        if not body["stream"]:
+            return httpx.post(f"{served.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if r["leaves"] and line.startswith("data: "):
+                    return None                                    # gone after the first chunk
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += "".join(choice["text"] for choice in json.loads(line[6:])["choices"])
+        return text
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(client, requests))
+    assert [text for r, text in zip(requests, texts) if not r["leaves"]] == [r["expected"] for r in kept]
+    after = wait_idle(served)
+    assert after["moe_jax_pages_free"] == after["moe_jax_pages_total"] and after["moe_jax_slots_in_use"] == 0
+    response = served.client.completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
+    assert response.usage.completion_tokens == 2
+
+
 def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
     command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(checkpoint), "--port", "0",
                "--max-slots", "2", "--page-size", "16", "--max-model-len", "32", "--prefill-chunk", "16",
