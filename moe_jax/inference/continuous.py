@@ -22,7 +22,12 @@ and return only the new ids [rows]: what the host reads each step. Experts run a
 which never drops a pair, so no step climbs a capacity ladder or reads dispatch statistics.
 
 A slot's sequence starts at cache index 0 and positions equal indices (no left padding), so a request's greedy
-tokens equal `generate`'s for its prompt alone. One process only: a multi-process job serves with `generate`.
+tokens equal `generate`'s for its prompt alone.
+
+Multi-process jobs: every process runs every program. Either every process drives the same scheduler with the
+same requests (`generate_batch`: the scheduling is deterministic and every process reads the same new ids), or
+process 0 leads (`lead()`, the server: requests arrive there) and sends each step's inputs to the others, which
+run `follow()` until process 0 calls `release_followers()`.
 """
 
 from __future__ import annotations
@@ -37,13 +42,19 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.multihost_utils import broadcast_one_to_all
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..models.kv_cache import PagedKVCache
 from .paged import PageBook, init_page_pools
 from .sampling import Sampling, next_tokens_per_row
+
+# What process 0 sends first for each step of a led multi-process job: which program, then its inputs' shape.
+PROGRAM_CODES = {"prefill": 0, "decode": 1}
+STOP_CODE = -1
 
 
 class RequestStatus(IntEnum):
@@ -156,9 +167,6 @@ class ServingEngine:
 
     def __init__(self, model, config: ContinuousBatchingConfig | None = None, *, params=None,
                  decode: Callable[[list[int]], str] | None = None):
-        if jax.process_count() > 1:
-            raise NotImplementedError("continuous batching runs in one process (any layout of its devices); a "
-                                      "multi-process job generates with model.generate().")
         self.model = model
         self.params = model.params if params is None else params
         self.config = config = config or ContinuousBatchingConfig()
@@ -195,6 +203,7 @@ class ServingEngine:
         self._rows = NamedSharding(mesh, P(spec_entry(axes)))
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
         self._replicated = NamedSharding(mesh, P())
+        self.leading = False   # process 0 sends each step's inputs to the others (`lead`)
 
     # ---- requests --------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -408,7 +417,8 @@ class ServingEngine:
                 progress(done, len(work))
         return len(work)
 
-    def _placed(self, inputs: dict[str, np.ndarray], width: int) -> tuple[jax.Array, jax.Array]:
+    @staticmethod
+    def _packed(inputs: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
         """The host inputs as two arrays (one transfer each, not ten): ints [rows, 2S + W + 5] (ids, mask, page
         table cut to `width`, lengths, do_sample, top_k, seed bits, counter) and floats [rows, 2] (temperature,
         top_p)."""
@@ -416,7 +426,11 @@ class ServingEngine:
                                np.stack([inputs["lengths"], inputs["do_sample"].astype(np.int32), inputs["top_k"],
                                          inputs["seeds"].view(np.int32), inputs["counters"]], axis=1)], axis=1)
         floats = np.stack([inputs["temperature"], inputs["top_p"]], axis=1).astype(np.float32)
-        return (jax.device_put(ints.astype(np.int32), self._rows_2d), jax.device_put(floats, self._rows_2d))
+        return ints.astype(np.int32), floats
+
+    def _placed(self, inputs: dict[str, np.ndarray], width: int) -> tuple[jax.Array, jax.Array]:
+        ints, floats = self._packed(inputs, width)
+        return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
 
     def _program(self, name: str, placed: tuple[jax.Array, jax.Array], length: int) -> Callable:
         width = placed[0].shape[1] - 2 * length - 5
@@ -430,12 +444,48 @@ class ServingEngine:
         return program
 
     def _run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Place the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
+        """Pack the host inputs, run the program (compiled on first use), keep the pools, read the new ids."""
         width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
-        placed = self._placed(inputs, width)
-        program = self._program(name, placed, inputs["ids"].shape[1])
+        ints, floats = self._packed(inputs, width)
+        length = inputs["ids"].shape[1]
+        if self.leading:
+            broadcast_one_to_all(np.asarray([PROGRAM_CODES[name], *ints.shape, length], np.int32))
+            broadcast_one_to_all((ints, floats))
+        return self._execute(name, ints, floats, length)
+
+    def _execute(self, name: str, ints: np.ndarray, floats: np.ndarray, length: int) -> np.ndarray:
+        placed = (host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d))
+        program = self._program(name, placed, length)
         tokens, self.keys, self.values = program(self.params, self.keys, self.values, *placed)
-        return np.asarray(jax.device_get(tokens))
+        return np.asarray(jax.device_get(tokens))   # replicated: every process reads the same ids
+
+    # ---- several processes -------------------------------------------------------------------------------
+    def lead(self) -> None:
+        """On process 0 of a multi-process job whose requests arrive only here (the server): send every step's
+        inputs to the other processes, which run `follow()`."""
+        if jax.process_count() > 1 and jax.process_index() != 0:
+            raise RuntimeError("only process 0 leads; the other processes call follow().")
+        self.leading = jax.process_count() > 1
+
+    def release_followers(self) -> None:
+        """End the other processes' `follow()` (process 0, when it stops serving)."""
+        if self.leading:
+            broadcast_one_to_all(np.asarray([STOP_CODE, 0, 0, 0], np.int32))
+            self.leading = False
+
+    def follow(self) -> int:
+        """On processes other than 0: run every step process 0 runs, until it releases them. Returns the steps
+        run."""
+        steps = 0
+        names = {code: name for name, code in PROGRAM_CODES.items()}
+        while True:
+            code, rows, columns, length = (int(v) for v in broadcast_one_to_all(np.zeros(4, np.int32)))
+            if code == STOP_CODE:
+                return steps
+            ints, floats = broadcast_one_to_all((np.zeros((rows, columns), np.int32),
+                                                 np.zeros((rows, 2), np.float32)))
+            self._execute(names[code], np.asarray(ints), np.asarray(floats), length)
+            steps += 1
 
     def _step_math(self, params, keys, values, ints, floats, *, length: int):
         """The pools and one step's rows (`_placed`'s two arrays) -> (new ids [rows], the pools with the new
