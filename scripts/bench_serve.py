@@ -9,8 +9,8 @@ Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
 ranges, token ids random), then measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
-  (each sends its next request when the last one ends); time to first token and inter-token latency are
-  measured at the client, from sending the request;
+  (asyncio in one thread; each sends its next request when the last one ends); time to first token and
+  inter-token latency are measured at the client, from sending the request; the clients share the machine;
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
   request's own tokens count); compilation excluded (every batch shape runs once before the timed pass);
@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -132,43 +131,42 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
 
 
 def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
-    """`clients` threads, each streaming its next request after the last one ended -> per request: tokens,
-    time to first token, gaps between tokens (seconds, at the client)."""
+    """`clients` concurrent streaming clients (asyncio, one thread: the clients take as little of the machine's
+    CPU as they can, as vLLM's benchmark client does), each sending its next request when the last one ended ->
+    per request: tokens, time to first token, gaps between tokens (seconds, at the client)."""
+    import asyncio
+
     import httpx
 
     results: list[dict | None] = [None] * len(requests)
-    lock, cursor = threading.Lock(), [0]
 
-    def client():
-        with httpx.Client(timeout=600) as http:
-            while True:
-                with lock:
-                    index = cursor[0]
-                    cursor[0] += 1
-                if index >= len(requests):
-                    return
-                request = requests[index]
-                body = {"model": "bench", "prompt": request["prompt"], "max_tokens": request["max_tokens"],
-                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-                sent, stamps, tokens = time.perf_counter(), [], 0
-                with http.stream("POST", f"{base}/v1/completions", json=body) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                        if chunk.get("choices") and chunk["choices"][0].get("text"):
-                            stamps.append(time.perf_counter())
-                results[index] = {"tokens": tokens, "ttft": stamps[0] - sent if stamps else float("nan"),
-                                  "gaps": list(np.diff(stamps))}
+    async def one(http: httpx.AsyncClient, index: int) -> None:
+        request = requests[index]
+        body = {"model": "bench", "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        sent, stamps, tokens = time.perf_counter(), [], 0
+        async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"usage":{' in line.replace(" ", ""):
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                elif '"text":""' not in line.replace(" ", ""):
+                    stamps.append(time.perf_counter())
+        results[index] = {"tokens": tokens, "ttft": stamps[0] - sent if stamps else float("nan"),
+                          "gaps": list(np.diff(stamps))}
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    async def main() -> None:
+        cursor = iter(range(len(requests)))
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            async def client() -> None:
+                for index in cursor:
+                    await one(http, index)
+            await asyncio.gather(*(client() for _ in range(clients)))
+
+    asyncio.run(main())
     return results
 
 

@@ -17,7 +17,7 @@ error, and stops the thread (`error` keeps it).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import itertools
 import queue
 import threading
@@ -236,7 +236,9 @@ class ContinuousBatchingManager:
         request_id = output.request_id
         if not finished and request_id not in self._streaming:
             return
-        snapshot = copy.deepcopy(output)
+        # A snapshot: the lists that grow are copied; the prompt is never changed, so it is shared.
+        snapshot = dataclasses.replace(output, generated_tokens=list(output.generated_tokens),
+                                       timestamps=list(output.timestamps), logprobs=list(output.logprobs))
         if not finished and generated is not None:   # a later event of the same step already extended it
             snapshot.generated_tokens = snapshot.generated_tokens[:generated]
             snapshot.timestamps = snapshot.timestamps[:generated]
