@@ -45,7 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="global batch size in sequences (default 8)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (default: the data file's; 64 for synthetic data)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
+                        help="after --warmup-steps of linear warmup: stay at --lr, or decay to --min-lr-ratio x "
+                             "--lr at --steps along a cosine or a line (Transformers' schedules; default constant)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup from 0 (default 0)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0,
+                        help="the final rate of a cosine or linear schedule over the peak (default 0)")
     parser.add_argument("--expert-lr", type=float, default=None,
                         help="a separate learning rate for the routed experts (default: --lr)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -88,6 +94,22 @@ def _check_positive(args) -> None:
         raise ValueError(f"--seq-len {args.seq_len} must be >= 1.")
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off).")
+
+
+def _schedules(args):
+    """The learning-rate schedules of the dense parameters and, with --expert-lr, of the experts (errors here are
+    the flags' own, raised before anything starts)."""
+    from ..training.schedules import learning_rate_schedule
+
+    options = dict(warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio)
+    try:
+        dense = learning_rate_schedule(args.lr_schedule, args.lr, args.steps, **options)
+        experts = (None if args.expert_lr is None else
+                   learning_rate_schedule(args.lr_schedule, args.expert_lr, args.steps, **options))
+    except ValueError as error:
+        raise ValueError(f"--lr-schedule {args.lr_schedule} --warmup-steps {args.warmup_steps} --min-lr-ratio "
+                         f"{args.min_lr_ratio}: {error}") from None
+    return dense, experts
 
 
 def _model_config(args) -> tuple[dict, Path | None]:
@@ -187,6 +209,7 @@ class _Progress:
 def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax train` (a bad request raises before any compute; `cli.main` prints it)."""
     _check_positive(args)
+    schedule, expert_schedule = _schedules(args)
     config, model_dir = _model_config(args)
     data = _data_source(args, config, model_dir)
     _check_sequence(data.seq_len, config)
@@ -232,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
-    optimizer = build_optimizer(args.optimizer, args.lr, args.weight_decay, expert_learning_rate=args.expert_lr)
+    optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
                                  mixed_precision=args.mixed_precision or None)
@@ -271,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
                          not args.no_progress and main_process)
     loop = TrainLoop(
-        train_step, data, on_step=progress,
+        train_step, data, on_step=progress, learning_rate=schedule,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None,
     )

@@ -51,7 +51,8 @@ class TrainLoop:
 
     on_step(record): called once per applied optimizer step, in order, with a dict of floats/ints: step,
         loss, ce_loss, aux_loss, grad_norm, tokens, tokens_per_s, capacity (that the step ran at),
-        replayed (its batch had overflowed and was run again), replays (replays so far), data_position.
+        replayed (its batch had overflowed and was run again), replays (replays so far), data_position, and lr
+        (the rate of that update) when `learning_rate` (the optimizer's schedule, or a constant) is given.
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
         drains the queue first, so `state` is exactly the state after that step.
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
@@ -62,8 +63,9 @@ class TrainLoop:
                  on_step: Callable[[dict], None] | None = None,
                  should_save: Callable[[int], bool] | None = None,
                  save: Callable[[int, TrainState, CapacityState | None], None] | None = None,
-                 checkpoints=None):
+                 checkpoints=None, learning_rate: Callable[[int], float] | None = None):
         self.train_step, self.data = train_step, data
+        self.learning_rate = learning_rate
         self.schedule = schedule or train_step.model.capacity_schedule
         self.on_step = on_step or (lambda record: None)
         self.checkpoints = checkpoints
@@ -130,4 +132,5 @@ class TrainLoop:
             "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "capacity": entry.capacity,
             "required_capacity": float(values["required_capacity"]), "replayed": entry.replayed,
             "replays": self.replays, "data_position": int(values["data_position"]),
+            **({} if self.learning_rate is None else {"lr": float(self.learning_rate(int(values["step"]) - 1))}),
         }

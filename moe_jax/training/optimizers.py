@@ -17,33 +17,37 @@ from ..models.layer_stack import module_path
 EXPERT_MARKER = ".experts."  # routed experts (`mlp.experts`, `feed_forward.experts`), not `shared_experts`
 
 
-def _adamw(learning_rate: float, weight_decay: float | None) -> optax.GradientTransformation:
+LearningRate = float | Callable[[int], float]   # a rate, or a schedule of the update count (`schedules.py`)
+
+
+def _adamw(learning_rate: LearningRate, weight_decay: float | None) -> optax.GradientTransformation:
     # PyTorch's AdamW defaults (betas, eps); decoupled decay on every parameter, as torch.optim.AdamW.
     return optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8,
                        weight_decay=0.0 if weight_decay is None else weight_decay)
 
 
-def _sgd(learning_rate: float, weight_decay: float | None) -> optax.GradientTransformation:
+def _sgd(learning_rate: LearningRate, weight_decay: float | None) -> optax.GradientTransformation:
     if weight_decay:
         raise ValueError(f"--optimizer sgd is plain SGD (no momentum, no weight decay); got weight decay "
                          f"{weight_decay}. Use --optimizer adamw for weight decay.")
     return optax.sgd(learning_rate)
 
 
-OPTIMIZERS: dict[str, Callable[[float, float | None], optax.GradientTransformation]] = {
+OPTIMIZERS: dict[str, Callable[[LearningRate, float | None], optax.GradientTransformation]] = {
     "adamw": _adamw,
     "sgd": _sgd,
 }
 
 
-def build_optimizer(name: str, learning_rate: float, weight_decay: float | None = None, *,
-                    expert_learning_rate: float | None = None) -> optax.GradientTransformation:
-    """The optimizer `name` (one of `OPTIMIZERS`); with `expert_learning_rate`, the experts get their own."""
+def build_optimizer(name: str, learning_rate: LearningRate, weight_decay: float | None = None, *,
+                    expert_learning_rate: LearningRate | None = None) -> optax.GradientTransformation:
+    """The optimizer `name` (one of `OPTIMIZERS`) at `learning_rate`, a rate or a schedule of the update count
+    (`schedules.learning_rate_schedule`); with `expert_learning_rate`, the experts get their own."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r} is not one of {sorted(OPTIMIZERS)}.")
-    if learning_rate <= 0:
+    if not callable(learning_rate) and learning_rate <= 0:
         raise ValueError(f"learning rate {learning_rate} must be > 0.")
-    if expert_learning_rate is not None and expert_learning_rate <= 0:
+    if expert_learning_rate is not None and not callable(expert_learning_rate) and expert_learning_rate <= 0:
         raise ValueError(f"expert learning rate {expert_learning_rate} must be > 0.")
     if weight_decay is not None and weight_decay < 0:  # as torch.optim refuses it: it would grow the weights
         raise ValueError(f"weight decay {weight_decay} must be >= 0.")

@@ -23,6 +23,7 @@ from moe_jax.cli.demo import DEMO_CONFIG
 from moe_jax.tokenization import write_byte_tokenizer
 from moe_jax.training import TrainCheckpoints, make_train_step
 from moe_jax.training.optimizers import build_optimizer
+from moe_jax.training.schedules import learning_rate_schedule
 
 from .hf_training import CHECKPOINT, training_batches
 from .test_loop import ADVERSARIAL_TOKEN
@@ -51,10 +52,17 @@ def train_argv(token_file, *extra) -> list[str]:
             "--ep", "2", "--lr", "1e-2", "--no-progress", *extra]
 
 
+# A warmup + cosine schedule, so the resume must also continue the rate (the optimizer's update count).
+SCHEDULE = ("--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1")
+
+
 def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_file, tmp_path, capsys):
-    assert main(train_argv(token_file, "--steps", "10", "--metrics-jsonl", str(tmp_path / "full.jsonl"))) == 0
+    assert main(train_argv(token_file, "--steps", "10", *SCHEDULE, "--metrics-jsonl",
+                           str(tmp_path / "full.jsonl"))) == 0
     full = read_jsonl(tmp_path / "full.jsonl")
     assert [r["step"] for r in full] == list(range(1, 11))
+    schedule = learning_rate_schedule("cosine", 1e-2, 10, warmup_steps=2, min_lr_ratio=0.1)
+    np.testing.assert_allclose([r["lr"] for r in full], [float(schedule(step)) for step in range(10)], rtol=1e-6)
     # The adversarial batch overflowed the first rung, was replayed at the top one, and the JSONL says so.
     adversarial = full[ADVERSARIAL_STEP - 1]
     assert adversarial["replayed"] and adversarial["capacity"] == 2.0 > full[0]["capacity"]
@@ -63,7 +71,8 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
     checkpoint_dir, killed_jsonl = tmp_path / "ckpt", tmp_path / "killed.jsonl"
     checkpointing = ["--checkpoint-dir", str(checkpoint_dir), "--save-every", "2", "--keep", "2"]
     command = [sys.executable, "-m", "moe_jax.cli",
-               *train_argv(token_file, "--steps", "10", *checkpointing, "--metrics-jsonl", str(killed_jsonl))]
+               *train_argv(token_file, "--steps", "10", *SCHEDULE, *checkpointing, "--metrics-jsonl",
+                           str(killed_jsonl))]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (killed_jsonl.exists() and any(r["step"] >= 6 for r in read_jsonl(killed_jsonl))):
@@ -75,7 +84,7 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
     assert killed[-1]["step"] < 10, "the process finished before the kill"
 
     capsys.readouterr()
-    assert main(train_argv(token_file, "--steps", "10", *checkpointing, "--resume",
+    assert main(train_argv(token_file, "--steps", "10", *SCHEDULE, *checkpointing, "--resume",
                            "--metrics-jsonl", str(killed_jsonl))) == 0
     resumed_from = int(re.search(r"resumed from step (\d+)", capsys.readouterr().out).group(1))
     # A checkpoint (--save-every 2) at or before the last record: the steps after it are trained twice ...
@@ -84,6 +93,7 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
     # ... yet the JSONL the resume appended to has each step once (was: the retrained steps twice).
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["loss"] for r in records[resumed_from:]] == [r["loss"] for r in full[resumed_from:]]
+    assert [r["lr"] for r in records] == [r["lr"] for r in full]
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in full], rtol=1e-6)
     kept = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
     assert kept == [8, 10]                                     # --save-every 2 --keep 2
