@@ -134,6 +134,9 @@ command("convert", "convert parameters between HF safetensors and orbax checkpoi
 command("train", "train an HF MoE checkpoint (or a built-in tiny model) on any layout, with orbax checkpoints")(
     _job("train", "add_arguments", "run")
 )
+command("eval", "the loss and perplexity of an HF MoE checkpoint on held-out token ids or text, on any layout")(
+    _job("evaluate", "add_arguments", "run")
+)
 command("generate", "generate from an HF MoE checkpoint, text through its tokenizer or token ids "
                     "(--prompt-ids 1,2,3), on any layout, streaming")(
     _job("generate", "add_generate_arguments", "run_generate")

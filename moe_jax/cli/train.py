@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
+    parser.add_argument("--eval-data", default=None,
+                        help="held-out data (.npy of token ids, or a text file) whose loss and perplexity join the "
+                             "metrics every --eval-every steps and after the last")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="steps between evaluations (default: after the last step only)")
+    parser.add_argument("--eval-batches", type=int, default=None,
+                        help="batches of --batch-size per evaluation (default: one pass over --eval-data)")
     parser.add_argument("--metrics-jsonl", default=None,
                         help="append one JSON object per optimizer step here (--resume first drops the "
                              "records of the steps after its checkpoint: they are trained, and written, "
@@ -92,6 +99,12 @@ def _check_positive(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1.")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len {args.seq_len} must be >= 1.")
+    for flag in ("eval_every", "eval_batches"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1.")
+        if value is not None and args.eval_data is None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --eval-data (the held-out data to evaluate on).")
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off).")
 
@@ -133,6 +146,22 @@ def _data_source(args, config: dict, model_dir: Path | None):
         data = TokenRows.from_text(args.text, model_dir, args.batch_size, args.seq_len or 64)
     else:
         return SyntheticTokens(config["vocab_size"], args.batch_size, args.seq_len or 64, args.seed)
+    data.check_vocabulary(config["vocab_size"])
+    return data
+
+
+def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq_len: int, flag: str):
+    """Held-out data at the training batch shape: a .npy of token ids, or a text file through the checkpoint's
+    tokenizer."""
+    from ..training.data import TokenRows
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file.")
+    if path.suffix == ".npy":
+        data = TokenRows.from_file(path, batch_size, seq_len)
+    else:
+        data = TokenRows.from_text(path, model_dir, batch_size, seq_len)
     data.check_vocabulary(config["vocab_size"])
     return data
 
@@ -196,8 +225,9 @@ class _Progress:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+        extra = {} if "eval_loss" not in record else {"eval_loss": f"{record['eval_loss']:.4f}"}
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             capacity=record["capacity"], replays=record["replays"], refresh=False)
+                             capacity=record["capacity"], replays=record["replays"], refresh=False, **extra)
         self.bar.update(1)
 
     def close(self) -> None:
@@ -213,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
     config, model_dir = _model_config(args)
     data = _data_source(args, config, model_dir)
     _check_sequence(data.seq_len, config)
+    eval_data = (None if args.eval_data is None else
+                 eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data"))
     _check_output_dir(args.export_hf, "--export-hf")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
@@ -229,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     from ..pretrained import load_weights
     from ..reporting.picture import count_text
     from ..training.checkpoints import TrainCheckpoints
+    from ..training.evaluation import Evaluator
     from ..training.loop import TrainLoop
     from ..training.optimizers import build_optimizer
     from ..training.step import make_train_step
@@ -293,8 +326,15 @@ def run(args: argparse.Namespace) -> int:
         _forget_records_after(Path(args.metrics_jsonl), start)
     progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
                          not args.no_progress and main_process)
+    evaluate = should_evaluate = None
+    if eval_data is not None:
+        evaluator = Evaluator(model, loss_chunk=args.loss_chunk,
+                              compute_dtype=train_step.options.compute_dtype)
+        evaluate = lambda step, state: evaluator.run(state.params, eval_data, batches=args.eval_batches)  # noqa: E731
+        should_evaluate = lambda step: step == args.steps or bool(args.eval_every and step % args.eval_every == 0)  # noqa: E731
     loop = TrainLoop(
-        train_step, data, on_step=progress, learning_rate=schedule,
+        train_step, data, on_step=progress, learning_rate=schedule, evaluate=evaluate,
+        should_evaluate=should_evaluate,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None,
     )
@@ -310,7 +350,9 @@ def run(args: argparse.Namespace) -> int:
     if progress.last is not None:
         print(f"trained steps {start + 1}-{args.steps} in {seconds:.1f} s: final loss {progress.last['loss']:.4f}, "
               f"{steps * data.batch_size * data.seq_len / seconds:.0f} tokens/s overall, "
-              f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}")
+              f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}"
+              + (f"; eval loss {progress.last['eval_loss']:.4f}, perplexity {progress.last['eval_perplexity']:.2f}"
+                 if "eval_loss" in progress.last else ""))
     if args.export_hf is not None:
         model.params = state.params
         model.save_pretrained(args.export_hf, progress=not args.no_progress)

@@ -1,13 +1,15 @@
 """Training on the step engine: train state, loss, the donated step, the replaying loop, orbax checkpoints."""
 
 from .checkpoints import TrainCheckpoints
+from .evaluation import Evaluator
 from .loop import TrainLoop
 from .loss import chunked_cross_entropy, default_labels, shift_labels
+from .schedules import learning_rate_schedule
 from .state import TrainState, abstract_train_state, init_train_state, train_state_shardings
 from .step import TrainStep, TrainStepOptions, make_train_step
 
 __all__ = [
-    "TrainCheckpoints", "TrainLoop", "TrainState", "TrainStep", "TrainStepOptions", "abstract_train_state",
-    "chunked_cross_entropy", "default_labels", "init_train_state", "make_train_step", "shift_labels",
+    "Evaluator", "TrainCheckpoints", "TrainLoop", "TrainState", "TrainStep", "TrainStepOptions", "abstract_train_state",
+    "chunked_cross_entropy", "default_labels", "init_train_state", "learning_rate_schedule", "make_train_step", "shift_labels",
     "train_state_shardings",
 ]

@@ -53,6 +53,8 @@ class TrainLoop:
         loss, ce_loss, aux_loss, grad_norm, tokens, tokens_per_s, capacity (that the step ran at),
         replayed (its batch had overflowed and was run again), replays (replays so far), data_position, and lr
         (the rate of that update) when `learning_rate` (the optimizer's schedule, or a constant) is given.
+    evaluate(step, state) -> metrics merged into that step's record, after the steps where `should_evaluate(step)`
+        (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
         drains the queue first, so `state` is exactly the state after that step.
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
@@ -63,9 +65,13 @@ class TrainLoop:
                  on_step: Callable[[dict], None] | None = None,
                  should_save: Callable[[int], bool] | None = None,
                  save: Callable[[int, TrainState, CapacityState | None], None] | None = None,
-                 checkpoints=None, learning_rate: Callable[[int], float] | None = None):
+                 checkpoints=None, learning_rate: Callable[[int], float] | None = None,
+                 evaluate: Callable[[int, TrainState], dict] | None = None,
+                 should_evaluate: Callable[[int], bool] | None = None):
         self.train_step, self.data = train_step, data
         self.learning_rate = learning_rate
+        self.evaluate = evaluate
+        self.should_evaluate = should_evaluate or (lambda step: False)
         self.schedule = schedule or train_step.model.capacity_schedule
         self.on_step = on_step or (lambda record: None)
         self.checkpoints = checkpoints
@@ -87,7 +93,9 @@ class TrainLoop:
         last_confirmation = time.perf_counter()
         while step < until_step:
             expected = step + len(pending)
-            if expected < until_step and not (pending and self.should_save(expected)):
+            # A step to save or evaluate after is not run past: the state is then exactly that step's.
+            holds = self.should_save(expected) or (self.evaluate is not None and self.should_evaluate(expected))
+            if expected < until_step and not (pending and holds):
                 batch = place_batch(self.data, next_index, self.batch_sharding)
                 state, metrics = self.train_step(state, batch)
                 pending.append(_InFlight(next_index, state.capacity, metrics, next_index <= replay_until))
@@ -117,6 +125,8 @@ class TrainLoop:
                 capacity_state, _ = self.schedule.settle(capacity_state, entry.capacity, 0, required)
                 if capacity_state.capacity != state.capacity:
                     state = state.replace(capacity=capacity_state.capacity)
+            if self.evaluate is not None and self.should_evaluate(step) and not pending:
+                record.update(self.evaluate(step, state))
             self.on_step(record)
             if self.save is not None and self.should_save(step) and not pending:
                 self.save(step, state, capacity_state)

@@ -1,0 +1,76 @@
+"""`moe-jax eval`: the loss and perplexity of a checkpoint on held-out data, on any layout.
+
+    moe-jax eval --model CKPT/ --data heldout.npy --batch-size 8 --fsdp 4 --ep 4
+    moe-jax eval --model CKPT/ --data heldout.txt --seq-len 512 --batches 16     # text: the checkpoint's tokenizer
+
+Prints one line for people and one JSON object (eval_loss, eval_perplexity, eval_tokens, batches) for
+scripts. The loss is the mean cross-entropy of every predicted token (`moe_jax.training.Evaluator`: experts at
+the largest dispatch capacity, exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .layout_flags import (
+    add_layout_flags,
+    describe_layout,
+    distributed_config_from_flags,
+    layout_devices,
+    layout_given,
+    pipeline_options_from_flags,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory")
+    parser.add_argument("--data", required=True, help=".npy of int token ids [rows, seq_len], or a text file")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default 8)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default: the .npy's row length; 512 for text)")
+    parser.add_argument("--batches", type=int, default=None, help="batches to evaluate (default: one pass)")
+    parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call (default 512)")
+    add_layout_flags(parser, ep_implementation=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from ..causal_lm.auto import AutoModelForCausalLM
+    from ..checkpoint_files import local_checkpoint, read_config
+    from ..distributed.mesh import DeviceLayout
+    from ..training.evaluation import Evaluator
+    from .train import eval_source
+
+    for flag in ("batch_size", "batches", "loss_chunk", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1.")
+    directory = Path(args.model)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--model {directory}: not a checkpoint directory.")
+    config = read_config(local_checkpoint(directory))
+    seq_len = args.seq_len if args.seq_len is not None or str(args.data).endswith(".npy") else 512
+    data = eval_source(args.data, config, directory, args.batch_size, seq_len, "--data")
+    limit = config.get("max_position_embeddings")
+    if limit is not None and data.seq_len > limit:
+        raise ValueError(f"rows of {data.seq_len} tokens are longer than the model's max_position_embeddings "
+                         f"({limit}); pass --seq-len {limit} or less.")
+    distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
+    devices = (jax.devices()[:1] if distributed_config is None else
+               layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "eval"))
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
+                                                 **pipeline_options_from_flags(args))
+    if args.batch_size % (model.data_parallel_size * model.pipeline_microbatches):
+        raise ValueError(f"--batch-size {args.batch_size} must split over the layout's "
+                         f"{model.data_parallel_size * model.pipeline_microbatches} data-parallel rows groups.")
+    result = Evaluator(model, loss_chunk=args.loss_chunk).run(model.params, data, batches=args.batches)
+    result["batches"] = args.batches or max(data.num_sequences // data.batch_size, 1)
+    where = "1 device" if distributed_config is None else describe_layout(model.distributed_config)
+    print(f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.3f} over "
+          f"{result['eval_tokens']} predicted tokens ({result['batches']} batches of {args.batch_size} x "
+          f"{data.seq_len}; {where})")
+    print(json.dumps(result))
+    return 0
