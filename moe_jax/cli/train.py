@@ -19,6 +19,7 @@ another model or optimizer.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between evaluations (default: after the last step only)")
     parser.add_argument("--eval-batches", type=int, default=None,
                         help="batches of --batch-size per evaluation (default: one pass over --eval-data)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="also write the metrics as TensorBoard event files here (needs tensorboardX)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="one device's peak TFLOP/s at the training dtype: adds MFU to the metrics (model "
+                             "TFLOP/s per device are always reported)")
     parser.add_argument("--metrics-jsonl", default=None,
                         help="append one JSON object per optimizer step here (--resume first drops the "
                              "records of the steps after its checkpoint: they are trained, and written, "
@@ -211,16 +217,33 @@ def _forget_records_after(path: Path, step: int) -> None:
 
 
 class _Progress:
-    """A tqdm bar with loss, tokens/s and capacity, plus the JSONL writer."""
+    """A tqdm bar with loss, tokens/s and capacity, plus the JSONL and TensorBoard writers. Each record gains
+    tokens/s per device and model TFLOP/s per device (and MFU with a peak)."""
 
-    def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool):
+    def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool, *, devices: int = 1,
+                 flops_per_token: float | None = None, peak_tflops: float | None = None,
+                 tensorboard: str | None = None):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
         self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl else None  # noqa: SIM115 (closed in close())
+        self.devices, self.flops_per_token, self.peak_tflops = devices, flops_per_token, peak_tflops
+        self.tensorboard = None
+        if tensorboard is not None:
+            from ..training.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(tensorboard)
         self.last: dict | None = None
 
     def __call__(self, record: dict) -> None:
+        per_device = record["tokens_per_s"] / self.devices
+        record["tokens_per_s_per_device"] = per_device
+        if self.flops_per_token is not None:
+            record["model_tflops_per_s_per_device"] = per_device * self.flops_per_token / 1e12
+            if self.peak_tflops:
+                record["mfu"] = record["model_tflops_per_s_per_device"] / self.peak_tflops
+        if self.tensorboard is not None:
+            self.tensorboard(record)
         self.last = record
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -234,6 +257,8 @@ class _Progress:
         self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,6 +273,10 @@ def run(args: argparse.Namespace) -> int:
     _check_output_dir(args.export_hf, "--export-hf")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
+    if args.tensorboard is not None and importlib.util.find_spec("tensorboardX") is None:
+        raise ValueError('--tensorboard needs tensorboardX, not installed: pip install "moe_jax[tensorboard]".')
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ValueError(f"--peak-tflops {args.peak_tflops} must be > 0.")
     if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
         raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
     from ..distributed.runtime import initialize
@@ -265,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     from ..training.loop import TrainLoop
     from ..training.optimizers import build_optimizer
     from ..training.step import make_train_step
+    from ..training.throughput import train_flops_per_token
 
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     if distributed_config is None and jax.process_count() > 1:
@@ -325,7 +355,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.metrics_jsonl is not None and main_process:
         _forget_records_after(Path(args.metrics_jsonl), start)
     progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
-                         not args.no_progress and main_process)
+                         not args.no_progress and main_process, devices=len(devices),
+                         flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
+                         tensorboard=args.tensorboard if main_process else None)
     evaluate = should_evaluate = None
     if eval_data is not None:
         evaluator = Evaluator(model, loss_chunk=args.loss_chunk,

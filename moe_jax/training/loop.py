@@ -127,6 +127,7 @@ class TrainLoop:
                     state = state.replace(capacity=capacity_state.capacity)
             if self.evaluate is not None and self.should_evaluate(step) and not pending:
                 record.update(self.evaluate(step, state))
+                last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
             self.on_step(record)
             if self.save is not None and self.should_save(step) and not pending:
                 self.save(step, state, capacity_state)

@@ -1,0 +1,93 @@
+"""Draw a training run's curves from its metrics JSONL (`moe-jax train --metrics-jsonl`) to one PNG.
+
+    python scripts/plot_run.py metrics.jsonl [-o run.png]
+
+Panels: loss (train, and eval where the run evaluated), learning rate, tokens/s per device (and MFU when the run
+had --peak-tflops), dispatch capacity (with the steps that were replayed marked). Needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_records(path: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise ValueError(f"{path}:{number}: not a JSON object") from None
+    if not records:
+        raise ValueError(f"{path}: no records.")
+    return records
+
+
+def series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
+    kept = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+    return [step for step, _ in kept], [value for _, value in kept]
+
+
+def plot(records: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    loss, lr, speed, capacity = axes.flat
+    loss.plot(*series(records, "loss"), label="train")
+    if series(records, "eval_loss")[0]:
+        loss.plot(*series(records, "eval_loss"), "o-", label="eval")
+    loss.set_title("loss")
+    loss.legend()
+    if series(records, "lr")[0]:
+        lr.plot(*series(records, "lr"))
+    lr.set_title("learning rate")
+    name = "tokens_per_s_per_device" if series(records, "tokens_per_s_per_device")[0] else "tokens_per_s"
+    speed.plot(*series(records, name), label=name.replace("_", " "))
+    if series(records, "mfu")[0]:
+        twin = speed.twinx()
+        twin.plot(*series(records, "mfu"), color="tab:orange", label="MFU")
+        twin.set_ylabel("MFU")
+    speed.set_title("throughput")
+    speed.legend(loc="lower right")
+    if series(records, "capacity")[0]:
+        capacity.step(*series(records, "capacity"), where="post", label="capacity")
+        replayed = [r["step"] for r in records if r.get("replayed")]
+        if replayed:
+            capacity.plot(replayed, [next(r["capacity"] for r in records if r["step"] == s) for s in replayed],
+                          "rx", label="replayed")
+        capacity.legend()
+    else:
+        capacity.text(0.5, 0.5, "no dispatch buffers (ep 1)", ha="center", va="center", transform=capacity.transAxes)
+    capacity.set_title("dispatch capacity")
+    for axis in axes.flat:
+        axis.set_xlabel("step")
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("metrics", type=Path, help="the run's metrics JSONL")
+    parser.add_argument("-o", "--out", type=Path, default=None, help="the PNG to write (default: METRICS.png)")
+    args = parser.parse_args(argv)
+    try:
+        records = read_records(args.metrics)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out = args.out or args.metrics.with_suffix(".png")
+    plot(records, out)
+    print(f"wrote {out} ({len(records)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

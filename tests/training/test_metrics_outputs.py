@@ -1,0 +1,83 @@
+"""Where training metrics go besides the JSONL: TensorBoard event files (`--tensorboard`), model FLOPs and MFU
+(`moe_jax.training.throughput`), and `scripts/plot_run.py`'s PNG."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM
+from moe_jax.cli import main
+from moe_jax.training.throughput import active_parameters, train_flops_per_token
+
+from .hf_training import CHECKPOINT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from the event files in `logdir` (TFRecord framing, tensorboardX's protos)."""
+    from tensorboardX.proto import event_pb2
+
+    found: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            length = struct.unpack("<Q", data[offset:offset + 8])[0]
+            event = event_pb2.Event()
+            event.ParseFromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
+
+
+def test_active_parameters_count_top_k_of_the_routed_experts():
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, devices=jax.devices()[:1], progress=False)
+    c = model.config
+    per_layer_attention = (2 * c.hidden_size * c.num_attention_heads * c.head_dim
+                           + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim)
+    expected = c.vocab_size * c.hidden_size      # the head (untied); the embedding is a lookup
+    for layer in range(c.num_hidden_layers):
+        expected += per_layer_attention
+        if model.family.is_sparse(c, layer):
+            expected += c.num_experts * c.hidden_size                      # the router
+            expected += c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+        else:
+            expected += 3 * c.hidden_size * c.intermediate_size
+    assert active_parameters(model) == expected
+    width = c.num_attention_heads * c.head_dim
+    assert train_flops_per_token(model, 24) == 6 * expected + 6 * c.num_hidden_layers * 24 * width
+
+
+def test_tensorboard_event_files_hold_the_jsonl_metrics_and_plot_run_draws_them(tmp_path):
+    pytest.importorskip("tensorboardX")
+    np.save(tmp_path / "train.npy", np.random.default_rng(0).integers(0, 128, (32, 24)).astype(np.int32))
+    jsonl, logdir = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    assert main(["train", "--model", str(CHECKPOINT), "--data", str(tmp_path / "train.npy"), "--steps", "4",
+                 "--lr-schedule", "linear", "--warmup-steps", "1", "--eval-data", str(tmp_path / "train.npy"),
+                 "--eval-every", "2", "--eval-batches", "1", "--tensorboard", str(logdir), "--peak-tflops", "1",
+                 "--metrics-jsonl", str(jsonl), "--no-progress"]) == 0
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    found = scalars(logdir)
+    for tag, name in (("train/loss", "loss"), ("train/lr", "lr"), ("eval/eval_loss", "eval_loss"),
+                      ("throughput/mfu", "mfu"), ("throughput/tokens_per_s_per_device", "tokens_per_s_per_device")):
+        expected = [(r["step"], r[name]) for r in records if name in r]
+        assert [step for step, _ in found[tag]] == [step for step, _ in expected], tag
+        np.testing.assert_allclose([v for _, v in found[tag]], [v for _, v in expected], rtol=1e-6)
+    assert all(r["mfu"] == pytest.approx(r["model_tflops_per_s_per_device"]) for r in records)
+
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_run
+
+    assert plot_run.main([str(jsonl), "-o", str(tmp_path / "run.png")]) == 0
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty.jsonl").write_text("")
+    assert plot_run.main([str(tmp_path / "empty.jsonl")]) == 2
