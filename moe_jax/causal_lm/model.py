@@ -320,7 +320,7 @@ class MoeForCausalLM(PlannedModel):
 
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
-              return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
+              return_hidden: bool = False, compute_dtype=None, segment_ids=None) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
         reads a device value on the host.
@@ -337,12 +337,14 @@ class MoeForCausalLM(PlannedModel):
             training-time randomness (Mixtral's router jitter). return_hidden: return the final hidden states
             instead of logits (for a chunked loss that never holds [B, S, V]). compute_dtype: the activations'
             dtype (None: the parameters'); parameters wider than it are float32 masters of mixed precision,
-            applied in it with gradients in float32 (`moe_jax.nn.precision`).
+            applied in it with gradients in float32 (`moe_jax.nn.precision`). segment_ids: [B, S] packed rows
+            (documents numbered 1, 2, ... per row, 0 for padding): attention stays within each document and
+            positions restart at each (`moe_jax.models.core.step_math`).
         """
         capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
                                                   compute_dtype=compute_dtype)
         return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
-                               cache=cache, capacity=capacity, rng=rng, inference=inference,
+                               cache=cache, capacity=capacity, rng=rng, inference=inference, segment_ids=segment_ids,
                                return_hidden=return_hidden, compute_dtype=compute_dtype)
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
@@ -365,13 +367,14 @@ class MoeForCausalLM(PlannedModel):
 
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
-                  inference: bool = True, return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
+                  inference: bool = True, return_hidden: bool = False, compute_dtype=None,
+                  segment_ids=None) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, segment_ids=segment_ids)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

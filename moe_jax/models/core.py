@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.mesh import DeviceLayout
+from ..nn.attention import segment_starts
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits
 from .family import Family
@@ -59,16 +60,28 @@ def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str,
 
 def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
-              return_hidden: bool = False, compute_dtype=None) -> ModelOutput:
+              return_hidden: bool = False, compute_dtype=None, segment_ids=None) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
-    Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary."""
+    Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
+
+    segment_ids: [B, S] packed rows: several documents per row, numbered 1, 2, ... (0: padding). Tokens attend
+    only within their document, positions restart at each document (unless given), and the router's aux loss
+    counts only real tokens; `attention_mask` is then ignored (the padding is segment 0)."""
     if not core.dispatches:
         capacity = None  # no dispatch buffers: one program whatever the caller holds
     compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     layouts, config, family = core.layouts, core.config, core.family
     input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
     batch, sequence = input_ids.shape
+    if segment_ids is not None:
+        if cache is not None or core.layer_stack.pipeline is not None:
+            raise ValueError("packed rows (segment_ids) are a training / scoring input: not with a KV cache, nor "
+                             "through pipeline stages.")
+        segment_ids = layouts.batch(jnp.asarray(segment_ids, jnp.int32))
+        attention_mask = (segment_ids > 0).astype(jnp.int32)
+        if positions is None:   # each document counts from 0
+            positions = jnp.arange(sequence, dtype=jnp.int32)[None, :] - segment_starts(segment_ids)
     attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
                       else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
     if positions is None:
@@ -79,6 +92,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         run_experts={layer: partial(experts, inference=inference, capacity=capacity)
                      for layer, experts in core.experts.items()},
         inference=inference, rng=rng, remat=core.remat, layouts=layouts, compute_dtype=compute_dtype, cache=cache,
+        segment_ids=segment_ids,
     )
     nested = core.layer_stack.nest(params)
     if core.layer_stack.pipeline is not None:

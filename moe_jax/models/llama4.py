@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
-from ..nn.attention import attend, project_qkv
+from ..nn.attention import attend, project_qkv, segment_starts
 from ..nn.linear import linear
 from ..nn.mlp import mlp
 from ..nn.moe import sparse_moe_block
@@ -139,7 +139,7 @@ def experts(config: Llama4TextConfig, backend: str | None):
 
 def temperature(config: Llama4TextConfig, first: jax.Array, length: int) -> jax.Array:
     """The NoPE layers' query scale at cache indices first .. first + length - 1: [length] float32, or [B, length]
-    when `first` is [B, 1] (each row its own index)."""
+    when `first` is [B, 1] (each row its own index) or [B, length] (each token its own offset: packed rows)."""
     index = (first + jnp.arange(length)).astype(jnp.float32)
     return jnp.log1p(jnp.floor((index + 1.0) / config.floor_scale)) * config.attn_scale + 1.0
 
@@ -156,12 +156,15 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
             q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
     if c.attn_temperature_tuning and not options["rope"]:
         first = 0 if layer_kv is None else layer_kv.first_index
+        if step.segment_ids is not None:   # packed rows: each document's tokens count from its own start
+            first = -segment_starts(step.segment_ids)
         scale = jnp.broadcast_to(temperature(c, first, h.shape[1]), h.shape[:2])      # [B, S]
         q = (q * scale[:, :, None, None]).astype(q.dtype)
     chunk = options["attention_chunk_size"]
     stored = None
     if layer_kv is None:
-        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk)
+        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk,
+                     segment_ids=step.segment_ids)
     else:
         (keys, values), mask_options, stored = layer_kv.store(k, v)
         out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,

@@ -35,6 +35,7 @@ class StepOptions:
     layouts: ActivationLayouts
     compute_dtype: jnp.dtype | None = None
     cache: Any = None
+    segment_ids: jax.Array | None = None   # [B, S] packed rows' document ids (0: padding), or None
 
     def layer_rng(self, layer) -> jax.Array | None:
         """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""

@@ -115,6 +115,14 @@ def _check_sliding_window(sliding_window: int | None) -> None:
         )
 
 
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """segment_ids: [B, T] -> [B, T] the index of the first token of each token's segment (packed rows)."""
+    index = jnp.arange(segment_ids.shape[1])
+    changes = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                              axis=1)
+    return jax.lax.cummax(jnp.where(changes, index[None, :], 0), axis=1)
+
+
 def visibility_mask(
     query_index: jax.Array,
     num_keys: int,
@@ -122,24 +130,37 @@ def visibility_mask(
     key_padding_mask: jax.Array | None = None,
     sliding_window: int | None = None,
     chunk_size: int | None = None,
+    segments: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Which keys each query may attend to.
 
     query_index: [B, S] index of each query's own token among the keys
     key_padding_mask: [B, T] bool, True for real tokens
     chunk_size: Llama 4's chunked attention: a query sees only keys of its own chunk of `chunk_size` tokens,
-        chunks counted from each row's first real token (HF's `chunked_overlay` with its left padding)
+        chunks counted from each row's first real token (HF's `chunked_overlay` with its left padding), or from
+        its document's first token in a packed row
+    segments: (query segment ids [B, S], key segment ids [B, T]) of packed rows: a query sees only keys of its
+        own document (equal ids; 0 is padding)
     -> [B, 1, S, T] bool (broadcast over heads)
     """
     key_index = jnp.arange(num_keys)
     visible = key_index[None, None, :] <= query_index[:, :, None]
     if sliding_window is not None:
         visible &= key_index[None, None, :] > query_index[:, :, None] - sliding_window
+    if segments is not None:
+        query_segments, key_segments = segments
+        visible &= query_segments[:, :, None] == key_segments[:, None, :]
     if chunk_size is not None:
-        left_padding = (jnp.zeros((query_index.shape[0],), jnp.int32) if key_padding_mask is None else
-                        jnp.sum(jnp.cumsum(key_padding_mask.astype(jnp.int32), axis=1) == 0, axis=1))
-        key_chunk = (key_index[None, None, :] - left_padding[:, None, None]) // chunk_size
-        visible &= key_chunk == (query_index[:, :, None] - left_padding[:, None, None]) // chunk_size
+        if segments is not None:   # chunks from each document's first token
+            starts = segment_starts(segments[1])
+            key_start = starts[:, None, :]
+            query_start = jnp.take_along_axis(starts, jnp.clip(query_index, 0, num_keys - 1), axis=1)[:, :, None]
+        else:
+            left_padding = (jnp.zeros((query_index.shape[0],), jnp.int32) if key_padding_mask is None else
+                            jnp.sum(jnp.cumsum(key_padding_mask.astype(jnp.int32), axis=1) == 0, axis=1))
+            key_start = query_start = left_padding[:, None, None]
+        key_chunk = (key_index[None, None, :] - key_start) // chunk_size
+        visible &= key_chunk == (query_index[:, :, None] - query_start) // chunk_size
     if key_padding_mask is not None:
         visible &= key_padding_mask[:, None, :]
     return visible[:, None, :, :]
@@ -156,6 +177,7 @@ def _attend_query_chunks(
     scale: float,
     implementation: str | None,
     chunk_size: int,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """`attend` one block of queries at a time: the score matrix in flight is [B, N, chunk, T], not [B, N, S, T].
 
@@ -169,16 +191,21 @@ def _attend_query_chunks(
     query_index = jnp.pad(query_index, ((0, 0), (0, pad)), constant_values=-1)
     q_chunks = q.reshape(batch, num_chunks, chunk_size, heads, dim).swapaxes(0, 1)
     index_chunks = query_index.reshape(batch, num_chunks, chunk_size).swapaxes(0, 1)
+    # Segment -1 matches no key: the filler rows see nothing.
+    query_segments = (jnp.zeros_like(query_index) if segment_ids is None else
+                      jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1))
+    segment_chunks = query_segments.reshape(batch, num_chunks, chunk_size).swapaxes(0, 1)
 
     @jax.checkpoint
-    def attend_chunk(chunk: tuple[jax.Array, jax.Array]) -> jax.Array:
-        q_chunk, index_chunk = chunk
+    def attend_chunk(chunk: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        q_chunk, index_chunk, segment_chunk = chunk
         mask = visibility_mask(
-            index_chunk, k.shape[1], key_padding_mask=key_padding_mask, sliding_window=sliding_window
+            index_chunk, k.shape[1], key_padding_mask=key_padding_mask, sliding_window=sliding_window,
+            segments=None if segment_ids is None else (segment_chunk, segment_ids),
         )
         return _dot_product_attention(q_chunk, k, v, mask=mask, scale=scale, implementation=implementation)
 
-    out = jax.lax.map(attend_chunk, (q_chunks, index_chunks))
+    out = jax.lax.map(attend_chunk, (q_chunks, index_chunks, segment_chunks))
     return out.swapaxes(0, 1).reshape(batch, num_chunks * chunk_size, heads, dim)[:, :seq]
 
 
@@ -209,6 +236,7 @@ def attend(
     query_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
     attention_chunk_size: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention core (softmax in float32), via `jax.nn.dot_product_attention`.
 
@@ -224,6 +252,8 @@ def attend(
     sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
         probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
     attention_chunk_size: Llama 4's chunked attention (`visibility_mask`'s `chunk_size`; the mask is explicit)
+    segment_ids: [B, S] packed rows' document ids (0: padding; S == T, no cache): a query sees only its own
+        document's keys, and chunks count from each document's first token (the mask is explicit)
 
     When `T == S` and no `query_index` is given (and no chunking happens), the mask is expressed as `is_causal` and
     `local_window_size` so fused kernels can skip masked blocks instead of reading an [S, T] mask.
@@ -245,7 +275,11 @@ def attend(
     in_chunks = (query_chunk_size is not None and query_chunk_size < seq and sinks is None
                  and attention_chunk_size is None)
 
-    if query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None:
+    if segment_ids is not None and segment_ids.shape != (batch, num_keys):
+        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected [B, T] = {(batch, num_keys)}: "
+                         "packed rows attend within themselves (no cache).")
+    if (query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None
+            and segment_ids is None):
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
         return _dot_product_attention(
@@ -274,10 +308,11 @@ def attend(
             scale=scale,
             implementation=implementation,
             chunk_size=query_chunk_size,
+            segment_ids=segment_ids,
         )
     mask = visibility_mask(
         query_index, num_keys, key_padding_mask=key_padding_mask, sliding_window=sliding_window,
-        chunk_size=attention_chunk_size,
+        chunk_size=attention_chunk_size, segments=None if segment_ids is None else (segment_ids, segment_ids),
     )
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, sinks, scale)
@@ -329,6 +364,7 @@ def attention(
     implementation: Literal["xla", "cudnn"] | None = None,
     query_chunk_size: int | None = None,
     constrain: Constrain = no_constraint,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
 
@@ -340,6 +376,7 @@ def attention(
     qk_norm_kind: "per_head" (Qwen3-MoE), "full_width" (OLMoE) or None (Qwen2-MoE, Mixtral)
     clip_qkv: OLMoE's `config.clip_qkv`
     constrain: lays out each projection's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`)
+    segment_ids: [B, S] packed rows' document ids (`attend`)
     -> [B, S, H]
 
     The logit scale is `head_dim ** -0.5`, as in all four models.
@@ -370,6 +407,7 @@ def attention(
         implementation=implementation,
         query_chunk_size=query_chunk_size,
         sinks=params.get("sinks"),
+        segment_ids=segment_ids,
     )
     out = out.reshape(batch, seq, num_heads * head_dim)
     return constrain(linear(params["o_proj"], out), ("batch", "length", "embed"))

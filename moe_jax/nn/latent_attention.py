@@ -97,18 +97,19 @@ def attend_latent(q: jax.Array, keys: jax.Array, values: jax.Array, dims: Latent
 
 
 def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array, *, dims: LatentDims,
-                     attention_mask: jax.Array | None = None, constrain: Constrain = no_constraint) -> jax.Array:
+                     attention_mask: jax.Array | None = None, constrain: Constrain = no_constraint,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal MLA over a full sequence (prefill / training).
 
     params: HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`,
     `kv_a_layernorm`, `kv_b_proj`, `o_proj`); hidden: [B, S, H]; cos, sin: [B, S, R]; attention_mask: [B, S]
-    padding mask (1 = real token) -> [B, S, H]
+    padding mask (1 = real token); segment_ids: [B, S] packed rows' document ids (`attention.attend`) -> [B, S, H]
     """
     batch, seq, _ = hidden.shape
     q = latent_query(params, hidden, dims, cos, sin, constrain)
     latent, k_rot = latent_compression(params, hidden, dims, cos, sin, constrain)
     keys, values = expand_latent(params, latent, k_rot, dims, constrain)
-    out = attend_latent(q, keys, values, dims, key_padding_mask=attention_mask)
+    out = attend_latent(q, keys, values, dims, key_padding_mask=attention_mask, segment_ids=segment_ids)
     return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
 
 

@@ -41,7 +41,8 @@ def shift_labels(labels: jax.Array) -> jax.Array:
 def prediction_targets(input_ids: jax.Array, attention_mask: jax.Array | None = None,
                        labels: jax.Array | None = None) -> jax.Array:
     """[B, S] -> the token each position predicts, -100 where nothing is counted: the shifted labels
-    (default: the inputs, -100 at padding), and nothing predicted *from* a padding position.
+    (default: the inputs, -100 at padding), and nothing predicted *from* a padding position. attention_mask may
+    hold packed rows' document ids (segment ids): the last token of a document predicts nothing.
 
     The last rule matters only for left padding: the reference counts the prediction of the first real
     token from the last padding position, whose hidden state comes from a fully masked attention row
@@ -49,7 +50,10 @@ def prediction_targets(input_ids: jax.Array, attention_mask: jax.Array | None = 
     targets = shift_labels(default_labels(input_ids, attention_mask) if labels is None else labels)
     if attention_mask is None:
         return targets
-    return jnp.where(attention_mask > 0, targets, IGNORE_INDEX)
+    # Packed rows (`attention_mask` holding document ids): nothing is predicted across a document's end. With a
+    # 0/1 mask this changes nothing: the position before padding already predicts -100.
+    following = jnp.concatenate([attention_mask[:, 1:], attention_mask[:, -1:]], axis=1)
+    return jnp.where((attention_mask > 0) & (following == attention_mask), targets, IGNORE_INDEX)
 
 
 def predicted_tokens(targets: jax.Array) -> jax.Array:
@@ -108,7 +112,8 @@ def aux_loss_coefficient(config) -> float:
 
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
-               loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None) -> tuple[jax.Array, dict]:
+               loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
+               positions=None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
 
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
@@ -116,10 +121,13 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
-    `model.apply` for an eager call."""
+    `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
+    `prediction_targets(input_ids, segment_ids)`)."""
     step = model.step_math if step is None else step
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
-                  inference=inference, return_hidden=True, compute_dtype=compute_dtype)
+                  inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
+                  **packed)
     head = partial(model.head_logits, model.layer_stack.nest(params))
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss

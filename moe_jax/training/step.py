@@ -181,11 +181,13 @@ class TrainStep:
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         labels = batch.get("labels")
-        targets = prediction_targets(input_ids, attention_mask, labels)
+        segment_ids = batch.get("segment_ids")   # packed rows: documents 1, 2, ... per row (0: padding)
+        targets = prediction_targets(input_ids, attention_mask if segment_ids is None else segment_ids, labels)
         total_tokens = predicted_tokens(targets)
         micro = {"input_ids": input_ids, "targets": targets}
-        if attention_mask is not None:
-            micro["attention_mask"] = attention_mask
+        for name in ("attention_mask", "segment_ids", "positions"):
+            if batch.get(name) is not None:
+                micro[name] = batch[name]
         micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
         step_key = jax.random.fold_in(state.rng, state.step)
 
@@ -244,7 +246,8 @@ class TrainStep:
                           micro_batch["targets"], total_tokens=total_tokens,
                           aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
-                          step=self._step_math)
+                          step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
+                          positions=micro_batch.get("positions"))
 
 
 def check_offload_supported(model) -> None:
