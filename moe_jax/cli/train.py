@@ -121,6 +121,10 @@ def _schedules(args):
     from ..training.schedules import learning_rate_schedule
 
     options = dict(warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio)
+    if args.lr_schedule == "constant" and not args.warmup_steps and not args.min_lr_ratio:
+        # Plain rates: the optimizer state keeps the structure it had before schedules existed, so train states
+        # saved then still resume.
+        return args.lr, args.expert_lr
     try:
         dense = learning_rate_schedule(args.lr_schedule, args.lr, args.steps, **options)
         experts = (None if args.expert_lr is None else
@@ -365,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
         evaluate = lambda step, state: evaluator.run(state.params, eval_data, batches=args.eval_batches)  # noqa: E731
         should_evaluate = lambda step: step == args.steps or bool(args.eval_every and step % args.eval_every == 0)  # noqa: E731
     loop = TrainLoop(
-        train_step, data, on_step=progress, learning_rate=schedule, evaluate=evaluate,
+        train_step, data, on_step=progress, evaluate=evaluate,
+        learning_rate=schedule if callable(schedule) else lambda step: schedule,
         should_evaluate=should_evaluate,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None,
