@@ -63,8 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     add_layout_flags(parser, ep_implementation=True)
     data = parser.add_mutually_exclusive_group()
-    data.add_argument("--data", default=None, help=".npy file of int token ids [num_sequences, seq_len]")
+    data.add_argument("--data", default=None,
+                      help=".npy file of int token ids [num_sequences, seq_len], or a text corpus (.parquet, "
+                           ".jsonl, .txt: one document per line) tokenised with the --model checkpoint's tokenizer")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
+    parser.add_argument("--text-column", default="text", help="the text column of a .parquet / .jsonl corpus "
+                                                              "(default text)")
+    parser.add_argument("--pack", action="store_true",
+                        help="pack a corpus's documents into full rows (segment ids keep attention and the loss "
+                             "within each document); default: one document per row, padded")
+    parser.add_argument("--data-workers", type=int, default=2,
+                        help="Grain worker processes that tokenise a corpus (default 2; 0: in this process)")
     parser.add_argument("--eval-data", default=None,
                         help="held-out data (.npy of token ids, or a text file) whose loss and perplexity join the "
                              "metrics every --eval-every steps and after the last")
@@ -111,6 +120,11 @@ def _check_positive(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1.")
         if value is not None and args.eval_data is None:
             raise ValueError(f"--{flag.replace('_', '-')} needs --eval-data (the held-out data to evaluate on).")
+    if args.data_workers < 0:
+        raise ValueError(f"--data-workers {args.data_workers} must be >= 0.")
+    if args.pack and (args.data is None or Path(args.data).suffix == ".npy"):
+        raise ValueError("--pack packs a text corpus's documents (--data .parquet / .jsonl / .txt); token rows "
+                         "(.npy) are used as they are.")
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off).")
 
@@ -148,9 +162,12 @@ def _model_config(args) -> tuple[dict, Path | None]:
 
 
 def _data_source(args, config: dict, model_dir: Path | None):
+    from ..training.corpus import TEXT_FORMATS
     from ..training.data import SyntheticTokens, TokenRows
 
-    if args.data is not None:
+    if args.data is not None and Path(args.data).suffix.lower() in TEXT_FORMATS:
+        data = _corpus(args.data, args, model_dir, args.batch_size, args.seq_len or 512, "--data")
+    elif args.data is not None:
         data = TokenRows.from_file(args.data, args.batch_size, args.seq_len)
     elif args.text is not None:
         data = TokenRows.from_text(args.text, model_dir, args.batch_size, args.seq_len or 64)
@@ -160,9 +177,25 @@ def _data_source(args, config: dict, model_dir: Path | None):
     return data
 
 
-def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq_len: int, flag: str):
-    """Held-out data at the training batch shape: a .npy of token ids, or a text file through the checkpoint's
-    tokenizer."""
+def _corpus(path, args, model_dir: Path | None, batch_size: int, seq_len: int, flag: str):
+    """A text corpus (`moe_jax.training.corpus`) as batches; its errors name the flag."""
+    from ..training.corpus import Corpus
+
+    if model_dir is None:
+        raise ValueError(f"{flag} {path} is text: it needs the checkpoint's tokenizer (pass --model), or give token "
+                         "ids as a .npy.")
+    try:
+        return Corpus.from_file(path, model_dir, batch_size=batch_size, seq_len=seq_len,
+                                text_column=getattr(args, "text_column", "text"), pack=getattr(args, "pack", False),
+                                seed=getattr(args, "seed", 0), workers=getattr(args, "data_workers", 0))
+    except (ValueError, OSError) as error:
+        raise type(error)(f"{flag} {error}") from None
+
+
+def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq_len: int, flag: str, args=None):
+    """Held-out data at the training batch shape: a .npy of token ids, a corpus (.parquet / .jsonl / .txt, as
+    --data), or another text file cut into rows through the checkpoint's tokenizer."""
+    from ..training.corpus import TEXT_FORMATS
     from ..training.data import TokenRows
 
     path = Path(path)
@@ -170,6 +203,8 @@ def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq
         raise FileNotFoundError(f"{flag} {path}: no such file.")
     if path.suffix == ".npy":
         data = TokenRows.from_file(path, batch_size, seq_len)
+    elif path.suffix.lower() in TEXT_FORMATS and args is not None:
+        data = _corpus(path, args, model_dir, batch_size, seq_len, flag)
     else:
         data = TokenRows.from_text(path, model_dir, batch_size, seq_len)
     data.check_vocabulary(config["vocab_size"])
@@ -226,12 +261,13 @@ class _Progress:
 
     def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool, *, devices: int = 1,
                  flops_per_token: float | None = None, peak_tflops: float | None = None,
-                 tensorboard: str | None = None):
+                 tensorboard: str | None = None, packing_efficiency: float | None = None):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
         self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl else None  # noqa: SIM115 (closed in close())
         self.devices, self.flops_per_token, self.peak_tflops = devices, flops_per_token, peak_tflops
+        self.packing_efficiency = packing_efficiency
         self.tensorboard = None
         if tensorboard is not None:
             from ..training.tensorboard import TensorBoardWriter
@@ -240,6 +276,8 @@ class _Progress:
         self.last: dict | None = None
 
     def __call__(self, record: dict) -> None:
+        if self.packing_efficiency is not None:
+            record["packing_efficiency"] = self.packing_efficiency
         per_device = record["tokens_per_s"] / self.devices
         record["tokens_per_s_per_device"] = per_device
         if self.flops_per_token is not None:
@@ -273,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     data = _data_source(args, config, model_dir)
     _check_sequence(data.seq_len, config)
     eval_data = (None if args.eval_data is None else
-                 eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data"))
+                 eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data", args))
     _check_output_dir(args.export_hf, "--export-hf")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
@@ -361,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
                          not args.no_progress and main_process, devices=len(devices),
                          flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
-                         tensorboard=args.tensorboard if main_process else None)
+                         tensorboard=args.tensorboard if main_process else None,
+                         packing_efficiency=getattr(data, "packing_efficiency", None))
     evaluate = should_evaluate = None
     if eval_data is not None:
         evaluator = Evaluator(model, loss_chunk=args.loss_chunk,

@@ -29,11 +29,15 @@ class Evaluator:
         self._jit = jax.jit(self._sums)
 
     def _sums(self, params, batch: dict) -> tuple[jax.Array, jax.Array]:
-        """batch: input_ids [B, S] (attention_mask, labels optional) -> (cross-entropy sum, predicted tokens)."""
-        targets = prediction_targets(batch["input_ids"], batch.get("attention_mask"), batch.get("labels"))
+        """batch: input_ids [B, S] (attention_mask, labels, or packed rows' segment_ids / positions, optional) ->
+        (cross-entropy sum, predicted tokens)."""
+        segments = batch.get("segment_ids")   # packed rows
+        targets = prediction_targets(batch["input_ids"], batch.get("attention_mask") if segments is None else segments,
+                                     batch.get("labels"))
         _, terms = model_loss(self.model, params, batch["input_ids"], batch.get("attention_mask"), targets,
                               total_tokens=jnp.ones((), jnp.float32), aux_weight=0.0, capacity=None,
-                              inference=True, compute_dtype=self.compute_dtype, loss_chunk=self.loss_chunk)
+                              inference=True, compute_dtype=self.compute_dtype, loss_chunk=self.loss_chunk,
+                              segment_ids=segments, positions=batch.get("positions"))
         return terms["ce_sum"], predicted_tokens(targets)
 
     def batch_sums(self, params, batch: dict) -> tuple[float, int]:

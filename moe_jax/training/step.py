@@ -36,7 +36,8 @@ from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicte
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
 
-BATCH_KEYS = ("input_ids", "attention_mask", "labels")
+# segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`).
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
 OFFLOAD_MEMORY_KIND = "pinned_host"
 
 
@@ -123,7 +124,8 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         unknown = set(batch) - set(BATCH_KEYS)
         if unknown or "input_ids" not in batch:
-            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' "
+            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
+                             f"'segment_ids' / 'positions' "
                              f"(all [B, S]); got keys {sorted(batch)}.")
         shape = tuple(batch["input_ids"].shape)
         if len(shape) != 2:

@@ -15,7 +15,8 @@ from __future__ import annotations
 GROUPS = {
     "train": ("loss", "ce_loss", "aux_loss", "grad_norm", "lr"),
     "eval": ("eval_loss", "eval_perplexity"),
-    "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu"),
+    "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu",
+                   "packing_efficiency"),
     "dispatch": ("capacity", "required_capacity", "replays"),
 }
 

@@ -1,0 +1,202 @@
+"""Text corpora as training batches: Parquet, JSON Lines or plain text, tokenised by Grain workers, packed or not.
+
+    corpus = Corpus.from_file("corpus.parquet", tokenizer_dir, batch_size=8, seq_len=512, text_column="text",
+                              pack=True, seed=0)
+    corpus.batch(i)          # {"input_ids": [B, S], "segment_ids": [B, S]} (packed) or {"input_ids", "attention_mask"}
+
+Reading: `.parquet` (pyarrow) and `.jsonl` / `.json` (one JSON object per line) take the `text_column` of each
+record; `.txt` is one document per non-empty line. Tokenising runs once, up front, through a Grain pipeline:
+`MapDataset.source(texts).map(Tokenize)` with `workers` worker processes (`mp_prefetch`; each loads the
+checkpoint's tokenizer once), or in this process with 0 workers; document order is kept.
+
+Batches are a pure function of (seed, batch index), so a replayed step gets its batch again and a resumed run
+continues on exactly the next batch from the `data_position` in its train state (the position is the iterator's
+state). Every epoch shuffles the documents by (seed, epoch). Packed (`pack=True`): an epoch's documents are
+concatenated in that order and cut into rows of `seq_len` tokens; `segment_ids` number each row's pieces 1, 2, ...
+(a document cut at a row's end continues as the first piece of the next row; the last row's tail is padding,
+segment 0), so attention and the loss never cross a document (`moe_jax.models.core.step_math`). Unpacked: one
+document per row, cut at `seq_len` or padded after it (`attention_mask`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TEXT_FORMATS = (".parquet", ".jsonl", ".json", ".txt")
+
+
+def read_texts(path, text_column: str = "text") -> list[str]:
+    """The documents of a corpus file (see the module docstring); a clear error for a missing file or column, an
+    empty corpus, or values that are not text."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file.")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as parquet
+
+        table = parquet.read_table(path)
+        if text_column not in table.column_names:
+            raise ValueError(f"{path} has no column {text_column!r} (its columns: {', '.join(table.column_names)}); "
+                             "pass --text-column NAME.")
+        texts = table.column(text_column).to_pylist()
+    elif suffix in (".jsonl", ".json"):
+        texts = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}:{number}: not a JSON object (JSON Lines: one object per line).") from None
+            if not isinstance(record, dict) or text_column not in record:
+                raise ValueError(f"{path}:{number}: no {text_column!r} field (pass --text-column NAME).")
+            texts.append(record[text_column])
+    elif suffix == ".txt":
+        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        raise ValueError(f"{path}: unknown corpus format {suffix!r}; use one of {', '.join(TEXT_FORMATS)} "
+                         "(or a .npy of token ids).")
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: document {bad} of column {text_column!r} is {type(texts[bad]).__name__}, not text.")
+    texts = [text for text in texts if text]
+    if not texts:
+        raise ValueError(f"{path}: holds no text (empty file or column).")
+    return texts
+
+
+class Tokenize:
+    """A Grain map: text -> int32 token ids with the checkpoint's tokenizer, loaded once per worker (picklable)."""
+
+    def __init__(self, tokenizer_dir):
+        self.tokenizer_dir, self._encode = str(tokenizer_dir), None
+
+    def __call__(self, text: str) -> np.ndarray:
+        if self._encode is None:
+            from ..tokenization import load_checkpoint_tokenizer
+
+            self._encode = load_checkpoint_tokenizer(
+                self.tokenizer_dir, instead="give token ids with --data FILE.npy").encode
+        return np.asarray(self._encode(text), np.int32)
+
+    def __getstate__(self):
+        return {"tokenizer_dir": self.tokenizer_dir, "_encode": None}
+
+
+def tokenize(texts: list[str], tokenizer_dir, *, workers: int = 0) -> list[np.ndarray]:
+    """Every document's token ids, in order, through Grain (`workers` worker processes, or this one)."""
+    import grain
+
+    from ..tokenization import load_checkpoint_tokenizer
+
+    load_checkpoint_tokenizer(tokenizer_dir, instead="give token ids with --data FILE.npy")   # fails here, once
+    dataset = grain.MapDataset.source(texts).map(Tokenize(tokenizer_dir))
+    if workers < 1:
+        return [dataset[i] for i in range(len(dataset))]
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():   # Grain's workers read absl flags; nothing here sets any
+        flags.FLAGS.mark_as_parsed()
+    iterator = dataset.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return [np.asarray(ids) for ids in iterator]
+
+
+@dataclass
+class Corpus:
+    """Tokenised documents as a batch source (`batch(i)`, `batch_rows(i, rows)`; see the module docstring)."""
+
+    documents: list[np.ndarray]
+    batch_size: int
+    seq_len: int
+    pack: bool = True
+    seed: int = 0
+    source: str = "corpus"
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch size {self.batch_size} and seq_len {self.seq_len} must be >= 1.")
+        self.documents = [doc for doc in self.documents if len(doc)]
+        if not self.documents:
+            raise ValueError(f"{self.source}: no document has a token.")
+        self._epochs: dict[int, dict[str, np.ndarray]] = {}
+        if self.num_sequences < self.batch_size:
+            raise ValueError(f"{self.source}: {self.num_sequences} rows of {self.seq_len} tokens, fewer than one batch "
+                             f"of {self.batch_size}; use a larger corpus, a smaller --batch-size or --seq-len.")
+
+    @classmethod
+    def from_file(cls, path, tokenizer_dir, *, batch_size: int, seq_len: int, text_column: str = "text",
+                  pack: bool = True, seed: int = 0, workers: int = 0) -> Corpus:
+        texts = read_texts(path, text_column)
+        return cls(tokenize(texts, tokenizer_dir, workers=workers), batch_size, seq_len, pack, seed, str(path))
+
+    # ---- rows ----------------------------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(doc) for doc in self.documents)
+
+    @property
+    def num_sequences(self) -> int:
+        """Rows per epoch."""
+        return -(-self.total_tokens // self.seq_len) if self.pack else len(self.documents)
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Real tokens over the tokens of an epoch's rows."""
+        real = self.total_tokens if self.pack else sum(min(len(doc), self.seq_len) for doc in self.documents)
+        return real / (self.num_sequences * self.seq_len)
+
+    def epoch_rows(self, epoch: int) -> dict[str, np.ndarray]:
+        """Every row of epoch `epoch` (its documents in the order (seed, epoch) shuffles them)."""
+        if epoch not in self._epochs:
+            order = np.random.default_rng((self.seed, epoch)).permutation(len(self.documents))
+            docs = [self.documents[i] for i in order]
+            self._epochs = {epoch: self._packed(docs) if self.pack else self._one_per_row(docs)}
+        return self._epochs[epoch]
+
+    def _packed(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        rows, width = self.num_sequences, self.seq_len
+        ids = np.zeros(rows * width, np.int32)
+        document = np.zeros(rows * width, np.int64)
+        stream = np.concatenate(docs)
+        ids[:len(stream)] = stream
+        document[:len(stream)] = np.repeat(np.arange(1, len(docs) + 1), [len(doc) for doc in docs])
+        ids, document = ids.reshape(rows, width), document.reshape(rows, width)
+        # Number each row's pieces 1, 2, ... (a new piece where the document changes); padding stays 0.
+        starts = np.concatenate([np.ones((rows, 1), bool), document[:, 1:] != document[:, :-1]], axis=1)
+        segments = np.where(document > 0, np.cumsum(starts, axis=1), 0).astype(np.int32)
+        return {"input_ids": ids, "segment_ids": segments}
+
+    def _one_per_row(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        ids = np.zeros((len(docs), self.seq_len), np.int32)
+        mask = np.zeros((len(docs), self.seq_len), np.int32)
+        for row, doc in enumerate(docs):
+            piece = doc[:self.seq_len]
+            ids[row, :len(piece)], mask[row, :len(piece)] = piece, 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    # ---- the batch source ------------------------------------------------------------------------------
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        return self.batch_rows(index, np.arange(self.batch_size))
+
+    def batch_rows(self, index: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `rows` (positions within the batch) of batch `index`: global row index // rows per epoch is the
+        epoch, the rest the row within it."""
+        positions = index * self.batch_size + np.asarray(rows)
+        epochs, within = np.divmod(positions, self.num_sequences)
+        fields = {}
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            for name, array in self.epoch_rows(int(epoch)).items():
+                fields.setdefault(name, np.zeros((len(positions), self.seq_len), np.int32))[chosen] = array[within[chosen]]
+        return fields
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        high = max(int(doc.max()) for doc in self.documents)
+        if high >= vocab_size:
+            raise ValueError(f"{self.source}: the tokenizer gives ids up to {high}, outside the model's vocabulary "
+                             f"[0, {vocab_size}).")
