@@ -1,0 +1,128 @@
+"""Text corpora (`moe_jax.training.corpus`, `moe-jax train --data corpus.parquet ...`): reading Parquet / JSON Lines /
+text, tokenising through Grain (in worker processes too), packing into rows with segment ids, epochs, per-process
+rows, the issue's end-to-end command, and one clear error line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from moe_jax.cli import main
+from moe_jax.tokenization import load_checkpoint_tokenizer, write_byte_tokenizer
+from moe_jax.training.corpus import Corpus, read_texts, tokenize
+
+from .hf_training import CHECKPOINT
+
+pyarrow = pytest.importorskip("pyarrow")
+pytest.importorskip("grain")
+import pyarrow.parquet as parquet  # noqa: E402
+
+WORDS = ("moe", "jax", "expert", "token", "router", "layer", "page", "slot")
+
+
+def texts(count: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(2, 14)))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The fixture checkpoint with a byte tokenizer (vocabulary 128 covers ASCII)."""
+    directory = tmp_path_factory.mktemp("corpus") / "model"
+    shutil.copytree(CHECKPOINT, directory)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+def write_corpus(directory, documents: list[str]) -> dict[str, object]:
+    parquet.write_table(pyarrow.table({"text": documents, "n": list(range(len(documents)))}),
+                        directory / "corpus.parquet")
+    (directory / "corpus.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in documents))
+    (directory / "corpus.txt").write_text("\n\n".join(documents))
+    return {suffix: directory / f"corpus.{suffix}" for suffix in ("parquet", "jsonl", "txt")}
+
+
+def test_every_format_reads_the_same_documents(tmp_path):
+    documents = texts(12)
+    for path in write_corpus(tmp_path, documents).values():
+        assert read_texts(path) == documents, path
+
+
+def test_packing_cuts_the_shuffled_stream_into_rows_with_pieces_numbered_per_row(checkpoint):
+    docs = tokenize(texts(40), checkpoint)
+    corpus = Corpus(docs, batch_size=4, seq_len=32, pack=True, seed=3)
+    rows = corpus.epoch_rows(0)
+    assert rows["input_ids"].shape == (corpus.num_sequences, 32) == (-(-sum(map(len, docs)) // 32), 32)
+    order = np.random.default_rng((3, 0)).permutation(len(docs))
+    stream = np.concatenate([docs[i] for i in order])
+    np.testing.assert_array_equal(rows["input_ids"].reshape(-1)[:len(stream)], stream)
+    segments = rows["segment_ids"]
+    assert (segments[:, 0] == 1).all() and (segments.reshape(-1)[len(stream):] == 0).all()
+    # A new piece starts exactly where a document starts (or a row does).
+    starts = np.cumsum([0] + [len(docs[i]) for i in order])[:-1]
+    flat_new = np.zeros(segments.size, bool)
+    flat_new[starts] = True
+    flat_new[::32] = True
+    changes = np.concatenate([np.ones((len(segments), 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    np.testing.assert_array_equal(changes.reshape(-1)[:len(stream)], flat_new[:len(stream)])
+    assert corpus.packing_efficiency == pytest.approx(len(stream) / segments.size)
+    assert not np.array_equal(corpus.epoch_rows(1)["input_ids"], rows["input_ids"])       # epochs reshuffle
+    batch = corpus.batch(corpus.num_sequences // 4 + 1)                                     # crosses into epoch 1
+    part = corpus.batch_rows(corpus.num_sequences // 4 + 1, np.array([1, 3]))
+    for name in batch:
+        np.testing.assert_array_equal(part[name], batch[name][[1, 3]])
+
+
+def test_grain_worker_processes_tokenise_as_this_process_does(checkpoint):
+    documents = texts(30)
+    encode = load_checkpoint_tokenizer(checkpoint, instead="-").encode
+    in_process = tokenize(documents, checkpoint, workers=0)
+    assert [list(ids) for ids in in_process] == [encode(text) for text in documents]
+    workers = tokenize(documents, checkpoint, workers=2)
+    assert [list(ids) for ids in workers] == [list(ids) for ids in in_process]
+
+
+def test_the_issue_s_command_runs_end_to_end(checkpoint, tmp_path):
+    write_corpus(tmp_path, texts(120))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts(30, seed=1)))
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["train", "--model", str(checkpoint), "--data", str(tmp_path / "corpus.parquet"), "--text-column", "text",
+            "--pack", "--seq-len", "64", "--lr-schedule", "cosine", "--warmup-steps", "2", "--eval-data",
+            str(tmp_path / "eval.jsonl"), "--eval-every", "3", "--tensorboard", str(tmp_path / "tb"),
+            "--batch-size", "4", "--steps", "6", "--metrics-jsonl", str(metrics), "--no-progress"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert [("eval_loss" in r) for r in records] == [False, False, True, False, False, True]
+    assert records[0]["lr"] == 0.0 and 0.9 < records[0]["packing_efficiency"] <= 1.0
+    assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tb").iterdir())
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_column", "has no column 'body'"),
+    ("empty", "holds no text"),
+    ("short", "fewer than one batch"),
+    ("no_tokenizer", "no tokenizer"),
+])
+def test_bad_corpora_are_one_error_line_and_nothing_written(case, message, checkpoint, tmp_path, capsys):
+    write_corpus(tmp_path, texts(50))
+    model, data, extra = checkpoint, tmp_path / "corpus.parquet", []
+    if case == "missing_column":
+        extra = ["--text-column", "body"]
+    elif case == "empty":
+        data = tmp_path / "empty.jsonl"
+        data.write_text("")
+    elif case == "short":
+        extra = ["--batch-size", "64", "--pack"]
+    else:
+        model = CHECKPOINT   # no tokenizer files
+    metrics, states = tmp_path / "metrics.jsonl", tmp_path / "states"
+    argv = ["train", "--model", str(model), "--data", str(data), "--seq-len", "32", "--steps", "2",
+            "--metrics-jsonl", str(metrics), "--checkpoint-dir", str(states), "--data-workers", "0", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not metrics.exists() and not states.exists()
