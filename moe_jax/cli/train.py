@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", action="store_true",
                         help="pack a corpus's documents into full rows (segment ids keep attention and the loss "
                              "within each document); default: one document per row, padded")
-    parser.add_argument("--data-workers", type=int, default=2,
-                        help="Grain worker processes that tokenise a corpus (default 2; 0: in this process)")
+    parser.add_argument("--data-workers", type=int, default=0,
+                        help="Grain worker processes that tokenise a corpus (default 0: in this process, which won "
+                             "on a 2-core machine: scripts/bench_data.py; raise it for slow tokenizers on many cores)")
     parser.add_argument("--eval-data", default=None,
                         help="held-out data (.npy of token ids, or a text file) whose loss and perplexity join the "
                              "metrics every --eval-every steps and after the last")

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 TEXT_FORMATS = (".parquet", ".jsonl", ".json", ".txt")
+TOKENIZE_CHUNK = 256   # documents per Grain element
 
 
 def read_texts(path, text_column: str = "text") -> list[str]:
@@ -71,18 +72,22 @@ def read_texts(path, text_column: str = "text") -> list[str]:
 
 
 class Tokenize:
-    """A Grain map: text -> int32 token ids with the checkpoint's tokenizer, loaded once per worker (picklable)."""
+    """A Grain map: a chunk of texts -> their token ids with the checkpoint's tokenizer, loaded once per worker
+    (picklable)."""
 
     def __init__(self, tokenizer_dir):
         self.tokenizer_dir, self._encode = str(tokenizer_dir), None
 
-    def __call__(self, text: str) -> np.ndarray:
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        # Lists, not arrays: Grain hands a worker's numpy results over in shared memory, one segment (and one open
+        # file) per element until the main process lets go, which a corpus of 20k documents exhausted. A chunk of
+        # documents per element: one hand-over per chunk, not per document.
         if self._encode is None:
             from ..tokenization import load_checkpoint_tokenizer
 
             self._encode = load_checkpoint_tokenizer(
                 self.tokenizer_dir, instead="give token ids with --data FILE.npy").encode
-        return np.asarray(self._encode(text), np.int32)
+        return [list(self._encode(text)) for text in texts]
 
     def __getstate__(self):
         return {"tokenizer_dir": self.tokenizer_dir, "_encode": None}
@@ -95,15 +100,16 @@ def tokenize(texts: list[str], tokenizer_dir, *, workers: int = 0) -> list[np.nd
     from ..tokenization import load_checkpoint_tokenizer
 
     load_checkpoint_tokenizer(tokenizer_dir, instead="give token ids with --data FILE.npy")   # fails here, once
-    dataset = grain.MapDataset.source(texts).map(Tokenize(tokenizer_dir))
+    chunks = [texts[i:i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK)]
+    dataset = grain.MapDataset.source(chunks).map(Tokenize(tokenizer_dir))
     if workers < 1:
-        return [dataset[i] for i in range(len(dataset))]
+        return [np.asarray(ids, np.int32) for i in range(len(dataset)) for ids in dataset[i]]
     from absl import flags
 
     if not flags.FLAGS.is_parsed():   # Grain's workers read absl flags; nothing here sets any
         flags.FLAGS.mark_as_parsed()
     iterator = dataset.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return [np.asarray(ids) for ids in iterator]
+    return [np.asarray(ids, np.int32) for chunk in iterator for ids in chunk]
 
 
 @dataclass
