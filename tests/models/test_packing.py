@@ -95,3 +95,24 @@ def test_packed_rows_are_refused_with_a_cache():
     ids, segments = packed(documents(128))
     with pytest.raises(ValueError, match="not with a KV cache"):
         model.apply(model.params, ids, segment_ids=segments, cache=init_cache(model, 1, 32))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text"])
+def test_a_packed_row_gives_transformers_logits_of_each_document_alone(model_type):
+    """Transformers' own position_ids packing does not isolate documents on CPU (eager and sdpa: the second
+    document sees the first; only flash attention's varlen path does, on a GPU), so the reference is each
+    document run alone through Transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(MODELS / model_type, dtype=torch.float32).eval()
+    model = load(model_type)
+    docs = documents(model.config.vocab_size)
+    ids, segments = packed(docs)
+    logits = np.asarray(model.apply(model.params, ids, segment_ids=segments).logits)[0]
+    start = 0
+    for doc in docs:
+        with torch.no_grad():
+            alone = reference(input_ids=torch.tensor(doc[None]).long()).logits.numpy()[0]
+        np.testing.assert_allclose(logits[start:start + len(doc)], alone, atol=2e-5, rtol=1e-4)
+        start += len(doc)
