@@ -126,3 +126,41 @@ def test_bad_corpora_are_one_error_line_and_nothing_written(case, message, check
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not metrics.exists() and not states.exists()
+
+
+def test_sigkill_then_resume_continues_on_exactly_the_next_packed_batch(checkpoint, tmp_path):
+    """The corpus's batches are a function of the data position in the train state: a run killed mid-epoch and
+    resumed gives the uninterrupted run's losses, step for step, across an epoch boundary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    write_corpus(tmp_path, texts(20))
+    base = ["train", "--model", str(checkpoint), "--data", str(tmp_path / "corpus.jsonl"), "--pack", "--seq-len", "32",
+            "--batch-size", "4", "--steps", "12", "--lr", "1e-2", "--no-progress"]
+    assert main([*base, "--metrics-jsonl", str(tmp_path / "full.jsonl")]) == 0
+    full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
+    corpus_rows = Corpus(tokenize(read_texts(tmp_path / "corpus.jsonl"), checkpoint), 4, 32).num_sequences
+    assert 12 * 4 > corpus_rows   # the run crosses into the second epoch
+
+    killed = tmp_path / "killed.jsonl"
+    checkpointing = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, "-m", "moe_jax.cli", *base, *checkpointing, "--metrics-jsonl",
+                                str(killed)], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed.exists() and any(json.loads(line)["step"] >= 6 for line in killed.read_text().splitlines()
+                                       if line.endswith("}"))):
+        assert process.poll() is None and time.monotonic() < deadline, "the training process ended or stalled"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    last = max(json.loads(line)["step"] for line in killed.read_text().splitlines() if line.endswith("}"))
+    assert last < 12, "the process finished before the kill"
+    assert main([*base, *checkpointing, "--resume", "--metrics-jsonl", str(killed)]) == 0
+    resumed = [json.loads(line) for line in killed.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
