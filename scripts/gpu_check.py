@@ -12,7 +12,9 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
      routed tokens): forward and forward+backward per backend, TFLOP/s of the expert matmuls and MFU against
      --peak-tflops (H200 bf16 dense: 989), and the tiled scan at tiles 128, 512 and 1024 besides its default;
   3. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
-     compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second).
+     compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second);
+  4. serving (issue 28): continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
+     new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s.
 Not run on a GPU yet (no session has been lent one). `--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
 of scripts/fetch_gpu_wheels.sh, with tokamax importable (device and CPU results agreed exactly both times).
@@ -188,6 +190,58 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     return result
 
 
+def serving(config: dict, layers: int, requests: int, slots: int, small: bool, report) -> dict:
+    """Continuous batching (`ServingEngine`, no HTTP) against static `generate` batches of the same requests, bf16:
+    generated tokens per second of each, over one pass (every program compiled before it)."""
+    from moe_jax.inference import ContinuousBatchingConfig, Request, RequestSettings, ServingEngine
+
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1],
+                                dtype=jnp.bfloat16)
+    model.init_params(seed=0)
+    rng = np.random.default_rng(5)
+    prompts, outputs = (8, 48) if small else (32, 512), (4, 24) if small else (32, 256)
+    work = [([int(t) for t in rng.integers(3, config["vocab_size"], int(rng.integers(*prompts)))],
+             int(rng.integers(*outputs))) for _ in range(requests)]
+    length = prompts[1] + outputs[1] + 1
+    # Pages of 128 tokens: 4 page-table widths, so 8 programs to compile within the check's time.
+    engine = ServingEngine(model, ContinuousBatchingConfig(max_slots=slots, page_size=16 if small else 128,
+                                                           max_model_len=length, prefill_chunk=min(256, length)))
+    engine.compile_all()
+
+    def run(tag: str) -> float:
+        start = time.perf_counter()
+        for i, (prompt, new) in enumerate(work):
+            engine.add(Request(f"{tag}{i}", prompt, RequestSettings(max_new_tokens=new)))
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - start
+
+    run("warm")
+    engine_s = run("timed")
+    tokens = sum(new for _, new in work)
+
+    def static_pass() -> float:
+        start = time.perf_counter()
+        for first in range(0, len(work), slots):
+            batch = work[first:first + slots]
+            width = max(len(prompt) for prompt, _ in batch)
+            ids, mask = np.zeros((len(batch), width), np.int32), np.zeros((len(batch), width), np.int32)
+            for row, (prompt, _) in enumerate(batch):
+                ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+            model.generate(ids, mask, max_new_tokens=max(new for _, new in batch), eos_token_id=-1, pad_token_id=0)
+        return time.perf_counter() - start
+
+    static_pass()
+    static_s = static_pass()
+    result = {"requests": requests, "slots": slots, "layers": layers, "generated_tokens": tokens,
+              "engine_tokens_per_s": tokens / engine_s, "static_tokens_per_s": tokens / static_s,
+              "ratio": static_s / engine_s, "programs": len(engine.compiled_shapes)}
+    report(f"  {requests} requests, {slots} slots, {layers} layers (bf16): continuous batching "
+           f"{result['engine_tokens_per_s']:.0f} tokens/s, static generate {result['static_tokens_per_s']:.0f} "
+           f"({result['ratio']:.2f}x)")
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory for gpu_check.json and gpu_check.txt")
@@ -218,7 +272,9 @@ def main() -> int:
     for name, run in [("correctness", lambda: correctness(config, report)),
                       ("moe_layer", lambda: moe_layer(config, args.tokens, peak, args.repeats, report)),
                       ("train_step", lambda: train_step(config, args.layers, args.batch, args.seq, peak, args.repeats,
-                                                        report))]:
+                                                        report)),
+                      ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
+                                                  4 if args.small else 32, args.small, report))]:
         report(f"{name}:")
         start = time.perf_counter()
         results[name] = run()
