@@ -104,7 +104,13 @@ def _byte_characters() -> list[str]:
     return [characters[byte] for byte in range(256)]
 
 
-def write_byte_tokenizer(directory) -> None:
+# A minimal chat template for the byte tokenizer: `<role>content` lines, then `<assistant>` (what `moe-jax serve`'s
+# /v1/chat/completions applies to the demo checkpoint).
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_byte_tokenizer(directory, *, chat_template: str | None = None) -> None:
     """Writes a byte-level tokenizer into `directory`: id i is the byte i of the UTF-8 text (256 ids, no
     merges, no special tokens), as tokenizer.json + tokenizer_config.json, which both the `tokenizers`
     library and Transformers' AutoTokenizer load. Written as JSON: neither library is needed to write it."""
@@ -122,4 +128,6 @@ def write_byte_tokenizer(directory) -> None:
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
     # Decoding must give back the text as it was: no "clean up" of spaces before punctuation.
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -75,7 +75,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
 
     from .. import AutoModelForCausalLM, DistributedConfig
     from ..reporting.plan_report import plan_report
-    from ..tokenization import write_byte_tokenizer
+    from ..tokenization import BYTE_CHAT_TEMPLATE, write_byte_tokenizer
 
     devices = demo_devices()
     checkpoint = checkpoint_directory(output_dir)
@@ -88,7 +88,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     reference.params = {name: value * (8.0 if name.endswith("mlp.gate.weight") else 1.0)
                         for name, value in reference.params.items()}
     reference.save_pretrained(checkpoint, progress=False)
-    write_byte_tokenizer(checkpoint)
+    write_byte_tokenizer(checkpoint, chat_template=BYTE_CHAT_TEMPLATE)   # so `moe-jax serve` can chat
 
     print(f"[2/4] loading it on {len(devices)} {devices[0].platform} devices with DistributedConfig({DEMO_LAYOUT})")
     start = time.perf_counter()
