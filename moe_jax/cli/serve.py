@@ -163,11 +163,21 @@ def _engine_config(args, max_model_len: int):
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:
     """Processes 1.. of a multi-process `serve`: the same model and engine, every step process 0 runs."""
+    import signal
+
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.continuous import ServingEngine
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
-    ServingEngine(model, _engine_config(args, max_model_len)).follow()
+    engine = ServingEngine(model, _engine_config(args, max_model_len))
+    if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
+        engine.compile_all()
+    # A launcher's SIGTERM reaches every process: this one keeps running the steps process 0 sends while it drains,
+    # and ends when process 0 releases it (if process 0 dies instead, JAX's runtime ends this one).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    steps = engine.follow()
+    print(f"stopped: ran the {steps} steps process 0 led", file=sys.stderr, flush=True)
     return 0
 
 
@@ -191,12 +201,15 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     generation = GenerationConfig.for_checkpoint(directory, config)
     manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode)
     manager.engine.lead()   # a multi-process job: the other processes run each step with it (`_follow`)
-    manager.start()
     try:
         compiled = "programs compile on the first request (--no-warmup)"
         if args.warmup:
             seconds = _warm_up(manager)
             compiled = f"compiled {compiled_programs(manager.engine)} in {seconds:.1f} s"
+        # The followers' first collective, now that both have compiled; from here on only the engine's thread
+        # (started next) talks to them.
+        manager.engine.keep_followers_alive()
+        manager.start()
         name = args.served_model_name or directory.resolve().name
         app = build_app(manager, tokenizer, model_name=name, max_model_len=max_model_len,
                         drain_timeout=SHUTDOWN_TIMEOUT_S)

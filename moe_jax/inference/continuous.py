@@ -55,6 +55,7 @@ from .sampling import Sampling, next_tokens_per_row
 # What process 0 sends first for each step of a led multi-process job: which program, then its inputs' shape.
 PROGRAM_CODES = {"prefill": 0, "decode": 1}
 STOP_CODE = -1
+IDLE_CODE = -2   # nothing to run: keeps the followers' collective from timing out while the server waits
 
 
 class RequestStatus(IntEnum):
@@ -467,6 +468,12 @@ class ServingEngine:
             raise RuntimeError("only process 0 leads; the other processes call follow().")
         self.leading = jax.process_count() > 1
 
+    def keep_followers_alive(self) -> None:
+        """Process 0 of a led job with nothing to run: one empty message, so the followers (waiting in a collective)
+        hear from it well within the collectives' timeouts (the manager sends one every `KEEPALIVE_S` idle)."""
+        if self.leading:
+            broadcast_one_to_all(np.asarray([IDLE_CODE, 0, 0, 0], np.int32))
+
     def release_followers(self) -> None:
         """End the other processes' `follow()` (process 0, when it stops serving)."""
         if self.leading:
@@ -482,6 +489,8 @@ class ServingEngine:
             code, rows, columns, length = (int(v) for v in broadcast_one_to_all(np.zeros(4, np.int32)))
             if code == STOP_CODE:
                 return steps
+            if code == IDLE_CODE:
+                continue
             ints, floats = broadcast_one_to_all((np.zeros((rows, columns), np.int32),
                                                  np.zeros((rows, 2), np.float32)))
             self._execute(names[code], np.asarray(ints), np.asarray(floats), length)

@@ -38,6 +38,8 @@ from .generation_config import GenerationConfig, eos_tuple
 
 # Seconds of history behind the tokens/s figure of `metrics()`.
 RATE_WINDOW_S = 10.0
+# Seconds between the idle messages a leading engine sends its followers (`ServingEngine.keep_followers_alive`).
+KEEPALIVE_S = 2.0
 
 
 class ContinuousBatchingManager:
@@ -209,6 +211,7 @@ class ContinuousBatchingManager:
     # ---- the engine's thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        last_heard = time.monotonic()
         try:
             while not self._stop.is_set():
                 while self._incoming:
@@ -218,10 +221,14 @@ class ContinuousBatchingManager:
                     if cancelled is not None:
                         self._deliver(cancelled.output, finished=True)
                 if not engine.has_work():
+                    if engine.leading and time.monotonic() - last_heard > KEEPALIVE_S:
+                        engine.keep_followers_alive()
+                        last_heard = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 events = engine.step()
+                last_heard = time.monotonic()
                 self._recent.append((time.perf_counter(), len(events)))
                 while self._recent and time.perf_counter() - self._recent[0][0] > RATE_WINDOW_S:
                     self._recent.popleft()
