@@ -143,3 +143,49 @@ def test_a_layout_smaller_than_the_job_is_refused(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process's 8 devices stand for a 2-process job
     with pytest.raises(ValueError, match="The layout covers 2 device\\(s\\) but this job of 2 processes has 8"):
         layout_devices(2, "plan")
+
+
+def test_moe_jax_serve_in_a_two_process_job_answers_and_stops_on_sigterm(tmp_path):
+    """Process 0 listens and leads; process 1 runs every step it sends. A greedy completion equals the one-process
+    model's `generate`; SIGTERM to the launcher drains process 0, which releases process 1: both end cleanly."""
+    import re
+    import signal
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from moe_jax.tokenization import BYTE_CHAT_TEMPLATE, write_byte_tokenizer
+
+    checkpoint = tmp_path / "model"
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, devices=jax.devices()[:1], progress=False)
+    model.save_pretrained(checkpoint, progress=False)
+    write_byte_tokenizer(checkpoint, chat_template=BYTE_CHAT_TEMPLATE)
+    command = [sys.executable, "-m", "moe_jax.cli", "launch", "--nproc", "2", "--devices-per-process", "4", "--",
+               "moe-jax", "serve", "--model", str(checkpoint), "--fsdp", "4", "--ep", "2", "--tp", "2", "--port", "0",
+               "--max-slots", "4", "--max-model-len", "64", "--log-level", "warning"]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(300, launcher.kill)
+    watchdog.start()
+    lines = []
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if (found := re.search(r"^\[0\] serving \S+ at (http://\S+)/v1 ", line)) is not None:
+                break
+        assert found is not None, "".join(lines[-20:])
+        prompt = [72, 101, 108, 108, 111]
+        response = httpx.post(f"{found.group(1)}/v1/completions", timeout=120,
+                              json={"prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
+        expected = model.generate(np.array([prompt]), max_new_tokens=6)[0, len(prompt):]
+        assert response["usage"]["completion_tokens"] == 6
+        assert response["choices"][0]["text"] == bytes(expected.tolist()).decode("utf-8", "replace")
+        launcher.send_signal(signal.SIGTERM)
+        rest = launcher.stdout.read()
+        # The launcher reports the signal it got (128 + SIGTERM); both processes finished their own way first.
+        assert launcher.wait(120) == 128 + signal.SIGTERM, (rest or "")[-3000:]
+        assert "[1] stopped: ran the" in rest and "[0] stopped: 1 requests finished" in rest, rest[-3000:]
+        assert "Traceback" not in rest
+    finally:
+        watchdog.cancel()
+        if launcher.poll() is None:
+            launcher.kill()
