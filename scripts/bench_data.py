@@ -39,8 +39,8 @@ def main() -> int:
     import numpy as np
     import pyarrow
     import pyarrow.parquet as parquet
-
     from bench_vs_reference import CONFIG
+
     from moe_jax import AutoModelForCausalLM
     from moe_jax.tokenization import write_byte_tokenizer
     from moe_jax.training import make_train_step
