@@ -442,7 +442,7 @@ class MoeForCausalLM(PlannedModel):
         self._require_mesh("generate_batch")
         engine = getattr(self, "_batch_engine", None)
         if engine is None or engine.config != config or engine.has_work():
-            engine = self._batch_engine = None   # the old pools go before the new ones are made
+            self._batch_engine = None   # the old pools are freed before the new ones are made
             engine = self._batch_engine = ServingEngine(self, config)
         engine.params = self.params if params is None else params
         return engine

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..checkpoint_files import local_checkpoint, read_config
     from ..distributed.mesh import DeviceLayout
-    from ..training.evaluation import Evaluator
+    from ..training.evaluation import Evaluator, num_batches
     from .train import eval_source
 
     for flag in ("batch_size", "batches", "loss_chunk", "seq_len"):
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size {args.batch_size} must split over the layout's "
                          f"{model.data_parallel_size * model.pipeline_microbatches} data-parallel rows groups.")
     result = Evaluator(model, loss_chunk=args.loss_chunk).run(model.params, data, batches=args.batches)
-    result["batches"] = args.batches or max(data.num_sequences // data.batch_size, 1)
+    result["batches"] = args.batches or num_batches(data)
     where = "1 device" if distributed_config is None else describe_layout(model.distributed_config)
     print(f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.3f} over "
           f"{result['eval_tokens']} predicted tokens ({result['batches']} batches of {args.batch_size} x "

@@ -10,14 +10,12 @@ call: up to 32 slots and a context of the longest prompt plus the new tokens.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from tqdm.auto import tqdm
 
 from .cache import bucket_length
 from .continuous import ContinuousBatchingConfig, GenerationOutput, Request
 from .generation_config import GenerationConfig
-from .manager import ContinuousBatchingManager
+from .manager import request_settings
 
 DEFAULT_MAX_SLOTS = 32
 
@@ -43,12 +41,12 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     if not inputs:
         return {}
     seed = kwargs.pop("seed", 0)
-    helper = ContinuousBatchingManager.__new__(ContinuousBatchingManager)   # its `settings` rule only
-    helper.generation_config = generation_config or model.generation_config
-    settings = [helper.settings(prompt_length=len(ids), seed=seed + i, **kwargs) for i, ids in enumerate(inputs)]
+    generation_config = generation_config or model.generation_config
+    settings = [request_settings(generation_config, prompt_length=len(ids), seed=seed + i, **kwargs)
+                for i, ids in enumerate(inputs)]
     config = continuous_batching_config or batch_config(model, inputs, max(s.max_new_tokens for s in settings))
     engine = model.continuous_batching_engine(config, params=params)
-    requests = [Request(f"req_{i}", [int(t) for t in ids], replace(s)) for i, (ids, s) in
+    requests = [Request(f"req_{i}", [int(t) for t in ids], s) for i, (ids, s) in
                 enumerate(zip(inputs, settings))]
     for request in requests:
         engine.check(request)

@@ -42,6 +42,20 @@ RATE_WINDOW_S = 10.0
 KEEPALIVE_S = 2.0
 
 
+def request_settings(generation_config: GenerationConfig, max_new_tokens: int | None = None, eos_token_id=None, *,
+                     do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None, seed: int = 0, stop=None, prompt_length: int = 0) -> RequestSettings:
+    """A request's settings: the call's values over `generation_config` (Transformers' -1 EOS means none)."""
+    config = generation_config.updated(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                       top_k=top_k, top_p=top_p)
+    eos = config.eos_token_id if eos_token_id is None else eos_tuple(eos_token_id)
+    eos = tuple(token for token in eos if token >= 0)
+    stops = () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
+    return RequestSettings(max_new_tokens=config.new_tokens(prompt_length), eos_token_id=eos,
+                           do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
+                           top_p=config.top_p, seed=seed, stop=stops)
+
+
 class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  config: ContinuousBatchingConfig | None = None, *, params=None,
@@ -96,18 +110,9 @@ class ContinuousBatchingManager:
         self.stop()
 
     # ---- requests ------------------------------------------------------------------------------------
-    def settings(self, max_new_tokens: int | None = None, eos_token_id=None, *, do_sample: bool | None = None,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int = 0, stop=None, prompt_length: int = 0) -> RequestSettings:
-        """A request's settings: the call's values over the manager's generation config."""
-        config = self.generation_config.updated(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                                temperature=temperature, top_k=top_k, top_p=top_p)
-        eos = config.eos_token_id if eos_token_id is None else eos_tuple(eos_token_id)
-        eos = tuple(token for token in eos if token >= 0)   # Transformers' -1: no EOS
-        stops = () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
-        return RequestSettings(max_new_tokens=config.new_tokens(prompt_length), eos_token_id=eos,
-                               do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
-                               top_p=config.top_p, seed=seed, stop=stops)
+    def settings(self, max_new_tokens: int | None = None, eos_token_id=None, **sampling) -> RequestSettings:
+        """A request's settings: the call's values over the manager's generation config (`request_settings`)."""
+        return request_settings(self.generation_config, max_new_tokens, eos_token_id, **sampling)
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = True, eos_token_id=None,

@@ -28,7 +28,7 @@ MANAGER_METRICS = (
     ("tokens_per_second", "tokens_per_s", "gauge", "Tokens generated per second over the last seconds."),
     ("prefill_steps_total", "prefill_steps", "counter", "Prefill steps run."),
     ("decode_steps_total", "decode_steps", "counter", "Decode steps run."),
-    ("compiled_programs", "compiled_programs", "gauge", "Programs compiled (at most prefill and decode)."),
+    ("compiled_programs", "compiled_programs", "gauge", "Programs compiled (prefill and decode, per page-table width)."),
 )
 QUANTILES = (0.5, 0.99)
 

@@ -48,17 +48,22 @@ def one_per_row(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_a_packed_row_gives_each_document_s_logits_loss_and_gradients(model_type):
-    model = load(model_type)
-    docs = documents(model.config.vocab_size)
+def assert_each_document(model, docs, logits_alone, rtol: float) -> None:
+    """The packed row's logits, document by document, equal `logits_alone(doc)` (that document run alone)."""
     ids, segments = packed(docs)
     logits = np.asarray(model.apply(model.params, ids, segment_ids=segments).logits)[0]
     start = 0
     for doc in docs:
-        alone = np.asarray(model.apply(model.params, doc[None]).logits)[0]
-        np.testing.assert_allclose(logits[start:start + len(doc)], alone, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(logits[start:start + len(doc)], logits_alone(doc), atol=2e-5, rtol=rtol)
         start += len(doc)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_packed_row_gives_each_document_s_logits_loss_and_gradients(model_type):
+    model = load(model_type)
+    docs = documents(model.config.vocab_size)
+    assert_each_document(model, docs, lambda doc: np.asarray(model.apply(model.params, doc[None]).logits)[0], 1e-5)
+    ids, segments = packed(docs)
 
     rows_ids, rows_mask = one_per_row(docs)
     packed_targets, row_targets = prediction_targets(ids, segments), prediction_targets(rows_ids, rows_mask)
@@ -107,12 +112,9 @@ def test_a_packed_row_gives_transformers_logits_of_each_document_alone(model_typ
     transformers = pytest.importorskip("transformers")
     reference = transformers.AutoModelForCausalLM.from_pretrained(MODELS / model_type, dtype=torch.float32).eval()
     model = load(model_type)
-    docs = documents(model.config.vocab_size)
-    ids, segments = packed(docs)
-    logits = np.asarray(model.apply(model.params, ids, segment_ids=segments).logits)[0]
-    start = 0
-    for doc in docs:
+
+    def alone(doc):
         with torch.no_grad():
-            alone = reference(input_ids=torch.tensor(doc[None]).long()).logits.numpy()[0]
-        np.testing.assert_allclose(logits[start:start + len(doc)], alone, atol=2e-5, rtol=1e-4)
-        start += len(doc)
+            return reference(input_ids=torch.tensor(doc[None]).long()).logits.numpy()[0]
+
+    assert_each_document(model, documents(model.config.vocab_size), alone, 1e-4)
