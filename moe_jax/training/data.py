@@ -3,6 +3,7 @@
     TokenRows(np.load("tokens.npy", mmap_mode="r"), batch_size=8)     # [num_sequences, seq_len] int ids
     TokenRows.from_text("corpus.txt", tokenizer_dir, batch_size=8, seq_len=512)
     SyntheticTokens(vocab_size=256, batch_size=8, seq_len=64, seed=0)
+    Corpus.from_file("corpus.parquet", tokenizer_dir, batch_size=8, seq_len=512, pack=True)   # corpus.py
 
 `batch(i)` returns `{"input_ids": [B, S] int32}`; labels are the inputs (the loss shifts them, as the
 reference does). Step i of a token file trains on rows i*B .. i*B+B-1, wrapping around.
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..distributed.host_arrays import global_rows, host_to_global, local_rows
 from ..tokenization import load_checkpoint_tokenizer
+from .corpus import Corpus, read_texts, tokenize  # noqa: F401 - text corpora (Grain), a source like the ones here
 
 
 def place_batch(data, index: int, sharding) -> dict:
