@@ -3,7 +3,9 @@
     python scripts/plot_run.py metrics.jsonl [-o run.png]
 
 Panels: loss (train, and eval where the run evaluated), learning rate, tokens/s per device (and MFU when the run
-had --peak-tflops), dispatch capacity (with the steps that were replayed marked). Needs matplotlib.
+had --peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse
+layer (the busiest expert's tokens over the mean, each step) and the last step's tokens per expert and layer.
+Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -33,14 +35,35 @@ def series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
     return [step for step, _ in kept], [value for _, value in kept]
 
 
+def router_load_panels(records: list[dict], balance, heat, figure) -> None:
+    """Per sparse layer, max / mean tokens per expert over the steps; the last step's loads as a heat map."""
+    loaded = [r for r in records if r.get("expert_load")]
+    balance.set_title("router load: busiest expert / mean, per layer")
+    heat.set_title("tokens per expert (last step)")
+    if not loaded:
+        for axis in (balance, heat):
+            axis.text(0.5, 0.5, "no expert_load in the records", ha="center", va="center", transform=axis.transAxes)
+        return
+    steps = [r["step"] for r in loaded]
+    ratios = [[max(layer) / max(sum(layer) / len(layer), 1e-12) for layer in r["expert_load"]] for r in loaded]
+    for layer, curve in enumerate(zip(*ratios)):
+        balance.plot(steps, curve, label=f"sparse layer {layer}")
+    if len(ratios[0]) <= 8:
+        balance.legend(fontsize="small")
+    image = heat.imshow(loaded[-1]["expert_load"], aspect="auto", interpolation="nearest")
+    heat.set_xlabel("expert")
+    heat.set_ylabel("sparse layer")
+    figure.colorbar(image, ax=heat)
+
+
 def plot(records: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    loss, lr, speed, capacity = axes.flat
+    figure, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
+    loss, lr, speed, capacity, balance, heat = axes.flat
     loss.plot(*series(records, "loss"), label="train")
     if series(records, "eval_loss")[0]:
         loss.plot(*series(records, "eval_loss"), "o-", label="eval")
@@ -67,8 +90,9 @@ def plot(records: list[dict], out: Path) -> None:
     else:
         capacity.text(0.5, 0.5, "no dispatch buffers (ep 1)", ha="center", va="center", transform=capacity.transAxes)
     capacity.set_title("dispatch capacity")
-    for axis in axes.flat:
+    for axis in axes.flat[:5]:
         axis.set_xlabel("step")
+    router_load_panels(records, balance, heat, figure)
     figure.savefig(out, dpi=100)
     plt.close(figure)
 

@@ -2,6 +2,7 @@
 
     moe-jax eval --model CKPT/ --data heldout.npy --batch-size 8 --fsdp 4 --ep 4
     moe-jax eval --model CKPT/ --data heldout.txt --seq-len 512 --batches 16     # text: the checkpoint's tokenizer
+    moe-jax eval --model CKPT/ --data heldout.parquet --text-column text --pack  # a corpus, as `train --data`
 
 Prints one line for people and one JSON object (eval_loss, eval_perplexity, eval_tokens, batches) for
 scripts. The loss is the mean cross-entropy of every predicted token (`moe_jax.training.Evaluator`: experts at
@@ -26,7 +27,11 @@ from .layout_flags import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint directory")
-    parser.add_argument("--data", required=True, help=".npy of int token ids [rows, seq_len], or a text file")
+    parser.add_argument("--data", required=True,
+                        help=".npy of int token ids [rows, seq_len], a corpus (.parquet, .jsonl, .array_record, "
+                             ".txt: one document per line, as train --data) or another text file")
+    parser.add_argument("--text-column", default="text", help="the text column of a corpus (default text)")
+    parser.add_argument("--pack", action="store_true", help="pack a corpus's documents into full rows")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default 8)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per row (default: the .npy's row length; 512 for text)")
@@ -41,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..checkpoint_files import local_checkpoint, read_config
     from ..distributed.mesh import DeviceLayout
+    from ..training.data import data_shard
     from ..training.evaluation import Evaluator, num_batches
     from .train import eval_source
 
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--model {directory}: not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
     seq_len = args.seq_len if args.seq_len is not None or str(args.data).endswith(".npy") else 512
-    data = eval_source(args.data, config, directory, args.batch_size, seq_len, "--data")
+    data = eval_source(args.data, config, directory, args.batch_size, seq_len, "--data", args)
     limit = config.get("max_position_embeddings")
     if limit is not None and data.seq_len > limit:
         raise ValueError(f"rows of {data.seq_len} tokens are longer than the model's max_position_embeddings "
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size % (model.data_parallel_size * model.pipeline_microbatches):
         raise ValueError(f"--batch-size {args.batch_size} must split over the layout's "
                          f"{model.data_parallel_size * model.pipeline_microbatches} data-parallel rows groups.")
+    if hasattr(data, "load"):   # a corpus: this process reads its share
+        data = data.load(data_shard((args.batch_size, data.seq_len), model.batch_sharding()))
     result = Evaluator(model, loss_chunk=args.loss_chunk).run(model.params, data, batches=args.batches)
     result["batches"] = args.batches or num_batches(data)
     where = "1 device" if distributed_config is None else describe_layout(model.distributed_config)

@@ -23,6 +23,8 @@ import importlib.util
 import json
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from .layout_flags import (
@@ -163,12 +165,14 @@ def _model_config(args) -> tuple[dict, Path | None]:
 
 
 def _data_source(args, config: dict, model_dir: Path | None):
+    """The training batches: token rows, a synthetic stream, or a text corpus checked here and read once the batch
+    layout names this process's share (`_PendingCorpus.load`)."""
     from ..training.corpus import TEXT_FORMATS
     from ..training.data import SyntheticTokens, TokenRows
 
     if args.data is not None and Path(args.data).suffix.lower() in TEXT_FORMATS:
-        data = _corpus(args.data, args, model_dir, args.batch_size, args.seq_len or 512, "--data")
-    elif args.data is not None:
+        return _PendingCorpus(args.data, args, config, model_dir, args.batch_size, args.seq_len or 512, "--data")
+    if args.data is not None:
         data = TokenRows.from_file(args.data, args.batch_size, args.seq_len)
     elif args.text is not None:
         data = TokenRows.from_text(args.text, model_dir, args.batch_size, args.seq_len or 64)
@@ -178,24 +182,56 @@ def _data_source(args, config: dict, model_dir: Path | None):
     return data
 
 
-def _corpus(path, args, model_dir: Path | None, batch_size: int, seq_len: int, flag: str):
-    """A text corpus (`moe_jax.training.corpus`) as batches; its errors name the flag."""
-    from ..training.corpus import Corpus
+@dataclass
+class _PendingCorpus:
+    """A text corpus (`moe_jax.training.corpus`) checked before the job starts (file, format, column, tokenizer);
+    `load(share)` reads and tokenises this process's share. Its errors name the flag."""
 
-    if model_dir is None:
-        raise ValueError(f"{flag} {path} is text: it needs the checkpoint's tokenizer (pass --model), or give token "
-                         "ids as a .npy.")
+    path: str
+    args: argparse.Namespace
+    config: dict
+    model_dir: Path | None
+    batch_size: int
+    seq_len: int
+    flag: str
+
+    def __post_init__(self):
+        from ..tokenization import load_checkpoint_tokenizer
+        from ..training.corpus import check_corpus
+
+        if self.model_dir is None:
+            raise ValueError(f"{self.flag} {self.path} is text: it needs the checkpoint's tokenizer (pass --model), "
+                             "or give token ids as a .npy.")
+        with _naming(self.flag):
+            check_corpus(self.path, getattr(self.args, "text_column", "text"))
+            load_checkpoint_tokenizer(self.model_dir, instead="give token ids with --data FILE.npy")
+
+    def load(self, share=None):
+        from ..training.corpus import Corpus
+
+        args = self.args
+        with _naming(self.flag):
+            corpus = Corpus.from_file(self.path, self.model_dir, batch_size=self.batch_size, seq_len=self.seq_len,
+                                      text_column=getattr(args, "text_column", "text"),
+                                      pack=getattr(args, "pack", False), seed=getattr(args, "seed", 0),
+                                      workers=getattr(args, "data_workers", 0), share=share)
+            corpus.check_vocabulary(self.config["vocab_size"])
+        return corpus
+
+
+@contextmanager
+def _naming(flag: str):
+    """Errors of a data file, prefixed with the flag that named it."""
     try:
-        return Corpus.from_file(path, model_dir, batch_size=batch_size, seq_len=seq_len,
-                                text_column=getattr(args, "text_column", "text"), pack=getattr(args, "pack", False),
-                                seed=getattr(args, "seed", 0), workers=getattr(args, "data_workers", 0))
+        yield
     except (ValueError, OSError) as error:
         raise type(error)(f"{flag} {error}") from None
 
 
 def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq_len: int, flag: str, args=None):
-    """Held-out data at the training batch shape: a .npy of token ids, a corpus (.parquet / .jsonl / .txt, as
-    --data), or another text file cut into rows through the checkpoint's tokenizer."""
+    """Held-out data at the training batch shape: a .npy of token ids, a corpus (.parquet / .jsonl / .txt /
+    .array_record, as --data; returned pending with `args`, to `load(share)`), or another text file cut into rows
+    through the checkpoint's tokenizer."""
     from ..training.corpus import TEXT_FORMATS
     from ..training.data import TokenRows
 
@@ -205,7 +241,7 @@ def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq
     if path.suffix == ".npy":
         data = TokenRows.from_file(path, batch_size, seq_len)
     elif path.suffix.lower() in TEXT_FORMATS and args is not None:
-        data = _corpus(path, args, model_dir, batch_size, seq_len, flag)
+        return _PendingCorpus(str(path), args, config, model_dir, batch_size, seq_len, flag)
     else:
         data = TokenRows.from_text(path, model_dir, batch_size, seq_len)
     data.check_vocabulary(config["vocab_size"])
@@ -262,7 +298,8 @@ class _Progress:
 
     def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool, *, devices: int = 1,
                  flops_per_token: float | None = None, peak_tflops: float | None = None,
-                 tensorboard: str | None = None, packing_efficiency: float | None = None):
+                 tensorboard: str | None = None, packing_efficiency: float | None = None,
+                 sparse_layers: list[int] | None = None):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
@@ -273,7 +310,7 @@ class _Progress:
         if tensorboard is not None:
             from ..training.tensorboard import TensorBoardWriter
 
-            self.tensorboard = TensorBoardWriter(tensorboard)
+            self.tensorboard = TensorBoardWriter(tensorboard, sparse_layers)
         self.last: dict | None = None
 
     def __call__(self, record: dict) -> None:
@@ -333,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     from ..pretrained import load_weights
     from ..reporting.picture import count_text
     from ..training.checkpoints import TrainCheckpoints
+    from ..training.data import data_shard
     from ..training.evaluation import Evaluator
     from ..training.loop import TrainLoop
     from ..training.optimizers import build_optimizer
@@ -361,6 +399,13 @@ def run(args: argparse.Namespace) -> int:
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
+    if hasattr(data, "load") or hasattr(eval_data, "load"):   # corpora: each process reads its share
+        share = data_shard((args.batch_size, data.seq_len), model.batch_sharding())
+        data = data.load(share) if hasattr(data, "load") else data
+        eval_data = eval_data.load(share) if hasattr(eval_data, "load") else eval_data
+        if share.count > 1:
+            print(f"process {jax.process_index()} reads share {share.index + 1} of {share.count} of the corpus "
+                  f"({len(share.rows)} of the {args.batch_size} rows of each batch)")
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
@@ -401,7 +446,8 @@ def run(args: argparse.Namespace) -> int:
                          not args.no_progress and main_process, devices=len(devices),
                          flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
                          tensorboard=args.tensorboard if main_process else None,
-                         packing_efficiency=getattr(data, "packing_efficiency", None))
+                         packing_efficiency=getattr(data, "packing_efficiency", None),
+                         sparse_layers=model.sparse_layers())
     evaluate = should_evaluate = None
     if eval_data is not None:
         evaluator = Evaluator(model, loss_chunk=args.loss_chunk,

@@ -99,7 +99,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
         hidden, sums, total, cache = pipeline_hidden(family, config, core.layer_stack.pipeline, core.microbatches,
                                                      nested, input_ids, attention_mask, positions, step, aux_sums)
-        router_logits = []   # each layer's logits stay in its stage; the aux loss comes from their sums
+        # Each layer's routing stays in its stage: no router logits nor loads; the aux loss comes from sums.
+        router_logits, expert_load = [], None
         aux_loss = (load_balancing_from_sums(*sums, config.num_experts) if aux_sums
                     else jnp.zeros((), jnp.float32))
     else:
@@ -108,11 +109,13 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         total = DispatchStatistics.zeros()
         for layer_statistics in statistics:
             total = total.combine(layer_statistics)
+        loads = [layer_statistics.expert_load for layer_statistics in statistics]
+        expert_load = jnp.stack(loads) if loads and all(load is not None for load in loads) else None
         aux_loss = load_balancing_loss(
             router_logits or None, config.num_experts, config.num_experts_per_tok, attention_mask,
             per_token=layouts.token_local,
         ) if family.has_router_aux_loss else jnp.zeros((), jnp.float32)
     if return_hidden:
-        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache)
+        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load)
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "vocab"))
-    return ModelOutput(logits, None, router_logits, aux_loss, total, cache)
+    return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load)

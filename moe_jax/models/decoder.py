@@ -22,6 +22,7 @@ from ..nn.linear import linear
 from ..nn.mlp import mlp
 from ..nn.norms import rms_norm
 from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
+from ..ops.routing import expert_load
 from .family import Family, declare_dense_mlp
 from .layer_stack import LayerRun
 from .step_options import REMAT_POLICIES, StepOptions
@@ -75,7 +76,8 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
     feed_forward = weights[family.feed_forward_module]
     if family.is_sparse(config, layer):
         out, router_logits, statistics = family.moe_block(
-            config, feed_forward, h, step.run_experts[layer], inference=step.inference,
+            config, feed_forward, h, _counting_load(step.run_experts[layer], attention_mask, config.num_experts),
+            inference=step.inference,
             rng=step.layer_rng(layer_index), constrain=layouts.constrain,
             route=layouts.token_local(partial(family.route, config)),
         )
@@ -83,6 +85,16 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
         out = mlp(feed_forward, h, config.hidden_act, constrain=layouts.constrain)
     x = layouts.constrain(x + out, ("batch", "length", "embed"))
     return x, router_logits, statistics, layer_cache
+
+
+def _counting_load(run_experts, attention_mask, num_experts: int):
+    """`run_experts` whose statistics also carry the layer's `expert_load` over the real tokens."""
+    def run(tokens, top_k_index, top_k_weights, params):
+        output, statistics = run_experts(tokens, top_k_index, top_k_weights, params)
+        mask = attention_mask.reshape(-1)
+        real = mask if mask.shape[0] == tokens.shape[0] else jnp.ones(tokens.shape[:1], jnp.int32)
+        return output, statistics.with_expert_load(expert_load(top_k_index, real, num_experts))
+    return run
 
 
 def run_layers(family: Family, config, run: LayerRun, weights: dict, x, rope, attention_mask, step: StepOptions,

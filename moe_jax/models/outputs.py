@@ -21,7 +21,8 @@ class ModelOutput:
     the router load-balancing loss (HF's `load_balancing_loss_func`, unscaled: multiply by
     `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`);
     statistics: dispatch counts summed over layers and devices; cache: the updated KV cache (None: no cache
-    was given).
+    was given); expert_load: [L, E] per sparse layer, the real tokens its router sent to each expert (None
+    through pipeline stages, where each layer's routing stays in its stage).
     """
 
     logits: jax.Array | None
@@ -30,11 +31,12 @@ class ModelOutput:
     aux_loss: jax.Array
     statistics: DispatchStatistics
     cache: Any = None
+    expert_load: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     ModelOutput,
-    data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache"],
+    data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load"],
     meta_fields=[],
 )
 
@@ -45,7 +47,7 @@ class DroplessOutput:
     Read fields as from a `ModelOutput` (`.logits`, `.router_logits`, ...) or get the whole verified
     `ModelOutput` with `.result()`; `.recomputed` counts the reruns its call needed."""
 
-    _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache")
+    _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load")
 
     def __init__(self, model, call: Callable[..., ModelOutput], inference: bool, batch: int):
         # model: the `MoeForCausalLM` whose `forward` made it (its schedule and forward capacities move).
@@ -85,7 +87,7 @@ class DroplessOutput:
         return ModelOutput(
             None if output.logits is None else output.logits[:batch],
             None if output.hidden_states is None else output.hidden_states[:batch],
-            router_logits, output.aux_loss, output.statistics, output.cache,
+            router_logits, output.aux_loss, output.statistics, output.cache, output.expert_load,
         )
 
     def __getattr__(self, name: str):

@@ -219,6 +219,13 @@ def top_k_sigmoid(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     return weights, top_k_index.astype(jnp.int32)
 
 
+def expert_load(top_k_index: jax.Array, token_weight: jax.Array, num_experts: int) -> jax.Array:
+    """The tokens routed to each expert: top_k_index [T, K], token_weight [T] (1 real, 0 padding) -> [E]
+    float32 (a token counts once for each of its K experts)."""
+    weights = jnp.broadcast_to(token_weight.astype(jnp.float32)[:, None], top_k_index.shape)
+    return jnp.zeros((num_experts,), jnp.float32).at[top_k_index.reshape(-1)].add(weights.reshape(-1))
+
+
 def load_balancing_sums(router_logits: jax.Array, top_k: int, token_weight: jax.Array, *,
                         per_token: Callable[[Callable], Callable] = lambda fn: fn
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -8,9 +8,10 @@
 `batch(i)` returns `{"input_ids": [B, S] int32}`; labels are the inputs (the loss shifts them, as the
 reference does). Step i of a token file trains on rows i*B .. i*B+B-1, wrapping around.
 
-`place_batch(data, i, sharding)` makes batch i a global array: with `batch_rows(i, rows)` (both sources
-here have it) each process reads only the rows of the batch its own devices hold, so in a multi-process
-job a token file is read in disjoint pieces.
+`place_batch(data, i, sharding)` makes batch i a global array: with `batch_rows(i, rows)` (every source
+here has it) each process reads only the rows of the batch its own devices hold, so in a multi-process
+job a token file is read in disjoint pieces. A text corpus goes further: `data_shard(shape, sharding)` names
+the process's share, and `Corpus.from_file(..., share=)` reads, tokenises and packs only that share.
 """
 
 from __future__ import annotations
@@ -21,7 +22,25 @@ import numpy as np
 
 from ..distributed.host_arrays import global_rows, host_to_global, local_rows
 from ..tokenization import load_checkpoint_tokenizer
-from .corpus import Corpus, read_texts, tokenize  # noqa: F401 - text corpora (Grain), a source like the ones here
+from .corpus import Corpus, DataShard, read_texts, tokenize  # noqa: F401 - text corpora (Grain), a source like these
+
+
+def data_shard(shape: tuple[int, int], sharding) -> DataShard:
+    """This process's share of a corpus for global batches of `shape` [B, S] laid out by `sharding`: the
+    processes that hold the same rows read the same share; the shares are numbered by their first row. One
+    process (or rows replicated on every process): one share, the whole corpus."""
+    import jax
+
+    held: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        rows = range(*index[0].indices(shape[0])) if index else range(shape[0])
+        held.setdefault(device.process_index, set()).update(rows)
+    shares = sorted({tuple(sorted(rows)) for rows in held.values()})
+    if sorted(row for share in shares for row in share) != list(range(shape[0])):
+        raise ValueError(f"the batch's rows are split over processes in overlapping sets {shares}: a corpus can be "
+                         "shared out only when each process's rows are another's or disjoint from them.")
+    mine = tuple(sorted(held[jax.process_index()]))
+    return DataShard(shares.index(mine), len(shares), mine)
 
 
 def place_batch(data, index: int, sharding) -> dict:

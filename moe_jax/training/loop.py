@@ -51,8 +51,10 @@ class TrainLoop:
 
     on_step(record): called once per applied optimizer step, in order, with a dict of floats/ints: step,
         loss, ce_loss, aux_loss, grad_norm, tokens, tokens_per_s, capacity (that the step ran at),
-        replayed (its batch had overflowed and was run again), replays (replays so far), data_position, and lr
-        (the rate of that update) when `learning_rate` (the optimizer's schedule, or a constant) is given.
+        required_capacity, padded (dispatch buffer rows that carried nothing), replayed (its batch had
+        overflowed and was run again), replays (replays so far), data_position, lr (the rate of that update)
+        when `learning_rate` (the optimizer's schedule, or a constant) is given, and expert_load (per sparse
+        layer, a list of the real tokens sent to each expert) where the step reports it.
     evaluate(step, state) -> metrics merged into that step's record, after the steps where `should_evaluate(step)`
         (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
@@ -141,7 +143,8 @@ class TrainLoop:
             "step": int(values["step"]), "loss": float(values["loss"]), "ce_loss": float(values["ce_loss"]),
             "aux_loss": float(values["aux_loss"]), "grad_norm": float(values["grad_norm"]), "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "capacity": entry.capacity,
-            "required_capacity": float(values["required_capacity"]), "replayed": entry.replayed,
-            "replays": self.replays, "data_position": int(values["data_position"]),
+            "required_capacity": float(values["required_capacity"]), "padded": int(values["padded"]),
+            "replayed": entry.replayed, "replays": self.replays, "data_position": int(values["data_position"]),
             **({} if self.learning_rate is None else {"lr": float(self.learning_rate(int(values["step"]) - 1))}),
+            **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist()}),
         }

@@ -118,7 +118,8 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
 
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
     the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
-    statistics (the call's `DispatchStatistics`). The train step and the NNX face (`moe_jax.nnx`) share it,
+    statistics (the call's `DispatchStatistics`), expert_load ([L, E] real tokens per expert per sparse layer, or
+    None: `ModelOutput.expert_load`). The train step and the NNX face (`moe_jax.nnx`) share it,
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
     `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
@@ -131,4 +132,5 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     head = partial(model.head_logits, model.layer_stack.nest(params))
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
-    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics}
+    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
+                  "expert_load": output.expert_load}

@@ -16,6 +16,11 @@ Dropless without a host round trip: a step whose dispatch dropped any (token, ex
 input state unchanged (an elementwise select; no `lax.cond` around collectives) and sets the sticky
 `state.skipping`, which makes every later step a no-op too. The loop reads each step's metrics one step
 late and replays from the first overflowed step at a larger capacity (`moe_jax.training.loop`).
+
+Metrics (device scalars, read one step late): step, loss, ce_loss, aux_loss, grad_norm, tokens, dropped, padded
+(dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, where the layers
+route in one program (not through pipeline stages), expert_load [L, E]: the real tokens each sparse layer sent
+to each expert in this step.
 """
 
 from __future__ import annotations
@@ -201,16 +206,22 @@ class TrainStep:
             index, micro_batch = inputs
             (_, terms), micro_grads = grad_fn(params, micro_batch, jax.random.fold_in(step_key, index))
             grads = jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, micro_grads)
+            statistics = terms["statistics"]
             totals = {
                 "ce_sum": totals["ce_sum"] + terms["ce_sum"], "aux_sum": totals["aux_sum"] + terms["aux"],
-                "dropped": totals["dropped"] + terms["statistics"].dropped,
-                "required_capacity": jnp.maximum(totals["required_capacity"], terms["statistics"].required_capacity),
+                "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
+                "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
+                **({} if "expert_load" not in totals else
+                   {"expert_load": totals["expert_load"] + terms["expert_load"]}),
             }
             return (grads, totals), None
 
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zero_totals = {"ce_sum": jnp.zeros((), jnp.float32), "aux_sum": jnp.zeros((), jnp.float32),
-                       "dropped": jnp.zeros((), jnp.int32), "required_capacity": jnp.zeros((), jnp.float32)}
+                       "dropped": jnp.zeros((), jnp.int32), "padded": jnp.zeros((), jnp.int32),
+                       "required_capacity": jnp.zeros((), jnp.float32)}
+        if (load_shape := self.expert_load_shape) is not None:
+            zero_totals["expert_load"] = jnp.zeros(load_shape, jnp.float32)
         (grads, totals), _ = jax.lax.scan(
             accumulate, (zero_grads, zero_totals), (jnp.arange(options.grad_accum), micro)
         )
@@ -237,10 +248,20 @@ class TrainStep:
         metrics = {
             "step": state.step + 1, "loss": ce_loss + self.aux_coefficient * aux_loss, "ce_loss": ce_loss,
             "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
-            "dropped": totals["dropped"], "required_capacity": totals["required_capacity"], "applied": applied,
-            "data_position": state.data_position,
+            "dropped": totals["dropped"], "padded": totals["padded"], "required_capacity": totals["required_capacity"],
+            "applied": applied, "data_position": state.data_position,
+            **({} if "expert_load" not in totals else {"expert_load": totals["expert_load"].astype(jnp.int32)}),
         }
         return new_state, metrics
+
+    @property
+    def expert_load_shape(self) -> tuple[int, int] | None:
+        """[L, E] of the `expert_load` metric (real tokens each sparse layer sent to each expert, summed over the
+        batch); None without sparse layers or through pipeline stages (each layer's routing stays in its stage)."""
+        sparse = self.model.sparse_layers()
+        if not sparse or self.model.layer_stack.pipeline is not None:
+            return None
+        return len(sparse), self.model.config.num_experts
 
     def _micro_loss(self, params, micro_batch, rng, *, capacity, total_tokens):
         # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.

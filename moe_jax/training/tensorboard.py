@@ -6,23 +6,36 @@ TensorFlow nor torch), beside the JSONL.
     writer.close()
 
 Scalars are grouped as TensorBoard shows them: train/* (loss, ce_loss, aux_loss, grad_norm, lr), eval/*
-(eval_loss, eval_perplexity), throughput/* (tokens_per_s, per device, model TFLOP/s per device, mfu) and
-dispatch/* (capacity, required_capacity, replays).
+(eval_loss, eval_perplexity), throughput/* (tokens_per_s, per device, model TFLOP/s per device, mfu, packing
+efficiency) and dispatch/* (capacity, required_capacity, padded buffer rows, replays). A record with
+`expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer number when
+`sparse_layers` is given), the histogram router_load/layer_L (one bucket per expert: its x axis is the expert
+id, its height the tokens routed there) and the scalar router_load/layer_L_max_over_mean (1.0: perfectly
+balanced; E / K: every token on the same K experts).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 GROUPS = {
     "train": ("loss", "ce_loss", "aux_loss", "grad_norm", "lr"),
     "eval": ("eval_loss", "eval_perplexity"),
     "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu",
                    "packing_efficiency"),
-    "dispatch": ("capacity", "required_capacity", "replays"),
+    "dispatch": ("capacity", "required_capacity", "padded", "replays"),
 }
 
 
+def load_imbalance(load) -> np.ndarray:
+    """Per layer, the busiest expert's tokens over the mean: load [L, E] -> [L] (1.0 when balanced)."""
+    load = np.asarray(load, np.float64)
+    return load.max(axis=-1) / np.maximum(load.mean(axis=-1), 1e-12)
+
+
 class TensorBoardWriter:
-    def __init__(self, logdir):
+    def __init__(self, logdir, sparse_layers: list[int] | None = None):
+        self.sparse_layers = sparse_layers
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -37,7 +50,21 @@ class TensorBoardWriter:
                 value = record.get(name)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"{group}/{name}", float(value), step)
+        if record.get("expert_load") is not None:
+            self._router_load(np.asarray(record["expert_load"], np.float64), step)
         self.writer.flush()
+
+    def _router_load(self, load: np.ndarray, step: int) -> None:
+        experts = np.arange(load.shape[-1], dtype=np.float64)
+        layers = self.sparse_layers if self.sparse_layers is not None else range(len(load))
+        for layer, counts, imbalance in zip(layers, load, load_imbalance(load)):
+            # One bucket per expert (edges at e + 0.5): the "histogram" of which experts the tokens chose.
+            total = counts.sum()
+            self.writer.add_histogram_raw(
+                f"router_load/layer_{layer}", min=0.0, max=float(len(counts) - 1), num=float(total),
+                sum=float(experts @ counts), sum_squares=float((experts ** 2) @ counts),
+                bucket_limits=(experts + 0.5).tolist(), bucket_counts=counts.tolist(), global_step=step)
+            self.writer.add_scalar(f"router_load/layer_{layer}_max_over_mean", float(imbalance), step)
 
     def close(self) -> None:
         self.writer.close()

@@ -267,3 +267,22 @@ def test_ep_implementations_are_built_once_with_the_model_and_serve_every_trace(
                    for experts, built in zip(model.sharded_experts.values(), implementations))
     finally:
         del EPImplementationInterface._global_mapping["counting"]
+
+
+def test_expert_load_counts_each_layer_s_real_tokens_per_expert_on_every_layout(sharded, single):
+    """`ModelOutput.expert_load` [L, E]: the tokens each sparse layer routed to each expert (top-k of the softmax
+    for Qwen3-MoE), padding not counted, the same whether experts run on one device or dispatch over ep."""
+    ids = tokens(8, 7, seed=2)
+    mask = np.ones((8, 7), np.int32)
+    mask[1, 4:] = mask[5, :2] = 0
+    output = single.apply(single.params, ids, attention_mask=mask)
+    top_k, experts = TINY_QWEN3_MOE["num_experts_per_tok"], TINY_QWEN3_MOE["num_experts"]
+    load = np.asarray(output.expert_load)
+    assert load.shape == (len(single.sparse_layers()), experts)
+    real = mask.reshape(-1).astype(bool)
+    for layer, logits in enumerate(output.router_logits):
+        chosen = np.argsort(-np.asarray(logits, np.float64), axis=-1)[real, :top_k]
+        np.testing.assert_array_equal(load[layer], np.bincount(chosen.reshape(-1), minlength=experts))
+    assert (load.sum(axis=1) == top_k * real.sum()).all()
+    dispatched = sharded.apply(sharded.params, ids, attention_mask=mask, capacity=sharded.capacity_schedule.largest)
+    np.testing.assert_array_equal(np.asarray(dispatched.expert_load), load)

@@ -12,7 +12,7 @@ import pytest
 
 from moe_jax.cli import main
 from moe_jax.tokenization import load_checkpoint_tokenizer, write_byte_tokenizer
-from moe_jax.training.corpus import Corpus, read_texts, tokenize
+from moe_jax.training.corpus import Corpus, DataShard, read_texts, tokenize
 
 from .hf_training import CHECKPOINT
 
@@ -39,16 +39,80 @@ def checkpoint(tmp_path_factory):
 
 def write_corpus(directory, documents: list[str]) -> dict[str, object]:
     parquet.write_table(pyarrow.table({"text": documents, "n": list(range(len(documents)))}),
-                        directory / "corpus.parquet")
+                        directory / "corpus.parquet", row_group_size=5)
     (directory / "corpus.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in documents))
     (directory / "corpus.txt").write_text("\n\n".join(documents))
-    return {suffix: directory / f"corpus.{suffix}" for suffix in ("parquet", "jsonl", "txt")}
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(directory / "corpus.array_record"), "group_size:1")
+    for number, document in enumerate(documents):   # JSON objects and plain text records, mixed
+        writer.write((json.dumps({"text": document}) if number % 2 else document).encode())
+    writer.close()
+    return {suffix: directory / f"corpus.{suffix}" for suffix in ("parquet", "jsonl", "txt", "array_record")}
 
 
 def test_every_format_reads_the_same_documents(tmp_path):
     documents = texts(12)
     for path in write_corpus(tmp_path, documents).values():
         assert read_texts(path) == documents, path
+
+
+def test_shares_read_contiguous_disjoint_records_and_parquet_only_their_row_groups(tmp_path, monkeypatch):
+    documents = texts(23)
+    paths = write_corpus(tmp_path, documents)
+    read_groups = []
+    original = parquet.ParquetFile.read_row_group
+    monkeypatch.setattr(parquet.ParquetFile, "read_row_group",
+                        lambda self, group, **kw: read_groups.append(group) or original(self, group, **kw))
+    for path in paths.values():
+        shares = [read_texts(path, share=DataShard(index, 3, (index,))) for index in range(3)]
+        assert shares == [documents[0:7], documents[7:15], documents[15:23]], path
+    assert read_groups == [0, 1, 1, 2, 3, 4]   # groups of 5 records: share 2 (records 7-14) reads groups 1-2
+
+
+def test_data_shares_follow_the_processes_that_hold_each_batch_row():
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    class Layout:   # 2 processes x 4 devices: rows split over 4 data-parallel groups, 2 on each process
+        def __init__(self, rows_of):
+            self.rows_of = rows_of
+
+        def devices_indices_map(self, shape):
+            return {Device(process): (slice(*rows), slice(None)) for process, rows in self.rows_of}
+
+    import jax
+
+    from moe_jax.training.data import data_shard
+
+    assert jax.process_index() == 0
+    split = Layout([(0, (0, 2)), (0, (2, 4)), (1, (4, 6)), (1, (6, 8))])
+    assert data_shard((8, 16), split) == DataShard(0, 2, (0, 1, 2, 3))
+    replicated = Layout([(0, (0, 8)), (1, (0, 8))])   # e.g. tp across the processes: both read everything
+    assert data_shard((8, 16), replicated) == DataShard(0, 1, tuple(range(8)))
+    with pytest.raises(ValueError, match="overlapping sets"):
+        data_shard((8, 16), Layout([(0, (0, 6)), (1, (4, 8))]))
+
+
+def test_a_share_packs_its_own_rows_of_every_batch(checkpoint):
+    docs = tokenize(texts(60), checkpoint)
+    halves = [Corpus(docs[:30], batch_size=8, seq_len=16, seed=1, rows=(0, 1, 2, 3)),
+              Corpus(docs[30:], batch_size=8, seq_len=16, seed=1, rows=(4, 5, 6, 7))]
+    for half, rows in zip(halves, ((0, 1, 2, 3), (4, 5, 6, 7))):
+        alone = Corpus(half.documents, batch_size=4, seq_len=16, seed=1)   # the share as a corpus of its own
+        for index in (0, 5, alone.num_sequences // 4 + 2):                # across epochs
+            part, expected = half.batch_rows(index, np.array(rows)), alone.batch(index)
+            for name in expected:
+                np.testing.assert_array_equal(part[name], expected[name])
+        np.testing.assert_array_equal(half.batch_rows(3, np.array(rows[2:]))["input_ids"],
+                                      alone.batch(3)["input_ids"][2:])
+    with pytest.raises(ValueError, match=r"fills rows \[0, 1, 2, 3\] of each batch; asked for \[4\]"):
+        halves[0].batch_rows(0, np.array([4]))
+    with pytest.raises(ValueError, match="each process places its own rows"):
+        halves[0].batch(0)
+    with pytest.raises(ValueError, match="fewer than the 4 rows of each batch of 8 this share fills"):
+        Corpus(docs[:2], batch_size=8, seq_len=16, pack=False, rows=(0, 1, 2, 3))
 
 
 def test_packing_cuts_the_shuffled_stream_into_rows_with_pieces_numbered_per_row(checkpoint):

@@ -21,11 +21,12 @@ from .hf_training import CHECKPOINT
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from the event files in `logdir` (TFRecord framing, tensorboardX's protos)."""
+def summaries(logdir: Path) -> dict[str, list[tuple[int, object]]]:
+    """tag -> [(step, value)] from the event files in `logdir` (TFRecord framing, tensorboardX's protos): a
+    scalar's value, or a histogram's (bucket_limit, bucket) lists."""
     from tensorboardX.proto import event_pb2
 
-    found: dict[str, list[tuple[int, float]]] = {}
+    found: dict[str, list[tuple[int, object]]] = {}
     for path in sorted(logdir.glob("events.out.tfevents.*")):
         data, offset = path.read_bytes(), 0
         while offset < len(data):
@@ -34,7 +35,9 @@ def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
             event.ParseFromString(data[offset + 12:offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
-                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+                content = ((list(value.histo.bucket_limit), list(value.histo.bucket)) if value.HasField("histo")
+                           else value.simple_value)
+                found.setdefault(value.tag, []).append((event.step, content))
     return found
 
 
@@ -65,13 +68,30 @@ def test_tensorboard_event_files_hold_the_jsonl_metrics_and_plot_run_draws_them(
                  "--eval-every", "2", "--eval-batches", "1", "--tensorboard", str(logdir), "--peak-tflops", "1",
                  "--metrics-jsonl", str(jsonl), "--no-progress"]) == 0
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    found = scalars(logdir)
+    found = summaries(logdir)
     for tag, name in (("train/loss", "loss"), ("train/lr", "lr"), ("eval/eval_loss", "eval_loss"),
                       ("throughput/mfu", "mfu"), ("throughput/tokens_per_s_per_device", "tokens_per_s_per_device")):
         expected = [(r["step"], r[name]) for r in records if name in r]
         assert [step for step, _ in found[tag]] == [step for step, _ in expected], tag
         np.testing.assert_allclose([v for _, v in found[tag]], [v for _, v in expected], rtol=1e-6)
     assert all(r["mfu"] == pytest.approx(r["model_tflops_per_s_per_device"]) for r in records)
+    # Router load: per sparse layer (named by its model layer), tokens per expert, a bucket per expert.
+    config = json.loads((CHECKPOINT / "config.json").read_text())
+    sparse = [layer for layer in range(config["num_hidden_layers"]) if layer not in config.get("mlp_only_layers", [])]
+    for record in records:
+        load = np.asarray(record["expert_load"])
+        assert load.shape == (len(sparse), config["num_local_experts"])
+        assert (load.sum(axis=1) == config["num_experts_per_tok"] * 8 * 24).all()    # every token, top-k times
+    for index, layer in enumerate(sparse):
+        histograms = found[f"router_load/layer_{layer}"]
+        assert [step for step, _ in histograms] == [r["step"] for r in records]
+        for (_, (limits, counts)), record in zip(histograms, records):
+            assert limits == [e + 0.5 for e in range(config["num_local_experts"])]
+            assert counts == record["expert_load"][index]
+        ratios = [value for _, value in found[f"router_load/layer_{layer}_max_over_mean"]]
+        expected = [max(r["expert_load"][index]) / np.mean(r["expert_load"][index]) for r in records]
+        np.testing.assert_allclose(ratios, expected, rtol=1e-6)
+    assert [value for _, value in found["dispatch/padded"]] == [r["padded"] for r in records]
 
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(ROOT / "scripts"))
