@@ -1,6 +1,7 @@
 """SIGKILL mid-run, then `--resume`, on a packed text corpus: one process x 8 devices and 2 processes x 4 devices
 (`moe-jax launch`, each process reading and tokenising only its share of the corpus). The resumed run's metrics must
-equal an uninterrupted run's, step for step (loss, data position, lr, router load), across an epoch boundary.
+equal an uninterrupted run's, step for step (loss, data position, lr, router load, the eval loss every 5 steps on a
+held-out JSON Lines corpus read in shares too), across an epoch boundary.
 
     python scripts/check_corpus_resume.py [--workdir DIR] [--layout "--fsdp 8 --ep 8"] [--steps 14]
 
@@ -28,7 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "tests" / "fixtures" / "models" / "qwen3_moe"
 WORDS = ("moe", "jax", "expert", "token", "router", "layer", "page", "slot")
-COMPARED = ("step", "loss", "ce_loss", "aux_loss", "grad_norm", "data_position", "lr", "expert_load", "tokens")
+COMPARED = ("step", "loss", "ce_loss", "aux_loss", "grad_norm", "data_position", "lr", "expert_load", "tokens",
+            "eval_loss")
 
 
 def prepare(workdir: Path, documents: int) -> tuple[Path, Path]:
@@ -44,6 +46,8 @@ def prepare(workdir: Path, documents: int) -> tuple[Path, Path]:
     texts = [" ".join(rng.choice(WORDS, int(rng.integers(2, 14)))) for _ in range(documents)]
     corpus = workdir / "corpus.parquet"
     parquet.write_table(pyarrow.table({"text": texts}), corpus, row_group_size=16)
+    held_out = [" ".join(rng.choice(WORDS, int(rng.integers(2, 14)))) for _ in range(24)]
+    (workdir / "eval.jsonl").write_text("\n".join(json.dumps({"text": text}) for text in held_out))
     return checkpoint, corpus, texts
 
 
@@ -135,7 +139,8 @@ def main() -> int:
         out.mkdir()
         base = ["train", "--model", str(checkpoint), "--data", str(corpus), "--text-column", "text", "--pack",
                 "--seq-len", "32", "--batch-size", "8", "--steps", str(args.steps), "--lr", "1e-2",
-                "--lr-schedule", "cosine", "--warmup-steps", "2", "--no-progress",
+                "--lr-schedule", "cosine", "--warmup-steps", "2", "--eval-data", str(workdir / "eval.jsonl"),
+                "--eval-every", "5", "--no-progress",
                 *shlex.split(args.layout)]
         full_s = run([*base, "--metrics-jsonl", str(out / "full.jsonl")], processes)
         checkpointing = ["--checkpoint-dir", str(out / "state"), "--save-every", "4"]

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .data import place_batch
 from .loss import DEFAULT_LOSS_CHUNK, model_loss, predicted_tokens, prediction_targets
@@ -64,9 +65,16 @@ class Evaluator:
 
 
 def num_batches(data) -> int:
-    """Whole batches in one pass over `data` (at least 1), for sources that know their row count."""
+    """Whole batches in one pass over `data` (at least 1), for sources that know their row count. A corpus read
+    in shares (one per process) counts its own rows per batch, and every process takes the smallest share's
+    count, so all of them run the same batches (a collective: every process calls this)."""
     rows = getattr(data, "num_sequences", None)
     if rows is None:
         raise ValueError(f"{type(data).__name__} does not know its length: pass the number of eval batches.")
-    return max(rows // data.batch_size, 1)
+    count = max(rows // getattr(data, "rows_per_batch", data.batch_size), 1)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        count = int(multihost_utils.process_allgather(np.asarray(count, np.int32)).min())
+    return count
 

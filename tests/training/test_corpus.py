@@ -165,6 +165,15 @@ def test_the_issue_s_command_runs_end_to_end(checkpoint, tmp_path):
     assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tb").iterdir())
 
 
+def test_moe_jax_eval_reads_a_corpus_as_train_does(checkpoint, tmp_path, capsys):
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts(30, seed=1)))
+    assert main(["eval", "--model", str(checkpoint), "--data", str(tmp_path / "eval.jsonl"), "--seq-len", "64",
+                 "--batch-size", "4", "--pack"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    corpus = Corpus.from_file(tmp_path / "eval.jsonl", checkpoint, batch_size=4, seq_len=64)
+    assert result["batches"] == max(corpus.num_sequences // 4, 1) and result["eval_tokens"] > 0
+
+
 @pytest.mark.parametrize("case,message", [
     ("missing_column", "has no column 'body'"),
     ("empty", "holds no text"),
