@@ -49,6 +49,7 @@ from moe_jax.ops.grouped_matmul_backends.tiled_scan import tiled_grouped_matmul 
 from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
+from moe_jax.training.throughput import train_flops_per_token  # noqa: E402
 from scripts.timing import median_seconds  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -145,15 +146,6 @@ def moe_layer(config: dict, tokens: int, peak: float, repeats: int, report) -> d
     return results
 
 
-def active_parameters(config: dict, layers: int) -> int:
-    """Parameters a token uses: attention, router, top-k experts per layer, embeddings and head."""
-    h, inter = config["hidden_size"], config["moe_intermediate_size"]
-    heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    attention = h * dim * (2 * heads + 2 * kv)
-    experts = config["num_experts_per_tok"] * 3 * h * inter + config["num_experts"] * h
-    return layers * (attention + experts) + 2 * config["vocab_size"] * h
-
-
 def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
     """The default backend's train step; if it fails, the failure is reported and the tiled scan's is measured."""
     try:
@@ -181,7 +173,8 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     tokens_per_s = batch * seq / seconds
-    mfu = 6 * active_parameters(config, layers) * tokens_per_s / peak
+    # The model FLOPs `moe-jax train --peak-tflops` reports MFU with (6 x active parameters + causal attention).
+    mfu = train_flops_per_token(model, seq) * tokens_per_s / peak
     result = {"backend": backend or default_backend(jax.default_backend()), "layers": layers, "batch": batch,
               "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s, "mfu": mfu,
               "loss": float(metrics["loss"])}
