@@ -104,14 +104,14 @@ def _json_record(path: Path, text_column: str):
     return parse
 
 
-def _array_record_texts(path: Path, text_column: str, share: DataShard | None) -> list:
+def _array_record_texts(path: Path, text_column: str, share: DataShard | None, stop: int | None = None) -> list:
     """ArrayRecord: each record a UTF-8 JSON object (its `text_column`) or UTF-8 text (the document); read by
-    index, so a share reads only its own records."""
+    index, so a share reads only its own records (`stop`: at most the first `stop` records)."""
     from array_record.python.array_record_module import ArrayRecordReader
 
     reader = ArrayRecordReader(str(path))
     try:
-        total = reader.num_records()
+        total = reader.num_records() if stop is None else min(reader.num_records(), stop)
         low, high = (0, total) if share is None else share.records(total)
         records = reader.read(low, high) if high > low else []
     finally:
@@ -188,6 +188,8 @@ def check_corpus(path, text_column: str = "text") -> None:
         reader = ArrayRecordReader(str(path))
         empty = reader.num_records() == 0
         reader.close()
+        if not empty:   # the first record: its text column, when it is a JSON object
+            _array_record_texts(path, text_column, None, stop=1)
     else:
         raise ValueError(f"{path}: unknown corpus format {suffix!r}; use one of {', '.join(TEXT_FORMATS)} "
                          "(or a .npy of token ids).")

@@ -176,6 +176,7 @@ def test_moe_jax_eval_reads_a_corpus_as_train_does(checkpoint, tmp_path, capsys)
 
 @pytest.mark.parametrize("case,message", [
     ("missing_column", "has no column 'body'"),
+    ("missing_field", "record 1 has no 'body' field"),
     ("empty", "holds no text"),
     ("short", "fewer than one batch"),
     ("no_tokenizer", "no tokenizer"),
@@ -185,6 +186,8 @@ def test_bad_corpora_are_one_error_line_and_nothing_written(case, message, check
     model, data, extra = checkpoint, tmp_path / "corpus.parquet", []
     if case == "missing_column":
         extra = ["--text-column", "body"]
+    elif case == "missing_field":   # ArrayRecord: the first JSON record (record 0 is plain text) lacks the column
+        data, extra = tmp_path / "corpus.array_record", ["--text-column", "body"]
     elif case == "empty":
         data = tmp_path / "empty.jsonl"
         data.write_text("")
