@@ -156,6 +156,11 @@ def main() -> int:
               f"{sum(same)}/{len(full)} records equal ({', '.join(COMPARED)})")
         rows = epoch_rows(texts, processes, 32)
         print(f"  an epoch is {rows} packed rows per share; the run reads {args.steps * 8 // processes} per share")
+        expected = sum(len(text.encode()) for text in texts) / (sum(rows) * 32)   # every share's rows, once
+        reported = full[0].get("packing_efficiency")
+        print(f"  packing efficiency: reported {reported}, the whole corpus's {expected:.6f}")
+        if reported is None or abs(reported - expected) > 1e-6:
+            failures.append(f"{processes} process(es): packing efficiency {reported}, not the corpus's {expected}")
         if min(rows) >= args.steps * 8 // processes:
             failures.append(f"{processes} process(es): the run does not cross an epoch boundary")
         if steps != list(range(1, args.steps + 1)):

@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     from ..pretrained import load_weights
     from ..reporting.picture import count_text
     from ..training.checkpoints import TrainCheckpoints
-    from ..training.data import data_shard
+    from ..training.data import corpus_packing_efficiency, data_shard
     from ..training.evaluation import Evaluator
     from ..training.loop import TrainLoop
     from ..training.optimizers import build_optimizer
@@ -406,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         if share.count > 1:
             print(f"process {jax.process_index()} reads share {share.index + 1} of {share.count} of the corpus "
                   f"({len(share.rows)} of the {args.batch_size} rows of each batch)")
+    packing_efficiency = (corpus_packing_efficiency(data, share) if hasattr(data, "packing_efficiency")
+                          else None)
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
@@ -446,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
                          not args.no_progress and main_process, devices=len(devices),
                          flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
                          tensorboard=args.tensorboard if main_process else None,
-                         packing_efficiency=getattr(data, "packing_efficiency", None),
+                         packing_efficiency=packing_efficiency,
                          sparse_layers=model.sparse_layers())
     evaluate = should_evaluate = None
     if eval_data is not None:

@@ -55,6 +55,21 @@ def place_batch(data, index: int, sharding) -> dict:
             for key, value in part.items()}
 
 
+def corpus_packing_efficiency(corpus: Corpus, share: DataShard) -> float:
+    """The packing efficiency of the whole corpus from its shares' (real tokens over the tokens of an epoch's rows,
+    each share counted once): a collective, every process calls it."""
+    if share.count == 1:
+        return corpus.packing_efficiency
+    from jax.experimental import multihost_utils
+
+    # Rows and efficiency apart (int32 and float32): without x64, a share's token count could overflow int32.
+    counts = multihost_utils.process_allgather(np.asarray([share.index, corpus.num_sequences], np.int32))
+    shares = multihost_utils.process_allgather(np.asarray([corpus.packing_efficiency], np.float32))
+    per_share = {int(index): (int(rows), float(efficiency)) for (index, rows), (efficiency,) in zip(counts, shares)}
+    total_rows = sum(rows for rows, _ in per_share.values())
+    return sum(rows * efficiency for rows, efficiency in per_share.values()) / total_rows
+
+
 class TokenRows:
     """Rows of token ids; batch i = rows i*B .. i*B+B-1 (mod the row count), first `seq_len` columns."""
 
