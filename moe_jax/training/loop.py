@@ -83,6 +83,9 @@ class TrainLoop:
         self.save = save
         self.replays = 0
         self.batch_sharding = train_step.model.batch_sharding()
+        # The record's lr is computed on the host's CPU: on an accelerator the schedule's op would queue behind
+        # the step in flight, and reading it would wait for that step (losing the one-step overlap).
+        self._host_device = jax.local_devices(backend="cpu")[0]
 
     def run(self, state: TrainState, until_step: int, capacity_state: CapacityState | None = None
             ) -> tuple[TrainState, CapacityState | None]:
@@ -137,6 +140,10 @@ class TrainLoop:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
         return state, capacity_state
 
+    def _learning_rate(self, update: int) -> float:
+        with jax.default_device(self._host_device):
+            return float(self.learning_rate(update))
+
     def _record(self, values: dict[str, np.ndarray], entry: _InFlight, seconds: float) -> dict[str, Any]:
         tokens = int(values["tokens"])
         return {
@@ -145,6 +152,6 @@ class TrainLoop:
             "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"), "capacity": entry.capacity,
             "required_capacity": float(values["required_capacity"]), "padded": int(values["padded"]),
             "replayed": entry.replayed, "replays": self.replays, "data_position": int(values["data_position"]),
-            **({} if self.learning_rate is None else {"lr": float(self.learning_rate(int(values["step"]) - 1))}),
+            **({} if self.learning_rate is None else {"lr": self._learning_rate(int(values["step"]) - 1)}),
             **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist()}),
         }
