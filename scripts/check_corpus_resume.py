@@ -27,6 +27,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from check_multiprocess_cli import job_command, run  # noqa: E402 - the same job as one process or under launch
+
 CHECKPOINT = ROOT / "tests" / "fixtures" / "models" / "qwen3_moe"
 WORDS = ("moe", "jax", "expert", "token", "router", "layer", "page", "slot")
 COMPARED = ("step", "loss", "ce_loss", "aux_loss", "grad_norm", "data_position", "lr", "expert_load", "tokens",
@@ -55,24 +59,6 @@ def epoch_rows(texts: list[str], shares: int, seq_len: int) -> list[int]:
     """Packed rows per epoch of each share (the byte tokenizer: a token per UTF-8 byte)."""
     bounds = [index * len(texts) // shares for index in range(shares + 1)]
     return [-(-sum(len(t.encode()) for t in texts[lo:hi]) // seq_len) for lo, hi in zip(bounds, bounds[1:])]
-
-
-def command(arguments: list[str], processes: int) -> tuple[list[str], dict]:
-    environ = dict(os.environ, JAX_PLATFORMS="cpu")
-    if processes == 1:
-        environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        return [sys.executable, "-m", "moe_jax.cli", *arguments], environ
-    return [sys.executable, "-m", "moe_jax.cli", "launch", "--nproc", str(processes), "--devices-per-process",
-            str(8 // processes), "--", sys.executable, "-m", "moe_jax.cli", *arguments], environ
-
-
-def run(arguments: list[str], processes: int) -> float:
-    full, environ = command(arguments, processes)
-    began = time.perf_counter()
-    result = subprocess.run(full, cwd=ROOT, env=environ, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"{shlex.join(full)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return time.perf_counter() - began
 
 
 def descendants(pid: int) -> list[int]:
@@ -106,7 +92,7 @@ def kill_after(arguments: list[str], processes: int, metrics: Path, step: int, s
                timeout_s: float = 600) -> tuple[int, list[int]]:
     """Starts the run, SIGKILLs it (launcher and every process) once `step` is in the metrics and a checkpoint
     is complete; (the last step recorded before the kill, the complete checkpoints)."""
-    full, environ = command(arguments, processes)
+    full, environ = job_command(arguments, processes)
     process = subprocess.Popen(full, cwd=ROOT, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while not (any(r["step"] >= step for r in records(metrics)) and saved_steps(states)):
@@ -142,12 +128,12 @@ def main() -> int:
                 "--lr-schedule", "cosine", "--warmup-steps", "2", "--eval-data", str(workdir / "eval.jsonl"),
                 "--eval-every", "5", "--no-progress",
                 *shlex.split(args.layout)]
-        full_s = run([*base, "--metrics-jsonl", str(out / "full.jsonl")], processes)
+        _, full_s = run([*base, "--metrics-jsonl", str(out / "full.jsonl")], processes)
         checkpointing = ["--checkpoint-dir", str(out / "state"), "--save-every", "4"]
         killed = out / "killed.jsonl"
         last, saved = kill_after([*base, *checkpointing, "--metrics-jsonl", str(killed)], processes, killed,
                                  args.kill_after, out / "state")
-        resume_s = run([*base, *checkpointing, "--resume", "--metrics-jsonl", str(killed)], processes)
+        _, resume_s = run([*base, *checkpointing, "--resume", "--metrics-jsonl", str(killed)], processes)
         full, resumed = records(out / "full.jsonl"), records(killed)
         steps = [r["step"] for r in resumed]
         same = [all(a.get(k) == b.get(k) for k in COMPARED) for a, b in zip(full, resumed)]

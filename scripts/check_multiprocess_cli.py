@@ -45,14 +45,20 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     return checkpoint, tokens
 
 
-def run(command: list[str], processes: int) -> tuple[subprocess.CompletedProcess, float]:
+def job_command(command: list[str], processes: int) -> tuple[list[str], dict]:
+    """A `moe-jax` command as one 8-device process, or as `processes` processes under `moe-jax launch` (8 CPU
+    devices in all): (argv, environment)."""
     environ = dict(os.environ, JAX_PLATFORMS="cpu")
     if processes == 1:
         environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        full = [sys.executable, "-m", "moe_jax.cli", *command]
-    else:
-        full = [sys.executable, "-m", "moe_jax.cli", "launch", "--nproc", str(processes), "--devices-per-process",
-                str(8 // processes), "--", sys.executable, "-m", "moe_jax.cli", *command]
+        return [sys.executable, "-m", "moe_jax.cli", *command], environ
+    return [sys.executable, "-m", "moe_jax.cli", "launch", "--nproc", str(processes), "--devices-per-process",
+            str(8 // processes), "--", sys.executable, "-m", "moe_jax.cli", *command], environ
+
+
+def run(command: list[str], processes: int) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs `job_command`; exits with its output when it fails. (result, seconds)."""
+    full, environ = job_command(command, processes)
     began = time.perf_counter()
     result = subprocess.run(full, cwd=ROOT, env=environ, capture_output=True, text=True)
     seconds = time.perf_counter() - began

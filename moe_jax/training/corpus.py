@@ -178,10 +178,10 @@ def check_corpus(path, text_column: str = "text") -> None:
         empty = file.metadata.num_rows == 0
     elif suffix in (".jsonl", ".json", ".txt"):
         with path.open(encoding="utf-8") as file:
-            first = next((line for line in file if line.strip()), None)
+            number, first = next(((n, line) for n, line in enumerate(file, 1) if line.strip()), (0, None))
         empty = first is None
         if first is not None and suffix != ".txt":
-            _json_record(path, text_column)(first, 1)
+            _json_record(path, text_column)(first, number)
     elif suffix in (".array_record", ".arrayrecord"):
         from array_record.python.array_record_module import ArrayRecordReader
 
