@@ -12,11 +12,14 @@ import os
 import shutil
 import tempfile
 
-# The tests' models are tiny, so their time is XLA's compile time, mostly LLVM's code generation: level 0
-# skips LLVM's optimisation passes (measured: a gradient test 19.9 s -> 14.3 s). XLA's HLO passes (fusion,
-# SPMD partitioning, collectives) are unchanged, so the programs under test are the same.
+# The tests' models are tiny, so their time is XLA's compile time, mostly code generation: level 0 skips
+# LLVM's optimisation passes (measured: a gradient test 19.9 s -> 14.3 s), and the older elemental emitters
+# generate a fusion's code faster than the MLIR fusion emitters (tests/models/test_gradients.py 39 s -> 26 s
+# on a 2-core AMD EPYC). XLA's HLO passes (fusion, SPMD partitioning, collectives) are unchanged, except that
+# scatters are expanded into loops on that path: tests that look for a scatter read the lowered program.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -52,8 +55,22 @@ if importlib.util.find_spec("jax") is not None:
 LONGEST_FIRST = ("tests/multiprocess/", "tests/training/test_train_job.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption("--heavy", action="store_true",
+                     help="also run the tests marked `heavy` (whole grids and long end-to-end runs; "
+                          "scripts/run_heavy_tests.sh runs them alone)")
+
+
+def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
+    # `heavy` tests repeat what a representative case in the suite already checks (more families, layouts or
+    # stage counts) at a cost CI's 15 minutes cannot carry; they are deselected, not skipped, and run before an
+    # issue is resolved (scripts/run_heavy_tests.sh).
+    if not config.getoption("--heavy"):
+        heavy = [item for item in items if "heavy" in item.keywords]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if "heavy" not in item.keywords]
     # The live comparisons need the reference (pip install -e ".[reference]"); without it they are skipped
     # by name, not failed on an import deep inside a helper.
     missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]

@@ -399,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
+    share = None   # every row of the data (arrays are read whole)
     if hasattr(data, "load") or hasattr(eval_data, "load"):   # corpora: each process reads its share
         share = data_shard((args.batch_size, data.seq_len), model.batch_sharding())
         data = data.load(share) if hasattr(data, "load") else data

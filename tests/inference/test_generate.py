@@ -11,6 +11,7 @@ import pytest
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import init_cache
 from moe_jax.inference.sampling import Sampling
+from tests.heavy import representative
 from tests.models.test_apply import count_compilations, jit_names
 
 from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS, hf_generate
@@ -45,7 +46,9 @@ def one_device():
     return get
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+# In the suite: one family per attention kind (the others: heavy, and scripts/check_generate_layouts.py).
+@pytest.mark.parametrize("model_type", representative(
+    FAMILIES, suite=("qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text")))
 def test_greedy_tokens_equal_transformers_and_stop_at_eos(one_device, model_type):
     model, expected = one_device(model_type), fixture(model_type)
     prompt = expected["input_ids"], expected["attention_mask"]

@@ -9,6 +9,7 @@ The bar and the tolerances are in tests/models/low_precision.py; every family x 
 
 import pytest
 
+from ..heavy import representative
 from .low_precision import (
     forward_error,
     reference_error,
@@ -41,8 +42,15 @@ def _layout(name):
     return None if name is None else EP_LAYOUTS[name]
 
 
-@pytest.mark.parametrize("model_type, dtype, layout_name", CASES,
-                         ids=[f"{family}-{dtype}-{name or 'one_device'}" for family, dtype, name in CASES])
+# In the suite: one family with bf16 weights and DeepSeek's latent attention on one device, each EP
+# implementation once, fp16 under EP, Llama 4 by TP and in fp16.
+SUITE_CASES = ("qwen3_moe-bfloat16-one_device", "deepseek_v3-bfloat16-one_device", "mixtral-bfloat16-all_to_all",
+               "deepseek_v3-bfloat16-all_reduce", "mixtral-float16-fsdp_all_to_all", "llama4_text-bfloat16-tp",
+               "llama4_text-float16-one_device")
+
+
+@pytest.mark.parametrize("model_type, dtype, layout_name", representative(
+    CASES, suite=SUITE_CASES, ids=[f"{family}-{dtype}-{name or 'one_device'}" for family, dtype, name in CASES]))
 def test_low_precision_logits_are_as_close_to_fp32_as_the_reference_bf16_run(model_type, dtype, layout_name):
     ours = forward_error(model_type, _layout(layout_name), dtype)
     bar = reference_error(model_type, dtype)
@@ -61,10 +69,10 @@ def fp32_one_device_steps():
     return get
 
 
-@pytest.mark.parametrize("model_type, dtype, layout_name", [
+@pytest.mark.parametrize("model_type, dtype, layout_name", representative([
     ("mixtral", "bfloat16", "all_to_all"),     # fp32 routing weights, tp slices
     ("qwen3_moe", "bfloat16", "all_reduce"),   # bf16 routing weights; every other case: the grid script
-])
+], suite=("qwen3_moe-bfloat16-all_reduce",), ids=["mixtral-bfloat16-all_to_all", "qwen3_moe-bfloat16-all_reduce"]))
 def test_a_low_precision_train_step_matches_the_fp32_step(model_type, dtype, layout_name, fp32_one_device_steps):
     """One SGD step (router loss on) of the model loaded in `dtype` on an EP layout: loss, router loss and
     gradient norm as the one-device fp32 step's within the dtype's rounding."""

@@ -21,6 +21,7 @@ from moe_jax import DistributedConfig
 from moe_jax.causal_lm import Qwen3MoeForCausalLM
 from moe_jax.training import make_train_step
 
+from ..heavy import representative
 from .hf_reference import TINY_QWEN3_MOE
 from .test_fixture_parity import FIXTURES, check_against_fixture
 
@@ -46,7 +47,9 @@ FIXTURE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("family, layout, options", FIXTURE_CASES, ids=[case[0] for case in FIXTURE_CASES])
+# In the suite: FSDP + token dispatch with 4 microbatches (Qwen3-MoE) and a circular schedule over TP (Llama 4).
+@pytest.mark.parametrize("family, layout, options", representative(
+    FIXTURE_CASES, suite=("qwen3_moe", "llama4_text"), ids=[case[0] for case in FIXTURE_CASES]))
 def test_logits_through_stages_match_pytorch_fixture(family, layout, options):
     """PyTorch's logits and aux loss (one process) on pp layouts; stages whose layers differ in structure
     (dense first layers, sliding / full, chunked / NoPE attention, an uneven 3-layer split) included."""
@@ -87,8 +90,9 @@ GRADIENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout, options", GRADIENT_CASES, ids=["pp2-fsdp2-ep2-m2", "pp2-tp2-fsdp2-circular",
-                                                                 "pp4-fsdp2-remat"])
+@pytest.mark.parametrize("layout, options", representative(
+    GRADIENT_CASES, suite=("pp2-tp2-fsdp2-circular",), ids=["pp2-fsdp2-ep2-m2", "pp2-tp2-fsdp2-circular",
+                                                            "pp4-fsdp2-remat"]))
 def test_gradients_through_stages_match_one_stage(one_stage, layout, options):
     params, ids, targets, expected_loss, expected_grads = one_stage
     model = Qwen3MoeForCausalLM(FOUR_LAYERS, DistributedConfig(**layout), devices=_devices(layout), **options)
@@ -119,6 +123,7 @@ def test_training_curve_through_stages_matches_one_stage(one_stage):
     np.testing.assert_allclose(staged, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.heavy
 def test_bubbles_are_inert(one_stage, monkeypatch):
     """The buffers bubble iterations read filled with NaN: logits, aux loss, statistics and gradients are finite
     and equal to the zero-filled run's (pp4 with 2 microbatches: most iterations of stages 1-3 are bubbles)."""
@@ -143,7 +148,9 @@ def test_bubbles_are_inert(one_stage, monkeypatch):
     for name, value in output.statistics.as_dict().items():
         assert np.asarray(value) == np.asarray(zero_output.statistics.as_dict()[name]), name
     assert loss == zero_loss
-    chex.assert_trees_all_equal(grads, zero_grads)
+    # NaN read by any real computation would reach the gradients; what differs is only the rounding of the
+    # embedding's scatter-add, which XLA compiles differently for the two fills (last bit of a few entries).
+    chex.assert_trees_all_close(grads, zero_grads, rtol=0, atol=1e-7)
 
 
 def test_each_stage_reads_only_its_own_layers():
@@ -188,10 +195,10 @@ def greedy_tokens(family: str, layout: dict, **options) -> tuple[np.ndarray, np.
     return staged.generate(ids, mask, max_new_tokens=6), one.generate(ids, mask, max_new_tokens=6)
 
 
-@pytest.mark.parametrize("family, layout, options", [
+@pytest.mark.parametrize("family, layout, options", representative([
     ("gpt_oss", dict(pp_size=2), {}),   # sliding-window rings; 2 microbatches keep both stages busy
     ("deepseek_v3", dict(pp_size=2, tp_size=2, fsdp_size=2), dict(pipeline_microbatches=1)),  # stage by stage
-], ids=["gpt_oss-pp2", "deepseek_v3-pp2-tp2-fsdp2-m1"])
+], suite=("gpt_oss-pp2",), ids=["gpt_oss-pp2", "deepseek_v3-pp2-tp2-fsdp2-m1"]))
 def test_greedy_generation_through_stages_equals_one_device(family, layout, options):
     """Prefill and decode with each stage's KV cache rows: the same tokens as one device (all 7 families:
     scripts/check_pipeline_layouts.py)."""

@@ -145,6 +145,9 @@ def test_a_layout_smaller_than_the_job_is_refused(monkeypatch):
         layout_devices(2, "plan")
 
 
+# heavy: a second 2-process job; the suite's job already runs a manager on process 0 leading process 1
+# (test_continuous_batching_equals_transformers_across_processes)
+@pytest.mark.heavy
 def test_moe_jax_serve_in_a_two_process_job_answers_and_stops_on_sigterm(tmp_path):
     """Process 0 listens and leads; process 1 runs every step it sends. A greedy completion equals the one-process
     model's `generate`; SIGTERM to the launcher drains process 0, which releases process 1: both end cleanly."""

@@ -91,10 +91,12 @@ def continuous_batching(model) -> tuple[np.ndarray, np.ndarray]:
     of each (the second on process 0 only; -1 elsewhere)."""
     mask = GENERATION["attention_mask"].astype(bool)
     prompts = [[int(t) for t in row[keep]] for row, keep in zip(GENERATION["input_ids"], mask)]
-    outputs = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
-    batch = np.asarray([output.generated_tokens for output in outputs.values()])
-    config = ContinuousBatchingConfig(max_slots=model.data_parallel_size, page_size=4, max_model_len=64,
+    # One engine config for both, one page per request (one page width: each program compiles once per process;
+    # pages crossing boundaries are tests/inference/test_continuous.py's), prompts prefilled in chunks of 3.
+    config = ContinuousBatchingConfig(max_slots=model.data_parallel_size, page_size=32, max_model_len=32,
                                       prefill_chunk=3)
+    outputs = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
+    batch = np.asarray([output.generated_tokens for output in outputs.values()])
     if jax.process_index() != 0:
         engine = model.continuous_batching_engine(config)
         assert engine.follow() > 0

@@ -15,6 +15,7 @@ import moe_jax.nnx
 from moe_jax import DistributedConfig
 from moe_jax.training import make_train_step
 
+from ..heavy import representative
 from ..inference.hf_generation import NEW_TOKENS
 from ..inference.test_generate import fixture
 from ..models.test_apply import count_compilations, jit_names
@@ -24,7 +25,8 @@ from .conftest import adamw, batches, load_module, nnx_train_step
 IDS = np.random.default_rng(0).integers(0, 128, (8, 12)).astype(np.int32)
 
 
-@pytest.mark.parametrize("layout", ["one_device", "tp2_fsdp4_ep4", "fsdp8_ep8"])
+@pytest.mark.parametrize("layout", representative(["one_device", "tp2_fsdp4_ep4", "fsdp8_ep8"],
+                                                    suite=("tp2_fsdp4_ep4",)))
 def test_the_module_holds_the_sharded_parameters_and_its_logits_are_apply_s(layout):
     model = load_module(layout)
     engine = model.engine
@@ -116,6 +118,8 @@ def test_split_and_merge_round_trip():
     np.testing.assert_array_equal(np.asarray(merged(IDS)), np.asarray(model(IDS)))
 
 
+# heavy: orbax restores onto another layout are in the suite through tests/converters/test_orbax_params.py
+@pytest.mark.heavy
 def test_an_orbax_save_of_nnx_state_restores_onto_another_layout(tmp_path):
     data = batches(3)
     step = nnx.jit(nnx_train_step)

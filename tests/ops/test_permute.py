@@ -60,12 +60,14 @@ def test_gather_rows_backward_has_no_scatter():
     order, _ = sort_by_expert(jnp.asarray(_routing(seed=3)), NUM_EXPERTS)
     x = _rand((NUM_TOKENS, HIDDEN), seed=4)
     grad_fn = jax.grad(lambda x, order: jnp.sum(gather_rows(x, order, TOP_K) ** 2))
-    hlo = jax.jit(grad_fn).lower(x, order).compile().as_text()
+    # The program JAX hands to XLA (the suite's XLA:CPU flags expand scatters into loops when compiling).
+    program = str(jax.make_jaxpr(grad_fn)(x, order))
+    scatters = [line.strip() for line in program.splitlines() if "= scatter" in line]
     # The only scatter allowed is the int32 one inside invert_permutation;
-    # plain x[order // K] compiles to an f32 scatter-add here.
-    float_scatters = [line for line in hlo.splitlines() if " scatter(" in line and "f32[" in line]
+    # plain x[order // K] becomes an f32 scatter-add here.
+    float_scatters = [line for line in scatters if ":f32[" in line]
     assert not float_scatters, float_scatters
-    assert any(" scatter(" in line and "s32[" in line for line in hlo.splitlines())
+    assert any(":i32[" in line for line in scatters), program
 
 
 def test_unpermute_value_and_gradients_match_plain_version():

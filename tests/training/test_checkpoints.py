@@ -129,6 +129,8 @@ class RandomBatches:
         return {"input_ids": np.random.default_rng(index).integers(0, 128, (8, 10)).astype(np.int32)}
 
 
+# heavy: three layouts' train steps compiled; restoring onto another layout is in the suite above
+@pytest.mark.heavy
 def test_a_state_saved_with_pipeline_stages_resumes_on_other_stage_counts(tmp_path):
     """pp2 x fsdp2 x ep2 -> one device (scanned layers) -> pp4 x fsdp2: each restore restacks params and AdamW's
     moments into the new layer layout, and the losses go on as the uninterrupted pp2 run's."""

@@ -140,6 +140,8 @@ def test_packing_cuts_the_shuffled_stream_into_rows_with_pieces_numbered_per_row
         np.testing.assert_array_equal(part[name], batch[name][[1, 3]])
 
 
+# heavy: starts Grain's worker processes (each imports the library); the suite tokenises in-process
+@pytest.mark.heavy
 def test_grain_worker_processes_tokenise_as_this_process_does(checkpoint):
     documents = texts(30)
     encode = load_checkpoint_tokenizer(checkpoint, instead="-").encode
@@ -206,7 +208,8 @@ def test_bad_corpora_are_one_error_line_and_nothing_written(case, message, check
 
 def test_sigkill_then_resume_continues_on_exactly_the_next_packed_batch(checkpoint, tmp_path):
     """The corpus's batches are a function of the data position in the train state: a run killed mid-epoch and
-    resumed gives the uninterrupted run's losses, step for step, across an epoch boundary."""
+    resumed gives the uninterrupted run's losses and learning rates (cosine schedule), step for step, across an
+    epoch boundary."""
     import os
     import signal
     import subprocess
@@ -216,7 +219,8 @@ def test_sigkill_then_resume_continues_on_exactly_the_next_packed_batch(checkpoi
 
     write_corpus(tmp_path, texts(20))
     base = ["train", "--model", str(checkpoint), "--data", str(tmp_path / "corpus.jsonl"), "--pack", "--seq-len", "32",
-            "--batch-size", "4", "--steps", "12", "--lr", "1e-2", "--no-progress"]
+            "--batch-size", "4", "--steps", "12", "--lr", "1e-2", "--lr-schedule", "cosine", "--warmup-steps", "2",
+            "--no-progress"]
     assert main([*base, "--metrics-jsonl", str(tmp_path / "full.jsonl")]) == 0
     full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
     corpus_rows = Corpus(tokenize(read_texts(tmp_path / "corpus.jsonl"), checkpoint), 4, 32).num_sequences
@@ -240,3 +244,4 @@ def test_sigkill_then_resume_continues_on_exactly_the_next_packed_batch(checkpoi
     resumed = [json.loads(line) for line in killed.read_text().splitlines()]
     assert [r["step"] for r in resumed] == list(range(1, 13))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full]   # the schedule resumes at the restored step

@@ -13,6 +13,7 @@ from moe_jax.cli import main
 from moe_jax.training import Evaluator, TrainLoop
 from moe_jax.training.data import TokenRows
 
+from ..heavy import representative
 from .conftest import FixtureBatches, build_trainer
 from .hf_training import CHECKPOINT
 
@@ -32,7 +33,8 @@ def rows() -> np.ndarray:
     return np.random.default_rng(3).integers(0, 128, (16, 24)).astype(np.int32)
 
 
-@pytest.mark.parametrize("layout", [None, dict(tp_size=2, fsdp_size=4, ep_size=4)])
+@pytest.mark.parametrize("layout", representative([None, dict(tp_size=2, fsdp_size=4, ep_size=4)],
+                                                    suite=("tp2_fsdp4_ep4",), ids=["one_device", "tp2_fsdp4_ep4"]))
 def test_the_loss_is_the_mean_cross_entropy_of_the_logits(layout, rows):
     model, _ = build_trainer(layout)
     result = Evaluator(model, loss_chunk=7).run(model.params, TokenRows(rows, batch_size=8))

@@ -6,6 +6,7 @@ import pytest
 
 from moe_jax.training import TrainLoop
 
+from ..heavy import representative
 from ..models.test_apply import count_compilations
 from .conftest import LAYOUTS, FixtureBatches
 from .hf_training import SETUP
@@ -23,7 +24,9 @@ def train_curve(train_step, data=None, until_step=SETUP["steps"], schedule=None)
     return records
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The all_reduce + HSDP curve (heavy) shares its experts path with the bf16 train step of
+# tests/models/test_low_precision.py; every layout: scripts/check_training_layouts.py.
+@pytest.mark.parametrize("layout", representative(list(LAYOUTS), suite=("one_device", "tp2_fsdp4_ep4")))
 def test_ten_adamw_steps_follow_the_reference_curve(trainers, reference_curve, layout):
     _, train_step = trainers(layout)
     with count_compilations("_step") as compilations:

@@ -56,6 +56,9 @@ def train_argv(token_file, *extra) -> list[str]:
 SCHEDULE = ("--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr-ratio", "0.1")
 
 
+# heavy: the suite's kill-and-resume test is tests/training/test_corpus.py's (the same TrainLoop resume,
+# on a packed corpus)
+@pytest.mark.heavy
 def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_file, tmp_path, capsys):
     assert main(train_argv(token_file, "--steps", "10", *SCHEDULE, "--metrics-jsonl",
                            str(tmp_path / "full.jsonl"))) == 0
@@ -218,6 +221,9 @@ def test_a_resume_with_another_optimizer_says_so_in_one_line(tmp_path, capsys):
         "count, mu, nu), EmptyState(), EmptyState()), this optimizer's is (EmptyState(), EmptyState()). Resume with")
 
 
+# heavy: staged steps replay at more capacities (each compiled); pipeline training is in the suite
+# through tests/models/test_pipeline.py's training curve
+@pytest.mark.heavy
 def test_pipeline_stages_train_as_one_stage(token_file, tmp_path, capsys):
     """--pp 2 --pp-microbatches 2 on top of fsdp2/ep2 (8 devices) gives the 4-device run's losses. The dispatch
     capacity is per call, and a microbatch (half the tokens) overflows a rung the whole batch fits, so the staged
