@@ -61,6 +61,12 @@ def pytest_addoption(parser):
                           "scripts/run_heavy_tests.sh runs them alone)")
 
 
+def pytest_report_header(config):
+    if not config.getoption("--heavy"):
+        return "tests marked heavy are deselected (--heavy, or scripts/run_heavy_tests.sh alone, runs them)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
     # `heavy` tests repeat what a representative case in the suite already checks (more families, layouts or
