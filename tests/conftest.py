@@ -16,7 +16,7 @@ import tempfile
 # LLVM's optimisation passes (measured: a gradient test 19.9 s -> 14.3 s), and the older elemental emitters
 # generate a fusion's code faster than the MLIR fusion emitters (tests/models/test_gradients.py 39 s -> 26 s
 # on a 2-core AMD EPYC). XLA's HLO passes (fusion, SPMD partitioning, collectives) are unchanged, except that
-# scatters are expanded into loops on that path: tests that look for a scatter read the lowered program.
+# scatters are expanded into loops on that path: tests that look for a scatter read the jaxpr.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_cpu_use_fusion_emitters=false"

@@ -62,10 +62,10 @@ def assert_each_document(model, docs, logits_alone, rtol: float) -> None:
 # One family per attention kind: full (Qwen3-MoE), sliding window with sinks (gpt-oss), chunked with NoPE layers
 # (Llama 4), latent (DeepSeek-V3); the suite runs the latent one (its own cache and positions path; the other
 # kinds' packed logits meet Transformers' in the test below). Every family: scripts/check_packing.py.
-PACKED_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3")
+ATTENTION_KIND_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3")
 
 
-@pytest.mark.parametrize("model_type", representative(PACKED_FAMILIES, suite=("deepseek_v3",)))
+@pytest.mark.parametrize("model_type", representative(ATTENTION_KIND_FAMILIES, suite=("deepseek_v3",)))
 def test_a_packed_row_gives_each_document_s_logits_loss_and_gradients(model_type):
     check_packed_row_equals_one_per_row(model_type)
 

@@ -1,8 +1,8 @@
 """Pipeline stages (`pp_size > 1`, moe_jax/models/pipeline.py) give the one-stage model's logits, aux loss,
-gradients and training curve, on every family and with TP, FSDP, HSDP and each ep_implementation; bubbles are
-inert; greedy generation (each stage's KV cache) gives one device's tokens; loading reads only a stage's own
-layers; export is unchanged. The whole grid of pp layouts is
-`python scripts/check_pipeline_layouts.py`."""
+gradients and training curve, with TP, FSDP, HSDP and each ep_implementation; bubbles are inert; greedy
+generation (each stage's KV cache) gives one device's tokens; loading reads only a stage's own layers; export is
+unchanged. The suite runs a representative case of each; every family's case here runs with --heavy
+(scripts/run_heavy_tests.sh), and the whole grid of pp layouts is `python scripts/check_pipeline_layouts.py`."""
 
 import math
 
