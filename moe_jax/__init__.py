@@ -1,8 +1,37 @@
-"""moe_jax: tensor, expert and fully-sharded data parallelism for mixture-of-experts models in JAX."""
+"""moe_jax: tensor, expert and fully-sharded data parallelism for mixture-of-experts models in JAX.
 
-from .causal_lm.auto import AutoModelForCausalLM
-from .distributed.config import DistributedConfig
-from .distributed.expert_parallel import EPImplementation, EPImplementationInterface
+The names below are imported on first use (PEP 562), so what needs no JAX (`moe-jax launch`, `moe-jax --help`,
+`moe_jax.distributed.config`) starts without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .causal_lm.auto import AutoModelForCausalLM
+    from .distributed.config import DistributedConfig
+    from .distributed.expert_parallel import EPImplementation, EPImplementationInterface
+
+_EXPORTS = {
+    "AutoModelForCausalLM": ".causal_lm.auto",
+    "DistributedConfig": ".distributed.config",
+    "EPImplementation": ".distributed.expert_parallel",
+    "EPImplementationInterface": ".distributed.expert_parallel",
+}
 
 __all__ = ["AutoModelForCausalLM", "DistributedConfig", "EPImplementation", "EPImplementationInterface"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,9 +1,10 @@
 """Tests run on 8 virtual CPU devices, set before JAX initialises.
 
-Compiled programs are cached on disk for the session (a fresh directory per run, removed at exit), so a
-program compiled by one test and built again by another (a new model object of the same layout, the
-`moe-jax train` subprocess and its resumed run) is loaded instead of compiled again. Tests that count
-compilations count cache hits too (tests/models/test_apply.py).
+The subprocesses tests start (`moe-jax train` and its resumed run, `moe-jax launch` jobs, the server) cache
+compiled programs on disk (a fresh directory per run, removed at exit), so a program one compiled is loaded by
+the next. The pytest processes themselves do not: writing every program they compile cost more (~8% of a
+compile-bound file) than the few repeats it saved them. Tests that count compilations count cache hits too
+(tests/models/test_apply.py).
 """
 
 import atexit
@@ -49,6 +50,7 @@ if importlib.util.find_spec("jax") is not None:
     import jax
 
     jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_enable_compilation_cache", False)  # this process only; see the module docstring
 
 # The longest files first: pytest-xdist (--dist loadfile) hands out files in collection order, so a long
 # file collected last would keep one worker busy after the other has finished.

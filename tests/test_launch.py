@@ -80,6 +80,22 @@ def test_moe_jax_commands_run_the_launchers_own_installation():
     assert resolve_command(["python", "x.py"]) == ["python", "x.py"]
 
 
+def test_the_launcher_and_the_command_list_start_without_importing_jax():
+    # The launcher only starts processes (each imports JAX itself) and `moe-jax --help` only lists commands:
+    # neither waits seconds on JAX, flax and orbax imports; moe_jax's top-level names load on first use.
+    script = ("import sys; import moe_jax, moe_jax.cli, moe_jax.cli.launch; moe_jax.cli.build_parser(); "
+              "print(sorted(name for name in ('jax', 'flax', 'orbax') if name in sys.modules)); "
+              "from moe_jax import DistributedConfig; print('jax' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "False"]
+    import moe_jax
+
+    assert moe_jax.AutoModelForCausalLM.__name__ == "AutoModelForCausalLM" and "DistributedConfig" in dir(moe_jax)
+    with pytest.raises(AttributeError, match="no attribute 'AutoModel'"):
+        moe_jax.AutoModel  # noqa: B018
+
+
 def test_device_environment_of_a_process():
     environ = process_environ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=x",
                                "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 1, 2, 1234, 4)

@@ -18,7 +18,6 @@ import argparse
 import time
 from pathlib import Path
 
-from ..pretrained import saved_config
 from .layout_flags import add_layout_flags, describe_layout, distributed_config_from_flags, layout_devices
 
 FORMATS = ("hf", "orbax")
@@ -98,6 +97,8 @@ def load_model(source_format: str, source: Path, distributed_config, devices, *,
 
 def save_model(target_format: str, model, destination: Path, *, progress: bool = True) -> None:
     from converters.orbax_params import save_orbax_params
+
+    from ..pretrained import saved_config
 
     if target_format == "hf":
         model.save_pretrained(destination, progress=progress)

@@ -24,8 +24,9 @@ from moe_jax.models.outputs import ModelOutput
 from .hf_reference import TINY_QWEN3_MOE
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# The test session caches compiled programs on disk (tests/conftest.py): a program found there is loaded
-# instead of compiled, but it was still asked for, which is what these counts are about.
+# Where compiled programs are cached on disk (the tests' subprocesses, tests/conftest.py; a user's
+# JAX_COMPILATION_CACHE_DIR), a program found there is loaded instead of compiled, but it was still asked
+# for, which is what these counts are about.
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
