@@ -4,6 +4,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
     pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
     python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots 8] [--prompt 16-256]
                                   [--output 16-128] [--size default|large] [--seed 0] [--skip-reference]
+                                  [--scan-layers auto|true|false]   # ours and static alike
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
@@ -95,7 +96,7 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(workdir / "checkpoint"),
                "--port", str(port), "--max-slots", str(args.max_slots), "--page-size", "16",
-               "--max-model-len", str(max_len), "--served-model-name", "bench"]
+               "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers]
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -171,13 +172,15 @@ def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
 
 
 # ---- static generate ---------------------------------------------------------------------------------------
-def static_worker(workdir: Path, max_slots: int) -> None:
+def static_worker(workdir: Path, max_slots: int, scan_layers: str) -> None:
     import jax
 
     from moe_jax import AutoModelForCausalLM
+    from moe_jax.cli.layout_flags import SCAN_CHOICES
 
     requests = json.loads((workdir / "requests.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False)
+    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
+                                                 scan_layers=SCAN_CHOICES[scan_layers])
     batches = [requests[i:i + max_slots] for i in range(0, len(requests), max_slots)]
 
     def run_batch(batch):
@@ -261,11 +264,13 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+                        help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "static":
-        static_worker(args.workdir, args.max_slots)
+        static_worker(args.workdir, args.max_slots, args.scan_layers)
         return 0
     if args.role == "reference":
         reference_worker(args.workdir)
@@ -278,9 +283,10 @@ def main() -> int:
         (workdir / "requests.json").write_text(json.dumps(requests))
         print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
               f"{args.output[0]}-{args.output[1]} tokens; {args.clients} clients, {args.max_slots} slots; "
-              f"size {args.size}; {os.cpu_count()} CPUs", flush=True)
+              f"size {args.size}; scan layers {args.scan_layers}; {os.cpu_count()} CPUs", flush=True)
         rows = {"moe_jax serve": run_ours(workdir, requests, args)}
-        rows["static generate"] = in_fresh_process("static", workdir, "--max-slots", str(args.max_slots))
+        rows["static generate"] = in_fresh_process("static", workdir, "--max-slots", str(args.max_slots),
+                                                   "--scan-layers", args.scan_layers)
         if not args.skip_reference:
             rows["transformers CB"] = in_fresh_process("reference", workdir)
     print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")

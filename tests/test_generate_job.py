@@ -33,11 +33,24 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     expected = np.load(FIXTURES / "qwen3_moe.npz")
     prompt_ids = expected["input_ids"][0]          # row 0 has no padding
     prompt = " ".join(WORDS[i] for i in prompt_ids)
+    # --scan-layers true: the fixture's 3 layers run as one scan (auto unrolls them, as the next test runs them)
     assert main(["generate", "--model", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "20",
-                 "--tp", "2", "--ep", "2", "--fsdp", "4"]) == 0
+                 "--tp", "2", "--ep", "2", "--fsdp", "4", "--scan-layers", "true"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == " ".join(WORDS[i] for i in expected["greedy"][0])
     assert "prefill 7 tokens" in err and "decode 20 tokens in 20 steps" in err and "tokens/s" in err
+
+
+def test_scan_layers_flag_sets_the_model_option_of_every_decoding_command():
+    from moe_jax.cli import build_parser
+    from moe_jax.cli.layout_flags import scan_layers_from_flags
+
+    parser = build_parser()
+    for command in (["generate", "--prompt-ids", "1"], ["serve"]):
+        for flag, option in (("auto", "auto"), ("true", True), ("false", False)):
+            args = parser.parse_args([*command, "--model", "m", "--scan-layers", flag])
+            assert scan_layers_from_flags(args) == option
+    assert scan_layers_from_flags(parser.parse_args(["serve", "--model", "m"])) == "auto"
 
 
 def test_prompts_given_as_token_ids_need_no_tokenizer(tmp_path, capsys):

@@ -3,6 +3,7 @@
     add_layout_flags(parser)                        # --tp --fsdp --ep --dp-replicate [--pp] [--ep-implementation]
     config = distributed_config_from_flags(args)    # DistributedConfig(tp_size=args.tp, ...)
     options = pipeline_options_from_flags(args)     # pipeline_microbatches=args.pp_microbatches, ... (model kwargs)
+    add_scan_layers_flag(parser); scan_layers_from_flags(args)   # --scan-layers auto|true|false -> scan_layers
 
 Kept free of JAX imports so `moe-jax --help` stays fast.
 """
@@ -35,6 +36,24 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
     if ep_implementation:
         parser.add_argument("--ep-implementation", default="auto",
                             help="a registered EP implementation: auto, all_to_all, all_reduce, ...")
+
+
+# --scan-layers value -> the model's `scan_layers` option
+SCAN_CHOICES = {"auto": "auto", "true": True, "false": False}
+# What --scan-layers means for the commands that decode (docs/benchmarks.md, "Decoding with unrolled layers").
+DECODE_SCAN_HELP = ("; false decodes faster (a scan copies each layer's stacked expert weights out of the stack at "
+                    "every step: bench_serve's engine ran 18-30%% more tokens/s unrolled) and compiles longer")
+
+
+def add_scan_layers_flag(parser: argparse.ArgumentParser, help_text: str = "") -> None:
+    parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
+                        help="run identical layers as one scan over stacked parameters (auto: from 4 layers)"
+                             + help_text)
+
+
+def scan_layers_from_flags(args: argparse.Namespace):
+    """The model's `scan_layers` option from --scan-layers ("auto" for a command without it)."""
+    return SCAN_CHOICES[getattr(args, "scan_layers", "auto")]
 
 
 def distributed_config_from_flags(args: argparse.Namespace):

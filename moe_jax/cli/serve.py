@@ -28,11 +28,14 @@ import time
 from pathlib import Path
 
 from .layout_flags import (
+    DECODE_SCAN_HELP,
     add_layout_flags,
+    add_scan_layers_flag,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    scan_layers_from_flags,
 )
 
 # Seconds a graceful shutdown gives the requests in flight (then the engine's drain gets as long).
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (info logs each request; default info)")
     add_layout_flags(parser, ep_implementation=True)
+    add_scan_layers_flag(parser, DECODE_SCAN_HELP)
 
 
 def _check_request(args: argparse.Namespace, limit: int | None) -> int:
@@ -168,7 +172,8 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.continuous import ServingEngine
 
-    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
+                                                 scan_layers=scan_layers_from_flags(args))
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
         engine.compile_all()
@@ -196,7 +201,8 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     from ..serving import build_app
     from .layout_flags import warn_about_head_split
 
-    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
+                                                 scan_layers=scan_layers_from_flags(args))
     warn_about_head_split(model)
     generation = GenerationConfig.for_checkpoint(directory, config)
     manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode)

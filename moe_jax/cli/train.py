@@ -29,18 +29,17 @@ from pathlib import Path
 
 from .layout_flags import (
     add_layout_flags,
+    add_scan_layers_flag,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
     layout_given,
     pipeline_options_from_flags,
+    scan_layers_from_flags,
     warn_about_head_split,
 )
 
 DTYPES = ("float32", "bfloat16")
-SCAN_CHOICES = {"auto": "auto", "true": True, "false": False}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF checkpoint directory (default: a built-in tiny Qwen3-MoE with random weights)")
@@ -103,8 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float32 master parameters and optimizer state, bfloat16 compute (needs --dtype float32)")
     parser.add_argument("--export-hf", default=None, help="write the trained weights here as an HF checkpoint")
     parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call in the loss")
-    parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
-                        help="run identical layers as one scan (auto: from 4 layers)")
+    add_scan_layers_flag(parser)
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
                         help="what each layer keeps for the backward pass")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -395,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         from ..distributed.config import DistributedConfig
 
         distributed_config = DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
-    model_options = dict(devices=devices, dtype=args.dtype, scan_layers=SCAN_CHOICES[args.scan_layers],
+    model_options = dict(devices=devices, dtype=args.dtype, scan_layers=scan_layers_from_flags(args),
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
