@@ -17,6 +17,7 @@ from moe_jax.ops.grouped_matmul import (
 from moe_jax.ops.grouped_matmul_backends.tiled_scan import (
     MAX_TILE_ROWS,
     MIN_TILE_ROWS,
+    SMALL_TILE_ROWS,
     default_tile_rows,
     tiled_grouped_matmul,
 )
@@ -144,8 +145,10 @@ def test_default_tile_rows_follow_average_group_size():
     assert default_tile_rows(4096, 32) == 128
     assert default_tile_rows(4096, 48) == 64  # 85 rows per group rounds down
     assert default_tile_rows(4096, 8) == MAX_TILE_ROWS
-    assert default_tile_rows(4096, 1024) == MIN_TILE_ROWS
-    assert default_tile_rows(3, 8) == MIN_TILE_ROWS  # the window then shrinks to the 3 rows
+    assert default_tile_rows(4096, 160) == MIN_TILE_ROWS  # 25 rows per group: not below the floor
+    assert default_tile_rows(4096, 1024) == SMALL_TILE_ROWS  # 4 rows per group: decode-sized
+    assert default_tile_rows(32, 16) == SMALL_TILE_ROWS  # 8 tokens x top-4 over 16 experts
+    assert default_tile_rows(3, 8) == SMALL_TILE_ROWS  # the window then shrinks to the 3 rows
 
 
 def test_default_backend_per_platform(monkeypatch):

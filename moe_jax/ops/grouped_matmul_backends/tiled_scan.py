@@ -45,13 +45,24 @@ from .tile_plan import TileVisits, plan_tile_visits, window_rows
 #   E=128 (avg 32)  skewed:   R=32 3.3x-5.5x, R=64 3.3x-5.1x, R=128 4.8x-5.1x (two runs)
 # 512 wins only for perfectly balanced groups, hence the cap of 256. 16-row tiles
 # lost to 32 in an exploratory run (E=128 balanced: 3.5x against 2.4x), hence the floor.
+# Calls whose groups average under SMALL_GROUP_ROWS rows (decoding: a few tokens x top-k
+# over many experts) take SMALL_TILE_ROWS instead: a 32-row window there computes mostly
+# masked rows. Measured (16 experts top-4, H = I = 256, SwiGLU experts of one layer, best
+# of 3; docs/benchmarks.md, session 15), 32-row tiles over the small ones: average group
+# 2 rows 4.56 / 2.80 ms, 8 rows 4.46 / 3.81 ms, 16 rows (tile 16) 4.85 / 4.77 ms, 24 rows
+# (tile 16) 4.99 / 6.06 ms: small tiles only below 16 rows a group.
 MIN_TILE_ROWS = 32
 MAX_TILE_ROWS = 256
+SMALL_GROUP_ROWS = 16
+SMALL_TILE_ROWS = 8
 
 
 def default_tile_rows(num_rows: int, num_experts: int) -> int:
-    """Power-of-two tile near the average group size, within [MIN_TILE_ROWS, MAX_TILE_ROWS]."""
+    """Power-of-two tile near the average group size, within [MIN_TILE_ROWS, MAX_TILE_ROWS]; SMALL_TILE_ROWS
+    when the groups average fewer than SMALL_GROUP_ROWS rows."""
     average_group = max(num_rows // max(num_experts, 1), 1)
+    if average_group < SMALL_GROUP_ROWS:
+        return SMALL_TILE_ROWS
     tile = 1 << int(math.floor(math.log2(average_group)))
     return min(max(tile, MIN_TILE_ROWS), MAX_TILE_ROWS)
 
