@@ -41,8 +41,8 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
 # --scan-layers value -> the model's `scan_layers` option
 SCAN_CHOICES = {"auto": "auto", "true": True, "false": False}
 # What --scan-layers means for the commands that decode (docs/benchmarks.md, "Decoding with unrolled layers").
-DECODE_SCAN_HELP = ("; false decodes faster (a scan copies each layer's stacked expert weights out of the stack at "
-                    "every step: bench_serve's engine ran 18-30%% more tokens/s unrolled) and compiles longer")
+DECODE_SCAN_HELP = ("; false skips the copy a scan makes of each layer's stacked expert weights at every step "
+                    "(decode steps measured faster unrolled) and compiles longer")
 
 
 def add_scan_layers_flag(parser: argparse.ArgumentParser, help_text: str = "") -> None:
