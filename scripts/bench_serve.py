@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_vs_reference import SIZES  # noqa: E402
 
+from moe_jax.cli.layout_flags import SCAN_CHOICES  # noqa: E402
+
 
 def parse_range(text: str) -> tuple[int, int]:
     low, high = (int(part) for part in text.split("-"))
@@ -176,7 +178,6 @@ def static_worker(workdir: Path, max_slots: int, scan_layers: str) -> None:
     import jax
 
     from moe_jax import AutoModelForCausalLM
-    from moe_jax.cli.layout_flags import SCAN_CHOICES
 
     requests = json.loads((workdir / "requests.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
@@ -264,7 +265,7 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-reference", action="store_true")
-    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+    parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
                         help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)

@@ -40,6 +40,8 @@ from .layout_flags import (
 )
 
 DTYPES = ("float32", "bfloat16")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF checkpoint directory (default: a built-in tiny Qwen3-MoE with random weights)")
