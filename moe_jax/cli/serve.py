@@ -5,8 +5,10 @@
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
 The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles
-two programs: prefill [data-parallel groups x --prefill-rows, --prefill-chunk] and decode [--max-slots, 1]
-(each for every page-table width the engine uses, `ServingEngine.page_widths`). With --warmup (the default)
+two programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --prefill-chunk] (a step that
+prefills a prompt chunk decodes every other running request in the same program, reading the weights once;
+--no-mixed-steps: a separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode
+[--max-slots, 1] (each for every page-table width the engine uses, `ServingEngine.page_widths`). With --warmup (the default)
 all of them compile before the port accepts connections, so no client waits for a compilation; the startup
 line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
 (default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
@@ -62,8 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens per row of a prefill step (default 128)")
     parser.add_argument("--prefill-rows", type=int, default=1,
                         help="prompts prefilled together per data-parallel group (default 1)")
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                        help="a step that prefills a prompt chunk also decodes the running requests, in one program "
+                             "(default on; --no-mixed-steps: a prefill program, then a decode program)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="compile the prefill and decode programs before listening (default on)")
+                        help="compile the engine's programs before listening (default on)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (info logs each request; default info)")
     add_layout_flags(parser, ep_implementation=True)
@@ -109,21 +114,21 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(manager) -> float:
-    """Compile every program the engine can run (`ServingEngine.compile_all`: prefill and decode at each
-    page-table width) before the port listens. Returns the seconds it took."""
+    """Compile every program the engine can run (`ServingEngine.compile_all`: mixed (or prefill) and decode at
+    each page-table width) before the port listens. Returns the seconds it took."""
     start = time.perf_counter()
     manager.engine.compile_all()
     return time.perf_counter() - start
 
 
 def compiled_programs(engine) -> str:
-    """The engine's compiled programs, e.g. "prefill [1, 128], decode [8, 1]" (with the page-table widths
+    """The engine's compiled programs, e.g. "mixed [9, 128], decode [8, 1]" (with the page-table widths
     each is compiled for, when the engine compiles per width)."""
     widths: dict[tuple, list[int]] = {}
     for name, shape, *rest in engine.compiled_shapes:
         widths.setdefault((name, tuple(shape)), []).extend(rest[:1])
     parts = []
-    for (name, shape), found in sorted(widths.items(), key=lambda item: item[0][0] != "prefill"):
+    for (name, shape), found in sorted(widths.items(), key=lambda item: item[0][0] == "decode"):
         pages = f" x page-table widths {', '.join(str(w) for w in sorted(found))}" if found else ""
         parts.append(f"{name} {list(shape)}{pages}")
     return ", ".join(parts)
@@ -162,7 +167,7 @@ def _engine_config(args, max_model_len: int):
 
     return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
-                                    prefill_rows=args.prefill_rows)
+                                    prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps)
 
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:

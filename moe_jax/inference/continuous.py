@@ -8,13 +8,16 @@
 
 A fixed number of slots (rows of the decode program) hold the running requests; a request takes a free slot and
 the pages its prompt and `max_new_tokens` need when both are free (first come, first served), so a running
-request never waits for memory. Each engine step runs at most two programs:
+request never waits for memory. Each engine step runs one program:
 
-    prefill  [G * prefill_rows, prefill_chunk] tokens: the next chunk of up to `prefill_rows` prompts per
-             data-parallel group (a prompt longer than a chunk is prefilled over several steps)
+    mixed    while a prompt waits to be prefilled: the next chunk (`prefill_chunk` tokens) of up to `prefill_rows`
+             prompts per data-parallel group and one token for every decoding slot, as one batch of flat tokens
+             [G * (prefill_rows * prefill_chunk) + max_slots, 1]: the projections and experts read their weights
+             once for both, and attention runs per kind of sequence (`nn.kv_store.SegmentedPagedKV`)
     decode   [max_slots, 1]: one token for every decoding slot (idle slots store nothing)
 
-each compiled for a few page-table widths (powers of two up to max_model_len / page_size pages, `page_widths`):
+(`mixed_steps=False` runs a separate prefill program [G * prefill_rows, prefill_chunk] before the decode one
+instead), each compiled for a few page-table widths (powers of two up to max_model_len / page_size pages, `page_widths`):
 a step reads only the pages its longest row needs, so short requests do not pay for the longest context. New
 prompts are prefilled in chunks between decode steps, and nothing recompiles as requests come and go.
 Both programs sample each row by its own request's settings (`sampling.next_tokens_per_row`, seeded per request)
@@ -53,7 +56,7 @@ from .paged import PageBook, init_page_pools
 from .sampling import Sampling, next_tokens_per_row
 
 # What process 0 sends first for each step of a led multi-process job: which program, then its inputs' shape.
-PROGRAM_CODES = {"prefill": 0, "decode": 1}
+PROGRAM_CODES = {"prefill": 0, "decode": 1, "mixed": 2}
 STOP_CODE = -1
 IDLE_CODE = -2   # nothing to run: keeps the followers' collective from timing out while the server waits
 
@@ -142,7 +145,9 @@ class ContinuousBatchingConfig:
     """max_slots: requests decoded together (the decode program's rows; a multiple of the data-parallel size);
     page_size: tokens per page; max_model_len: the longest prompt + generation a slot holds; num_pages: pages in
     all pools together (default: every slot at max_model_len, so only slots limit admission); prefill_chunk:
-    prompt tokens per row of a prefill step; prefill_rows: prompts prefilled together per data-parallel group."""
+    prompt tokens per row of a prefill step; prefill_rows: prompts prefilled together per data-parallel group;
+    mixed_steps: a step that prefills also decodes, in one program (the weights read once), rather than running a
+    prefill program and then a decode program."""
 
     max_slots: int = 8
     page_size: int = 16
@@ -150,6 +155,7 @@ class ContinuousBatchingConfig:
     num_pages: int | None = None
     prefill_chunk: int = 128
     prefill_rows: int = 1
+    mixed_steps: bool = True
 
 
 @dataclass
@@ -198,7 +204,7 @@ class ServingEngine:
         self.requests: dict[str, Request] = {}
         self._programs: dict[tuple, Callable] = {}
         self.compilations = 0
-        self.steps = {"prefill": 0, "decode": 0}
+        self.steps = {"prefill": 0, "decode": 0, "mixed": 0}
         self.generated_tokens = 0
         mesh, axes = model.mesh, model.layout.batch_axes
         self._rows = NamedSharding(mesh, P(spec_entry(axes)))
@@ -253,10 +259,13 @@ class ServingEngine:
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Admit what fits, run one prefill chunk (if any prompt waits for one) and one decode step (if any
-        request decodes) -> what each request got."""
+        request decodes) -> what each request got. With `mixed_steps` both are one program."""
         self._admit()
         events = []
         prefilling = [r for r in self.slots if r is not None and r.output.status == RequestStatus.PREFILLING]
+        if prefilling and self.config.mixed_steps:
+            decoding = [r for r in self.slots if r is not None and r.output.status == RequestStatus.DECODING]
+            return self._mixed(prefilling, decoding)
         if prefilling:
             events += self._prefill(prefilling)
         # A prompt that just finished prefilling decodes its second token in the same step.
@@ -293,53 +302,87 @@ class ServingEngine:
         row[:len(request.pages)] = request.pages
         return row
 
+    def _chosen_for_prefill(self, prefilling: list[Request]) -> list[list[Request]]:
+        """Per data-parallel group, the prompts (at most `prefill_rows`, oldest slot first) whose next chunk this
+        step prefills."""
+        chosen: list[list[Request]] = [[] for _ in range(self.groups)]
+        for request in prefilling:
+            if len(chosen[request.group]) < self.config.prefill_rows:
+                chosen[request.group].append(request)
+        return chosen
+
     def _prefill(self, prefilling: list[Request]) -> list[StepEvent]:
-        config = self.config
-        rows, chunk = self.groups * config.prefill_rows, config.prefill_chunk
-        chosen: list[Request | None] = [None] * rows
-        for request in prefilling:   # oldest slot first within each group
-            base = request.group * config.prefill_rows
-            for i in range(base, base + config.prefill_rows):
-                if chosen[i] is None:
-                    chosen[i] = request
-                    break
-        inputs = self._host_inputs(rows, chunk)
-        counts = []
-        for row, request in enumerate(chosen):
-            if request is None:
-                counts.append(0)
-                continue
-            piece = request.prompt_ids[request.prefilled:request.prefilled + chunk]
-            inputs["ids"][row, :len(piece)] = piece
-            inputs["mask"][row, :len(piece)] = 1
-            inputs["page_table"][row] = self._page_row(request)
-            inputs["lengths"][row] = request.prefilled
-            self._sampling_inputs(inputs, row, request)
-            counts.append(len(piece))
+        rows_per_group = self.config.prefill_rows
+        inputs = self._host_inputs(self.groups * rows_per_group, self.config.prefill_chunk)
+        placed = [(group * rows_per_group + i, request)
+                  for group, requests in enumerate(self._chosen_for_prefill(prefilling))
+                  for i, request in enumerate(requests)]
+        counts = [self._prefill_row(inputs, row, request) for row, request in placed]
         tokens = self._run("prefill", inputs)
         self.steps["prefill"] += 1
-        events = []
-        for row, request in enumerate(chosen):
-            if request is None:
-                continue
-            request.prefilled += counts[row]
-            if request.prefilled == len(request.prompt_ids):
-                request.output.status = RequestStatus.DECODING
-                events.append(self._emit(request, int(tokens[row])))
-        return events
+        return self._prefilled(placed, counts, tokens)
 
     def _decode(self, decoding: list[Request]) -> list[StepEvent]:
         inputs = self._host_inputs(self.config.max_slots, 1)
         for request in decoding:
-            row = request.slot
-            inputs["ids"][row, 0] = request.output.generated_tokens[-1]
-            inputs["mask"][row, 0] = 1
-            inputs["page_table"][row] = self._page_row(request)
-            inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
-            self._sampling_inputs(inputs, row, request)
+            self._decode_row(inputs, request.slot, request)
         tokens = self._run("decode", inputs)
         self.steps["decode"] += 1
         return [self._emit(request, int(tokens[request.slot])) for request in decoding]
+
+    def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
+        """One program for a prefill chunk and a decode step: per group, `prefill_rows` prompt rows of
+        `prefill_chunk` tokens, then the group's slots (one token each) -> what each request got (prompts that
+        finished prefilling: their first token; decoding requests: their next)."""
+        rows_per_group, per_group = self.config.prefill_rows, self.config.max_slots // self.groups
+        stride = rows_per_group + per_group
+        inputs = self._host_inputs(self.groups * stride, self.config.prefill_chunk)
+        placed = [(group * stride + i, request)
+                  for group, requests in enumerate(self._chosen_for_prefill(prefilling))
+                  for i, request in enumerate(requests)]
+        counts = [self._prefill_row(inputs, row, request) for row, request in placed]
+        decode_rows = {request.request_id: self._mixed_decode_row(request.slot) for request in decoding}
+        for request in decoding:
+            self._decode_row(inputs, decode_rows[request.request_id], request)
+        tokens = self._run("mixed", inputs)
+        self.steps["mixed"] += 1
+        events = self._prefilled(placed, counts, tokens)
+        return events + [self._emit(request, int(tokens[decode_rows[request.request_id]])) for request in decoding]
+
+    def _mixed_decode_row(self, slot: int) -> int:
+        """The row of slot `slot` in a mixed step's inputs (each group's prompt rows come before its slots)."""
+        per_group = self.config.max_slots // self.groups
+        group, within = divmod(slot, per_group)
+        return group * (self.config.prefill_rows + per_group) + self.config.prefill_rows + within
+
+    def _prefill_row(self, inputs: dict, row: int, request: Request) -> int:
+        """Put `request`'s next prompt chunk in row `row` -> its tokens."""
+        piece = request.prompt_ids[request.prefilled:request.prefilled + self.config.prefill_chunk]
+        inputs["ids"][row, :len(piece)] = piece
+        inputs["mask"][row, :len(piece)] = 1
+        inputs["page_table"][row] = self._page_row(request)
+        inputs["lengths"][row] = request.prefilled
+        self._sampling_inputs(inputs, row, request)
+        return len(piece)
+
+    def _decode_row(self, inputs: dict, row: int, request: Request) -> None:
+        """Put `request`'s last token in row `row`, to store it and sample the next."""
+        inputs["ids"][row, 0] = request.output.generated_tokens[-1]
+        inputs["mask"][row, 0] = 1
+        inputs["page_table"][row] = self._page_row(request)
+        inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
+        self._sampling_inputs(inputs, row, request)
+
+    def _prefilled(self, placed: list[tuple[int, Request]], counts: list[int], tokens: np.ndarray
+                   ) -> list[StepEvent]:
+        """Advance each prefilled prompt by its chunk; one that is whole now decodes and gets its first token."""
+        events = []
+        for (row, request), count in zip(placed, counts):
+            request.prefilled += count
+            if request.prefilled == len(request.prompt_ids):
+                request.output.status = RequestStatus.DECODING
+                events.append(self._emit(request, int(tokens[row])))
+        return events
 
     def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:
         return dict(ids=np.zeros((rows, length), np.int32), mask=np.zeros((rows, length), np.int32),
@@ -409,8 +452,10 @@ class ServingEngine:
     def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compile every program a step can run (prefill and decode at each page width) now, so no request
         waits for a compilation; `progress(done, total)` after each. Returns how many were compiled."""
-        shapes = [("prefill", self.groups * self.config.prefill_rows, self.config.prefill_chunk),
-                  ("decode", self.config.max_slots, 1)]
+        config = self.config
+        shapes = [("mixed", self.groups * config.prefill_rows + config.max_slots, config.prefill_chunk)
+                  if config.mixed_steps else ("prefill", self.groups * config.prefill_rows, config.prefill_chunk),
+                  ("decode", config.max_slots, 1)]
         work = [(name, rows, length, width) for name, rows, length in shapes for width in self.page_widths]
         for done, (name, rows, length, width) in enumerate(work, 1):
             self._program(name, self._placed(self._host_inputs(rows, length), width), length)
@@ -438,7 +483,8 @@ class ServingEngine:
         key = (name, (placed[0].shape[0], length), width)
         program = self._programs.get(key)
         if program is None:
-            program = jax.jit(partial(self._step_math, length=length), donate_argnums=(1, 2)).lower(
+            program = jax.jit(partial(self._step_math, length=length, mixed=name == "mixed"),
+                              donate_argnums=(1, 2)).lower(
                 self.params, self.keys, self.values, *placed).compile()
             self._programs[key] = program
             self.compilations += 1
@@ -496,9 +542,10 @@ class ServingEngine:
             self._execute(names[code], np.asarray(ints), np.asarray(floats), length)
             steps += 1
 
-    def _step_math(self, params, keys, values, ints, floats, *, length: int):
+    def _step_math(self, params, keys, values, ints, floats, *, length: int, mixed: bool = False):
         """The pools and one step's rows (`_placed`'s two arrays) -> (new ids [rows], the pools with the new
-        tokens stored)."""
+        tokens stored). mixed: each group's rows are `prefill_rows` prompt chunks then its slots' one token each
+        (`_mixed`), run as flat tokens."""
         width = ints.shape[1] - 2 * length - 5
         columns = [length, length, width, 1, 1, 1, 1, 1]
         ids, mask, page_table, lengths, do_sample, top_k, seeds, counters = jnp.split(
@@ -506,12 +553,22 @@ class ServingEngine:
         inputs = dict(ids=ids, mask=mask, page_table=page_table, lengths=lengths[:, 0], do_sample=do_sample[:, 0] > 0,
                       top_k=top_k[:, 0], seeds=jax.lax.bitcast_convert_type(seeds[:, 0], jnp.uint32),
                       counters=counters[:, 0], temperature=floats[:, 0], top_p=floats[:, 1])
-        cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"], lengths=inputs["lengths"])
         mask = inputs["mask"]
-        out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
-                                   inference=True, return_hidden=True)
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
-        hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
+        if mixed:
+            segments = self._segments(length)
+            cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
+                                 lengths=inputs["lengths"], segments=segments)
+            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], length),
+                                       attention_mask=self._flat_tokens(mask, length), cache=cache, capacity=None,
+                                       inference=True, return_hidden=True)
+            hidden = self._sampled_tokens(out.hidden_states, last, segments)
+        else:
+            cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
+                                 lengths=inputs["lengths"])
+            out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
+                                       inference=True, return_hidden=True)
+            hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
         logits = self.model.head_logits(self.model.layer_stack.nest(params), hidden)[:, 0]
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
@@ -524,6 +581,27 @@ class ServingEngine:
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         tokens = jax.lax.with_sharding_constraint(tokens, self._replicated)
         return tokens, out.cache.keys, out.cache.values
+
+    def _segments(self, length: int) -> tuple[tuple[int, int], ...]:
+        """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""
+        return (self.config.prefill_rows, length), (self.config.max_slots // self.groups, 1)
+
+    def _flat_tokens(self, rows: jax.Array, length: int) -> jax.Array:
+        """rows: [G * Q, C] a mixed step's rows -> [G * Ng, 1] its tokens: each group's prompt chunks whole, then
+        its slots' first column."""
+        grouped = rows.reshape(self.groups, -1, length)
+        prompts = grouped[:, :self.config.prefill_rows].reshape(self.groups, -1)
+        return jnp.concatenate([prompts, grouped[:, self.config.prefill_rows:, 0]], axis=1).reshape(-1, 1)
+
+    def _sampled_tokens(self, hidden: jax.Array, last: jax.Array, segments) -> jax.Array:
+        """hidden: [G * Ng, 1, H] a mixed step's flat tokens; last: [G * Q] each row's last real token in its row
+        -> [G * Q, 1, H] the hidden state each row samples from."""
+        (prompts, chunk), (slots, _) = segments
+        last = last.reshape(self.groups, -1)
+        where = jnp.concatenate([jnp.arange(prompts) * chunk + last[:, :prompts],
+                                 jnp.broadcast_to(prompts * chunk + jnp.arange(slots), (self.groups, slots))], axis=1)
+        grouped = hidden.reshape(self.groups, -1, hidden.shape[-1])
+        return jnp.take_along_axis(grouped, where[..., None], axis=1).reshape(-1, 1, hidden.shape[-1])
 
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:

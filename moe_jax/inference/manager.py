@@ -210,7 +210,7 @@ class ContinuousBatchingManager:
                     page_size=engine.config.page_size, requests_waiting=len(engine.waiting) + len(self._incoming),
                     requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
                     generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
-                    decode_steps=engine.steps["decode"], compiled_programs=len(engine.compiled_shapes),
+                    decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"], compiled_programs=len(engine.compiled_shapes),
                     tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0)
 
     # ---- the engine's thread -------------------------------------------------------------------------

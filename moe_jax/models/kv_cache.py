@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ..nn.kv_store import ContiguousKV, PagedKV, RingKV
+from ..nn.kv_store import ContiguousKV, PagedKV, RingKV, SegmentedPagedKV, segment_token_index, segment_tokens
 
 
 @dataclass
@@ -75,12 +75,17 @@ class PagedKVCache:
     g reads and writes only pool g); page_table: [B, M] each row's pages in order (indices into its group's pool;
     rows g*B/G .. (g+1)*B/G - 1 are group g's); lengths: [B] int32 tokens each row holds. Which pages a row owns is
     the host's bookkeeping (`moe_jax.inference.paged`); a step only reads the table. Sliding-window layers keep
-    every page (their window is a mask)."""
+    every page (their window is a mask).
+
+    segments: None for a step of input_ids [B, S] (row b of the step is sequence b); or, for a step of flat tokens
+    input_ids [G * Ng, 1] drawn from sequences of several lengths, ((sequences, tokens each), ...) of one group
+    (`nn.kv_store.SegmentedPagedKV`), with page_table and lengths per sequence [G * Q, ...]."""
 
     keys: dict[str, jax.Array]
     values: dict[str, jax.Array]
     page_table: jax.Array
     lengths: jax.Array
+    segments: tuple[tuple[int, int], ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -91,31 +96,48 @@ class PagedKVCache:
         return next(iter(self.keys.values())).shape[3]
 
     @property
+    def groups(self) -> int:
+        return next(iter(self.keys.values())).shape[0]
+
+    @property
     def max_length(self) -> int:
         """The tokens a row's page table can address."""
         return self.page_table.shape[1] * self.page_size
 
     @property
     def next_index(self) -> jax.Array:
-        """[B, 1]: each row's next token's index, which is its position (a slot's sequence starts at 0)."""
-        return self.lengths[:, None]
+        """[B, 1] (or [G * Ng, 1] by segments): each row's (token's) next index, which is its position (a slot's
+        sequence starts at 0)."""
+        if self.segments is None:
+            return self.lengths[:, None]
+        return segment_token_index(self.lengths, self.segments, self.groups)[:, None]
 
     def begin(self, attention_mask: jax.Array) -> CacheStep:
-        """The step that appends each row's real new tokens (attention_mask: [B, S], real tokens first) after its
-        `lengths[row]` stored ones."""
+        """The step that appends each row's real new tokens (attention_mask: [B, S], real tokens first; by
+        segments [G * Ng, 1]) after its sequence's `lengths` stored ones."""
+        if self.segments is None:
+            added = jnp.sum(attention_mask > 0, axis=1)
+            view = lambda arrays, layer: PagedKV(arrays, self.page_table, self.lengths,  # noqa: E731
+                                                 attention_mask, layer)
+        else:
+            sequence, _ = segment_tokens(self.segments)
+            real = (attention_mask.reshape(self.groups, -1) > 0).astype(self.lengths.dtype)       # [G, Ng]
+            added = jax.vmap(lambda row: jnp.zeros(self.lengths.shape[0] // self.groups, row.dtype)
+                             .at[sequence].add(row))(real).reshape(-1)
+            view = lambda arrays, layer: SegmentedPagedKV(arrays, self.page_table, self.lengths,  # noqa: E731
+                                                          attention_mask, self.segments, layer)
+
         def finish(stored: dict[str, tuple]) -> PagedKVCache:
             return PagedKVCache(keys={key: pair[0] for key, pair in stored.items()},
                                 values={key: pair[1] for key, pair in stored.items()}, page_table=self.page_table,
-                                lengths=self.lengths + jnp.sum(attention_mask > 0, axis=1).astype(self.lengths.dtype))
+                                lengths=self.lengths + added.astype(self.lengths.dtype), segments=self.segments)
 
-        return CacheStep(arrays=lambda key: (self.keys[key], self.values[key]),
-                         view=lambda key: lambda arrays, layer: PagedKV(arrays, self.page_table, self.lengths,
-                                                                        attention_mask, layer),
+        return CacheStep(arrays=lambda key: (self.keys[key], self.values[key]), view=lambda key: view,
                          finish=finish)
 
 
 jax.tree_util.register_dataclass(
-    PagedKVCache, data_fields=["keys", "values", "page_table", "lengths"], meta_fields=[])
+    PagedKVCache, data_fields=["keys", "values", "page_table", "lengths"], meta_fields=["segments"])
 
 
 @dataclass(frozen=True)

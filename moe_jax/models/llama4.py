@@ -166,9 +166,11 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
         out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk,
                      segment_ids=step.segment_ids)
     else:
-        (keys, values), mask_options, stored = layer_kv.store(k, v)
-        out = attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
-                     attention_chunk_size=chunk, **mask_options)
+        def core(q, keys, values, **mask_options):
+            return attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
+                          attention_chunk_size=chunk, **mask_options)
+
+        out, stored = layer_kv.attend(core, q, k, v)
     batch, sequence = h.shape[:2]
     out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
     return constrain(out, ("batch", "length", "embed")), stored

@@ -434,8 +434,8 @@ def cached_attention(
     prompt joining a continuous batch).
 
     hidden: [B, S, H]; cos, sin: [B, S, D] at the new tokens' positions
-    layer_kv: the layer's storage (`kv_store.ContiguousKV`, `RingKV` or `PagedKV`): it stores the new keys and
-        values and says which keys each query sees (its mask options)
+    layer_kv: the layer's storage (`nn.kv_store`): it stores the new keys and values and runs the attention core
+        over the keys each query sees
     -> (out [B, S, H], the layer's stored arrays with the new tokens)
 
     Masking is `attend`'s (causal by key index, sliding window, padding). A ring of `sliding_window - 1`
@@ -448,11 +448,13 @@ def cached_attention(
     )
     q, k = apply_rotary(q, k, cos, sin)
     q, k = q.astype(v.dtype), k.astype(v.dtype)
-    (keys, values), mask_options, stored = layer_kv.store(k, v)
-    out = attend(
-        q, keys.astype(v.dtype), values.astype(v.dtype), scale=head_dim**-0.5, sliding_window=sliding_window,
-        implementation=implementation, sinks=params.get("sinks"), **mask_options,
-    )
+
+    def core(q, keys, values, **mask_options):
+        return attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=head_dim**-0.5,
+                      sliding_window=sliding_window, implementation=implementation, sinks=params.get("sinks"),
+                      **mask_options)
+
+    out, stored = layer_kv.attend(core, q, k, v)
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)),
                     ("batch", "length", "embed"))
     return out, stored

@@ -1,16 +1,21 @@
 """Where one attention layer's cached keys and values live, and how S new tokens join them.
 
-An attention layer with a cache projects its new tokens' keys and values, hands them to its `LayerKV`, and attends
-over what comes back; the layer never knows the storage:
+An attention layer with a cache projects its new tokens' keys and values and hands them, with its queries and
+its attention core, to its storage, which stores them and runs the core over what each query may see; the layer
+never knows the storage:
 
-    (keys, values), mask_options, stored = layer_kv.store(k, v)     # k, v: [B, S, K, D]
-    out = attend(q, keys, values, **mask_options)                    # query_index, key_padding_mask
+    out, stored = layer_kv.attend(core, q, k, v)    # q: [B, S, N, D]; k, v: [B, S, K, D]
+    # core(q, keys, values, **mask_options) -> [B', S', N, D]; mask_options: query_index, key_padding_mask
 
-Three storages (what a "value" is per token is the layer's: DeepSeek stores its latent and rotated key):
-    ContiguousKV  [B, T, K, D], every row writes its new tokens at the same slot (`generate`'s cache)
-    RingKV        [B, R, K, D], a sliding window's last R tokens in order (the oldest drop off)
-    PagedKV       pools of fixed-size pages [G, L, pages, P, K, D] shared by the rows of each data-parallel group
-                  (G groups), a page table per row and each row's own length (continuous batching)
+Four storages (what a "value" is per token is the layer's: DeepSeek stores its latent and rotated key):
+    ContiguousKV      [B, T, K, D], every row writes its new tokens at the same slot (`generate`'s cache)
+    RingKV            [B, R, K, D], a sliding window's last R tokens in order (the oldest drop off)
+    PagedKV           pools of fixed-size pages [G, L, pages, P, K, D] shared by the rows of each data-parallel
+                      group (G groups), a page table per row and each row's own length (continuous batching)
+    SegmentedPagedKV  the same pools, for a step whose tokens come one per row ([N, 1]) from sequences of several
+                      lengths (a prompt chunk's tokens and the decoding rows' one token each, in one program):
+                      the core runs once per segment of equal-length sequences
+The first three store, then run the core once over their views (`store`).
 
 `first_index` is the cache index of each row's first new token ([B, 1], or a scalar every row shares); with
 continuous batching it is also the token's position, since a slot's sequence starts at index 0.
@@ -23,14 +28,25 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _layer_slice(array: jax.Array, layer) -> jax.Array:
     return array if layer is None else jax.lax.dynamic_index_in_dim(array, layer, keepdims=False)
 
 
+class _AttendsOnce:
+    """A storage whose rows are the queries' rows: store, then one call of the core over the views."""
+
+    def attend(self, core, q: jax.Array, *new: jax.Array):
+        """q: [B, S, N, D]; new: what the layer stores per token, [B, S, ...] each -> (core's output [B, S, N, D],
+        the stored arrays)."""
+        views, mask_options, stored = self.store(*new)
+        return core(q, *views, **mask_options), stored
+
+
 @dataclass(frozen=True)
-class ContiguousKV:
+class ContiguousKV(_AttendsOnce):
     """arrays: (keys, values) [B, T, ...], or the whole run's [L, B, T, ...] with `layer` the row to use (a
     scanned run carries its cache whole, so each layer's write is a small in-place update rather than a copy of
     its slice); the new tokens go to slots [slot, slot + S) of every row.
@@ -62,7 +78,7 @@ class ContiguousKV:
 
 
 @dataclass(frozen=True)
-class RingKV:
+class RingKV(_AttendsOnce):
     """arrays: (keys, values) [B, R, ...] (or [L, B, R, ...] with `layer`), a sliding window's last R tokens,
     oldest first; the new tokens are appended and the oldest dropped. key_mask: [B, R + S], the ring's mask
     followed by the new tokens'."""
@@ -88,7 +104,7 @@ class RingKV:
 
 
 @dataclass(frozen=True)
-class PagedKV:
+class PagedKV(_AttendsOnce):
     """One layer's view of a run's page pools.
 
     arrays: (keys, values) [G, L, pages, P, ...]: the run's pools (G data-parallel groups, each row reading only
@@ -130,9 +146,90 @@ class PagedKV:
         return views, dict(key_padding_mask=key_mask, query_index=index), stored
 
 
+def segment_tokens(segments: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """segments: ((sequences, tokens each), ...) of one data-parallel group, in order -> (the sequence [Ng] and the
+    offset within it [Ng] of each of the group's Ng tokens, sequences numbered across segments)."""
+    sequence, offset, first = [], [], 0
+    for count, length in segments:
+        sequence.append(np.repeat(np.arange(first, first + count), length))
+        offset.append(np.tile(np.arange(length), count))
+        first += count
+    return np.concatenate(sequence).astype(np.int32), np.concatenate(offset).astype(np.int32)
+
+
+def segment_token_index(lengths: jax.Array, segments: tuple[tuple[int, int], ...], groups: int) -> jax.Array:
+    """lengths: [G * Q] tokens each sequence holds (Q sequences a group) -> [G * Ng] each flat token's cache index,
+    which is its position."""
+    sequence, offset = segment_tokens(segments)
+    return (lengths.reshape(groups, -1)[:, sequence] + offset).reshape(-1)
+
+
+@dataclass(frozen=True)
+class SegmentedPagedKV:
+    """One layer's view of the page pools for a step of flat tokens, one per row: [G * Ng, 1] queries, Ng tokens a
+    data-parallel group, laid out group by group as `segments` says: ((sequences, tokens each), ...), e.g.
+    ((1, 128), (8, 1)) for one prompt's 128-token chunk then 8 decoding rows' one token each.
+
+    arrays: (keys, values) pools [G, L, pages, P, ...] (`PagedKV`); layer: this layer's row of them
+    page_table: [G * Q, W] each sequence's pages (Q sequences a group, in segment order)
+    lengths: [G * Q] tokens each sequence stored before this step
+    new_mask: [G * Ng, 1] 1 for a real token (a sequence's real tokens come first)
+    Every token is written first, then each segment's sequences attend as `PagedKV`'s rows do ([sequences, tokens]
+    queries against their W pages): the same attention as separate steps, while everything outside attention
+    (projections, experts) runs once over all the step's tokens."""
+
+    arrays: tuple[jax.Array, jax.Array]
+    page_table: jax.Array
+    lengths: jax.Array
+    new_mask: jax.Array
+    segments: tuple[tuple[int, int], ...]
+    layer: jax.Array = 0
+
+    @property
+    def first_index(self) -> jax.Array:
+        """[G * Ng, 1]: each token's cache index (= its position)."""
+        return segment_token_index(self.lengths, self.segments, self.arrays[0].shape[0])[:, None]
+
+    def attend(self, core, q: jax.Array, *new: jax.Array):
+        """q: [G * Ng, 1, N, D]; new: [G * Ng, 1, ...] each -> (core's output [G * Ng, 1, N, D], the pools with the
+        new tokens written)."""
+        groups, _, pages, page_size = self.arrays[0].shape[:4]
+        width = self.page_table.shape[1]
+        sequence, offset = segment_tokens(self.segments)
+        tables = self.page_table.reshape(groups, -1, width)                              # [G, Q, W]
+        lengths = self.lengths.reshape(groups, -1)                                       # [G, Q]
+        real = self.new_mask.reshape(groups, -1) > 0                                     # [G, Ng]
+        index = lengths[:, sequence] + offset                                            # [G, Ng]
+        page = jnp.take_along_axis(tables[:, sequence], jnp.minimum(index // page_size, width - 1)[..., None],
+                                   axis=2)[..., 0]
+        page = jnp.where(real, page, pages)                       # out of range: dropped by the scatter
+        write = jax.vmap(partial(_write_pages, layer=self.layer))
+        per_group = lambda a: a.reshape(groups, -1, *a.shape[2:])  # noqa: E731   [G * Ng, 1, ...] -> [G, Ng, ...]
+        stored = tuple(write(array, page, index % page_size, per_group(update.astype(array.dtype)))
+                       for array, update in zip(self.arrays, new))
+        read = jax.vmap(partial(_read_pages, layer=self.layer))
+        queries = per_group(q)
+        outputs, first_token, first_sequence = [], 0, 0
+        for count, length in self.segments:
+            rows = groups * count
+            tokens = slice(first_token, first_token + count * length)
+            sequences = slice(first_sequence, first_sequence + count)
+            views = tuple(read(array, tables[:, sequences]).reshape(rows, width * page_size, *array.shape[4:])
+                          for array in stored)
+            stored_count = lengths[:, sequences] + real[:, tokens].reshape(groups, count, length).sum(axis=2)
+            key_mask = jnp.arange(width * page_size)[None, :] < stored_count.reshape(rows, 1)
+            query_index = lengths[:, sequences].reshape(rows, 1) + jnp.arange(length)
+            segment_q = queries[:, tokens].reshape(rows, length, *q.shape[2:])
+            out = core(segment_q, *views, key_padding_mask=key_mask, query_index=query_index)
+            outputs.append(out.reshape(groups, count * length, *out.shape[2:]))
+            first_token += count * length
+            first_sequence += count
+        return jnp.concatenate(outputs, axis=1).reshape(q.shape[0], 1, *outputs[0].shape[2:]), stored
+
+
 def _write_pages(pools: jax.Array, page: jax.Array, offset: jax.Array, update: jax.Array, *, layer) -> jax.Array:
-    """pools: [L, pages, P, ...] (one group's); page, offset: [b, S]; update: [b, S, ...] -> the pools with each
-    token written at layer `layer` (a page index past the pool drops its token)."""
+    """pools: [L, pages, P, ...] (one group's); page, offset: [b, S] (or [n]); update: [b, S, ...] (or [n, ...])
+    -> the pools with each token written at layer `layer` (a page index past the pool drops its token)."""
     return pools.at[layer, page, offset].set(update, mode="drop")
 
 

@@ -119,14 +119,17 @@ def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, 
     """`latent_attention` for S new tokens against a cache (prefill into an empty cache, decode, or a prompt chunk).
 
     layer_kv: the layer's storage of (latents [.., 1, C], rotated keys [.., 1, R]) (`kv_store`): it stores the new
-        pair and hands back every stored pair the queries may see, with the mask options
+        pair and runs the attention core (the stored pairs expanded to keys and values) over those each query sees
     -> (out [B, S, H], the stored arrays with the new tokens)
     """
     batch, seq, _ = hidden.shape
     q = latent_query(params, hidden, dims, cos, sin, constrain)
     latent, k_rot = latent_compression(params, hidden, dims, cos, sin, constrain)
-    (latents, rotated_keys), mask_options, stored = layer_kv.store(latent, k_rot)
-    keys, values = expand_latent(params, latents.astype(latent.dtype), rotated_keys, dims, constrain)
-    out = attend_latent(q, keys, values, dims, **mask_options)
+
+    def core(q, latents, rotated_keys, **mask_options):
+        keys, values = expand_latent(params, latents.astype(latent.dtype), rotated_keys, dims, constrain)
+        return attend_latent(q, keys, values, dims, **mask_options)
+
+    out, stored = layer_kv.attend(core, q, latent, k_rot)
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
     return out, stored

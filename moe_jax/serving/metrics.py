@@ -3,7 +3,7 @@
     moe_jax_slots_in_use / _slots_total, moe_jax_pages_free / _pages_total, moe_jax_requests_waiting /
     _requests_running, moe_jax_requests_finished_total, moe_jax_generated_tokens_total,
     moe_jax_tokens_per_second (the last seconds), moe_jax_prefill_steps_total, moe_jax_decode_steps_total,
-    moe_jax_compiled_programs, and two summaries, moe_jax_time_to_first_token_seconds and
+    moe_jax_mixed_steps_total, moe_jax_compiled_programs, and two summaries, moe_jax_time_to_first_token_seconds and
     moe_jax_inter_token_latency_seconds: count and sum since the start, quantiles 0.5 and 0.99 over the
     latest requests (`LatencyStats.window`).
 """
@@ -28,7 +28,9 @@ MANAGER_METRICS = (
     ("tokens_per_second", "tokens_per_s", "gauge", "Tokens generated per second over the last seconds."),
     ("prefill_steps_total", "prefill_steps", "counter", "Prefill steps run."),
     ("decode_steps_total", "decode_steps", "counter", "Decode steps run."),
-    ("compiled_programs", "compiled_programs", "gauge", "Programs compiled (prefill and decode, per page-table width)."),
+    ("mixed_steps_total", "mixed_steps", "counter", "Steps that prefilled a prompt chunk and decoded in one program."),
+    ("compiled_programs", "compiled_programs", "gauge",
+     "Programs compiled (mixed or prefill, and decode; per page-table width)."),
 )
 QUANTILES = (0.5, 0.99)
 

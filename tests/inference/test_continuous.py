@@ -74,8 +74,10 @@ def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_time
         assert request.output.generated_tokens == list(expected), request.request_id
         assert request.output.finish_reason == "length"
     assert engine.book.free_pages() == engine.book.total_pages
-    assert {(name, shape) for name, shape, _ in engine.compiled_shapes} == {("decode", (2, 1)), ("prefill", (1, 3))}
+    # Steps that prefill also decode (one program of 1 prompt row + 2 slots); steps that only decode.
+    assert {(name, shape) for name, shape, _ in engine.compiled_shapes} == {("decode", (2, 1)), ("mixed", (3, 3))}
     assert {width for _, _, width in engine.compiled_shapes} <= set(engine.page_widths)
+    assert engine.steps["prefill"] == 0 and engine.steps["mixed"] > 0
 
 
 # One 8-device layout here (4 data-parallel groups, each its own pool; latent pages; token dispatch); every family on
@@ -126,9 +128,11 @@ def test_nothing_recompiles_as_requests_come_and_go():
 
 def test_requests_wait_for_pages_and_every_page_comes_back():
     """Pages for one slot at max_model_len and two slots: the second request waits until the first frees
-    its pages, then gets the same greedy tokens it gets alone."""
+    its pages, then gets the same greedy tokens it gets alone. (Separate prefill and decode programs here,
+    `mixed_steps=False`: the other tests run mixed steps.)"""
     prompts, greedy, _ = fixture_prompts("mixtral")
-    config = ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=32, num_pages=8, prefill_chunk=4)
+    config = ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=32, num_pages=8, prefill_chunk=4,
+                                      mixed_steps=False)
     engine = ServingEngine(load("mixtral"), config)
     first, second = (Request(f"p{i}", prompts[i], RequestSettings(max_new_tokens=NEW_TOKENS)) for i in (0, 1))
     engine.add(first)
@@ -140,6 +144,7 @@ def test_requests_wait_for_pages_and_every_page_comes_back():
         engine.step()
     assert first.output.generated_tokens == list(greedy[0]) and second.output.generated_tokens == list(greedy[1])
     assert engine.book.free_pages() == engine.book.total_pages
+    assert {name for name, _, _ in engine.compiled_shapes} == {"prefill", "decode"} and engine.steps["mixed"] == 0
 
 
 def test_cancel_frees_the_slot_and_pages_at_once():

@@ -243,7 +243,8 @@ def test_health_models_and_metrics(served):
     assert metrics["moe_jax_inter_token_latency_seconds_count"] >= 2
     compiled = served.manager.engine.compiled_shapes
     assert metrics["moe_jax_compiled_programs"] == len(compiled) and {entry[0] for entry in compiled} == {
-        "prefill", "decode"}
+        "mixed", "decode"}
+    assert metrics["moe_jax_mixed_steps_total"] >= 1 and metrics["moe_jax_prefill_steps_total"] == 0
 
 
 def wait_idle(served, timeout=30.0) -> dict[str, float]:
@@ -339,7 +340,7 @@ def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
         started = lines[-1] if lines else ""
         assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
         assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "4 pages of 16 tokens" in started
-        assert "decode [2, 1]" in started and "prefill [1, 16]" in started
+        assert "decode [2, 1]" in started and "mixed [3, 16]" in started
         url = re.search(r"(http://\S+/v1)", started).group(1)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         response = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0)
