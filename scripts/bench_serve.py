@@ -5,6 +5,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
     python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots 8] [--prompt 16-256]
                                   [--output 16-128] [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
+                                  [--huge-pages on|off] [--no-mixed-steps]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
@@ -18,7 +19,12 @@ ranges, token ids random), then measures, each in a fresh process:
 - reference: Transformers' `init_continuous_batching` manager, every request added at once with its own
   `max_new_tokens` (its default config; one warm-up request first).
 Prints tokens/s (generated tokens of every request / wall seconds of the whole pass), p50 / p99 TTFT and ITL,
-and the ratios ours / static and ours / reference. Greedy on every side.
+and the ratios ours / static and ours / reference. Greedy on every side. `--huge-pages on` (default) runs all
+three processes with glibc's hugetlb tunable where it applies (as the `moe-jax` command runs itself), `off` all
+three without. `--no-mixed-steps`: the server runs separate prefill and decode programs (`moe-jax serve
+--no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to static batches for these requests, at
+equal batch width (static batch decode steps / (generated tokens / slots)): continuous batching cannot beat it by
+scheduling alone when a step costs the same whatever rows it holds.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_vs_reference import SIZES  # noqa: E402
+from bench_vs_reference import SIZES, host_memory_environ  # noqa: E402
 
 from moe_jax.cli.layout_flags import SCAN_CHOICES  # noqa: E402
 
@@ -72,6 +78,14 @@ def draw_requests(count: int, prompt: tuple[int, int], output: tuple[int, int], 
                  max_tokens=int(rng.integers(output[0], output[1] + 1))) for _ in range(count)]
 
 
+def static_ceiling(requests: list[dict], slots: int) -> float:
+    """Decode steps of static batches of `slots` requests in arrival order (each runs to its longest output) over
+    the steps continuous batching needs with every slot always busy (generated tokens / slots)."""
+    outputs = [r["max_tokens"] for r in requests]
+    static_steps = sum(max(outputs[i:i + slots]) for i in range(0, len(outputs), slots))
+    return static_steps / (sum(outputs) / slots)
+
+
 def percentiles(values) -> dict:
     values = np.asarray(values, float)
     if values.size == 0:
@@ -98,9 +112,10 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(workdir / "checkpoint"),
                "--port", str(port), "--max-slots", str(args.max_slots), "--page-size", "16",
-               "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers]
+               "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers,
+               "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
     log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=args.environ)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -247,9 +262,9 @@ class _Never:
         return False
 
 
-def in_fresh_process(role: str, workdir: Path, *extra: str) -> dict:
+def in_fresh_process(role: str, workdir: Path, environ: dict, *extra: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--role", role, "--workdir", str(workdir), *extra],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MOE_JAX_HUGE_PAGES": "0"})
+                         capture_output=True, text=True, cwd=ROOT, env=environ)
     if out.returncode:
         raise RuntimeError(f"{role} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -267,6 +282,10 @@ def main() -> int:
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
                         help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers)")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="every side with glibc's hugetlb tunable (where it applies) or every side without")
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server's mixed prefill + decode steps (moe-jax serve --mixed-steps)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -277,6 +296,8 @@ def main() -> int:
         reference_worker(args.workdir)
         return 0
 
+    environ, host_memory = host_memory_environ(dict(os.environ), args.huge_pages == "on")
+    args.environ = {**environ, "MOE_JAX_HUGE_PAGES": "0"}   # the tunable is set (or not) here, for every side
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         build(workdir, args.size)
@@ -284,12 +305,15 @@ def main() -> int:
         (workdir / "requests.json").write_text(json.dumps(requests))
         print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
               f"{args.output[0]}-{args.output[1]} tokens; {args.clients} clients, {args.max_slots} slots; "
-              f"size {args.size}; scan layers {args.scan_layers}; {os.cpu_count()} CPUs", flush=True)
+              f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
+              f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
+        print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
+              f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)
         rows = {"moe_jax serve": run_ours(workdir, requests, args)}
-        rows["static generate"] = in_fresh_process("static", workdir, "--max-slots", str(args.max_slots),
-                                                   "--scan-layers", args.scan_layers)
+        rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
+                                                   str(args.max_slots), "--scan-layers", args.scan_layers)
         if not args.skip_reference:
-            rows["transformers CB"] = in_fresh_process("reference", workdir)
+            rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ)
     print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
     for name, row in rows.items():
         print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"

@@ -1,13 +1,16 @@
 """Where a `ServingEngine`'s time goes: its programs (placing the inputs, running, reading the new ids) against
 everything else on the host (admission, building and packing inputs, emitting tokens), with no HTTP.
 
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python scripts/profile_engine_host.py
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python scripts/profile_engine_host.py [--rounds 2]
+        [--max-slots 8] [--scan-layers auto|true|false] [--compare-mixed]
 
 bench_serve.py's default model and requests (48, prompts 16-256, outputs 16-128, seed 0) queued at once, 8 slots,
-pages of 16, every program compiled first; two rounds. Needs torch + transformers (the checkpoint is written by
-bench_serve's `build`).
+pages of 16, every program compiled first. --compare-mixed alternates engines with mixed steps (a step that
+prefills also decodes, one program) and without (a prefill program, then a decode program), round by round.
+Needs torch + transformers (the checkpoint is written by bench_serve's `build`).
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -22,29 +25,41 @@ import bench_serve  # noqa: E402
 import jax  # noqa: E402
 
 from moe_jax import AutoModelForCausalLM  # noqa: E402
+from moe_jax.cli.layout_flags import SCAN_CHOICES  # noqa: E402
 from moe_jax.inference import ContinuousBatchingConfig, Request, RequestSettings, ServingEngine  # noqa: E402
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-slots", type=int, default=8)
+    parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto")
+    parser.add_argument("--compare-mixed", action="store_true")
+    args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="moe_jax_engine_host_"))
     bench_serve.build(workdir, "default")
     requests = bench_serve.draw_requests(48, (16, 256), (16, 128), bench_serve.SIZES["default"]["vocab_size"], 0)
-    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False)
+    model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
+                                                 scan_layers=SCAN_CHOICES[args.scan_layers])
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
-    engine = ServingEngine(model, ContinuousBatchingConfig(max_slots=8, page_size=16, max_model_len=max_len))
-    engine.compile_all()
-    inside = {"prefill": 0.0, "decode": 0.0}
+    engines = [ServingEngine(model, ContinuousBatchingConfig(max_slots=args.max_slots, page_size=16,
+                                                             max_model_len=max_len, mixed_steps=mixed))
+               for mixed in ((True, False) if args.compare_mixed else (True,))]
+    for engine in engines:
+        engine.compile_all()
+    inside: dict[str, float] = {}
     original = ServingEngine._execute
 
     def timed(self, name, ints, floats, length):
         began = time.perf_counter()
         out = original(self, name, ints, floats, length)
-        inside[name] += time.perf_counter() - began
+        inside[name] = inside.get(name, 0.0) + time.perf_counter() - began
         return out
 
     ServingEngine._execute = timed
-    for round_ in range(2):
-        inside.update(prefill=0.0, decode=0.0)
+    for round_ in range(args.rounds * len(engines)):
+        engine = engines[round_ % len(engines)]
+        inside.clear()
         for i, r in enumerate(requests):
             engine.add(Request(f"r{round_}-{i}", r["prompt"], RequestSettings(max_new_tokens=r["max_tokens"])))
         steps_before = dict(engine.steps)
@@ -53,10 +68,11 @@ def main() -> int:
         while engine.has_work():
             tokens += len(engine.step())
         wall = time.perf_counter() - began
-        steps = {k: engine.steps[k] - steps_before.get(k, 0) for k in engine.steps}
+        steps = {k: engine.steps[k] - steps_before.get(k, 0) for k in engine.steps if engine.steps[k] > 0}
         program = sum(inside.values())
-        print(f"round {round_}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tokens/s; steps {steps}; "
-              f"programs {program:.2f} s (prefill {inside['prefill']:.2f}, decode {inside['decode']:.2f}); "
+        each = ", ".join(f"{name} {seconds:.2f}" for name, seconds in sorted(inside.items()))
+        print(f"round {round_} (mixed steps {'on' if engine.config.mixed_steps else 'off'}): {tokens} tokens in "
+              f"{wall:.2f} s = {tokens / wall:.0f} tokens/s; steps {steps}; programs {program:.2f} s ({each}); "
               f"host outside programs {wall - program:.2f} s ({(wall - program) / wall:.0%}), "
               f"{(wall - program) / sum(steps.values()) * 1e3:.2f} ms per program call")
     return 0
