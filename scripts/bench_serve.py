@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_vs_reference import SIZES, host_memory_environ  # noqa: E402
 
-from moe_jax.cli.layout_flags import SCAN_CHOICES  # noqa: E402
+from moe_jax.cli.layout_flags import SCAN_CHOICES, decode_scan_layers  # noqa: E402
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -196,7 +196,7 @@ def static_worker(workdir: Path, max_slots: int, scan_layers: str) -> None:
 
     requests = json.loads((workdir / "requests.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
-                                                 scan_layers=SCAN_CHOICES[scan_layers])
+                                                 scan_layers=decode_scan_layers(scan_layers))
     batches = [requests[i:i + max_slots] for i in range(0, len(requests), max_slots)]
 
     def run_batch(batch):
@@ -281,7 +281,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
-                        help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers)")
+                        help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers: auto is "
+                             "unrolled for decoding)")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="every side with glibc's hugetlb tunable (where it applies) or every side without")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,

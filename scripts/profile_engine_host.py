@@ -25,7 +25,7 @@ import bench_serve  # noqa: E402
 import jax  # noqa: E402
 
 from moe_jax import AutoModelForCausalLM  # noqa: E402
-from moe_jax.cli.layout_flags import SCAN_CHOICES  # noqa: E402
+from moe_jax.cli.layout_flags import SCAN_CHOICES, decode_scan_layers  # noqa: E402
 from moe_jax.inference import ContinuousBatchingConfig, Request, RequestSettings, ServingEngine  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> int:
     bench_serve.build(workdir, "default")
     requests = bench_serve.draw_requests(48, (16, 256), (16, 128), bench_serve.SIZES["default"]["vocab_size"], 0)
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
-                                                 scan_layers=SCAN_CHOICES[args.scan_layers])
+                                                 scan_layers=decode_scan_layers(args.scan_layers))
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     engines = [ServingEngine(model, ContinuousBatchingConfig(max_slots=args.max_slots, page_size=16,
                                                              max_model_len=max_len, mixed_steps=mixed))

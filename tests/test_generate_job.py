@@ -47,10 +47,12 @@ def test_scan_layers_flag_sets_the_model_option_of_every_decoding_command():
 
     parser = build_parser()
     for command in (["generate", "--prompt-ids", "1"], ["serve"]):
-        for flag, option in (("auto", "auto"), ("true", True), ("false", False)):
+        for flag, option in (("auto", False), ("true", True), ("false", False)):   # decoding: auto is unrolled
             args = parser.parse_args([*command, "--model", "m", "--scan-layers", flag])
-            assert scan_layers_from_flags(args) == option
-    assert scan_layers_from_flags(parser.parse_args(["serve", "--model", "m"])) == "auto"
+            assert scan_layers_from_flags(args, decoding=True) == option
+    assert scan_layers_from_flags(parser.parse_args(["serve", "--model", "m"]), decoding=True) is False
+    train = parser.parse_args(["train", "--scan-layers", "auto"])
+    assert scan_layers_from_flags(train) == "auto"     # training keeps the model's rule (scan from 4 layers)
 
 
 def test_prompts_given_as_token_ids_need_no_tokenizer(tmp_path, capsys):

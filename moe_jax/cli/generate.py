@@ -150,7 +150,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
-                                                 scan_layers=scan_layers_from_flags(args),
+                                                 scan_layers=scan_layers_from_flags(args, decoding=True),
                                                  **pipeline_options_from_flags(args))
     warn_about_head_split(model)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",

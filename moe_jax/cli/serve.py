@@ -178,7 +178,7 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
     from ..inference.continuous import ServingEngine
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
-                                                 scan_layers=scan_layers_from_flags(args))
+                                                 scan_layers=scan_layers_from_flags(args, decoding=True))
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
         engine.compile_all()
@@ -207,7 +207,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     from .layout_flags import warn_about_head_split
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
-                                                 scan_layers=scan_layers_from_flags(args))
+                                                 scan_layers=scan_layers_from_flags(args, decoding=True))
     warn_about_head_split(model)
     generation = GenerationConfig.for_checkpoint(directory, config)
     manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode)
