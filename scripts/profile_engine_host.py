@@ -2,7 +2,7 @@
 everything else on the host (admission, building and packing inputs, emitting tokens), with no HTTP.
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python scripts/profile_engine_host.py [--rounds 2]
-        [--max-slots 8] [--scan-layers auto|true|false] [--compare-mixed]
+        [--max-slots 8] [--prefill-rows 1] [--prefill-chunk 128] [--scan-layers auto|true|false] [--compare-mixed]
 
 bench_serve.py's default model and requests (48, prompts 16-256, outputs 16-128, seed 0) queued at once, 8 slots,
 pages of 16, every program compiled first. --compare-mixed alternates engines with mixed steps (a step that
@@ -33,6 +33,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-slots", type=int, default=8)
+    parser.add_argument("--prefill-rows", type=int, default=1)
+    parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto")
     parser.add_argument("--compare-mixed", action="store_true")
     args = parser.parse_args()
@@ -43,7 +45,9 @@ def main() -> int:
                                                  scan_layers=decode_scan_layers(args.scan_layers))
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     engines = [ServingEngine(model, ContinuousBatchingConfig(max_slots=args.max_slots, page_size=16,
-                                                             max_model_len=max_len, mixed_steps=mixed))
+                                                             max_model_len=max_len, mixed_steps=mixed,
+                                                             prefill_rows=args.prefill_rows,
+                                                             prefill_chunk=args.prefill_chunk))
                for mixed in ((True, False) if args.compare_mixed else (True,))]
     for engine in engines:
         engine.compile_all()
