@@ -5,7 +5,8 @@
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
 The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles
-two programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --prefill-chunk] (a step that
+two programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --prefill-chunk] (and the same with
+fewer prompt rows, powers of two, for steps whose prompts fill fewer; a step that
 prefills a prompt chunk decodes every other running request in the same program, reading the weights once;
 --no-mixed-steps: a separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode
 [--max-slots, 1] (each for every page-table width the engine uses, `ServingEngine.page_widths`). With --warmup (the default)
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=128,
                         help="prompt tokens per row of a prefill step (default 128)")
     parser.add_argument("--prefill-rows", type=int, default=1,
-                        help="prompts prefilled together per data-parallel group (default 1)")
+                        help="rows of --prefill-chunk prompt tokens a step prefills per data-parallel group; a prompt "
+                             "takes as many rows as it fills, the next prompt the rest (default 1)")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="a step that prefills a prompt chunk also decodes the running requests, in one program "
                              "(default on; --no-mixed-steps: a prefill program, then a decode program)")

@@ -10,14 +10,17 @@ A fixed number of slots (rows of the decode program) hold the running requests; 
 the pages its prompt and `max_new_tokens` need when both are free (first come, first served), so a running
 request never waits for memory. Each engine step runs one program:
 
-    mixed    while a prompt waits to be prefilled: the next chunk (`prefill_chunk` tokens) of up to `prefill_rows`
-             prompts per data-parallel group and one token for every decoding slot, as one batch of flat tokens
+    mixed    while a prompt waits to be prefilled: `prefill_rows` rows of `prefill_chunk` prompt tokens per
+             data-parallel group (the waiting prompts' next tokens, a prompt taking as many rows as it fills) and
+             one token for every decoding slot, as one batch of flat tokens
              [G * (prefill_rows * prefill_chunk) + max_slots, 1]: the projections and experts read their weights
              once for both, and attention runs per kind of sequence (`nn.kv_store.SegmentedPagedKV`)
     decode   [max_slots, 1]: one token for every decoding slot (idle slots store nothing)
 
 (`mixed_steps=False` runs a separate prefill program [G * prefill_rows, prefill_chunk] before the decode one
-instead), each compiled for a few page-table widths (powers of two up to max_model_len / page_size pages, `page_widths`):
+instead; a mixed step whose pieces fill fewer rows runs the mixed program of the fewest rows that hold them,
+`mixed_prompt_rows`: powers of two up to `prefill_rows`), each compiled for a few page-table widths (powers of two
+up to max_model_len / page_size pages, `page_widths`):
 a step reads only the pages its longest row needs, so short requests do not pay for the longest context. New
 prompts are prefilled in chunks between decode steps, and nothing recompiles as requests come and go.
 Both programs sample each row by its own request's settings (`sampling.next_tokens_per_row`, seeded per request)
@@ -145,7 +148,9 @@ class ContinuousBatchingConfig:
     """max_slots: requests decoded together (the decode program's rows; a multiple of the data-parallel size);
     page_size: tokens per page; max_model_len: the longest prompt + generation a slot holds; num_pages: pages in
     all pools together (default: every slot at max_model_len, so only slots limit admission); prefill_chunk:
-    prompt tokens per row of a prefill step; prefill_rows: prompts prefilled together per data-parallel group;
+    prompt tokens per row of a prefill step; prefill_rows: rows of a prefill step per data-parallel group (a
+    prompt takes as many as its remaining tokens fill, the next prompt the rows after it: many short rows waste
+    less on a prompt's last piece);
     mixed_steps: a step that prefills also decodes, in one program (the weights read once), rather than running a
     prefill program and then a decode program."""
 
@@ -302,25 +307,41 @@ class ServingEngine:
         row[:len(request.pages)] = request.pages
         return row
 
-    def _chosen_for_prefill(self, prefilling: list[Request]) -> list[list[Request]]:
-        """Per data-parallel group, the prompts (at most `prefill_rows`, oldest slot first) whose next chunk this
-        step prefills."""
-        chosen: list[list[Request]] = [[] for _ in range(self.groups)]
+    def _prefill_pieces(self, prefilling: list[Request]) -> list[list[tuple[Request, int]]]:
+        """Per data-parallel group, this step's prompt pieces (request, tokens), one per prefill row: the prompts'
+        next tokens oldest slot first, each prompt taking as many rows of `prefill_chunk` tokens as its remaining
+        tokens fill, so a prompt's short last piece leaves the next rows to the next prompt."""
+        pieces: list[list[tuple[Request, int]]] = [[] for _ in range(self.groups)]
+        chunk, rows = self.config.prefill_chunk, self.config.prefill_rows
         for request in prefilling:
-            if len(chosen[request.group]) < self.config.prefill_rows:
-                chosen[request.group].append(request)
-        return chosen
+            group = pieces[request.group]
+            remaining = len(request.prompt_ids) - request.prefilled
+            while remaining > 0 and len(group) < rows:
+                group.append((request, min(chunk, remaining)))
+                remaining -= chunk
+        return pieces
+
+    def _place_prefill(self, inputs: dict, pieces: list[list[tuple[Request, int]]], stride: int
+                       ) -> list[tuple[int, Request, int]]:
+        """Put this step's prompt pieces (`_prefill_pieces`) in the rows of `inputs` (group g's first row:
+        g * stride) -> (row, request, tokens) of each, in prompt order."""
+        placed = []
+        for group, group_pieces in enumerate(pieces):
+            start: dict[str, int] = {}
+            for i, (request, count) in enumerate(group_pieces):
+                first = start.setdefault(request.request_id, request.prefilled)
+                self._prefill_row(inputs, group * stride + i, request, first, count)
+                start[request.request_id] = first + count
+                placed.append((group * stride + i, request, count))
+        return placed
 
     def _prefill(self, prefilling: list[Request]) -> list[StepEvent]:
         rows_per_group = self.config.prefill_rows
         inputs = self._host_inputs(self.groups * rows_per_group, self.config.prefill_chunk)
-        placed = [(group * rows_per_group + i, request)
-                  for group, requests in enumerate(self._chosen_for_prefill(prefilling))
-                  for i, request in enumerate(requests)]
-        counts = [self._prefill_row(inputs, row, request) for row, request in placed]
+        placed = self._place_prefill(inputs, self._prefill_pieces(prefilling), rows_per_group)
         tokens = self._run("prefill", inputs)
         self.steps["prefill"] += 1
-        return self._prefilled(placed, counts, tokens)
+        return self._prefilled(placed, tokens)
 
     def _decode(self, decoding: list[Request]) -> list[StepEvent]:
         inputs = self._host_inputs(self.config.max_slots, 1)
@@ -331,39 +352,45 @@ class ServingEngine:
         return [self._emit(request, int(tokens[request.slot])) for request in decoding]
 
     def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
-        """One program for a prefill chunk and a decode step: per group, `prefill_rows` prompt rows of
-        `prefill_chunk` tokens, then the group's slots (one token each) -> what each request got (prompts that
-        finished prefilling: their first token; decoding requests: their next)."""
-        rows_per_group, per_group = self.config.prefill_rows, self.config.max_slots // self.groups
-        stride = rows_per_group + per_group
+        """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
+        fewest of `mixed_prompt_rows` that hold this step's pieces), then the group's slots (one token each) ->
+        what each request got (prompts that finished prefilling: their first token; decoding requests: their
+        next)."""
+        pieces = self._prefill_pieces(prefilling)
+        needed = max(len(group) for group in pieces)
+        prompt_rows = next(rows for rows in self.mixed_prompt_rows if rows >= needed)
+        stride = prompt_rows + self.config.max_slots // self.groups
         inputs = self._host_inputs(self.groups * stride, self.config.prefill_chunk)
-        placed = [(group * stride + i, request)
-                  for group, requests in enumerate(self._chosen_for_prefill(prefilling))
-                  for i, request in enumerate(requests)]
-        counts = [self._prefill_row(inputs, row, request) for row, request in placed]
-        decode_rows = {request.request_id: self._mixed_decode_row(request.slot) for request in decoding}
+        placed = self._place_prefill(inputs, pieces, stride)
+        decode_rows = {request.request_id: self._mixed_decode_row(request.slot, prompt_rows) for request in decoding}
         for request in decoding:
             self._decode_row(inputs, decode_rows[request.request_id], request)
         tokens = self._run("mixed", inputs)
         self.steps["mixed"] += 1
-        events = self._prefilled(placed, counts, tokens)
+        events = self._prefilled(placed, tokens)
         return events + [self._emit(request, int(tokens[decode_rows[request.request_id]])) for request in decoding]
 
-    def _mixed_decode_row(self, slot: int) -> int:
+    @property
+    def mixed_prompt_rows(self) -> list[int]:
+        """The prompt rows per group a mixed program may have: powers of two below `prefill_rows`, and it (a step
+        whose pieces fill few rows runs a smaller program, not `prefill_rows` rows of padding)."""
+        rows = self.config.prefill_rows
+        return sorted({1 << i for i in range(rows.bit_length()) if 1 << i < rows} | {rows})
+
+    def _mixed_decode_row(self, slot: int, prompt_rows: int) -> int:
         """The row of slot `slot` in a mixed step's inputs (each group's prompt rows come before its slots)."""
         per_group = self.config.max_slots // self.groups
         group, within = divmod(slot, per_group)
-        return group * (self.config.prefill_rows + per_group) + self.config.prefill_rows + within
+        return group * (prompt_rows + per_group) + prompt_rows + within
 
-    def _prefill_row(self, inputs: dict, row: int, request: Request) -> int:
-        """Put `request`'s next prompt chunk in row `row` -> its tokens."""
-        piece = request.prompt_ids[request.prefilled:request.prefilled + self.config.prefill_chunk]
-        inputs["ids"][row, :len(piece)] = piece
-        inputs["mask"][row, :len(piece)] = 1
+    def _prefill_row(self, inputs: dict, row: int, request: Request, start: int, count: int) -> None:
+        """Put `request`'s prompt tokens [start, start + count) in row `row`. Rows of one prompt in one step see
+        each other's tokens: every token is stored before any row attends."""
+        inputs["ids"][row, :count] = request.prompt_ids[start:start + count]
+        inputs["mask"][row, :count] = 1
         inputs["page_table"][row] = self._page_row(request)
-        inputs["lengths"][row] = request.prefilled
+        inputs["lengths"][row] = start
         self._sampling_inputs(inputs, row, request)
-        return len(piece)
 
     def _decode_row(self, inputs: dict, row: int, request: Request) -> None:
         """Put `request`'s last token in row `row`, to store it and sample the next."""
@@ -373,11 +400,11 @@ class ServingEngine:
         inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
         self._sampling_inputs(inputs, row, request)
 
-    def _prefilled(self, placed: list[tuple[int, Request]], counts: list[int], tokens: np.ndarray
-                   ) -> list[StepEvent]:
-        """Advance each prefilled prompt by its chunk; one that is whole now decodes and gets its first token."""
+    def _prefilled(self, placed: list[tuple[int, Request, int]], tokens: np.ndarray) -> list[StepEvent]:
+        """Advance each prefilled prompt by its pieces; one that is whole now decodes and gets its first token
+        (sampled at its last piece's row)."""
         events = []
-        for (row, request), count in zip(placed, counts):
+        for row, request, count in placed:
             request.prefilled += count
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
@@ -453,9 +480,10 @@ class ServingEngine:
         """Compile every program a step can run (prefill and decode at each page width) now, so no request
         waits for a compilation; `progress(done, total)` after each. Returns how many were compiled."""
         config = self.config
-        shapes = [("mixed", self.groups * config.prefill_rows + config.max_slots, config.prefill_chunk)
-                  if config.mixed_steps else ("prefill", self.groups * config.prefill_rows, config.prefill_chunk),
-                  ("decode", config.max_slots, 1)]
+        shapes = ([("mixed", self.groups * rows + config.max_slots, config.prefill_chunk)
+                   for rows in self.mixed_prompt_rows] if config.mixed_steps else
+                  [("prefill", self.groups * config.prefill_rows, config.prefill_chunk)])
+        shapes.append(("decode", config.max_slots, 1))
         work = [(name, rows, length, width) for name, rows, length in shapes for width in self.page_widths]
         for done, (name, rows, length, width) in enumerate(work, 1):
             self._program(name, self._placed(self._host_inputs(rows, length), width), length)
@@ -483,7 +511,8 @@ class ServingEngine:
         key = (name, (placed[0].shape[0], length), width)
         program = self._programs.get(key)
         if program is None:
-            program = jax.jit(partial(self._step_math, length=length, mixed=name == "mixed"),
+            prompt_rows = (placed[0].shape[0] - self.config.max_slots) // self.groups if name == "mixed" else None
+            program = jax.jit(partial(self._step_math, length=length, prompt_rows=prompt_rows),
                               donate_argnums=(1, 2)).lower(
                 self.params, self.keys, self.values, *placed).compile()
             self._programs[key] = program
@@ -542,10 +571,10 @@ class ServingEngine:
             self._execute(names[code], np.asarray(ints), np.asarray(floats), length)
             steps += 1
 
-    def _step_math(self, params, keys, values, ints, floats, *, length: int, mixed: bool = False):
+    def _step_math(self, params, keys, values, ints, floats, *, length: int, prompt_rows: int | None = None):
         """The pools and one step's rows (`_placed`'s two arrays) -> (new ids [rows], the pools with the new
-        tokens stored). mixed: each group's rows are `prefill_rows` prompt chunks then its slots' one token each
-        (`_mixed`), run as flat tokens."""
+        tokens stored). prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots'
+        one token each (`_mixed`), run as flat tokens."""
         width = ints.shape[1] - 2 * length - 5
         columns = [length, length, width, 1, 1, 1, 1, 1]
         ids, mask, page_table, lengths, do_sample, top_k, seeds, counters = jnp.split(
@@ -555,12 +584,13 @@ class ServingEngine:
                       counters=counters[:, 0], temperature=floats[:, 0], top_p=floats[:, 1])
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
-        if mixed:
-            segments = self._segments(length)
+        if prompt_rows is not None:
+            segments = self._segments(length, prompt_rows)
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"], segments=segments)
-            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], length),
-                                       attention_mask=self._flat_tokens(mask, length), cache=cache, capacity=None,
+            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], length, prompt_rows),
+                                       attention_mask=self._flat_tokens(mask, length, prompt_rows), cache=cache,
+                                       capacity=None,
                                        inference=True, return_hidden=True)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
@@ -582,16 +612,16 @@ class ServingEngine:
         tokens = jax.lax.with_sharding_constraint(tokens, self._replicated)
         return tokens, out.cache.keys, out.cache.values
 
-    def _segments(self, length: int) -> tuple[tuple[int, int], ...]:
+    def _segments(self, length: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:
         """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""
-        return (self.config.prefill_rows, length), (self.config.max_slots // self.groups, 1)
+        return (prompt_rows, length), (self.config.max_slots // self.groups, 1)
 
-    def _flat_tokens(self, rows: jax.Array, length: int) -> jax.Array:
-        """rows: [G * Q, C] a mixed step's rows -> [G * Ng, 1] its tokens: each group's prompt chunks whole, then
+    def _flat_tokens(self, rows: jax.Array, length: int, prompt_rows: int) -> jax.Array:
+        """rows: [G * Q, C] a mixed step's rows -> [G * Ng, 1] its tokens: each group's prompt rows whole, then
         its slots' first column."""
         grouped = rows.reshape(self.groups, -1, length)
-        prompts = grouped[:, :self.config.prefill_rows].reshape(self.groups, -1)
-        return jnp.concatenate([prompts, grouped[:, self.config.prefill_rows:, 0]], axis=1).reshape(-1, 1)
+        prompts = grouped[:, :prompt_rows].reshape(self.groups, -1)
+        return jnp.concatenate([prompts, grouped[:, prompt_rows:, 0]], axis=1).reshape(-1, 1)
 
     def _sampled_tokens(self, hidden: jax.Array, last: jax.Array, segments) -> jax.Array:
         """hidden: [G * Ng, 1, H] a mixed step's flat tokens; last: [G * Q] each row's last real token in its row
@@ -605,6 +635,7 @@ class ServingEngine:
 
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
-        """The programs compiled so far: (name, [rows, tokens], page-table width); at most 2 x `page_widths`."""
+        """The programs compiled so far: (name, [rows, tokens], page-table width); at most (the mixed programs'
+        `mixed_prompt_rows` choices, or one prefill program, + one decode program) x `page_widths`."""
         return sorted(self._programs)
 

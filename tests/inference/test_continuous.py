@@ -80,6 +80,29 @@ def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_time
     assert engine.steps["prefill"] == 0 and engine.steps["mixed"] > 0
 
 
+def test_a_prompt_fills_several_rows_of_one_step_and_the_next_prompt_the_rest():
+    """Prefill rows of 2 tokens, 3 a step: the 7-token prompt takes 3 rows in its first step (its rows see each
+    other's tokens, stored before any row attends), and its last token shares a step with the next prompt's
+    first two pieces; every request's greedy tokens are still Transformers'."""
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    config = ContinuousBatchingConfig(max_slots=3, page_size=4, max_model_len=64, prefill_chunk=2, prefill_rows=3)
+    engine = ServingEngine(load("qwen3_moe"), config)
+    requests = [Request(f"r{i}", prompt, RequestSettings(max_new_tokens=NEW_TOKENS)) for i, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add(request)
+    engine.step()
+    assert [r.prefilled for r in requests] == [6, 0, 0]
+    engine.step()
+    assert [r.prefilled for r in requests] == [7, 4, 0] and requests[0].output.generated_tokens == [greedy[0][0]]
+    while engine.has_work():
+        engine.step()
+    assert [r.output.generated_tokens for r in requests] == [list(row) for row in greedy]
+    assert engine.book.free_pages() == engine.book.total_pages
+    # The 2-token prompt's step ran the 1-prompt-row program (1 + 3 slots), not 3 rows of padding.
+    assert engine.mixed_prompt_rows == [1, 2, 3]
+    assert {shape for name, shape, _ in engine.compiled_shapes if name == "mixed"} == {(6, 2), (4, 2)}
+
+
 # One 8-device layout here (4 data-parallel groups, each its own pool; latent pages; token dispatch); every family on
 # a representative layout of each mesh shape, or the whole grid: scripts/check_serving_layouts.py.
 @pytest.mark.parametrize("model_type,layout", [("deepseek_v3", dict(tp_size=2, fsdp_size=4, ep_size=4))])
