@@ -1,12 +1,12 @@
 """Where a train step spends its time, op by op, from XLA's own profiler (CPU).
 
-    python scripts/trace_step.py [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
+    python scripts/trace_step.py [--size default|large] [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
                                  [--ops-of decoder.py] [--tp 2 --fsdp 2 --ep 4 --ep-implementation all_to_all]
 
 With a layout (--tp / --fsdp / --ep) the step runs on that many virtual CPU devices and the op times are
 summed over the devices' threads (thread time, not wall time).
 
-bench_vs_reference's Qwen3-MoE (hidden 256, 4 layers, 16 experts top-4, vocab 4096), fp32, AdamW, one
+bench_vs_reference's Qwen3-MoE (--size default: hidden 256, 4 layers, 16 experts top-4, vocab 4096), fp32, AdamW, one
 device. The compiled step runs `--steps` times under `jax.profiler.trace`; every executed HLO op of the trace
 (XLA:CPU's thunk events) gets its *self* time (its duration less the ops nested in it: the bodies of loops
 and conditionals), and is attributed through the compiled HLO's metadata to the source line that emitted it
@@ -53,7 +53,7 @@ import optax  # noqa: E402
 from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
-from scripts.bench_vs_reference import CONFIG  # noqa: E402
+from scripts.bench_vs_reference import SIZES  # noqa: E402
 from scripts.timing import matmul_flops_per_token, model_dense_rate  # noqa: E402
 
 OP_METADATA = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
@@ -163,16 +163,18 @@ def main() -> int:
     parser.add_argument("--fsdp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ep-implementation", default="auto")
+    parser.add_argument("--size", choices=sorted(SIZES), default="default", help="bench_vs_reference's model sizes")
     args = parser.parse_args()
+    config = SIZES[args.size]
     scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
     devices = args.tp * args.fsdp
     layout = (None if devices == 1 and args.ep == 1 else
               DistributedConfig(tp_size=args.tp, fsdp_size=args.fsdp, ep_size=args.ep,
                                 ep_implementation=args.ep_implementation))
-    model = Qwen3MoeForCausalLM(CONFIG, layout, devices=jax.devices()[:devices], scan_layers=scan)
+    model = Qwen3MoeForCausalLM(config, layout, devices=jax.devices()[:devices], scan_layers=scan)
     model.init_params(seed=0)
     train_step = make_train_step(model, optax.adamw(1e-4))
-    batch = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
+    batch = {"input_ids": np.random.default_rng(0).integers(0, config["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
     capacity = model.capacity_schedule.largest if model.layout.ep_size > 1 else None
     state = train_step.init_state(capacity=capacity)
     hlo_text = train_step.lower(state, batch).compile().as_text()
@@ -201,8 +203,8 @@ def main() -> int:
         by_source[(source, "bwd" if backward else "fwd")] += ms
         by_kind[kind_of(op)] += ms
     tokens = args.batch * args.seq
-    flops = 3 * matmul_flops_per_token(CONFIG, args.seq) * tokens
-    rate = model_dense_rate(CONFIG, tokens)  # the practical limit, measured now
+    flops = 3 * matmul_flops_per_token(config, args.seq) * tokens
+    rate = model_dense_rate(config, tokens)  # the practical limit, measured now
     where = "one device" if layout is None else f"tp{args.tp} fsdp{args.fsdp} ep{args.ep} {args.ep_implementation}"
     print(f"{where}, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
           f"({tokens / step_seconds:.0f} tokens/s), ops in the trace {traced:.0f} ms of thread time per step")

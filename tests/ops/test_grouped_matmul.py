@@ -14,10 +14,12 @@ from moe_jax.ops.grouped_matmul import (
     grouped_matmul,
     register_grouped_matmul_backend,
 )
+from moe_jax.ops.grouped_matmul_backends.tile_plan import plan_tile_schedules
 from moe_jax.ops.grouped_matmul_backends.tiled_scan import (
     MAX_TILE_ROWS,
     MIN_TILE_ROWS,
     SMALL_TILE_ROWS,
+    default_remainder_rows,
     default_tile_rows,
     tiled_grouped_matmul,
 )
@@ -48,6 +50,10 @@ IMPLEMENTATIONS = {
     "tiled, 4-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=4),
     "tiled, 16-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=16),
     "tiled, 1-row tiles": functools.partial(tiled_grouped_matmul, tile_rows=1),
+    # Two levels: whole 8-row chunks, then each group's last rows in 3-row chunks (and 16 / 4).
+    "tiled, 8-row tiles, 3-row remainders": functools.partial(tiled_grouped_matmul, tile_rows=8, remainder_rows=3),
+    "tiled, 16-row tiles, 4-row remainders": functools.partial(tiled_grouped_matmul, tile_rows=16,
+                                                              remainder_rows=4),
 }
 
 
@@ -149,6 +155,33 @@ def test_default_tile_rows_follow_average_group_size():
     assert default_tile_rows(4096, 1024) == SMALL_TILE_ROWS  # 4 rows per group: decode-sized
     assert default_tile_rows(32, 16) == SMALL_TILE_ROWS  # 8 tokens x top-4 over 16 experts
     assert default_tile_rows(3, 8) == SMALL_TILE_ROWS  # the window then shrinks to the 3 rows
+
+
+@pytest.mark.parametrize("tile_rows,remainder_rows", [(8, 3), (16, 4), (16, None), (64, 16)])
+def test_tile_schedules_cover_every_group_row_once_and_waste_under_a_remainder_tile(tile_rows, remainder_rows):
+    """A group of g rows costs floor(g / R) * R + ceil((g mod R) / r) * r rows: whole tiles, then small ones."""
+    rng = np.random.default_rng(tile_rows)
+    for _ in range(5):
+        group_sizes = rng.integers(0, 40, size=6)
+        num_rows = max(int(group_sizes.sum()) + int(rng.integers(0, 20)), tile_rows)
+        covered = np.zeros(num_rows, int)
+        computed = 0
+        for visits, rows, whole in plan_tile_schedules(jnp.asarray(group_sizes), num_rows, tile_rows,
+                                                       remainder_rows):
+            live = np.asarray(visits.live)
+            for start, end in zip(np.asarray(visits.chunk_start)[live], np.asarray(visits.chunk_end)[live]):
+                covered[start:end] += 1
+                assert not whole or end - start == rows
+            computed += rows * int(live.sum())
+        assert np.all(covered[:group_sizes.sum()] == 1) and np.all(covered[group_sizes.sum():] == 0)
+        small = remainder_rows or tile_rows
+        cost = [g // tile_rows * tile_rows + -(-(g % tile_rows) // small) * small for g in group_sizes]
+        assert computed == sum(cost)
+
+
+def test_default_remainder_tiles_are_a_quarter_from_128_row_tiles():
+    assert default_remainder_rows(256) == 64 and default_remainder_rows(128) == 32
+    assert default_remainder_rows(64) is None and default_remainder_rows(SMALL_TILE_ROWS) is None
 
 
 def test_default_backend_per_platform(monkeypatch):

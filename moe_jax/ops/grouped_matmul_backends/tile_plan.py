@@ -11,6 +11,11 @@ sizes, which are only known at run time, but it is bounded:
 
 so a schedule of `max_visits(M, E, R)` entries always suffices; the entries past
 the real chunks are marked dead and skipped.
+
+Two levels (`plan_tile_schedules`): each expert's whole R-row chunks, then the rest
+of its rows (fewer than R) in chunks of r < R rows. A group of g rows then costs
+floor(g / R) * R + ceil((g mod R) / r) * r rows instead of ceil(g / R) * R: the
+large dots run near the dense rate and the waste per expert is under r rows.
 """
 
 from __future__ import annotations
@@ -45,11 +50,14 @@ def max_visits(num_rows: int, num_experts: int, tile_rows: int) -> int:
     return (num_rows + num_experts * (tile_rows - 1)) // tile_rows
 
 
-def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TileVisits:
+def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int, *,
+                     group_start: jax.Array | None = None, visit_count: int | None = None) -> TileVisits:
     """The chunk schedule for rows sorted by group.
 
     group_sizes: [E] int; rows past sum(group_sizes) belong to no group
     tile_rows: R, must be <= num_rows (use `window_rows`)
+    group_start: [E] int, each group's first row (default: the groups back to back from row 0)
+    visit_count: V, the schedule's length (default `max_visits(M, E, R)`; must bound the chunks)
     returns TileVisits of [V] arrays, chunks in row order
 
     If sum(group_sizes) exceeds num_rows the excess is silently dropped: the
@@ -57,14 +65,17 @@ def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> T
     """
     num_experts = group_sizes.shape[0]
     group_sizes = group_sizes.astype(jnp.int32)
-    group_end = jnp.cumsum(group_sizes)
-    group_start = group_end - group_sizes
+    if group_start is None:
+        group_start = jnp.cumsum(group_sizes) - group_sizes
+    group_end = group_start + group_sizes
 
     chunks_per_expert = (group_sizes + tile_rows - 1) // tile_rows
     chunk_count_end = jnp.cumsum(chunks_per_expert)
     chunk_count_start = chunk_count_end - chunks_per_expert
 
-    visit = jnp.arange(max_visits(num_rows, num_experts, tile_rows), dtype=jnp.int32)
+    if visit_count is None:
+        visit_count = max_visits(num_rows, num_experts, tile_rows)
+    visit = jnp.arange(visit_count, dtype=jnp.int32)
     # Visit v belongs to the first expert whose running chunk count exceeds v;
     # empty experts have no chunks and are skipped by side="right".
     owner = count_at_most(chunk_count_end, visit)
@@ -78,3 +89,27 @@ def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> T
     # it earlier; the rows before chunk_start are masked out, never overwritten.
     window_start = jnp.clip(chunk_start, 0, num_rows - tile_rows)
     return TileVisits(live, expert, window_start, chunk_start, chunk_end)
+
+
+def plan_tile_schedules(group_sizes: jax.Array, num_rows: int, tile_rows: int, remainder_rows: int | None
+                        ) -> tuple[tuple[TileVisits, int, bool], ...]:
+    """The schedules covering every group's rows once -> ((visits, rows per window, whole), ...); whole: every
+    live chunk fills its window (no row of it to mask).
+
+    remainder_rows None (or >= the window): one schedule of R-row chunks. Otherwise two: the groups' whole
+    R-row chunks, then each group's last g mod R rows in chunks of r = remainder_rows.
+    """
+    tile_rows = window_rows(num_rows, tile_rows)
+    if remainder_rows is None or remainder_rows >= tile_rows:
+        return ((plan_tile_visits(group_sizes, num_rows, tile_rows), tile_rows, False),)
+    num_experts = group_sizes.shape[0]
+    group_sizes = group_sizes.astype(jnp.int32)
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    whole = group_sizes // tile_rows * tile_rows
+    full = plan_tile_visits(whole, num_rows, tile_rows, group_start=group_start,
+                            visit_count=num_rows // tile_rows)
+    per_expert = -(-(tile_rows - 1) // remainder_rows)   # chunks of r in fewer than R rows
+    rest = plan_tile_visits(group_sizes - whole, num_rows, remainder_rows, group_start=group_start + whole,
+                            visit_count=min(num_experts * per_expert,
+                                            max_visits(num_rows, num_experts, remainder_rows)))
+    return (full, tile_rows, True), (rest, remainder_rows, False)

@@ -30,7 +30,9 @@ from jax import lax
 
 from ..accumulation import accumulation_dtype
 from ..varying import vary_like
-from .tile_plan import TileVisits, plan_tile_visits, window_rows
+from .tile_plan import TileVisits, plan_tile_schedules
+
+Schedules = tuple[tuple[TileVisits, int, bool], ...]   # (visits, rows per window, whole chunks)
 
 # Tile rows follow the average group size M / E, rounded down to a power of two
 # and kept within these bounds. A tile near the average group size wastes at most
@@ -76,25 +78,41 @@ _WEIGHT_CONTRACTIONS = {
 _CONTRACT_WINDOW_ROWS = (((0,), (0,)), ((), ()))  # weight grad: [R, O] x [R, H] -> [O, H]
 
 
+def default_remainder_rows(tile_rows: int) -> int | None:
+    """The tile of each group's last rows (None: one level): a quarter of the tile, from 128-row tiles."""
+    return tile_rows // 4 if tile_rows >= 128 else None
+
+
 def _chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
     """[R] bool: which rows of visit v's window belong to its chunk."""
     rows = v.window_start + jnp.arange(rows_per_window, dtype=jnp.int32)
     return (rows >= v.chunk_start) & (rows < v.chunk_end)
 
 
-def _rows_times_expert_weights(
-    lhs: jax.Array, w: jax.Array, visits: TileVisits, rows_per_window: int, contract: str
-) -> jax.Array:
+def _rows_times_expert_weights(lhs: jax.Array, w: jax.Array, schedules: Schedules, contract: str) -> jax.Array:
     """out[m] = lhs[m] . w[group(m)], contracting the weight axis named by `contract`.
 
     lhs: [M, H] with contract="in_features", or [M, O] with contract="out_features"
     w: [E, O, H]
+    schedules: `plan_tile_schedules`' (visits, rows per window) pairs, one loop each over the same output
     returns [M, O] or [M, H] (the weight axis not contracted); rows in no group are 0
     """
     num_rows = lhs.shape[0]
     dimension_numbers, surviving_axis = _WEIGHT_CONTRACTIONS[contract]
     out_features = w.shape[surviving_axis]
     out_dtype = jnp.result_type(lhs.dtype, w.dtype)
+    # Inside shard_map the carry must vary over the axes the visited values vary over (no-op outside).
+    out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, *(v for v, _, _ in schedules))
+    for visits, rows_per_window, whole in schedules:
+        out = _visit_rows(out, lhs, w, visits, rows_per_window, whole, dimension_numbers)
+    return out
+
+
+def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, whole: bool, dimension_numbers
+                ) -> jax.Array:
+    """`out` with every live visit's chunk rows set to lhs's window times the visit's expert weight (whole:
+    every live chunk fills its window, so the window is written as it is)."""
+    out_dtype = out.dtype
 
     def visit(out, v: TileVisits):
         window = lax.dynamic_slice_in_dim(lhs, v.window_start, rows_per_window, axis=0)
@@ -102,10 +120,11 @@ def _rows_times_expert_weights(
         product = lax.dot_general(
             window, expert_weight, dimension_numbers, preferred_element_type=accumulation_dtype(out_dtype)
         ).astype(out_dtype)
-        keep = _chunk_mask(v, rows_per_window)
-        previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
-        updated = jnp.where(keep[:, None], product, previous)
-        return lax.dynamic_update_slice_in_dim(out, updated, v.window_start, axis=0)
+        if not whole:
+            keep = _chunk_mask(v, rows_per_window)
+            previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
+            product = jnp.where(keep[:, None], product, previous)
+        return lax.dynamic_update_slice_in_dim(out, product, v.window_start, axis=0)
 
     def skip(out, v: TileVisits):
         return out
@@ -113,27 +132,35 @@ def _rows_times_expert_weights(
     def step(out, v: TileVisits):
         return lax.cond(v.live, visit, skip, out, v), None
 
-    # Inside shard_map the carry must vary over the axes the visited values vary over (no-op outside).
-    out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, visits)
     out, _ = lax.scan(step, out, visits)
     return out
 
 
-def _expert_weight_grads(
-    x: jax.Array, grad_out: jax.Array, visits: TileVisits, num_experts: int, rows_per_window: int
-) -> jax.Array:
+def _expert_weight_grads(x: jax.Array, grad_out: jax.Array, schedules: Schedules, num_experts: int) -> jax.Array:
     """dw[e] = sum over rows m of group e of outer(grad_out[m], x[m]).
 
     x: [M, H]; grad_out: [M, O]
     returns [E, O, H] in the accumulation dtype (>= fp32)
     """
     accumulate_dtype = accumulation_dtype(x.dtype, grad_out.dtype)
+    grad_w = vary_like(jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out,
+                       *(v for v, _, _ in schedules))
+    for visits, rows_per_window, whole in schedules:
+        grad_w = _accumulate_weight_grads(grad_w, x, grad_out, visits, rows_per_window, whole)
+    return grad_w
+
+
+def _accumulate_weight_grads(grad_w, x, grad_out, visits: TileVisits, rows_per_window: int, whole: bool
+                             ) -> jax.Array:
+    """grad_w plus every live visit's chunk outer products, per the visit's expert (whole: as `_visit_rows`)."""
+    accumulate_dtype = grad_w.dtype
 
     def visit(grad_w, v: TileVisits):
         x_window = lax.dynamic_slice_in_dim(x, v.window_start, rows_per_window, axis=0)
         g_window = lax.dynamic_slice_in_dim(grad_out, v.window_start, rows_per_window, axis=0)
-        keep = _chunk_mask(v, rows_per_window)
-        g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
+        if not whole:
+            keep = _chunk_mask(v, rows_per_window)
+            g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
         chunk_grad = lax.dot_general(
             g_window, x_window, _CONTRACT_WINDOW_ROWS, preferred_element_type=accumulate_dtype
         )
@@ -146,30 +173,25 @@ def _expert_weight_grads(
     def step(grad_w, v: TileVisits):
         return lax.cond(v.live, visit, skip, grad_w, v), None
 
-    grad_w = vary_like(
-        jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out, visits
-    )
     grad_w, _ = lax.scan(step, grad_w, visits)
     return grad_w
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x, w, group_sizes, tile_rows):
-    rows_per_window = window_rows(x.shape[0], tile_rows)
-    visits = plan_tile_visits(group_sizes, x.shape[0], rows_per_window)
-    return _rows_times_expert_weights(x, w, visits, rows_per_window, "in_features")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tiled(x, w, group_sizes, tile_rows, remainder_rows):
+    schedules = plan_tile_schedules(group_sizes, x.shape[0], tile_rows, remainder_rows)
+    return _rows_times_expert_weights(x, w, schedules, "in_features")
 
 
-def _tiled_fwd(x, w, group_sizes, tile_rows):
-    return _tiled(x, w, group_sizes, tile_rows), (x, w, group_sizes)
+def _tiled_fwd(x, w, group_sizes, tile_rows, remainder_rows):
+    return _tiled(x, w, group_sizes, tile_rows, remainder_rows), (x, w, group_sizes)
 
 
-def _tiled_bwd(tile_rows, residuals, grad_out):
+def _tiled_bwd(tile_rows, remainder_rows, residuals, grad_out):
     x, w, group_sizes = residuals
-    rows_per_window = window_rows(x.shape[0], tile_rows)
-    visits = plan_tile_visits(group_sizes, x.shape[0], rows_per_window)
-    grad_x = _rows_times_expert_weights(grad_out, w, visits, rows_per_window, "out_features")
-    grad_w = _expert_weight_grads(x, grad_out, visits, w.shape[0], rows_per_window)
+    schedules = plan_tile_schedules(group_sizes, x.shape[0], tile_rows, remainder_rows)
+    grad_x = _rows_times_expert_weights(grad_out, w, schedules, "out_features")
+    grad_w = _expert_weight_grads(x, grad_out, schedules, w.shape[0])
     return grad_x.astype(x.dtype), grad_w.astype(w.dtype), None
 
 
@@ -177,7 +199,8 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def tiled_grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int | None = None
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int | None = None,
+    remainder_rows: int | None = "auto",
 ) -> jax.Array:
     """Grouped x @ w[e].T, one R-row tile at a time.
 
@@ -186,10 +209,13 @@ def tiled_grouped_matmul(
     group_sizes: [E] int32
     returns [M, O]; rows past sum(group_sizes) are 0
 
-    tile_rows: R; None picks `default_tile_rows(M, E)`.
+    tile_rows: R; None picks `default_tile_rows(M, E)`. remainder_rows: r, the tile of each group's last
+    g mod R rows (None: every chunk R rows; "auto": `default_remainder_rows(R)`).
     """
     if x.shape[0] == 0:
         return jnp.zeros((0, w.shape[1]), jnp.result_type(x.dtype, w.dtype))
     if tile_rows is None:
         tile_rows = default_tile_rows(x.shape[0], w.shape[0])
-    return _tiled(x, w, group_sizes, tile_rows)
+    if remainder_rows == "auto":
+        remainder_rows = default_remainder_rows(tile_rows)
+    return _tiled(x, w, group_sizes, tile_rows, remainder_rows)
