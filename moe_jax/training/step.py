@@ -227,20 +227,34 @@ class TrainStep:
         )
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grads, grad_norm = clip_by_global_norm(grads, options.grad_clip)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-
         overflowed = totals["dropped"] > 0
-        applied = ~state.skipping & ~overflowed if options.check_overflow else jnp.ones((), jnp.bool_)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # noqa: E731
+        # Without dispatch buffers (capacity None: no expert parallelism) nothing can be dropped, so there is
+        # no step to skip and no select over every parameter and optimizer moment (~6% of a large step).
+        check_overflow = options.check_overflow and state.capacity is not None
+        applied = ~state.skipping & ~overflowed if check_overflow else jnp.ones((), jnp.bool_)
+
+        def update(operands):
+            grads, opt_state, params = operands
+            updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        def unchanged(operands):
+            _, opt_state, params = operands
+            return params, opt_state
+
+        # A skipped step keeps the old parameters by not running the update (a select over every parameter and
+        # moment cost 5% more of a large fsdp4/ep4 step).
+        operands = (grads, opt_state, params)
+        new_params, new_opt_state = (jax.lax.cond(applied, update, unchanged, operands) if check_overflow
+                                     else update(operands))
         one = applied.astype(jnp.int32)
         new_state = TrainState(
             step=state.step + one,
-            params=keep(new_params, params),
-            opt_state=keep(new_opt_state, opt_state),
+            params=new_params,
+            opt_state=new_opt_state,
             rng=state.rng,
             data_position=state.data_position + one,
-            skipping=(state.skipping | overflowed) if options.check_overflow else state.skipping,
+            skipping=(state.skipping | overflowed) if check_overflow else state.skipping,
             capacity=state.capacity,
         )
         ce_loss = totals["ce_sum"] / total_tokens
