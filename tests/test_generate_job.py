@@ -52,7 +52,7 @@ def test_scan_layers_flag_sets_the_model_option_of_every_decoding_command():
             assert scan_layers_from_flags(args, decoding=True) == option
     assert scan_layers_from_flags(parser.parse_args(["serve", "--model", "m"]), decoding=True) is False
     train = parser.parse_args(["train", "--scan-layers", "auto"])
-    assert scan_layers_from_flags(train) == "auto"     # training keeps the model's rule (scan from 4 layers)
+    assert scan_layers_from_flags(train) == "auto"     # training keeps the model's rule (scan from 16 layers)
 
 
 def test_prompts_given_as_token_ids_need_no_tokenizer(tmp_path, capsys):

@@ -87,7 +87,7 @@ class MoeForCausalLM(PlannedModel):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
         scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
-            (True / False / "auto": from 4 layers on). remat: what each layer keeps for the backward pass,
+            (True / False / "auto": from 16 layers on). remat: what each layer keeps for the backward pass,
             one of `REMAT_POLICIES` ("none", "full", "dots_saveable").
         With `pp_size > 1` (`moe_jax.models.pipeline`): pipeline_microbatches: M, how many microbatches a batch
             is cut into (default pp_size); pipeline_schedule: "gpipe" (the reference's split of the layers) or

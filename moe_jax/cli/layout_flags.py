@@ -46,7 +46,7 @@ DECODE_SCAN_HELP = ("run identical layers as one scan over stacked parameters (a
                     "a scanned decode step copies each layer's stacked expert weights, unrolled ones ran 1.2-1.6x "
                     "faster; unrolled programs compile about 0.25 s longer per layer on CPU, so a deep model may "
                     "start faster with true)")
-TRAIN_SCAN_HELP = "run identical layers as one scan over stacked parameters (auto: from 4 layers)"
+TRAIN_SCAN_HELP = "run identical layers as one scan over stacked parameters (auto: from 16 layers)"
 
 
 def add_scan_layers_flag(parser: argparse.ArgumentParser, help_text: str = TRAIN_SCAN_HELP) -> None:

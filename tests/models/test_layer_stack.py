@@ -38,7 +38,7 @@ def test_runs_follow_layer_structure():
     uniform = Qwen2MoeForCausalLM(dict(TINY_QWEN2_MOE, num_hidden_layers=5, use_sliding_window=False),
                                   scan_layers=True)
     assert uniform.layer_stack.runs == (LayerRun(0, 1, False), LayerRun(1, 5, True))
-    assert resolve_scan_option("auto", 3) is False and resolve_scan_option("auto", 48) is True
+    assert resolve_scan_option("auto", 15) is False and resolve_scan_option("auto", 16) is True
     with pytest.raises(ValueError, match="scan_layers='yes': use True, False or 'auto'"):
         resolve_scan_option("yes", 4)
 
