@@ -6,8 +6,8 @@ Every visit of the `tile_plan` schedule multiplies one R-row window of x by one
 expert's [O, H] weight (a plain dense dot) and
 writes only that chunk's rows into the output carry. Work is the real rows plus
 at most R - 1 rows of waste per expert, with static shapes throughout.
-Dead visits are skipped with `lax.cond`, so the static schedule length costs
-almost nothing beyond the chunks that exist.
+The loop runs as many steps as there are live visits (a `fori_loop` with a traced
+trip count), so the static schedule length costs nothing beyond the chunks that exist.
 
 Differentiation uses a custom VJP with the same schedule:
   dx = the same loop with w contracted over O instead of H,
@@ -15,8 +15,8 @@ Differentiation uses a custom VJP with the same schedule:
 Letting JAX differentiate the scan instead saves every window as a residual; in
 prototype runs on the 2-core CPU it was up to 18x slower than this VJP, never faster.
 
-`lax.cond` becomes a select under `vmap`, which would compute dead visits too;
-nothing in moe_jax vmaps this function.
+Under `vmap` (pipeline stages run as one vmapped program) a loop with a per-stage
+trip count runs the longest one for every stage, the others' extra steps masked.
 """
 
 from __future__ import annotations
@@ -126,14 +126,7 @@ def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, whole: bo
             product = jnp.where(keep[:, None], product, previous)
         return lax.dynamic_update_slice_in_dim(out, product, v.window_start, axis=0)
 
-    def skip(out, v: TileVisits):
-        return out
-
-    def step(out, v: TileVisits):
-        return lax.cond(v.live, visit, skip, out, v), None
-
-    out, _ = lax.scan(step, out, visits)
-    return out
+    return _over_live_visits(visit, out, visits)
 
 
 def _expert_weight_grads(x: jax.Array, grad_out: jax.Array, schedules: Schedules, num_experts: int) -> jax.Array:
@@ -167,14 +160,14 @@ def _accumulate_weight_grads(grad_w, x, grad_out, visits: TileVisits, rows_per_w
         running = lax.dynamic_index_in_dim(grad_w, v.expert, axis=0, keepdims=True)
         return lax.dynamic_update_index_in_dim(grad_w, running + chunk_grad[None], v.expert, axis=0)
 
-    def skip(grad_w, v: TileVisits):
-        return grad_w
+    return _over_live_visits(visit, grad_w, visits)
 
-    def step(grad_w, v: TileVisits):
-        return lax.cond(v.live, visit, skip, grad_w, v), None
 
-    grad_w, _ = lax.scan(step, grad_w, visits)
-    return grad_w
+def _over_live_visits(visit, carry, visits: TileVisits):
+    """visit(carry, v) for each live visit in order: a loop of as many steps as there are live visits (they
+    are the schedule's first entries), so the static schedule's spare entries cost nothing."""
+    count = jnp.sum(visits.live.astype(jnp.int32))
+    return lax.fori_loop(0, count, lambda i, carry: visit(carry, jax.tree.map(lambda a: a[i], visits)), carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
