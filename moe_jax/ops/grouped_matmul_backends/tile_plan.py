@@ -12,10 +12,11 @@ sizes, which are only known at run time, but it is bounded:
 so a schedule of `max_visits(M, E, R)` entries always suffices; the entries past
 the real chunks are marked dead and skipped.
 
-Two levels (`plan_tile_schedules`): each expert's whole R-row chunks, then the rest
-of its rows (fewer than R) in chunks of r < R rows. A group of g rows then costs
-floor(g / R) * R + ceil((g mod R) / r) * r rows instead of ceil(g / R) * R: the
-large dots run near the dense rate and the waste per expert is under r rows.
+Two levels (`plan_tile_schedules`): each expert's R-row chunks, then its last rows,
+when fewer than R / 2, in chunks of r < R rows. A group of g rows then costs
+ceil(g / R) * R rows when g mod R >= R / 2 (one large dot beats three small ones)
+and floor(g / R) * R + ceil((g mod R) / r) * r otherwise, instead of always
+ceil(g / R) * R: the waste per expert is under R / 2 rows, mostly in large dots.
 """
 
 from __future__ import annotations
@@ -92,24 +93,29 @@ def plan_tile_visits(group_sizes: jax.Array, num_rows: int, tile_rows: int, *,
 
 
 def plan_tile_schedules(group_sizes: jax.Array, num_rows: int, tile_rows: int, remainder_rows: int | None
-                        ) -> tuple[tuple[TileVisits, int, bool], ...]:
-    """The schedules covering every group's rows once -> ((visits, rows per window, whole), ...); whole: every
-    live chunk fills its window (no row of it to mask).
+                        ) -> tuple[tuple[TileVisits, int], ...]:
+    """The schedules covering every group's rows once -> ((visits, rows per window), ...).
 
-    remainder_rows None (or >= the window): one schedule of R-row chunks. Otherwise two: the groups' whole
-    R-row chunks, then each group's last g mod R rows in chunks of r = remainder_rows.
+    remainder_rows None (or >= the window): one schedule of R-row chunks. Otherwise two: R-row chunks of each
+    group's first floor(g / R) * R rows, and of its last g mod R rows too when they are at least R / 2 (one
+    large dot costs less than three or more small ones); then the last rows of the other groups (< R / 2) in
+    chunks of r = remainder_rows.
     """
     tile_rows = window_rows(num_rows, tile_rows)
     if remainder_rows is None or remainder_rows >= tile_rows:
-        return ((plan_tile_visits(group_sizes, num_rows, tile_rows), tile_rows, False),)
+        return ((plan_tile_visits(group_sizes, num_rows, tile_rows), tile_rows),)
     num_experts = group_sizes.shape[0]
     group_sizes = group_sizes.astype(jnp.int32)
     group_start = jnp.cumsum(group_sizes) - group_sizes
-    whole = group_sizes // tile_rows * tile_rows
-    full = plan_tile_visits(whole, num_rows, tile_rows, group_start=group_start,
-                            visit_count=num_rows // tile_rows)
-    per_expert = -(-(tile_rows - 1) // remainder_rows)   # chunks of r in fewer than R rows
-    rest = plan_tile_visits(group_sizes - whole, num_rows, remainder_rows, group_start=group_start + whole,
+    last = group_sizes % tile_rows
+    small = jnp.where(2 * last >= tile_rows, 0, last)
+    large = group_sizes - small
+    # Each group: floor(g / R) chunks, plus one when its last rows are >= R / 2: at most (g + R / 2) / R.
+    full = plan_tile_visits(large, num_rows, tile_rows, group_start=group_start,
+                            visit_count=min(num_rows // tile_rows + num_experts // 2 + 1,
+                                            max_visits(num_rows, num_experts, tile_rows)))
+    per_expert = -(-(-(-tile_rows // 2) - 1) // remainder_rows)   # chunks of r in fewer than R / 2 rows
+    rest = plan_tile_visits(small, num_rows, remainder_rows, group_start=group_start + large,
                             visit_count=min(num_experts * per_expert,
                                             max_visits(num_rows, num_experts, remainder_rows)))
-    return (full, tile_rows, True), (rest, remainder_rows, False)
+    return (full, tile_rows), (rest, remainder_rows)

@@ -32,7 +32,7 @@ from ..accumulation import accumulation_dtype
 from ..varying import vary_like
 from .tile_plan import TileVisits, plan_tile_schedules
 
-Schedules = tuple[tuple[TileVisits, int, bool], ...]   # (visits, rows per window, whole chunks)
+Schedules = tuple[tuple[TileVisits, int], ...]   # (visits, rows per window)
 
 # Tile rows follow the average group size M / E, rounded down to a power of two
 # and kept within these bounds. A tile near the average group size wastes at most
@@ -102,16 +102,14 @@ def _rows_times_expert_weights(lhs: jax.Array, w: jax.Array, schedules: Schedule
     out_features = w.shape[surviving_axis]
     out_dtype = jnp.result_type(lhs.dtype, w.dtype)
     # Inside shard_map the carry must vary over the axes the visited values vary over (no-op outside).
-    out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, *(v for v, _, _ in schedules))
-    for visits, rows_per_window, whole in schedules:
-        out = _visit_rows(out, lhs, w, visits, rows_per_window, whole, dimension_numbers)
+    out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, *(v for v, _ in schedules))
+    for visits, rows_per_window in schedules:
+        out = _visit_rows(out, lhs, w, visits, rows_per_window, dimension_numbers)
     return out
 
 
-def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, whole: bool, dimension_numbers
-                ) -> jax.Array:
-    """`out` with every live visit's chunk rows set to lhs's window times the visit's expert weight (whole:
-    every live chunk fills its window, so the window is written as it is)."""
+def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, dimension_numbers) -> jax.Array:
+    """`out` with every live visit's chunk rows set to lhs's window times the visit's expert weight."""
     out_dtype = out.dtype
 
     def visit(out, v: TileVisits):
@@ -120,11 +118,10 @@ def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, whole: bo
         product = lax.dot_general(
             window, expert_weight, dimension_numbers, preferred_element_type=accumulation_dtype(out_dtype)
         ).astype(out_dtype)
-        if not whole:
-            keep = _chunk_mask(v, rows_per_window)
-            previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
-            product = jnp.where(keep[:, None], product, previous)
-        return lax.dynamic_update_slice_in_dim(out, product, v.window_start, axis=0)
+        keep = _chunk_mask(v, rows_per_window)
+        previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
+        updated = jnp.where(keep[:, None], product, previous)
+        return lax.dynamic_update_slice_in_dim(out, updated, v.window_start, axis=0)
 
     return _over_live_visits(visit, out, visits)
 
@@ -137,23 +134,21 @@ def _expert_weight_grads(x: jax.Array, grad_out: jax.Array, schedules: Schedules
     """
     accumulate_dtype = accumulation_dtype(x.dtype, grad_out.dtype)
     grad_w = vary_like(jnp.zeros((num_experts, grad_out.shape[1], x.shape[1]), accumulate_dtype), x, grad_out,
-                       *(v for v, _, _ in schedules))
-    for visits, rows_per_window, whole in schedules:
-        grad_w = _accumulate_weight_grads(grad_w, x, grad_out, visits, rows_per_window, whole)
+                       *(v for v, _ in schedules))
+    for visits, rows_per_window in schedules:
+        grad_w = _accumulate_weight_grads(grad_w, x, grad_out, visits, rows_per_window)
     return grad_w
 
 
-def _accumulate_weight_grads(grad_w, x, grad_out, visits: TileVisits, rows_per_window: int, whole: bool
-                             ) -> jax.Array:
-    """grad_w plus every live visit's chunk outer products, per the visit's expert (whole: as `_visit_rows`)."""
+def _accumulate_weight_grads(grad_w, x, grad_out, visits: TileVisits, rows_per_window: int) -> jax.Array:
+    """grad_w plus every live visit's chunk outer products, per the visit's expert."""
     accumulate_dtype = grad_w.dtype
 
     def visit(grad_w, v: TileVisits):
         x_window = lax.dynamic_slice_in_dim(x, v.window_start, rows_per_window, axis=0)
         g_window = lax.dynamic_slice_in_dim(grad_out, v.window_start, rows_per_window, axis=0)
-        if not whole:
-            keep = _chunk_mask(v, rows_per_window)
-            g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
+        keep = _chunk_mask(v, rows_per_window)
+        g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
         chunk_grad = lax.dot_general(
             g_window, x_window, _CONTRACT_WINDOW_ROWS, preferred_element_type=accumulate_dtype
         )
