@@ -22,6 +22,9 @@ import jax.numpy as jnp
 IGNORE_INDEX = -100
 # Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
 DEFAULT_LOSS_CHUNK = 512
+# A chunk's float32 logits up to this size are kept for the backward pass; larger ones are recomputed there
+# (an extra lm_head matmul per chunk: 3% of bench_vs_reference's default train step, whose logits are 16 MiB).
+KEPT_LOGITS_BYTES = 64 * 2**20
 
 
 def default_labels(input_ids: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
@@ -68,7 +71,8 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
 
     hidden: [B, S, H] (the lm_head's input); targets: [B, S] ints, -100 = not counted; logits_fn: [B, C, H]
     -> [B, C, V]. Runs over ceil(S / chunk) chunks of positions; the backward pass recomputes each chunk's
-    logits instead of keeping them. Returns (sum, count), float32 and int32 scalars.
+    logits instead of keeping them when they exceed KEPT_LOGITS_BYTES in float32. Returns (sum, count), float32
+    and int32 scalars.
     """
     if chunk < 1:
         raise ValueError(f"loss chunk={chunk} must be >= 1 (positions per lm_head call).")
@@ -82,7 +86,6 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
     hidden = hidden.reshape(batch, chunks, chunk, width).swapaxes(0, 1)   # [N, B, C, H]
     targets = targets.reshape(batch, chunks, chunk).swapaxes(0, 1)         # [N, B, C]
 
-    @jax.checkpoint
     def chunk_loss(hidden_chunk, target_chunk):
         logits = logits_fn(hidden_chunk).astype(jnp.float32)               # [B, C, V]
         counted = target_chunk != IGNORE_INDEX
@@ -90,6 +93,10 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
         picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
         losses = jax.nn.logsumexp(logits, axis=-1) - picked
         return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted, dtype=jnp.int32)
+
+    logits_shape = jax.eval_shape(logits_fn, hidden[0])
+    if batch * chunk * logits_shape.shape[-1] * 4 > KEPT_LOGITS_BYTES:
+        chunk_loss = jax.checkpoint(chunk_loss)
 
     def body(carry, xs):
         total, count = carry

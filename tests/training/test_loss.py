@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from moe_jax.training import loss as loss_module
 from moe_jax.training.loss import IGNORE_INDEX, chunked_cross_entropy
 
 BATCH, SEQUENCE, WIDTH, VOCAB = 2, 7, 8, 11
@@ -33,8 +34,10 @@ def plain(hidden, head, targets):
     return jnp.sum(jnp.where(counted, losses, 0.0))
 
 
+@pytest.mark.parametrize("kept_logits_bytes", [0, 2**30])   # recomputed in the backward pass, or kept
 @pytest.mark.parametrize("chunk", [1, 3, SEQUENCE, 64])  # many, padded last, exactly one, larger than S
-def test_every_chunking_gives_the_plain_loss_and_gradients(chunk):
+def test_every_chunking_gives_the_plain_loss_and_gradients(chunk, kept_logits_bytes, monkeypatch):
+    monkeypatch.setattr(loss_module, "KEPT_LOGITS_BYTES", kept_logits_bytes)
     hidden, head, targets = inputs()
     value, grads = jax.value_and_grad(chunked, argnums=(0, 1))(hidden, head, targets, chunk)
     want_value, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(hidden, head, targets)
@@ -43,6 +46,14 @@ def test_every_chunking_gives_the_plain_loss_and_gradients(chunk):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     _, count = chunked_cross_entropy(hidden, targets, lambda h: h @ head.T, chunk)
     assert int(count) == BATCH * SEQUENCE - 3
+
+
+def test_large_logits_are_recomputed_in_the_backward_pass_and_small_ones_kept(monkeypatch):
+    hidden, head, targets = inputs()
+    for kept_logits_bytes, recomputed in ((0, True), (2**30, False)):
+        monkeypatch.setattr(loss_module, "KEPT_LOGITS_BYTES", kept_logits_bytes)
+        jaxpr = str(jax.make_jaxpr(jax.grad(chunked, argnums=1), static_argnums=3)(hidden, head, targets, 3))
+        assert ("checkpoint" in jaxpr or "remat" in jaxpr) == recomputed
 
 
 def test_chunk_must_be_positive():
