@@ -1,7 +1,7 @@
 """Where a train step spends its time, op by op, from XLA's own profiler (CPU).
 
     python scripts/trace_step.py [--size default|large] [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
-                                 [--ops-of decoder.py] [--tp 2 --fsdp 2 --ep 4 --ep-implementation all_to_all]
+                                 [--ops-of decoder.py] [--tp 2 --fsdp 2 --ep 4 --ep-implementation all_to_all] [--capacity 1.5]
 
 With a layout (--tp / --fsdp / --ep) the step runs on that many virtual CPU devices and the op times are
 summed over the devices' threads (thread time, not wall time).
@@ -164,6 +164,9 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--ep-implementation", default="auto")
     parser.add_argument("--size", choices=sorted(SIZES), default="default", help="bench_vs_reference's model sizes")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="with --ep: the dispatch capacity (default the ladder's largest, which never drops; "
+                             "a training run settles lower, e.g. 1.5)")
     args = parser.parse_args()
     config = SIZES[args.size]
     scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
@@ -175,7 +178,8 @@ def main() -> int:
     model.init_params(seed=0)
     train_step = make_train_step(model, optax.adamw(1e-4))
     batch = {"input_ids": np.random.default_rng(0).integers(0, config["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
-    capacity = model.capacity_schedule.largest if model.layout.ep_size > 1 else None
+    capacity = (None if model.layout.ep_size == 1 else
+                model.capacity_schedule.largest if args.capacity is None else args.capacity)
     state = train_step.init_state(capacity=capacity)
     hlo_text = train_step.lower(state, batch).compile().as_text()
     sources, signatures = op_sources(hlo_text), op_signatures(hlo_text)

@@ -190,8 +190,10 @@ class MoeForCausalLM(PlannedModel):
                                 self.base_model_prefix)
 
     def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """params: nested (`layer_stack.nest`); hidden: [B, S, H] after the final norm -> logits [B, S, V]."""
-        return head_logits(self.config, params, hidden)
+        """params: nested (`layer_stack.nest`); hidden: [B, S, H] after the final norm -> logits [B, S, V], laid
+        out as the forward's logits (batch over the data axes): left free, XLA:CPU ran the loss's lm_head under
+        FSDP vocab-parallel over the whole batch, with a slow transposed copy of the logits' gradient."""
+        return self.activation_layouts.constrain(head_logits(self.config, params, hidden), ("batch", "length", "vocab"))
 
     # ---- layout --------------------------------------------------------------------------------------
     def _layer_signature(self, layer: int) -> tuple:
