@@ -39,6 +39,8 @@ from .styles import ALL_PARALLEL_STYLES, SHARDED_LAST_DIM
 BATCH_AXES = ("batch", "tokens")
 WHOLE_AXES = ("length", "embed")
 PLANNED_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "q_lora", "kv_lora")
+# A dim laid out as the compiler chooses (e.g. the loss's vocab: split over tp where the head's weight is).
+UNCONSTRAINED = "unconstrained"
 LOGICAL_AXES = BATCH_AXES + WHOLE_AXES + PLANNED_AXES
 
 MeshAxes = tuple[str, ...] | None
@@ -68,13 +70,16 @@ class LogicalAxisRules:
         return math.prod(sizes[axis] for axis in self.mesh_axes(name))
 
     def spec(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> P:
-        """One logical name (or None: whole) per dim -> PartitionSpec; with `shape`, a dim the mapped mesh
-        axes do not divide stays whole."""
+        """One logical name (or None: whole; UNCONSTRAINED: the compiler's choice) per dim -> PartitionSpec;
+        with `shape`, a dim the mapped mesh axes do not divide stays whole."""
         if shape is not None and len(shape) != len(logical_axes):
             raise ValueError(f"logical axes {logical_axes} name {len(logical_axes)} dims; the array has "
                              f"shape {tuple(shape)}")
         entries = []
         for dim, name in enumerate(logical_axes):
+            if name == UNCONSTRAINED:
+                entries.append(P.UNCONSTRAINED)
+                continue
             axes = () if name is None else self.mesh_axes(name)
             if shape is not None and axes and shape[dim] % self.size(name):
                 axes = ()

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import DistributedConfig
 from moe_jax.causal_lm import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
-from moe_jax.distributed.activations import LOGICAL_AXES, logical_axis_rules
+from moe_jax.distributed.activations import LOGICAL_AXES, UNCONSTRAINED, logical_axis_rules
 from moe_jax.distributed.mesh import DeviceLayout
 from moe_jax.models.decoder import decoder_layer
 from moe_jax.models.step_options import StepOptions
@@ -187,6 +187,7 @@ def test_spec_names_one_axis_per_dim_and_leaves_undivided_dims_whole():
     assert rules.spec(("batch", "length", "heads"), (8, 24, 32)) == P("efsdp", None, "tp")
     assert rules.spec(("batch", "length", "heads"), (3, 24, 6)) == P(None, None, None)  # 3, 6: undivided
     assert rules.spec(("batch", None)) == P("efsdp", None)
+    assert rules.spec(("batch", UNCONSTRAINED), (8, 24)) == P("efsdp", P.UNCONSTRAINED)   # the compiler's choice
     with pytest.raises(KeyError, match="Unknown logical axis 'hidden'"):
         rules.spec(("batch", "hidden"))
     with pytest.raises(ValueError, match="name 2 dims"):
