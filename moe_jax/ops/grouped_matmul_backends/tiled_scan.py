@@ -5,7 +5,8 @@ Shape letters: M rows, H in features, O out features, E experts, R tile rows.
 Every visit of the `tile_plan` schedule multiplies one R-row window of x by one
 expert's [O, H] weight (a plain dense dot) and
 writes only that chunk's rows into the output carry. Work is the real rows plus
-at most R - 1 rows of waste per expert, with static shapes throughout.
+less than R / 2 rows of waste per expert (two-level schedules, `plan_tile_schedules`;
+R - 1 with one level), with static shapes throughout.
 The loop runs as many steps as there are live visits (a `fori_loop` with a traced
 trip count), so the static schedule length costs nothing beyond the chunks that exist.
 
@@ -188,7 +189,7 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 def tiled_grouped_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int | None = None,
-    remainder_rows: int | None = "auto",
+    remainder_rows: int | str | None = "auto",
 ) -> jax.Array:
     """Grouped x @ w[e].T, one R-row tile at a time.
 
