@@ -34,23 +34,32 @@ class Sampling:
 
 
 def warp(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits: [B, V] float32 -> the same with filtered entries at -inf (HF's warpers, in HF's order)."""
+    """logits: [B, V] float32 -> the same with filtered entries at -inf (HF's warpers, in HF's order). A warper
+    that is off is not traced (`warp_per_row` runs each row's settings in one program)."""
     if sampling.temperature != 1.0:
         logits = logits / sampling.temperature
     if sampling.top_k:
         k = min(sampling.top_k, logits.shape[-1])
-        kth = jax.lax.top_k(logits, k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)  # ties with the k-th value stay, as in HF
+        logits = _drop_below(logits, jax.lax.top_k(logits, k)[0][..., -1:])
     if sampling.top_p < 1.0:
-        # HF: sort ascending, drop tokens whose cumulative probability is <= 1 - top_p, keep the top one.
-        order = jnp.argsort(logits, axis=-1)
-        ascending = jnp.take_along_axis(logits, order, axis=-1)
-        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-        drop_sorted = cumulative <= 1 - sampling.top_p
-        drop_sorted = drop_sorted.at[..., -1].set(False)
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
+        logits = jnp.where(_outside_nucleus(logits, jnp.full(logits.shape[:1], sampling.top_p)), -jnp.inf, logits)
     return logits
+
+
+def _drop_below(logits: jax.Array, kth: jax.Array) -> jax.Array:
+    """logits: [B, V]; kth: [B, 1] each row's k-th largest -> entries below it at -inf (ties with it stay, as in
+    HF's top-k)."""
+    return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def _outside_nucleus(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits: [B, V]; top_p: [B] -> [B, V] bool, the entries HF's top-p drops: in ascending order, those whose
+    cumulative probability is <= 1 - top_p, never the top token."""
+    order = jnp.argsort(logits, axis=-1)
+    ascending = jnp.take_along_axis(logits, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop_sorted = (cumulative <= (1 - top_p)[:, None]).at[:, -1].set(False)
+    return jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
 
 
 def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -70,14 +79,8 @@ def warp_per_row(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, to
     vocab = logits.shape[-1]
     descending = -jnp.sort(-logits, axis=-1)
     kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
-    logits = jnp.where((top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)   # ties with the k-th stay (HF)
-    # top-p as HF: ascending order, drop what the cumulative probability keeps <= 1 - top_p, never the top token.
-    order = jnp.argsort(logits, axis=-1)
-    ascending = jnp.take_along_axis(logits, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    drop_sorted = (cumulative <= (1 - top_p)[:, None]).at[:, -1].set(False)
-    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-    return jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, logits)
+    logits = jnp.where(top_k[:, None] > 0, _drop_below(logits, kth), logits)
+    return jnp.where(_outside_nucleus(logits, top_p) & (top_p[:, None] < 1.0), -jnp.inf, logits)
 
 
 def next_tokens_per_row(logits: jax.Array, keys: jax.Array, do_sample: jax.Array, temperature: jax.Array,
