@@ -7,6 +7,7 @@ The names below are imported on first use (PEP 562), so what needs no JAX (`moe-
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,4 +35,8 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    """The public names, the module's dunders and its subpackages imported so far (not its own helpers:
+    importlib, TYPE_CHECKING)."""
+    subpackages = [name for name, value in globals().items()
+                   if isinstance(value, ModuleType) and value.__name__.startswith(__name__ + ".")]
+    return sorted({*__all__, *subpackages, *(name for name in globals() if name.startswith("__"))})

@@ -92,6 +92,7 @@ def test_the_launcher_and_the_command_list_start_without_importing_jax():
     import moe_jax
 
     assert moe_jax.AutoModelForCausalLM.__name__ == "AutoModelForCausalLM" and "DistributedConfig" in dir(moe_jax)
+    assert "importlib" not in dir(moe_jax) and "TYPE_CHECKING" not in dir(moe_jax) and "causal_lm" in dir(moe_jax)
     with pytest.raises(AttributeError, match="no attribute 'AutoModel'"):
         moe_jax.AutoModel  # noqa: B018
 
