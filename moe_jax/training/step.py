@@ -52,7 +52,8 @@ class TrainStepOptions:
     loss_chunk: positions per lm_head call in the loss; compute_dtype: the activations' dtype (None: the
     parameters'; bfloat16 with float32 parameters is mixed precision: each parameter is cast where it is
     used and its gradient accumulated and reduced in float32, `moe_jax.nn.precision`);
-    check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs);
+    check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs; a
+    model without dispatch buffers, capacity None, has nothing to check);
     offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
     pipeline stages, how many microbatches each micro-batch is cut into (None: the model's)."""
 
