@@ -1,0 +1,105 @@
+"""A/B of one train-step choice on bench_vs_reference's Qwen3-MoE: both variants compiled in one process, their
+steps run alternately, medians printed with the ratio (what docs/benchmarks.md's session-17 A/Bs measured).
+
+    python scripts/ab_train_step.py scan-layers [--size default|large] [--seq 128] [--rounds 8]
+    python scripts/ab_train_step.py remainder-tiles --size large --seq 256 --rounds 4
+    python scripts/ab_train_step.py kept-logits --layout fsdp4_ep4 --capacity 1.5
+
+Choices (the first variant is the baseline):
+    scan-layers       scanned layers against unrolled (`scan_layers=True / False`)
+    remainder-tiles   the tiled grouped matmul's one-level tiles against two-level (`default_remainder_rows`)
+    kept-logits       the loss recomputing each chunk's logits in the backward pass against keeping them
+
+A variant that is not a model option is set by patching a module constant while the step is traced and compiled
+(a measurement device only). AdamW, fp32; with --layout the step runs on 4 virtual CPU devices (bench_vs_reference's
+layouts) at --capacity (default 1.5, where a training run settles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import moe_jax.ops.grouped_matmul_backends.tiled_scan as tiled_scan  # noqa: E402
+import moe_jax.training.loss as loss  # noqa: E402
+from moe_jax import DistributedConfig  # noqa: E402
+from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
+from moe_jax.training import make_train_step  # noqa: E402
+from scripts.bench_vs_reference import LAYOUTS, SIZES  # noqa: E402
+
+# choice -> ((variant name, model options, {(module, constant): value while tracing}), ...); baseline first.
+CHOICES = {
+    "scan-layers": (("scanned", {"scan_layers": True}, {}), ("unrolled", {"scan_layers": False}, {})),
+    "remainder-tiles": (("one-level", {}, {(tiled_scan, "default_remainder_rows"): lambda tile_rows: None}),
+                        ("two-level", {}, {})),
+    "kept-logits": (("recomputed", {}, {(loss, "KEPT_LOGITS_BYTES"): 0}), ("kept", {}, {})),
+}
+
+
+@contextmanager
+def patched(constants: dict):
+    saved = {key: getattr(*key) for key in constants}
+    for (module, name), value in constants.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("choice", choices=sorted(CHOICES))
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--layout", choices=[name for name, kwargs in LAYOUTS.items() if kwargs], default=None)
+    parser.add_argument("--capacity", type=float, default=1.5)
+    parser.add_argument("--ep-implementation", default="auto", choices=("auto", "all_to_all", "all_reduce"))
+    args = parser.parse_args()
+    config = SIZES[args.size]
+    layout = (None if args.layout is None else
+              DistributedConfig(**LAYOUTS[args.layout], ep_implementation=args.ep_implementation))
+    devices = jax.devices()[:1 if layout is None else 4]
+    batch = {"input_ids": np.random.default_rng(0).integers(0, config["vocab_size"], (8, args.seq), dtype=np.int32)}
+    runs = {}
+    for name, options, constants in CHOICES[args.choice]:
+        with patched(constants):
+            model = Qwen3MoeForCausalLM(config, layout, devices=devices, **options)
+            model.init_params(seed=0)
+            step = make_train_step(model, optax.adamw(1e-4))
+            state = step.init_state(capacity=None if layout is None else args.capacity)
+            start = time.perf_counter()
+            compiled = step.lower(state, batch).compile()
+            print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        runs[name] = [compiled, state, []]
+    for _ in range(args.rounds):
+        for run in runs.values():
+            start = time.perf_counter()
+            run[1], metrics = run[0](run[1], batch)
+            jax.block_until_ready(metrics)
+            run[2].append(time.perf_counter() - start)
+    baseline = float(np.median(next(iter(runs.values()))[2]))
+    where = "one device" if layout is None else args.layout
+    print(f"{args.choice}, size {args.size}, batch 8 x {args.seq}, {where}, {args.rounds} alternating rounds:")
+    for name, (_, _, times) in runs.items():
+        median = float(np.median(times))
+        print(f"  {name:<12} median {median * 1e3:8.0f} ms  min {min(times) * 1e3:8.0f} ms  {median / baseline:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
