@@ -185,9 +185,9 @@ def test_tile_schedules_cover_every_group_row_once_and_leave_small_remainders_to
         assert computed == sum(cost(g) for g in group_sizes)
 
 
-def test_default_remainder_tiles_are_a_quarter_from_128_row_tiles():
-    assert default_remainder_rows(256) == 64 and default_remainder_rows(128) == 32
-    assert default_remainder_rows(64) is None and default_remainder_rows(SMALL_TILE_ROWS) is None
+def test_default_remainder_tiles_are_a_quarter_from_64_row_tiles():
+    assert default_remainder_rows(256) == 64 and default_remainder_rows(64) == 16
+    assert default_remainder_rows(32) is None and default_remainder_rows(SMALL_TILE_ROWS) is None
 
 
 def test_default_backend_per_platform(monkeypatch):

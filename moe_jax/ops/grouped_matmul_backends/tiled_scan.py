@@ -80,8 +80,13 @@ _CONTRACT_WINDOW_ROWS = (((0,), (0,)), ((), ()))  # weight grad: [R, O] x [R, H]
 
 
 def default_remainder_rows(tile_rows: int) -> int | None:
-    """The tile of each group's last rows (None: one level): a quarter of the tile, from 128-row tiles."""
-    return tile_rows // 4 if tile_rows >= 128 else None
+    """The tile of each group's last rows (None: one level): a quarter of the tile, from 64-row tiles.
+
+    Isolated forward + backward against one level (realistic top-4 routing; docs/benchmarks.md, session 17):
+    256-row tiles 1.68x -> 1.27x dense (32 experts, H 512 -> 1024), 64-row tiles 1.94-2.24x -> 1.67-1.70x
+    (64 experts, 256 -> 512) and 3.31x -> 3.02x (128 experts, 256 -> 256); 32-row tiles with 8-row remainders
+    gained less (2.80x -> 2.60x, one shape) and are left at one level."""
+    return tile_rows // 4 if tile_rows >= 64 else None
 
 
 def _chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
