@@ -307,31 +307,28 @@ class ServingEngine:
         row[:len(request.pages)] = request.pages
         return row
 
-    def _prefill_pieces(self, prefilling: list[Request]) -> list[list[tuple[Request, int]]]:
-        """Per data-parallel group, this step's prompt pieces (request, tokens), one per prefill row: the prompts'
-        next tokens oldest slot first, each prompt taking as many rows of `prefill_chunk` tokens as its remaining
-        tokens fill, so a prompt's short last piece leaves the next rows to the next prompt."""
-        pieces: list[list[tuple[Request, int]]] = [[] for _ in range(self.groups)]
+    def _prefill_pieces(self, prefilling: list[Request]) -> list[list[tuple[Request, int, int]]]:
+        """Per data-parallel group, this step's prompt pieces (request, first token, tokens), one per prefill row:
+        the prompts' next tokens oldest slot first, each prompt taking as many rows of `prefill_chunk` tokens as
+        its remaining tokens fill, so a prompt's short last piece leaves the next rows to the next prompt."""
+        pieces: list[list[tuple[Request, int, int]]] = [[] for _ in range(self.groups)]
         chunk, rows = self.config.prefill_chunk, self.config.prefill_rows
         for request in prefilling:
             group = pieces[request.group]
-            remaining = len(request.prompt_ids) - request.prefilled
-            while remaining > 0 and len(group) < rows:
-                group.append((request, min(chunk, remaining)))
-                remaining -= chunk
+            for start in range(request.prefilled, len(request.prompt_ids), chunk):
+                if len(group) == rows:
+                    break
+                group.append((request, start, min(chunk, len(request.prompt_ids) - start)))
         return pieces
 
-    def _place_prefill(self, inputs: dict, pieces: list[list[tuple[Request, int]]], stride: int
+    def _place_prefill(self, inputs: dict, pieces: list[list[tuple[Request, int, int]]], stride: int
                        ) -> list[tuple[int, Request, int]]:
         """Put this step's prompt pieces (`_prefill_pieces`) in the rows of `inputs` (group g's first row:
         g * stride) -> (row, request, tokens) of each, in prompt order."""
         placed = []
         for group, group_pieces in enumerate(pieces):
-            start: dict[str, int] = {}
-            for i, (request, count) in enumerate(group_pieces):
-                first = start.setdefault(request.request_id, request.prefilled)
-                self._prefill_row(inputs, group * stride + i, request, first, count)
-                start[request.request_id] = first + count
+            for i, (request, start, count) in enumerate(group_pieces):
+                self._prefill_row(inputs, group * stride + i, request, start, count)
                 placed.append((group * stride + i, request, count))
         return placed
 
@@ -590,8 +587,7 @@ class ServingEngine:
                                  lengths=inputs["lengths"], segments=segments)
             out = self.model.step_math(params, self._flat_tokens(inputs["ids"], length, prompt_rows),
                                        attention_mask=self._flat_tokens(mask, length, prompt_rows), cache=cache,
-                                       capacity=None,
-                                       inference=True, return_hidden=True)
+                                       capacity=None, inference=True, return_hidden=True)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],

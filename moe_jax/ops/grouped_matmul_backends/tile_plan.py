@@ -114,7 +114,8 @@ def plan_tile_schedules(group_sizes: jax.Array, num_rows: int, tile_rows: int, r
     full = plan_tile_visits(large, num_rows, tile_rows, group_start=group_start,
                             visit_count=min(num_rows // tile_rows + num_experts // 2 + 1,
                                             max_visits(num_rows, num_experts, tile_rows)))
-    per_expert = -(-(-(-tile_rows // 2) - 1) // remainder_rows)   # chunks of r in fewer than R / 2 rows
+    short_rows = (tile_rows + 1) // 2 - 1            # a group's small remainder: at most ceil(R / 2) - 1 rows
+    per_expert = -(-short_rows // remainder_rows)    # ... in ceil(short_rows / r) chunks
     rest = plan_tile_visits(small, num_rows, remainder_rows, group_start=group_start + large,
                             visit_count=min(num_experts * per_expert,
                                             max_visits(num_rows, num_experts, remainder_rows)))

@@ -203,8 +203,9 @@ def tiled_grouped_matmul(
     group_sizes: [E] int32
     returns [M, O]; rows past sum(group_sizes) are 0
 
-    tile_rows: R; None picks `default_tile_rows(M, E)`. remainder_rows: r, the tile of each group's last
-    g mod R rows (None: every chunk R rows; "auto": `default_remainder_rows(R)`).
+    tile_rows: R; None picks `default_tile_rows(M, E)`. remainder_rows: r, the tile of a group's last g mod R
+    rows when they are fewer than R / 2 (`plan_tile_schedules`; None: every chunk R rows; "auto":
+    `default_remainder_rows(R)`).
     """
     if x.shape[0] == 0:
         return jnp.zeros((0, w.shape[1]), jnp.result_type(x.dtype, w.dtype))
