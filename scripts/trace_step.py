@@ -158,7 +158,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--ops-of", default=None, help="also list the ops attributed to sources containing this text")
+    parser.add_argument("--ops-of", default=None, help="also list the ops attributed to sources containing this text ('': every op)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--fsdp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -221,7 +221,7 @@ def main() -> int:
     print(f"\nby source line and pass (top {args.top}):")
     for (source, direction), ms in by_source.most_common(args.top):
         print(f"  {ms:8.1f}  {100 * ms / traced:5.1f}%  {direction}  {source}")
-    if args.ops_of:
+    if args.ops_of is not None:
         print(f"\nops of sources containing {args.ops_of!r} (top {args.top}):")
         source_of = {op: sources.get(op, ("(no metadata)", False)) for op in per_step}
         ops = [(ms, op) for op, ms in per_step.items() if args.ops_of in source_of[op][0]]

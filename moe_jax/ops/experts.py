@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .grouped_matmul import grouped_matmul
+from .grouped_swiglu import grouped_swiglu
 from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
 from .varying import vary_like
 
@@ -68,12 +69,6 @@ def _varying_together(*operands: jax.Array) -> list[jax.Array]:
     return [vary_like(operand, *operands) for operand in operands]
 
 
-def _swiglu(gate_up: jax.Array, act: Activation) -> jax.Array:
-    """gate_up: [M, 2I] -> act(gate_up[:, :I]) * gate_up[:, I:]: [M, I]."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return act(gate) * up
-
-
 def swiglu_experts(
     hidden: jax.Array,
     expert_ids: jax.Array,
@@ -105,8 +100,7 @@ def swiglu_experts(
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
-    gate_up = grouped_matmul(x_sorted, gate_up_proj, group_sizes, backend=backend)  # [M, 2I]
-    y_sorted = grouped_matmul(_swiglu(gate_up, act), down_proj, group_sizes, backend=backend)  # [M, H]
+    y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend)  # [M, H]
 
     # The expert output is already 0 there; masking the weight as well keeps a
     # non-finite sentinel weight out of the sum and its gradient exactly 0.
@@ -220,6 +214,6 @@ def prescaled_swiglu_experts(
     x_sorted = gather_rows(hidden, order, top_k)                                        # [M, H]
     row_weights = jnp.take(weights.reshape(-1), order)[:, None]                          # [M, 1]
     x_sorted = (x_sorted * row_weights).astype(hidden.dtype)
-    gate_up = grouped_matmul(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), group_sizes, backend=backend)
-    y_sorted = grouped_matmul(_swiglu(gate_up, act), jnp.swapaxes(down_proj, 1, 2), group_sizes, backend=backend)
+    y_sorted = grouped_swiglu(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), jnp.swapaxes(down_proj, 1, 2),
+                              group_sizes, act=act, backend=backend)
     return unpermute(y_sorted, order, mine.astype(y_sorted.dtype)).astype(hidden.dtype)

@@ -79,7 +79,18 @@ def default_backend(platform: str) -> str:
     return choose()
 
 
-def _check_grouped_operands(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
+def backend_name(backend: str | None) -> str:
+    """`backend`, checked against the registry, or the default for JAX's default platform when None."""
+    name = default_backend(jax.default_backend()) if backend is None else backend
+    if name not in GROUPED_MATMUL_BACKENDS:
+        raise ValueError(
+            f"unknown grouped_matmul backend {name!r}; choose one of {sorted(GROUPED_MATMUL_BACKENDS)} "
+            "or None for the platform default."
+        )
+    return name
+
+
+def check_grouped_operands(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
     if x.ndim != 2:
         raise ValueError(f"x must be [M, H], got shape {x.shape}.")
     if w.ndim != 3:
@@ -113,15 +124,9 @@ def grouped_matmul(
     backend: a name in GROUPED_MATMUL_BACKENDS; None picks `default_backend` for
     JAX's default platform.
     """
-    _check_grouped_operands(x, w, group_sizes)
-    name = default_backend(jax.default_backend()) if backend is None else backend
-    try:
-        fn = GROUPED_MATMUL_BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown grouped_matmul backend {name!r}; choose one of {sorted(GROUPED_MATMUL_BACKENDS)} "
-            "or None for the platform default."
-        ) from None
+    check_grouped_operands(x, w, group_sizes)
+    name = backend_name(backend)
+    fn = GROUPED_MATMUL_BACKENDS[name]
     # Backends get one dtype: ragged_dot rejects mixed operands, and this keeps
     # every backend's result dtype the same.
     dtype = jnp.result_type(x.dtype, w.dtype)

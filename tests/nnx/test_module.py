@@ -82,7 +82,10 @@ def test_adamw_steps_with_nnx_optimizer_in_nnx_jit_give_the_train_step_s_losses(
     assert count[0] == 0
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
     assert ours[-1] < ours[0]
-    chex.assert_trees_all_close(model.weights(), dict(state.params), rtol=1e-5, atol=1e-6)
+    # Two separately compiled programs: a gradient near 0 may differ by float noise (~1e-11 absolute), which Adam's
+    # first step divides by eps (1e-8): lr * 1e-11 / eps = 3e-6 apart in a parameter (seen in 1 of 1024 q_proj
+    # entries when XLA:CPU ordered the fused expert loop's work differently in the two programs).
+    chex.assert_trees_all_close(model.weights(), dict(state.params), rtol=1e-5, atol=1e-5)
     # Parameters and optimizer state stay in the plans' shardings through the jitted updates.
     shardings = engine.storage_shardings()
     for name in model.storage_names:

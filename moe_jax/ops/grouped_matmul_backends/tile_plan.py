@@ -21,10 +21,12 @@ ceil(g / R) * R: the waste per expert is under R / 2 rows, mostly in large dots.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..permute import count_at_most
 
@@ -120,3 +122,19 @@ def plan_tile_schedules(group_sizes: jax.Array, num_rows: int, tile_rows: int, r
                             visit_count=min(num_experts * per_expert,
                                             max_visits(num_rows, num_experts, remainder_rows)))
     return (full, tile_rows), (rest, remainder_rows)
+
+
+Carry = TypeVar("Carry")
+
+
+def chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
+    """[R] bool: which rows of visit v's window belong to its chunk."""
+    rows = v.window_start + jnp.arange(rows_per_window, dtype=jnp.int32)
+    return (rows >= v.chunk_start) & (rows < v.chunk_end)
+
+
+def over_live_visits(visit: Callable[[Carry, TileVisits], Carry], carry: Carry, visits: TileVisits) -> Carry:
+    """visit(carry, v) for each live visit in order: a loop of as many steps as there are live visits (they
+    are the schedule's first entries), so the static schedule's spare entries cost nothing."""
+    count = jnp.sum(visits.live.astype(jnp.int32))
+    return lax.fori_loop(0, count, lambda i, carry: visit(carry, jax.tree.map(lambda a: a[i], visits)), carry)

@@ -31,7 +31,7 @@ from jax import lax
 
 from ..accumulation import accumulation_dtype
 from ..varying import vary_like
-from .tile_plan import TileVisits, plan_tile_schedules
+from .tile_plan import TileVisits, chunk_mask, over_live_visits, plan_tile_schedules
 
 Schedules = tuple[tuple[TileVisits, int], ...]   # (visits, rows per window)
 
@@ -79,6 +79,41 @@ _WEIGHT_CONTRACTIONS = {
 _CONTRACT_WINDOW_ROWS = (((0,), (0,)), ((), ()))  # weight grad: [R, O] x [R, H] -> [O, H]
 
 
+def window_times_weight(window: jax.Array, expert_weight: jax.Array, contract: str, out_dtype) -> jax.Array:
+    """One visit's dot: window [R, H] x weight [O, H] -> [R, O] (contract="in_features"), or window [R, O] x
+    weight [O, H] -> [R, H] ("out_features"); summed in the accumulation dtype, returned in out_dtype."""
+    dimension_numbers, _ = _WEIGHT_CONTRACTIONS[contract]
+    return lax.dot_general(
+        window, expert_weight, dimension_numbers, preferred_element_type=accumulation_dtype(out_dtype)
+    ).astype(out_dtype)
+
+
+def window_weight_grad(g_window: jax.Array, x_window: jax.Array, accumulate_dtype) -> jax.Array:
+    """g_window [R, O] x x_window [R, H] -> [O, H]: one visit's weight gradient, in accumulate_dtype."""
+    return lax.dot_general(g_window, x_window, _CONTRACT_WINDOW_ROWS, preferred_element_type=accumulate_dtype)
+
+
+def keep_chunk_rows(window: jax.Array, v: TileVisits, rows_per_window: int) -> jax.Array:
+    """window [R, ...] with the rows outside visit v's chunk set to 0."""
+    keep = chunk_mask(v, rows_per_window).reshape((-1,) + (1,) * (window.ndim - 1))
+    return jnp.where(keep, window, jnp.zeros_like(window))
+
+
+def set_chunk_rows(out: jax.Array, window_values: jax.Array, v: TileVisits, rows_per_window: int) -> jax.Array:
+    """out [M, ...] with visit v's chunk rows set from window_values [R, ...] (its window's rows); the window's
+    other rows keep their values."""
+    keep = chunk_mask(v, rows_per_window).reshape((-1,) + (1,) * (out.ndim - 1))
+    previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
+    updated = jnp.where(keep, window_values, previous)
+    return lax.dynamic_update_slice_in_dim(out, updated, v.window_start, axis=0)
+
+
+def add_expert_grad(grad_w: jax.Array, chunk_grad: jax.Array, expert: jax.Array) -> jax.Array:
+    """grad_w [E, O, H] with chunk_grad [O, H] added to expert's slice."""
+    running = lax.dynamic_index_in_dim(grad_w, expert, axis=0, keepdims=True)
+    return lax.dynamic_update_index_in_dim(grad_w, running + chunk_grad[None], expert, axis=0)
+
+
 def default_remainder_rows(tile_rows: int) -> int | None:
     """The tile of each group's last rows (None: one level): a quarter of the tile, from 64-row tiles.
 
@@ -87,12 +122,6 @@ def default_remainder_rows(tile_rows: int) -> int | None:
     (64 experts, 256 -> 512) and 3.31x -> 3.02x (128 experts, 256 -> 256); 32-row tiles with 8-row remainders
     gained less (2.80x -> 2.60x, one shape) and are left at one level."""
     return tile_rows // 4 if tile_rows >= 64 else None
-
-
-def _chunk_mask(v: TileVisits, rows_per_window: int) -> jax.Array:
-    """[R] bool: which rows of visit v's window belong to its chunk."""
-    rows = v.window_start + jnp.arange(rows_per_window, dtype=jnp.int32)
-    return (rows >= v.chunk_start) & (rows < v.chunk_end)
 
 
 def _rows_times_expert_weights(lhs: jax.Array, w: jax.Array, schedules: Schedules, contract: str) -> jax.Array:
@@ -104,32 +133,26 @@ def _rows_times_expert_weights(lhs: jax.Array, w: jax.Array, schedules: Schedule
     returns [M, O] or [M, H] (the weight axis not contracted); rows in no group are 0
     """
     num_rows = lhs.shape[0]
-    dimension_numbers, surviving_axis = _WEIGHT_CONTRACTIONS[contract]
-    out_features = w.shape[surviving_axis]
+    out_features = w.shape[_WEIGHT_CONTRACTIONS[contract][1]]
     out_dtype = jnp.result_type(lhs.dtype, w.dtype)
     # Inside shard_map the carry must vary over the axes the visited values vary over (no-op outside).
     out = vary_like(jnp.zeros((num_rows, out_features), out_dtype), lhs, w, *(v for v, _ in schedules))
     for visits, rows_per_window in schedules:
-        out = _visit_rows(out, lhs, w, visits, rows_per_window, dimension_numbers)
+        out = _visit_rows(out, lhs, w, visits, rows_per_window, contract)
     return out
 
 
-def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, dimension_numbers) -> jax.Array:
+def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, contract: str) -> jax.Array:
     """`out` with every live visit's chunk rows set to lhs's window times the visit's expert weight."""
     out_dtype = out.dtype
 
     def visit(out, v: TileVisits):
         window = lax.dynamic_slice_in_dim(lhs, v.window_start, rows_per_window, axis=0)
         expert_weight = lax.dynamic_index_in_dim(w, v.expert, axis=0, keepdims=False)
-        product = lax.dot_general(
-            window, expert_weight, dimension_numbers, preferred_element_type=accumulation_dtype(out_dtype)
-        ).astype(out_dtype)
-        keep = _chunk_mask(v, rows_per_window)
-        previous = lax.dynamic_slice_in_dim(out, v.window_start, rows_per_window, axis=0)
-        updated = jnp.where(keep[:, None], product, previous)
-        return lax.dynamic_update_slice_in_dim(out, updated, v.window_start, axis=0)
+        product = window_times_weight(window, expert_weight, contract, out_dtype)
+        return set_chunk_rows(out, product, v, rows_per_window)
 
-    return _over_live_visits(visit, out, visits)
+    return over_live_visits(visit, out, visits)
 
 
 def _expert_weight_grads(x: jax.Array, grad_out: jax.Array, schedules: Schedules, num_experts: int) -> jax.Array:
@@ -153,22 +176,10 @@ def _accumulate_weight_grads(grad_w, x, grad_out, visits: TileVisits, rows_per_w
     def visit(grad_w, v: TileVisits):
         x_window = lax.dynamic_slice_in_dim(x, v.window_start, rows_per_window, axis=0)
         g_window = lax.dynamic_slice_in_dim(grad_out, v.window_start, rows_per_window, axis=0)
-        keep = _chunk_mask(v, rows_per_window)
-        g_window = jnp.where(keep[:, None], g_window, jnp.zeros_like(g_window))
-        chunk_grad = lax.dot_general(
-            g_window, x_window, _CONTRACT_WINDOW_ROWS, preferred_element_type=accumulate_dtype
-        )
-        running = lax.dynamic_index_in_dim(grad_w, v.expert, axis=0, keepdims=True)
-        return lax.dynamic_update_index_in_dim(grad_w, running + chunk_grad[None], v.expert, axis=0)
+        g_window = keep_chunk_rows(g_window, v, rows_per_window)
+        return add_expert_grad(grad_w, window_weight_grad(g_window, x_window, accumulate_dtype), v.expert)
 
-    return _over_live_visits(visit, grad_w, visits)
-
-
-def _over_live_visits(visit, carry, visits: TileVisits):
-    """visit(carry, v) for each live visit in order: a loop of as many steps as there are live visits (they
-    are the schedule's first entries), so the static schedule's spare entries cost nothing."""
-    count = jnp.sum(visits.live.astype(jnp.int32))
-    return lax.fori_loop(0, count, lambda i, carry: visit(carry, jax.tree.map(lambda a: a[i], visits)), carry)
+    return over_live_visits(visit, grad_w, visits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
