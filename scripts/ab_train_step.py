@@ -5,6 +5,7 @@ steps run alternately, medians printed with the ratio (what docs/benchmarks.md's
     python scripts/ab_train_step.py remainder-tiles --size large --seq 256 --rounds 4
     python scripts/ab_train_step.py kept-logits --layout fsdp4_ep4 --capacity 1.5
     python scripts/ab_train_step.py fused-swiglu [--forward]
+    python scripts/ab_train_step.py query-blocks [--forward]
 
 Choices (the first variant is the baseline):
     scan-layers       scanned layers against unrolled (`scan_layers=True / False`)
@@ -12,6 +13,8 @@ Choices (the first variant is the baseline):
     kept-logits       the loss recomputing each chunk's logits in the backward pass against keeping them
     fused-swiglu      the experts' gate/up and down as two chained tiled grouped matmuls against one fused tile
                       loop (`moe_jax.ops.grouped_swiglu`)
+    query-blocks      attention through `jax.nn.dot_product_attention`'s XLA path against causal query blocks
+                      (`moe_jax.nn.query_blocks`)
 
 --forward times the jitted forward (logits, as bench_vs_reference's forward column) instead of the train step.
 
@@ -35,6 +38,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import moe_jax.nn.attention as attention  # noqa: E402
 import moe_jax.ops.grouped_matmul_backends.tiled_scan as tiled_scan  # noqa: E402
 import moe_jax.ops.grouped_swiglu as grouped_swiglu  # noqa: E402
 import moe_jax.training.loss as loss  # noqa: E402
@@ -50,6 +54,8 @@ CHOICES = {
                         ("two-level", {}, {})),
     "kept-logits": (("recomputed", {}, {(loss, "KEPT_LOGITS_BYTES"): 0}), ("kept", {}, {})),
     "fused-swiglu": (("chained", {}, {(grouped_swiglu, "FUSED_SWIGLU_BACKENDS"): {}}), ("fused", {}, {})),
+    "query-blocks": (("jax-xla", {}, {(attention, "_uses_query_blocks"): lambda implementation: False}),
+                     ("blocked", {}, {})),
 }
 
 

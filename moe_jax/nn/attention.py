@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from ..ops.accumulation import widens_fp16
 from .linear import Constrain, linear, no_constraint
 from .norms import rms_norm
+from .query_blocks import causal_block_attention
 from .rotary import apply_rotary
 
 QkNormKind = Literal["per_head", "full_width"]
@@ -210,17 +211,29 @@ def _attend_query_chunks(
 
 
 def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
-    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU.
+    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`); "blocked" (query blocks,
+    where a mask rules them out) is its XLA path."""
+    implementation = "xla" if implementation == "blocked" else implementation
+    return _widening_fp16(jax.nn.dot_product_attention, q, k, v, implementation=implementation, **options)
 
-    Its XLA path computes fp16 logits as an fp16 x fp16 -> fp32 dot, which XLA:CPU does not implement. fp16
+
+def _widening_fp16(core, q, k, v, **options) -> jax.Array:
+    """core(q, k, v, **options), with fp16 operands widened to fp32 on XLA:CPU.
+
+    The cores compute fp16 logits as an fp16 x fp16 -> fp32 dot, which XLA:CPU does not implement. fp16
     operands are widened to fp32 there (exact, and fp16 products are exact in fp32, so the logits are the same);
     the softmax weights then stay fp32 for the value sum, and the output returns in fp16. Elsewhere fp16 goes in
     as is.
     """
     if q.dtype != jnp.float16 or not widens_fp16():
-        return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options)
+        return core(q, k, v, **options)
     q, k, v = (array.astype(jnp.float32) for array in (q, k, v))
-    return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **options).astype(jnp.float16)
+    return core(q, k, v, **options).astype(jnp.float16)
+
+
+def _uses_query_blocks(implementation: str | None) -> bool:
+    """"blocked", or no choice on CPU, where no fused kernel exists (elsewhere None lets jax pick one)."""
+    return implementation == "blocked" or (implementation is None and jax.default_backend() == "cpu")
 
 
 def attend(
@@ -232,7 +245,7 @@ def attend(
     key_padding_mask: jax.Array | None = None,
     query_index: jax.Array | None = None,
     sliding_window: int | None = None,
-    implementation: Literal["xla", "cudnn"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
     query_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
     attention_chunk_size: int | None = None,
@@ -247,7 +260,9 @@ def attend(
     query_index: [B, S] or [S] index of each query among the keys; default `T - S + arange(S)` (the queries
         are the last S keys: prefill when T == S, or decode against a cache holding exactly T keys)
     sliding_window: keys visible per query, itself included (HF semantics), or None for full causal
-    implementation: passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash attention on GPU)
+    implementation: "blocked" = `query_blocks.causal_block_attention` for a whole causal sequence (None picks it on
+        CPU); otherwise passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash
+        attention on GPU, "xla" = its XLA path, None = its own choice)
     query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
     sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
         probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
@@ -280,6 +295,9 @@ def attend(
                          "packed rows attend within themselves (no cache).")
     if (query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None
             and segment_ids is None):
+        if _uses_query_blocks(implementation):
+            return _widening_fp16(causal_block_attention, q, k, v, scale=scale, sliding_window=sliding_window,
+                                  key_padding_mask=key_padding_mask)
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
         return _dot_product_attention(
@@ -361,7 +379,7 @@ def attention(
     qk_norm_kind: QkNormKind | None = None,
     rms_norm_eps: float = 1e-6,
     clip_qkv: float | None = None,
-    implementation: Literal["xla", "cudnn"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
     query_chunk_size: int | None = None,
     constrain: Constrain = no_constraint,
     segment_ids: jax.Array | None = None,
@@ -427,7 +445,7 @@ def cached_attention(
     qk_norm_kind: QkNormKind | None = None,
     rms_norm_eps: float = 1e-6,
     clip_qkv: float | None = None,
-    implementation: Literal["xla", "cudnn"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
     constrain: Constrain = no_constraint,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`attention` for S new tokens against a KV cache (prefill into an empty cache, decode, or a chunk of a
