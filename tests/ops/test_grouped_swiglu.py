@@ -12,15 +12,9 @@ from moe_jax.ops.grouped_matmul_backends.tiled_scan import tiled_grouped_matmul
 from moe_jax.ops.grouped_matmul_backends.tiled_swiglu import gated, tiled_swiglu_mlp
 from moe_jax.ops.grouped_swiglu import FUSED_SWIGLU_BACKENDS, grouped_swiglu
 
-NUM_ROWS, NUM_EXPERTS, HIDDEN, INTERMEDIATE = 37, 5, 8, 6
+from .test_grouped_matmul import GROUP_SIZE_CASES, NUM_EXPERTS, NUM_ROWS  # the same row splits
 
-GROUP_SIZE_CASES = {
-    "empty groups and padding rows": [7, 0, 12, 0, 15],
-    "all rows in one group": [0, 0, NUM_ROWS, 0, 0],
-    "every row used": [10, 5, 0, 20, 2],
-    "no rows in any group": [0, 0, 0, 0, 0],
-    "single-row groups": [1, 1, 1, 1, 1],
-}
+HIDDEN, INTERMEDIATE = 8, 6
 
 # Tiles smaller than, not dividing, and larger than M, one and two levels.
 TILINGS = {
