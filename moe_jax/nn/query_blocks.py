@@ -83,9 +83,17 @@ def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: f
         logits = jnp.where(visible, logits, masked_logit).astype(jnp.float32)
         weights = jax.nn.softmax(logits, axis=-1).astype(k.dtype)
         out = jnp.einsum("bkmt,bktd->bkmd", weights, values[:, :, first_key:end])
-        if key_padding_mask is not None:   # rows that see no key: equal weights on all S keys, as jax's path
-            sees_a_key = jnp.any(visible, axis=-1, keepdims=True)
-            out = jnp.where(sees_a_key, out, jnp.mean(values, axis=2, keepdims=True).astype(out.dtype))
         blocks.append(out.reshape(batch, kv_heads, groups, rows, dim))
     out = jnp.concatenate(blocks, axis=3)                                                # [B, K, G, S, D]
+    if key_padding_mask is not None:   # queries that see no key: equal weights on all S keys, as jax's path
+        sees = _sees_a_key(key_padding_mask, sliding_window)[:, None, None, :, None]    # [B, 1, 1, S, 1]
+        out = jnp.where(sees, out, jnp.mean(values, axis=2)[:, :, None, None, :].astype(out.dtype))
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
+
+
+def _sees_a_key(key_padding_mask: jax.Array, sliding_window: int | None) -> jax.Array:
+    """[B, S] bool: whether query s has a real key among those it may see ([s - window + 1, s], or [0, s])."""
+    real_so_far = jnp.cumsum(key_padding_mask.astype(jnp.int32), axis=1)
+    if sliding_window is not None:   # minus the real keys before the window
+        real_so_far = real_so_far - jnp.pad(real_so_far, ((0, 0), (sliding_window, 0)))[:, :real_so_far.shape[1]]
+    return real_so_far > 0
