@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.accumulation import accumulating_einsum, accumulation_dtype
+from ..ops.permute import invert_permutation, take_rows
 from .capacity import CapacitySchedule, DispatchStatistics, buffer_rows, required_capacity
 
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -221,8 +222,14 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         slot = jnp.arange(peer_rows)
         slot_valid = slot[None, :] < peer_counts[:, None]  # [ep, C]
         position = jnp.where(slot_valid, peer_starts[:, None] + slot[None, :], pairs)  # [ep, C]
-        pair = order[jnp.minimum(position, pairs - 1)]
-        send_tokens = hidden[pair // top_k].reshape(groups.ep_size * peer_rows, -1)
+        # slot -> pair and pair -> slot; out-of-range markers (pairs, ep * C) where nothing is held or sent.
+        slot_pair = jnp.where(slot_valid, order[jnp.minimum(position, pairs - 1)], pairs).reshape(-1)
+        sorted_peer = jnp.minimum(sorted_expert // num_local, groups.ep_size - 1)
+        slot_in_peer = jnp.arange(pairs) - peer_starts[sorted_peer]
+        sorted_slot = jnp.where((sorted_expert < num_global) & (slot_in_peer < peer_rows),
+                                sorted_peer * peer_rows + slot_in_peer, groups.ep_size * peer_rows)
+        pair_slot = sorted_slot[invert_permutation(order)]
+        send_tokens = take_rows(hidden, jnp.where(slot_pair < pairs, slot_pair // top_k, slice_rows), pair_slot)
         local_id = jnp.where(slot_valid, sorted_expert[jnp.minimum(position, pairs - 1)] % num_local, num_local)
         received = jax.lax.all_to_all(send_tokens, groups.ep_axes, 0, 0, tiled=True)
         received_ids = jax.lax.all_to_all(local_id.reshape(-1), groups.ep_axes, 0, 0, tiled=True)
@@ -230,12 +237,8 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
             received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype)
         )
         returned = jax.lax.all_to_all(expert_out, groups.ep_axes, 0, 0, tiled=True)
-        # Slots past a peer's count carried nothing; pairs past the buffer were not sent (dropped).
-        sorted_output = jnp.zeros((pairs, hidden.shape[-1]), hidden.dtype).at[position.reshape(-1)].add(
-            returned.astype(hidden.dtype), mode="drop"
-        )
-
-        pair_output = sorted_output[jnp.argsort(order)]  # back to (row, k) order
+        # Pairs past the buffer were not sent (dropped): their rows read zeros.
+        pair_output = take_rows(returned.astype(hidden.dtype), pair_slot, slot_pair)  # [pairs, H], (row, k) order
         # The combine: weighted sum over k in at least fp32, rounded once to the hidden dtype (before the tp
         # gather, so that moves hidden-dtype bytes).
         token_output = accumulating_einsum(
@@ -300,21 +303,21 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         slots = self.buffer_rows(pairs)
         kept = mine & (slot_of_pair < slots)
         # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
-        slot_pair = jnp.full((slots,), pairs, jnp.int32).at[jnp.where(kept, slot_of_pair, slots)].set(
+        pair_slot = jnp.where(kept, slot_of_pair, slots)
+        # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
+        slot_pair = jnp.full((slots,), pairs, jnp.int32).at[pair_slot].set(
             jnp.arange(pairs, dtype=jnp.int32), mode="drop"
         )
         slot_valid = slot_pair < pairs
         pair = jnp.minimum(slot_pair, pairs - 1)
-        tokens = hidden_states[pair // top_k]  # [C, H]
+        tokens = take_rows(hidden_states, jnp.where(slot_valid, pair // top_k, rows), pair_slot)  # [C, H]
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
         expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
-        # The combine: routing weights applied and summed over this device's pairs and then over the ep group in
-        # at least fp32 (as all_to_all's sender sums over k), rounded once to the hidden dtype at the end.
-        weight = jnp.where(slot_valid, top_k_weights.reshape(pairs)[pair], 0)
+        # The combine: routing weights applied and summed over k in at least fp32 (other devices' pairs read
+        # zeros here), then over the ep group, rounded once to the hidden dtype at the end.
         accumulate = accumulation_dtype(hidden_states.dtype, top_k_weights.dtype)
-        output = jnp.zeros((rows, hidden_states.shape[-1]), accumulate).at[
-            jnp.where(slot_valid, pair // top_k, rows)
-        ].add(expert_out.astype(accumulate) * weight[:, None].astype(accumulate), mode="drop")
+        pair_output = take_rows(expert_out.astype(accumulate), pair_slot, slot_pair)  # [T * K, H]
+        output = accumulating_einsum("tkh,tk->th", pair_output.reshape(rows, top_k, -1), top_k_weights)
         output = jax.lax.psum(output, self.groups.ep_axes).astype(hidden_states.dtype)
         local_pairs = jnp.sum(mine)
         return output, self.statistics(local_pairs, jnp.sum(kept), slots, local_pairs, pairs)

@@ -7,21 +7,21 @@ p // K, choice p % K. `sort_by_expert` orders pairs by expert so each expert's
 rows are contiguous for `grouped_matmul`; `gather_rows` builds those rows and
 `unpermute` brings the results back to tokens.
 
-Both directions are gathers in the forward pass, and the custom VJPs below keep
-them gathers in the backward pass too: the default transpose of a gather is a
-scatter-add, which serialises on XLA:CPU and is non-deterministic on GPU.
+Both directions are gathers in the forward pass, and `take_rows`'s custom VJP
+keeps them gathers in the backward pass too: the default transpose of a gather is
+a scatter-add, which serialises on XLA:CPU and is non-deterministic on GPU.
 Because `order` is a permutation, every scatter here can be replaced by a gather
-with the inverse permutation.
+with the inverse permutation (the EP layer's dispatch buffers do the same with
+partial, injective maps).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from .accumulation import accumulating_einsum
+from .varying import vary_like
 
 
 def _check_order(order: jax.Array, num_pairs: int, what: str) -> None:
@@ -64,25 +64,48 @@ def invert_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros((num_rows,), jnp.int32).at[order].set(positions, unique_indices=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_rows(x: jax.Array, order: jax.Array, top_k: int) -> jax.Array:
-    return jnp.take(x, order // top_k, axis=0)
+@jax.custom_vjp
+def _take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def _gather_rows_fwd(x, order, top_k):
-    return _gather_rows(x, order, top_k), order
+def _take_rows_fwd(x, index, inverse):
+    return _take_rows(x, index, inverse), (inverse, x.shape[0])
 
 
-def _gather_rows_bwd(top_k, order, grad_rows):
-    num_pairs, hidden = grad_rows.shape
-    # Sorted row i came from pair order[i]; reading rows back in pair order puts
-    # a token's K copies next to each other, and their gradients simply add up.
-    grad_pairs = jnp.take(grad_rows, invert_permutation(order), axis=0)
-    grad_x = jnp.sum(jnp.reshape(grad_pairs, (num_pairs // top_k, top_k, hidden)), axis=1)
-    return grad_x, None
+def _take_rows_bwd(residuals, grad):
+    inverse, num_rows = residuals
+    # Output row i read (row, copy) index[i]; reading the gradient back by `inverse` hands every copy of a
+    # row the gradient of the one output row that read it (zero if none did), and the copies add up.
+    grad_copies = jnp.take(grad, inverse, axis=0, mode="fill", fill_value=0)
+    grad_x = jnp.sum(jnp.reshape(grad_copies, (num_rows, inverse.shape[0] // num_rows, grad.shape[1])), axis=1)
+    return grad_x, None, None
 
 
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """Rows of `x` picked by an index that reads each row's copies at most once, with a gather as backward.
+
+    x: [N, H]
+    index: [S] int: output row i is x[index[i]]; an index >= N gives a zero row
+    inverse: [N * R] int: for copy r of row n (entry n * R + r), the output row that read it (>= S: none)
+    returns [S, H]
+
+    Every output row reads at most one (row, copy) and no (row, copy) is read twice, so the transpose of this
+    gather (a scatter-add, which serialises on XLA:CPU and is non-deterministic on GPU) is the gather
+    grad[inverse] summed over each row's R copies. R > 1 sends a token's K routing choices to K places.
+    """
+    if x.ndim != 2 or index.ndim != 1 or inverse.ndim != 1:
+        raise ValueError(f"take_rows needs x [N, H], index [S], inverse [N * R]; got shapes {x.shape}, "
+                         f"{index.shape}, {inverse.shape}.")
+    if inverse.shape[0] % x.shape[0]:
+        raise ValueError(f"inverse has {inverse.shape[0]} entries, not a multiple of x's {x.shape[0]} rows: it "
+                         "must hold, for every copy of every row of x, the output row that read it.")
+    # Inside shard_map, rows of a value shared over an axis picked by an index that varies over it: marking x
+    # varying first makes its gradient the sum over that axis (the mark's transpose), as a plain gather's is.
+    return _take_rows(vary_like(x, index, inverse), index, inverse)
 
 
 def gather_rows(x: jax.Array, order: jax.Array, top_k: int) -> jax.Array:
@@ -98,24 +121,8 @@ def gather_rows(x: jax.Array, order: jax.Array, top_k: int) -> jax.Array:
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {x.shape}.")
     _check_order(order, x.shape[0] * top_k, f"T={x.shape[0]}, K={top_k}")
-    return _gather_rows(x, order, top_k)
-
-
-@jax.custom_vjp
-def _take_permuted(rows: jax.Array, permutation: jax.Array, inverse: jax.Array) -> jax.Array:
-    return jnp.take(rows, permutation, axis=0)
-
-
-def _take_permuted_fwd(rows, permutation, inverse):
-    return _take_permuted(rows, permutation, inverse), inverse
-
-
-def _take_permuted_bwd(inverse, grad):
-    # Transpose of reading rows[permutation[i]] is reading grad[inverse[j]].
-    return jnp.take(grad, inverse, axis=0), None, None
-
-
-_take_permuted.defvjp(_take_permuted_fwd, _take_permuted_bwd)
+    # Sorted row i came from pair order[i]; in pair order a token's K copies sit next to each other.
+    return take_rows(x, order // top_k, invert_permutation(order))
 
 
 def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -> jax.Array:
@@ -142,8 +149,7 @@ def unpermute(y_sorted: jax.Array, order: jax.Array, top_k_weights: jax.Array) -
             f"y_sorted has {y_sorted.shape[0]} rows but order has {order.shape[0]}; "
             "pass the rows produced from gather_rows(x, order, top_k)."
         )
-    inverse = invert_permutation(order)
-    y_pairs = _take_permuted(y_sorted, inverse, order)
+    y_pairs = take_rows(y_sorted, invert_permutation(order), order)
     y_pairs = jnp.reshape(y_pairs, (num_tokens, top_k, y_sorted.shape[1]))
     return accumulating_einsum("tkh,tk->th", y_pairs, top_k_weights)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.permute import gather_rows, invert_permutation, sort_by_expert, unpermute
+from moe_jax.ops.permute import gather_rows, invert_permutation, sort_by_expert, take_rows, unpermute
 
 NUM_TOKENS, TOP_K, NUM_EXPERTS, HIDDEN = 13, 3, 5, 6
 
@@ -102,6 +102,44 @@ def test_unpermute_sums_in_fp32_for_low_precision_operands(weights_dtype):
     y_pairs[np.asarray(order)] = np.asarray(y_sorted.astype(jnp.float32))
     want = np.einsum("tkh,tk->th", y_pairs.reshape(NUM_TOKENS, TOP_K, HIDDEN), np.asarray(weights, np.float64))
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
+
+
+def _partial_injection(num_rows, copies, num_out, seed):
+    """A random partial map from output rows to (row, copy) entries, each entry read at most once, and its
+    inverse; out-of-range markers where an output row reads nothing / an entry is read by nobody."""
+    rng = np.random.default_rng(seed)
+    entries = rng.permutation(num_rows * copies)[:num_out]
+    entries[rng.random(num_out) < 0.3] = -1  # output rows that read nothing
+    index = np.where(entries >= 0, entries // copies, num_rows).astype(np.int32)
+    inverse = np.full(num_rows * copies, num_out, np.int32)
+    inverse[entries[entries >= 0]] = np.flatnonzero(entries >= 0)
+    return index, inverse
+
+
+@pytest.mark.parametrize("copies, num_out", [(1, 9), (3, 20), (3, 39)])
+def test_take_rows_value_and_gradient_match_plain_indexing(copies, num_out):
+    index, inverse = _partial_injection(NUM_TOKENS, copies, num_out, seed=copies + num_out)
+    x = _rand((NUM_TOKENS, HIDDEN), seed=6)
+    cotangent = _rand((num_out, HIDDEN), seed=7)
+
+    def plain(x):  # rows past the end read zeros
+        return jnp.concatenate([x, jnp.zeros((1, HIDDEN))])[np.minimum(index, NUM_TOKENS)]
+
+    got, got_vjp = jax.vjp(lambda x: take_rows(x, jnp.asarray(index), jnp.asarray(inverse)), x)
+    want, want_vjp = jax.vjp(plain, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.any(np.asarray(got)[index == NUM_TOKENS])
+    np.testing.assert_allclose(np.asarray(got_vjp(cotangent)[0]), np.asarray(want_vjp(cotangent)[0]),
+                               rtol=1e-6, atol=1e-6)
+    program = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(take_rows(x, index, inverse) ** 2)))(x))
+    assert "scatter" not in program, program
+
+
+def test_take_rows_errors_name_the_shapes():
+    with pytest.raises(ValueError, match=r"not a multiple of x's 13 rows"):
+        take_rows(jnp.zeros((NUM_TOKENS, HIDDEN)), jnp.zeros((4,), jnp.int32), jnp.zeros((14,), jnp.int32))
+    with pytest.raises(ValueError, match=r"x \[N, H\], index \[S\]"):
+        take_rows(jnp.zeros((NUM_TOKENS,)), jnp.zeros((4,), jnp.int32), jnp.zeros((13,), jnp.int32))
 
 
 def test_shape_errors_name_the_shapes():
