@@ -2,10 +2,10 @@
 Transformers' continuous batching, on the same checkpoint, requests and machine, in one run.
 
     pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
-    python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots 8] [--prompt 16-256]
+    python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS] [--prompt 16-256]
                                   [--output 16-128] [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
-                                  [--huge-pages on|off] [--no-mixed-steps]
+                                  [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
@@ -16,8 +16,10 @@ ranges, token ids random), then measures, each in a fresh process:
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
   request's own tokens count); compilation excluded (every batch shape runs once before the timed pass);
-- reference: Transformers' `init_continuous_batching` manager, every request added at once with its own
-  `max_new_tokens` (its default config; one warm-up request first).
+- reference: Transformers' `init_continuous_batching` manager (its default config; one warm-up request first),
+  each request with its own `max_new_tokens`: `--clients` requests in flight, the next added in arrival order as
+  one finishes (the closed loop our clients run; default), or with `--reference-arrival all` every request added
+  at once (`generate_batch`'s way: run ours with `--clients` = `--requests` to compare at equal arrival).
 Prints tokens/s (generated tokens of every request / wall seconds of the whole pass), p50 / p99 TTFT and ITL,
 and the ratios ours / static and ours / reference. Greedy on every side. `--huge-pages on` (default) runs all
 three processes with glibc's hugetlb tunable where it applies (as the `moe-jax` command runs itself), `off` all
@@ -226,13 +228,17 @@ def static_worker(workdir: Path, max_slots: int, scan_layers: str) -> None:
 
 
 # ---- the reference ---------------------------------------------------------------------------------------
-def reference_worker(workdir: Path) -> None:
+def reference_worker(workdir: Path, clients: int | None) -> None:
+    """Transformers' CB manager on the requests: `clients` of them in flight at a time (a new one added, in arrival
+    order, as each finishes: the closed loop our clients run), or every one added at once (None:
+    `generate_batch`'s way). Times to first token count from each request's adding."""
     import torch
     import transformers
 
     requests = json.loads((workdir / "requests.json").read_text())
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", dtype=torch.float32).eval()
     config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
+    in_flight = len(requests) if clients is None else clients
     with torch.no_grad():
         manager = model.init_continuous_batching(generation_config=config)
         manager.start()
@@ -240,18 +246,27 @@ def reference_worker(workdir: Path) -> None:
         while not (manager.get_result(warm, timeout=60) or _Never).is_finished():
             pass
         start = time.perf_counter()
-        ids = [manager.add_request(r["prompt"], max_new_tokens=r["max_tokens"], record_timestamps=True)
-               for r in requests]
-        finished = {}
-        while len(finished) < len(ids):
+        added, ids, finished = {}, [], {}
+
+        def add_next() -> None:
+            r = requests[len(ids)]
+            added_at = time.perf_counter()
+            ids.append(manager.add_request(r["prompt"], max_new_tokens=r["max_tokens"], record_timestamps=True))
+            added[ids[-1]] = added_at
+
+        while len(ids) < min(in_flight, len(requests)):
+            add_next()
+        while len(finished) < len(requests):
             result = manager.get_result(timeout=600)
             if result is not None and result.is_finished():
                 finished[result.request_id] = result
+                if len(ids) < len(requests):
+                    add_next()
         seconds = time.perf_counter() - start
         manager.stop(block=True)
     outputs = [finished[i] for i in ids]
     tokens = sum(len(o.generated_tokens) for o in outputs)
-    ttft = [o.timestamps[0] - start for o in outputs if o.timestamps]
+    ttft = [o.timestamps[0] - added[i] for i, o in zip(ids, outputs) if o.timestamps]
     itl = [gap for o in outputs for gap in np.diff(o.timestamps)]
     print(json.dumps(summary(tokens, seconds, ttft, itl)))
 
@@ -274,7 +289,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--max-slots", type=int, default=8)
+    parser.add_argument("--max-slots", type=int, default=None,
+                        help="the server's slots and the static batches' width (default: --clients, a server sized "
+                             "for the requests in flight; before 2026-12-03 the default was 8)")
     parser.add_argument("--prompt", type=parse_range, default=(16, 256), help="prompt lengths, LOW-HIGH")
     parser.add_argument("--output", type=parse_range, default=(16, 128), help="output lengths, LOW-HIGH")
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
@@ -287,14 +304,19 @@ def main() -> int:
                         help="every side with glibc's hugetlb tunable (where it applies) or every side without")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's mixed prefill + decode steps (moe-jax serve --mixed-steps)")
+    parser.add_argument("--reference-arrival", choices=("clients", "all"), default="clients",
+                        help="Transformers' CB with --clients requests in flight, a new one as each finishes (our "
+                             "clients' closed loop), or every request added at once (generate_batch's way)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.max_slots is None:
+        args.max_slots = args.clients
     if args.role == "static":
         static_worker(args.workdir, args.max_slots, args.scan_layers)
         return 0
     if args.role == "reference":
-        reference_worker(args.workdir)
+        reference_worker(args.workdir, None if args.reference_arrival == "all" else args.clients)
         return 0
 
     environ, host_memory = host_memory_environ(dict(os.environ), args.huge_pages == "on")
@@ -306,6 +328,7 @@ def main() -> int:
         (workdir / "requests.json").write_text(json.dumps(requests))
         print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
               f"{args.output[0]}-{args.output[1]} tokens; {args.clients} clients, {args.max_slots} slots; "
+              f"Transformers' CB: {'every request at once' if args.reference_arrival == 'all' else 'as many in flight'}; "
               f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
@@ -314,7 +337,9 @@ def main() -> int:
         rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
                                                    str(args.max_slots), "--scan-layers", args.scan_layers)
         if not args.skip_reference:
-            rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ)
+            rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ, "--clients",
+                                                       str(args.clients), "--reference-arrival",
+                                                       args.reference_arrival)
     print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
     for name, row in rows.items():
         print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"

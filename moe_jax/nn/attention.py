@@ -211,10 +211,50 @@ def _attend_query_chunks(
 
 
 def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
-    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`); "blocked" (query blocks,
-    where a mask rules them out) is its XLA path."""
+    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`). With an explicit mask and no
+    fused kernel asked for (None on CPU, or "blocked"), `grouped_masked_attention`: the same numerics, without
+    the per-query-head layout copies jax's XLA path makes of the keys and values."""
+    if "mask" in options and set(options) <= {"mask", "scale"} and _uses_query_blocks(implementation):
+        return _widening_fp16(grouped_masked_attention, q, k, v, **options)
     implementation = "xla" if implementation == "blocked" else implementation
     return _widening_fp16(jax.nn.dot_product_attention, q, k, v, implementation=implementation, **options)
+
+
+MASKED_LOGIT = -0.7 * float(jnp.finfo(jnp.float32).max)   # jax's XLA path's: finite, so no NaN for unseen rows
+
+
+def grouped_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array, scale: float,
+                             sinks: jax.Array | None = None) -> jax.Array:
+    """Attention under an explicit mask, a key/value head's G query heads in one dot.
+
+    q: [B, S, N, D]; k, v: [B, T, K, D] (query head n reads key/value head n // G, G = N / K); mask: [B, 1, S, T]
+    bool; sinks: [N] gpt-oss's per-head sink logits (one more softmax column that takes probability and no value)
+    or None -> [B, S, N, D] in v's dtype
+
+    Numerics of `jax.nn.dot_product_attention`'s XLA path: logits in float32 (or wider), masked logits
+    -0.7 * float32 max (a query that sees no key gets equal weights on every key), softmax in float32, the weights
+    cast to the keys' dtype for the value sum. That path takes each query head against its own key/value copy
+    (a vmap over G whose layouts XLA:CPU transposes: on a decode step of 16 rows against 256 cached keys one layer's
+    attention took 1.6 ms there against 0.44 ms here, docs/benchmarks.md).
+    """
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    grouped = q.reshape(batch, seq, kv_heads, groups, dim)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=logits_dtype)
+    logits = logits * jnp.asarray(scale, logits_dtype)
+    logits = jnp.where(mask[:, :, None], logits, MASKED_LOGIT).astype(jnp.float32)          # [B, K, G, S, T]
+    if sinks is None:
+        weights = jax.nn.softmax(logits, axis=-1)
+    else:
+        if sinks.shape != (heads,):
+            raise ValueError(f"sinks must be [num_heads] = [{heads}], got shape {tuple(sinks.shape)}.")
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
+                                (*logits.shape[:-1], 1))
+        weights = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bkgst,btkd->bskgd", weights.astype(k.dtype), v)
+    return out.reshape(batch, seq, heads, dim)
 
 
 def _widening_fp16(core, q, k, v, **options) -> jax.Array:
@@ -343,26 +383,9 @@ def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     softmax (HF's gpt-oss eager attention): the sink absorbs probability, so a head may attend to little.
 
     q: [B, S, N, D]; k, v: [B, T, K, D]; mask: [B, 1, S, T] bool; sinks: [N] -> [B, S, N, D]
-    Logits and softmax in float32; the weights are cast to v's dtype for the value sum (fp16 operands are widened
-    to fp32 first on CPU, as in `_dot_product_attention`).
+    (`grouped_masked_attention`'s numerics; fp16 operands are widened to fp32 first on CPU).
     """
-    if q.dtype == jnp.float16 and widens_fp16():
-        widened = attend_with_sinks(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask,
-                                    sinks, scale)
-        return widened.astype(jnp.float16)
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    if sinks.shape != (heads,):
-        raise ValueError(f"sinks must be [num_heads] = [{heads}], got shape {tuple(sinks.shape)}.")
-    groups = heads // kv_heads
-    grouped = q.reshape(batch, seq, kv_heads, groups, dim)
-    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, :, None], logits, -jnp.inf)                        # [B, K, G, S, T]
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
-                            (*logits.shape[:-1], 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(v.dtype), v)
-    return out.reshape(batch, seq, heads, dim)
+    return _widening_fp16(grouped_masked_attention, q, k, v, mask=mask, scale=scale, sinks=sinks)
 
 
 def attention(

@@ -1,0 +1,95 @@
+"""Attention under an explicit mask with a key/value head's query heads in one dot, against
+`jax.nn.dot_product_attention`'s XLA path (values and gradients), and `attend`'s choice of it."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax.nn.attention as attention_module
+from moe_jax.nn.attention import attend, grouped_masked_attention, visibility_mask
+
+
+def _qkv(queries, keys, heads, kv_heads, dim=8, batch=3, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, queries, heads, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((batch, keys, kv_heads, dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((batch, keys, kv_heads, dim)), dtype)
+    return q, k, v
+
+
+def _mask(queries, keys, batch=3, seed=1):
+    """[B, 1, S, T]: random visibility, one query that sees nothing, one that sees every key."""
+    mask = np.random.default_rng(seed).random((batch, 1, queries, keys)) < 0.5
+    mask[0, 0, 0] = False
+    mask[-1, 0, -1] = True
+    return jnp.asarray(mask)
+
+
+def _value_and_grads(fn, q, k, v):
+    cotangent = jnp.sin(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape).astype(q.dtype)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(cotangent))
+
+
+@pytest.mark.parametrize("queries, keys", [(1, 37), (5, 16), (12, 12)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_equals_the_xla_path_values_and_gradients(queries, keys, heads, kv_heads):
+    q, k, v = _qkv(queries, keys, heads, kv_heads)
+    mask, scale = _mask(queries, keys), 0.3
+    got = jax.jit(functools.partial(_value_and_grads, functools.partial(grouped_masked_attention, mask=mask,
+                                                                        scale=scale)))(q, k, v)
+    want = jax.jit(functools.partial(_value_and_grads, functools.partial(
+        jax.nn.dot_product_attention, mask=mask, scale=scale, implementation="xla")))(q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+    # The query that sees no key gets equal weights on every key, as the XLA path gives it (no NaN).
+    np.testing.assert_allclose(np.asarray(got[0][0, 0, 0]), np.asarray(jnp.mean(v[0, :, 0], axis=0)), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_equals_the_xla_path(dtype):
+    q, k, v = _qkv(3, 20, 4, 2, dtype=dtype)
+    mask = _mask(3, 20)
+    got = attention_module._dot_product_attention(q, k, v, mask=mask, scale=0.35, implementation=None)
+    want = attention_module._dot_product_attention(q, k, v, mask=mask, scale=0.35, implementation="xla")
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_sinks_take_probability_and_no_value():
+    q, k, v = _qkv(2, 9, 4, 2)
+    mask = _mask(2, 9)
+    plain = grouped_masked_attention(q, k, v, mask=mask, scale=0.35)
+    # A sink far below every logit changes nothing; one far above takes all the weight (output 0).
+    low = grouped_masked_attention(q, k, v, mask=mask, scale=0.35, sinks=jnp.full((4,), -1e4))
+    high = grouped_masked_attention(q, k, v, mask=mask, scale=0.35, sinks=jnp.full((4,), 1e4))
+    np.testing.assert_allclose(np.asarray(low)[mask[:, 0].any(-1)], np.asarray(plain)[mask[:, 0].any(-1)],
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(high), 0.0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"sinks must be \[num_heads\] = \[4\]"):
+        grouped_masked_attention(q, k, v, mask=mask, scale=0.35, sinks=jnp.zeros((2,)))
+
+
+def test_attend_takes_it_on_cpu_for_masked_queries(monkeypatch):
+    calls = []
+    grouped = attention_module.grouped_masked_attention
+    monkeypatch.setattr(attention_module, "grouped_masked_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or grouped(*a, **kw))
+    q, k, v = _qkv(12, 12, 4, 2)
+    assert jax.default_backend() == "cpu"
+    query_index = jnp.broadcast_to(jnp.arange(9, 12), (3, 3))
+    padding = jnp.arange(12)[None, :] >= jnp.array([[0], [2], [5]])
+    got = attend(q[:, 9:], k, v, query_index=query_index, key_padding_mask=padding, sliding_window=6)
+    mask = visibility_mask(query_index, 12, key_padding_mask=padding, sliding_window=6)
+    want = jax.nn.dot_product_attention(q[:, 9:], k, v, mask=mask, scale=8 ** -0.5, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert calls == [(3, 3, 4, 8)]
+    # Packed documents take it too; "xla" by name and whole causal sequences (query blocks) do not.
+    attend(q, k, v, segment_ids=jnp.ones((3, 12), jnp.int32))
+    attend(q[:, 9:], k, v, query_index=query_index, implementation="xla")
+    attend(q, k, v)
+    assert calls == [(3, 3, 4, 8), (3, 12, 4, 8)]
