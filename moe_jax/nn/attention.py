@@ -253,8 +253,10 @@ def grouped_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: 
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
                                 (*logits.shape[:-1], 1))
         weights = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bkgst,btkd->bskgd", weights.astype(k.dtype), v)
-    return out.reshape(batch, seq, heads, dim)
+    # Summed into [B, K, G, S, D] (the dot's natural layout) and transposed after: asking the einsum for
+    # [B, S, K, G, D] directly made XLA:CPU transpose the gathered values instead (a 16-row decode layer 1.6 -> 0.7 ms).
+    out = jnp.einsum("bkgst,btkd->bkgsd", weights.astype(k.dtype), v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
 
 
 def _widening_fp16(core, q, k, v, **options) -> jax.Array:
