@@ -14,7 +14,7 @@ Choices (the first variant is the baseline):
     fused-swiglu      the experts' gate/up and down as two chained tiled grouped matmuls against one fused tile
                       loop (`moe_jax.ops.grouped_swiglu`)
     query-blocks      attention through `jax.nn.dot_product_attention`'s XLA path against causal query blocks
-                      (`moe_jax.nn.query_blocks`)
+                      (`moe_jax.nn.query_blocks`; calls with an explicit mask: `grouped_masked_attention`)
 
 --forward times the jitted forward (logits, as bench_vs_reference's forward column) instead of the train step.
 
@@ -54,7 +54,7 @@ CHOICES = {
                         ("two-level", {}, {})),
     "kept-logits": (("recomputed", {}, {(loss, "KEPT_LOGITS_BYTES"): 0}), ("kept", {}, {})),
     "fused-swiglu": (("chained", {}, {(grouped_swiglu, "FUSED_SWIGLU_BACKENDS"): {}}), ("fused", {}, {})),
-    "query-blocks": (("jax-xla", {}, {(attention, "_uses_query_blocks"): lambda implementation: False}),
+    "query-blocks": (("jax-xla", {}, {(attention, "_takes_own_cpu_core"): lambda implementation: False}),
                      ("blocked", {}, {})),
 }
 

@@ -214,7 +214,7 @@ def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
     """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`). With an explicit mask and no
     fused kernel asked for (None on CPU, or "blocked"), `grouped_masked_attention`: the same numerics, without
     the per-query-head layout copies jax's XLA path makes of the keys and values."""
-    if "mask" in options and set(options) <= {"mask", "scale"} and _uses_query_blocks(implementation):
+    if "mask" in options and set(options) <= {"mask", "scale"} and _takes_own_cpu_core(implementation):
         return _widening_fp16(grouped_masked_attention, q, k, v, **options)
     implementation = "xla" if implementation == "blocked" else implementation
     return _widening_fp16(jax.nn.dot_product_attention, q, k, v, implementation=implementation, **options)
@@ -273,8 +273,10 @@ def _widening_fp16(core, q, k, v, **options) -> jax.Array:
     return core(q, k, v, **options).astype(jnp.float16)
 
 
-def _uses_query_blocks(implementation: str | None) -> bool:
-    """"blocked", or no choice on CPU, where no fused kernel exists (elsewhere None lets jax pick one)."""
+def _takes_own_cpu_core(implementation: str | None) -> bool:
+    """Whether attention takes this module's own cores (query blocks for a whole causal sequence,
+    `grouped_masked_attention` under an explicit mask) rather than `jax.nn.dot_product_attention`: "blocked", or no
+    choice on CPU, where no fused kernel exists (elsewhere None lets jax pick one)."""
     return implementation == "blocked" or (implementation is None and jax.default_backend() == "cpu")
 
 
@@ -337,7 +339,7 @@ def attend(
                          "packed rows attend within themselves (no cache).")
     if (query_index is None and not in_chunks and seq == num_keys and sinks is None and attention_chunk_size is None
             and segment_ids is None):
-        if _uses_query_blocks(implementation):
+        if _takes_own_cpu_core(implementation):
             return _widening_fp16(causal_block_attention, q, k, v, scale=scale, sliding_window=sliding_window,
                                   key_padding_mask=key_padding_mask)
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
