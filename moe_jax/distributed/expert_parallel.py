@@ -302,7 +302,7 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         slot_of_pair = jnp.cumsum(mine) - 1
         slots = self.buffer_rows(pairs)
         kept = mine & (slot_of_pair < slots)
-        # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
+        # pair -> slot (pairs not kept here hold the out-of-range marker `slots`)
         pair_slot = jnp.where(kept, slot_of_pair, slots)
         # slot -> pair (slots past the local pairs hold the out-of-range marker `pairs`)
         slot_pair = jnp.full((slots,), pairs, jnp.int32).at[pair_slot].set(
