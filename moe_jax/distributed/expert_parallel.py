@@ -314,10 +314,17 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
         expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
         # The combine: routing weights applied and summed over k in at least fp32 (other devices' pairs read
-        # zeros here), then over the ep group, rounded once to the hidden dtype at the end.
+        # zeros here), then over the ep group, rounded once to the hidden dtype at the end. One [T, H] gather per
+        # choice k, added in k order: no [T * K, H] buffer (the batch is the whole ep group's).
         accumulate = accumulation_dtype(hidden_states.dtype, top_k_weights.dtype)
-        pair_output = take_rows(expert_out.astype(accumulate), pair_slot, slot_pair)  # [T * K, H]
-        output = accumulating_einsum("tkh,tk->th", pair_output.reshape(rows, top_k, -1), top_k_weights)
+        expert_rows = expert_out.astype(accumulate)
+        slot_of_choice = pair_slot.reshape(rows, top_k)
+        output = jnp.zeros((rows, hidden_states.shape[-1]), accumulate)
+        for choice in range(top_k):
+            # slot -> the token whose choice `choice` it holds (out of range: another choice, or nothing)
+            token_of_slot = jnp.where(slot_valid & (slot_pair % top_k == choice), slot_pair // top_k, rows)
+            picked = take_rows(expert_rows, slot_of_choice[:, choice], token_of_slot)             # [T, H]
+            output = output + picked * top_k_weights[:, choice, None].astype(accumulate)
         output = jax.lax.psum(output, self.groups.ep_axes).astype(hidden_states.dtype)
         local_pairs = jnp.sum(mine)
         return output, self.statistics(local_pairs, jnp.sum(kept), slots, local_pairs, pairs)
