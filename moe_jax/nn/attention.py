@@ -204,20 +204,26 @@ def _attend_query_chunks(
             index_chunk, k.shape[1], key_padding_mask=key_padding_mask, sliding_window=sliding_window,
             segments=None if segment_ids is None else (segment_chunk, segment_ids),
         )
-        return _dot_product_attention(q_chunk, k, v, mask=mask, scale=scale, implementation=implementation)
+        return _masked_attention(q_chunk, k, v, mask=mask, scale=scale, implementation=implementation)
 
     out = jax.lax.map(attend_chunk, (q_chunks, index_chunks, segment_chunks))
     return out.swapaxes(0, 1).reshape(batch, num_chunks * chunk_size, heads, dim)[:, :seq]
 
 
 def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
-    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`). With an explicit mask and no
-    fused kernel asked for (None on CPU, or "blocked"), `grouped_masked_attention`: the same numerics, without
-    the per-query-head layout copies jax's XLA path makes of the keys and values."""
-    if "mask" in options and set(options) <= {"mask", "scale"} and _takes_own_cpu_core(implementation):
-        return _widening_fp16(grouped_masked_attention, q, k, v, **options)
+    """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`); "blocked" (query blocks,
+    where a mask rules them out) is its XLA path."""
     implementation = "xla" if implementation == "blocked" else implementation
     return _widening_fp16(jax.nn.dot_product_attention, q, k, v, implementation=implementation, **options)
+
+
+def _masked_attention(q, k, v, *, mask, scale, implementation) -> jax.Array:
+    """Attention under an explicit [B, 1, S, T] mask: `grouped_masked_attention` where no fused kernel was asked
+    for (None on CPU, or "blocked"; the same numerics as jax's XLA path, without its per-query-head layout
+    copies), else `jax.nn.dot_product_attention`."""
+    if _takes_own_cpu_core(implementation):
+        return _widening_fp16(grouped_masked_attention, q, k, v, mask=mask, scale=scale)
+    return _dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
 
 
 MASKED_LOGIT = -0.7 * float(jnp.finfo(jnp.float32).max)   # jax's XLA path's: finite, so no NaN for unseen rows
@@ -378,7 +384,7 @@ def attend(
     )
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, sinks, scale)
-    return _dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    return _masked_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
 
 
 def attend_with_sinks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array,

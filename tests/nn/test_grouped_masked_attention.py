@@ -54,8 +54,8 @@ def test_equals_the_xla_path_values_and_gradients(queries, keys, heads, kv_heads
 def test_low_precision_equals_the_xla_path(dtype):
     q, k, v = _qkv(3, 20, 4, 2, dtype=dtype)
     mask = _mask(3, 20)
-    got = attention_module._dot_product_attention(q, k, v, mask=mask, scale=0.35, implementation=None)
-    want = attention_module._dot_product_attention(q, k, v, mask=mask, scale=0.35, implementation="xla")
+    got = attention_module._masked_attention(q, k, v, mask=mask, scale=0.35, implementation=None)
+    want = attention_module._masked_attention(q, k, v, mask=mask, scale=0.35, implementation="xla")
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
