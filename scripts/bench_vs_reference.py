@@ -12,7 +12,8 @@ each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same 
   with data parallelism each rank feeds its rows of the global batch, as the reference's docs say;
 - moe_jax on 1 and on 4 virtual CPU devices with the same layouts, at the dispatch capacity its `forward` and
   `TrainLoop` settle at for the batch (what a call at the largest capacity required), the train steps run by
-  `TrainLoop` as users run them (overflowed steps replayed at a larger capacity, replays included in the time),
+  `TrainLoop` as users run them (overflowed steps replayed at a larger capacity, replays included in the time;
+  every rung's program compiled before the clock starts, `TrainStep.precompile`: a run compiles each once),
 and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
 |logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
 sequential (the machine is shared: read the ratios, not the absolute figures).
@@ -176,10 +177,16 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
             return {"input_ids": ids}
 
     loop = TrainLoop(train_step, SameBatch())
-    # Warm-up: long enough for the capacity to climb and step down (patience) once, compiling each rung it visits.
+    state = train_step.init_state(capacity=train_capacity)
+    # Every rung's program compiled before the clock starts: a capacity move inside the timed steps would
+    # otherwise time a one-off compilation (a large fsdp4/ep4 step-down cost 15 s in a 17-step window).
+    compiled = train_step.precompile(state, SameBatch().batch(0), progress=False)
+    print(f"compiled the train step for capacities {list(compiled)} in {sum(compiled.values()):.0f} s",
+          file=sys.stderr)
+    # Warm-up: long enough for the capacity to climb and step down (patience) once.
     if warm_up is None:
         warm_up = 2 + 3 * model.capacity_schedule.patience
-    state, capacity_state = loop.run(train_step.init_state(capacity=train_capacity), until_step=warm_up)
+    state, capacity_state = loop.run(state, until_step=warm_up)
     replays = loop.replays
     start = time.perf_counter()
     state, capacity_state = loop.run(state, until_step=warm_up + steps, capacity_state=capacity_state)
@@ -244,7 +251,7 @@ def main() -> int:
                         help="timed calls per figure (after one warm-up call; ours: after TrainLoop's warm-up steps)")
     parser.add_argument("--warm-up", type=int, default=None,
                         help="ours: TrainLoop steps before the timed ones (default 2 + 3 x the schedule's patience: "
-                             "the capacity climbs and steps down once, each rung compiled); at --size large, "
+                             "the capacity climbs and steps down once); at --size large, "
                              "patience + 4 with --steps patience + 1 keeps the run in minutes")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--workdir", default=None)

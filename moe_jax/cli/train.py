@@ -107,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scan_layers_flag(parser)
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
                         help="what each layer keeps for the backward pass")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile the step for every rung of the dispatch capacity ladder before the first "
+                             "step, so a capacity move never stops the run for a compilation (costs one "
+                             "compilation per rung up front)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -440,6 +444,9 @@ def run(args: argparse.Namespace) -> int:
             model.init_params(args.seed)
         state = train_step.init_state(seed=args.seed)
     start = int(state.step)
+    if args.precompile:
+        compiled = train_step.precompile(state, data.batch(int(state.data_position)), progress=not args.no_progress)
+        print(f"compiled the step for capacities {list(compiled)} in {sum(compiled.values()):.1f} s")
 
     # One process of a multi-process job keeps the record: every process sees the same metrics.
     main_process = jax.process_index() == 0

@@ -25,14 +25,17 @@ to each expert in this step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
 
 from ..distributed.host_arrays import host_to_global
 from ..models.core import step_math
@@ -128,17 +131,7 @@ class TrainStep:
 
     # ---- the step ------------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        unknown = set(batch) - set(BATCH_KEYS)
-        if unknown or "input_ids" not in batch:
-            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
-                             f"'segment_ids' / 'positions' "
-                             f"(all [B, S]); got keys {sorted(batch)}.")
-        shape = tuple(batch["input_ids"].shape)
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
-        if (error := self.batch_size_error(shape[0])) is not None:
-            raise ValueError(error)
-        self._check_model_inputs(state, shape)
+        self._check_model_inputs(state, self._batch_shape(batch))
         sharding = self.model.batch_sharding()
         # Host arrays hold the whole global batch (the same on every process of a multi-process job).
         batch = {name: host_to_global(value, sharding) for name, value in batch.items()}
@@ -146,6 +139,41 @@ class TrainStep:
         if key not in self._compiled:
             self._compiled[key] = self._jit(state.capacity, key[1])
         return self._compiled[key](state, batch)
+
+    def precompile(self, state: TrainState, batch: dict, capacities=None, *, progress: bool = True
+                   ) -> dict[float | None, float]:
+        """Compile the step now for each of `capacities` (default: every rung of the model's capacity
+        ladder; `state.capacity` alone without dispatch buffers), for batches shaped and keyed like `batch`.
+
+        A run's capacity moves along the ladder (`CapacitySchedule`); the first step at a rung not seen before
+        otherwise stops the run for that rung's compilation (tens of seconds at real sizes). Nothing is run
+        and `state` is not consumed. Returns {capacity: seconds spent compiling it} for the capacities that
+        were not compiled yet.
+        """
+        if capacities is None:
+            capacities = (None,) if state.capacity is None else self.model.capacity_schedule.ladder
+        schedule = self.model.capacity_schedule
+        capacities = [None if capacity is None else schedule.check(capacity) for capacity in capacities]
+        if None in capacities and state.capacity is not None:
+            raise ValueError("capacity None (no dispatch buffers) cannot be compiled for a state with a capacity; "
+                             f"pass rungs of the ladder {schedule.ladder}.")
+        shape = self._batch_shape(batch)
+        sharding = self.model.batch_sharding()
+        # Shapes, dtypes (as `__call__` puts host arrays on the devices) and shardings: lowering reads no data.
+        batch_spec = {name: jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.canonicalize_dtype(
+            value.dtype if isinstance(value, jax.Array) else np.asarray(value).dtype), sharding=sharding)
+            for name, value in batch.items()}
+        keys = tuple(sorted(batch))
+        todo = [capacity for capacity in dict.fromkeys(capacities) if (capacity, keys) not in self._compiled]
+        seconds = {}
+        for capacity in tqdm(todo, desc="Compiling the train step per capacity", unit="program",
+                             disable=not progress or not todo):
+            at_capacity = state.replace(capacity=capacity)
+            self._check_model_inputs(at_capacity, shape)
+            start = time.perf_counter()
+            self._compiled[(capacity, keys)] = self._jit(capacity, keys).lower(at_capacity, batch_spec).compile()
+            seconds[capacity] = time.perf_counter() - start
+        return seconds
 
     def trace(self, state: TrainState, batch: dict):
         """The step for `state`'s capacity and `batch`'s keys, traced (`jax.stages.Traced`: `.jaxpr` is the
@@ -158,6 +186,20 @@ class TrainStep:
         and memory analyses, or `moe_jax.reporting.collectives_report`. Compiling it does not fill the
         cache `__call__` uses."""
         return self.trace(state, batch).lower()
+
+    def _batch_shape(self, batch: dict) -> tuple[int, int]:
+        """[B, S] of a valid batch (ValueError naming what is wrong otherwise)."""
+        unknown = set(batch) - set(BATCH_KEYS)
+        if unknown or "input_ids" not in batch:
+            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
+                             f"'segment_ids' / 'positions' "
+                             f"(all [B, S]); got keys {sorted(batch)}.")
+        shape = tuple(np.shape(batch["input_ids"]))
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
+        if (error := self.batch_size_error(shape[0])) is not None:
+            raise ValueError(error)
+        return shape
 
     def _check_model_inputs(self, state: TrainState, shape: tuple) -> None:
         # What `model.apply` checks, once per call here: the step traces `model.step_math` directly.

@@ -12,7 +12,7 @@ from moe_jax.training import TrainLoop
 from moe_jax.training.optimizers import experts_and_dense, parameter_groups
 
 from ..models.test_apply import jit_names
-from .conftest import FixtureBatches, build_trainer
+from .conftest import LAYOUTS, FixtureBatches, build_trainer
 
 
 def host(tree):
@@ -149,3 +149,28 @@ def test_the_step_traces_the_model_s_step_into_its_one_jit_and_checks_its_inputs
     params = {name: value for name, value in state.params.items() if name != "lm_head.weight"}
     with pytest.raises(ValueError, match=r"params do not have this model's storage layout: missing \['lm_head"):
         train_step(state.replace(params=params), batch)
+
+
+def test_precompile_builds_each_rung_s_program_before_the_run_and_the_step_then_compiles_nothing(trainers, monkeypatch):
+    """A capacity move mid-run finds its program ready: the precompiled step runs without compiling and gives
+    the step a call compiles itself."""
+    model, shared_step = trainers("tp2_fsdp4_ep4")
+    _, train_step = build_trainer(LAYOUTS["tp2_fsdp4_ep4"])      # its own compilation cache
+    ladder = model.capacity_schedule.ladder
+    batch = FixtureBatches().batch(0)
+    state = train_step.init_state(capacity=ladder[0])
+    seconds = train_step.precompile(state, batch, capacities=[ladder[-1], ladder[0]], progress=False)
+    assert set(seconds) == {ladder[0], ladder[-1]} and all(value > 0 for value in seconds.values())
+    assert train_step.precompile(state, batch, capacities=[ladder[0]], progress=False) == {}
+    with pytest.raises(ValueError, match=r"capacity=1.1 is not on the dispatch capacity ladder"):
+        train_step.precompile(state, batch, capacities=[1.1], progress=False)
+
+    def compiles(*args):
+        raise AssertionError("the step compiled a program precompile built")
+
+    monkeypatch.setattr(train_step, "_jit", compiles)
+    for capacity in (ladder[-1], ladder[0]):
+        ours, metrics = train_step(train_step.init_state(capacity=capacity), batch)
+        expected, expected_metrics = shared_step(shared_step.init_state(capacity=capacity), batch)
+        assert float(metrics["loss"]) == float(expected_metrics["loss"])
+        jax.tree.map(np.testing.assert_array_equal, host(ours.params), host(expected.params))

@@ -105,14 +105,14 @@ def test_sigkill_after_step_6_then_resume_gives_the_uninterrupted_losses(token_f
 @pytest.fixture(scope="module")
 def one_device_run(token_file, tmp_path_factory):
     """Two SGD steps without layout flags from the fixture checkpoint given a tokenizer, exported with
-    --export-hf: (stdout, export dir, metrics)."""
+    --export-hf, the step compiled up front (--precompile): (stdout, export dir, metrics)."""
     directory = tmp_path_factory.mktemp("one_device")
     export, jsonl, model_dir = directory / "hf", directory / "metrics.jsonl", directory / "model"
     shutil.copytree(CHECKPOINT, model_dir)
     write_byte_tokenizer(model_dir)
     argv = ["train", "--model", str(model_dir), "--data", str(token_file), "--batch-size", "4", "--steps", "2",
             "--optimizer", "sgd", "--lr", "0.5", "--no-progress", "--export-hf", str(export),
-            "--metrics-jsonl", str(jsonl)]
+            "--metrics-jsonl", str(jsonl), "--precompile"]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert main(argv) == 0
@@ -122,6 +122,7 @@ def one_device_run(token_file, tmp_path_factory):
 def test_without_layout_flags_it_trains_on_one_device_and_exports_an_hf_checkpoint(one_device_run):
     out, export, records = one_device_run
     assert "training on 1 cpu device (no layout flag; JAX sees 8 devices" in out
+    assert "compiled the step for capacities [None] in " in out     # no dispatch buffers: one program
     assert [r["step"] for r in records] == [1, 2] and all(r["capacity"] is None for r in records)
     assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
     # The tokenizer comes along, so text commands work on the export (was: weights and config only).
