@@ -1,6 +1,6 @@
 """Where a train step spends its time, op by op, from XLA's own profiler (CPU).
 
-    python scripts/trace_step.py [--size default|large] [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
+    python scripts/trace_step.py [--forward] [--size default|large] [--batch 8] [--seq 128] [--steps 3] [--scan-layers auto|true|false] [--top 25]
                                  [--ops-of decoder.py] [--tp 2 --fsdp 2 --ep 4 --ep-implementation all_to_all] [--capacity 1.5]
 
 With a layout (--tp / --fsdp / --ep) the step runs on that many virtual CPU devices and the op times are
@@ -156,6 +156,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--forward", action="store_true", help="trace the forward (logits, as bench_vs_reference's "
+                        "forward row) instead of the train step")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops-of", default=None, help="also list the ops attributed to sources containing this text ('': every op)")
@@ -180,15 +182,26 @@ def main() -> int:
     batch = {"input_ids": np.random.default_rng(0).integers(0, config["vocab_size"], (args.batch, args.seq), dtype=np.int32)}
     capacity = (None if model.layout.ep_size == 1 else
                 model.capacity_schedule.largest if args.capacity is None else args.capacity)
-    state = train_step.init_state(capacity=capacity)
-    hlo_text = train_step.lower(state, batch).compile().as_text()
-    sources, signatures = op_sources(hlo_text), op_signatures(hlo_text)
+    if args.forward:   # what bench_vs_reference's forward row times: the logits of one jitted apply
+        forward = jax.jit(lambda params, ids: model.apply(params, ids, capacity=capacity).logits)
+        state = model.params
+        hlo_text = forward.lower(state, batch["input_ids"]).compile().as_text()
 
-    def run(state, steps):
-        for _ in range(steps):
-            state, metrics = train_step(state, batch)
-        jax.block_until_ready(metrics)
-        return state
+        def run(params, steps):
+            for _ in range(steps):
+                logits = forward(params, batch["input_ids"])
+            jax.block_until_ready(logits)
+            return params
+    else:
+        state = train_step.init_state(capacity=capacity)
+        hlo_text = train_step.lower(state, batch).compile().as_text()
+
+        def run(state, steps):
+            for _ in range(steps):
+                state, metrics = train_step(state, batch)
+            jax.block_until_ready(metrics)
+            return state
+    sources, signatures = op_sources(hlo_text), op_signatures(hlo_text)
 
     state = run(state, 2)
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -207,14 +220,15 @@ def main() -> int:
         by_source[(source, "bwd" if backward else "fwd")] += ms
         by_kind[kind_of(op)] += ms
     tokens = args.batch * args.seq
-    flops = 3 * matmul_flops_per_token(config, args.seq) * tokens
+    flops = (1 if args.forward else 3) * matmul_flops_per_token(config, args.seq) * tokens
     rate = model_dense_rate(config, tokens)  # the practical limit, measured now
     where = "one device" if layout is None else f"tp{args.tp} fsdp{args.fsdp} ep{args.ep} {args.ep_implementation}"
-    print(f"{where}, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: step {step_seconds * 1e3:.0f} ms "
+    what = "forward" if args.forward else "step"
+    print(f"{where}, batch {args.batch} x {args.seq}, scan_layers={args.scan_layers}: {what} {step_seconds * 1e3:.0f} ms "
           f"({tokens / step_seconds:.0f} tokens/s), ops in the trace {traced:.0f} ms of thread time per step")
-    print(f"matmul FLOPs (fwd + bwd = 3x fwd) {flops / 1e9:.1f} GFLOP; dense matmul rate of this run {rate / 1e9:.0f} "
-          f"GFLOP/s -> hardware-limited step {flops / rate * 1e3:.0f} ms ({tokens / (flops / rate):.0f} tokens/s); "
-          f"measured step = {step_seconds / (flops / rate):.2f}x that\n")
+    print(f"matmul FLOPs ({'fwd' if args.forward else 'fwd + bwd = 3x fwd'}) {flops / 1e9:.1f} GFLOP; dense matmul "
+          f"rate of this run {rate / 1e9:.0f} GFLOP/s -> hardware-limited {what} {flops / rate * 1e3:.0f} ms ({tokens / (flops / rate):.0f} tokens/s); "
+          f"measured {what} = {step_seconds / (flops / rate):.2f}x that\n")
     print("by op kind (ms per step, self time):")
     for kind, ms in by_kind.most_common():
         print(f"  {ms:8.1f}  {100 * ms / traced:5.1f}%  {kind}")
