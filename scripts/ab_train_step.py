@@ -3,6 +3,7 @@ steps run alternately, medians printed with the ratio (what docs/benchmarks.md's
 
     python scripts/ab_train_step.py scan-layers [--size default|large] [--seq 128] [--rounds 8]
     python scripts/ab_train_step.py remainder-tiles --size large --seq 256 --rounds 4
+    python scripts/ab_train_step.py remainder-rows [--forward] [--size large --seq 256]
     python scripts/ab_train_step.py kept-logits --layout fsdp4_ep4 --capacity 1.5
     python scripts/ab_train_step.py fused-swiglu [--forward]
     python scripts/ab_train_step.py query-blocks [--forward]
@@ -10,6 +11,8 @@ steps run alternately, medians printed with the ratio (what docs/benchmarks.md's
 Choices (the first variant is the baseline):
     scan-layers       scanned layers against unrolled (`scan_layers=True / False`)
     remainder-tiles   the tiled grouped matmul's one-level tiles against two-level (`default_remainder_rows`)
+    remainder-rows    two-level tiles with quarter-tile remainders (the default) against 16-row ones (8 for
+                      64-row tiles)
     kept-logits       the loss recomputing each chunk's logits in the backward pass against keeping them
     fused-swiglu      the experts' gate/up and down as two chained tiled grouped matmuls against one fused tile
                       loop (`moe_jax.ops.grouped_swiglu`)
@@ -18,7 +21,7 @@ Choices (the first variant is the baseline):
 
 --forward times the jitted forward (logits, as bench_vs_reference's forward column) instead of the train step.
 
-A variant that is not a model option is set by patching a module constant while the step is traced and compiled
+A variant that is not a model option is set by patching module constants (in every module that holds them) while the step is traced and compiled
 (a measurement device only). AdamW, fp32; with --layout the step runs on 4 virtual CPU devices (bench_vs_reference's
 layouts) at --capacity (default 1.5, where a training run settles).
 """
@@ -40,6 +43,7 @@ import optax  # noqa: E402
 
 import moe_jax.nn.attention as attention  # noqa: E402
 import moe_jax.ops.grouped_matmul_backends.tiled_scan as tiled_scan  # noqa: E402
+import moe_jax.ops.grouped_matmul_backends.tiled_swiglu as tiled_swiglu  # noqa: E402
 import moe_jax.ops.grouped_swiglu as grouped_swiglu  # noqa: E402
 import moe_jax.training.loss as loss  # noqa: E402
 from moe_jax import DistributedConfig  # noqa: E402
@@ -50,8 +54,13 @@ from scripts.bench_vs_reference import LAYOUTS, SIZES  # noqa: E402
 # choice -> ((variant name, model options, {(module, constant): value while tracing}), ...); baseline first.
 CHOICES = {
     "scan-layers": (("scanned", {"scan_layers": True}, {}), ("unrolled", {"scan_layers": False}, {})),
-    "remainder-tiles": (("one-level", {}, {(tiled_scan, "default_remainder_rows"): lambda tile_rows: None}),
+    "remainder-tiles": (("one-level", {}, {(module, "default_remainder_rows"): lambda tile_rows: None
+                                           for module in (tiled_scan, tiled_swiglu)}),
                         ("two-level", {}, {})),
+    "remainder-rows": (("quarter-tile", {}, {}),
+                       ("16-row", {}, {(module, "default_remainder_rows"):
+                                       lambda tile_rows: min(16, tile_rows // 8) if tile_rows >= 64 else None
+                                       for module in (tiled_scan, tiled_swiglu)})),
     "kept-logits": (("recomputed", {}, {(loss, "KEPT_LOGITS_BYTES"): 0}), ("kept", {}, {})),
     "fused-swiglu": (("chained", {}, {(grouped_swiglu, "FUSED_SWIGLU_BACKENDS"): {}}), ("fused", {}, {})),
     "query-blocks": (("jax-xla", {}, {(attention, "_takes_own_cpu_core"): lambda implementation: False}),
