@@ -3,7 +3,7 @@
     pip install torch==2.13.0 transformers==5.23.0 accelerate   # the reference (its distributed loading needs
                                                               # accelerate); needed by this script only
     python scripts/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
-                                         [--size default|large] [--huge-pages on|off] [--warm-up N]
+                                         [--size default|large] [--huge-pages on|off] [--warm-up N] [--repeats 1]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
 each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
@@ -16,7 +16,8 @@ each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same 
   every rung's program compiled before the clock starts, `TrainStep.precompile`: a run compiles each once),
 and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
 |logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
-sequential (the machine is shared: read the ratios, not the absolute figures).
+sequential (the machine is shared: read the ratios, not the absolute figures). `--repeats N` runs each row's two
+sides N times, alternating, and reports each side's median (per-repeat figures on stderr).
 
 `--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
 runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
@@ -254,6 +255,8 @@ def main() -> int:
                              "the capacity climbs and steps down once); at --size large, "
                              "patience + 4 with --steps patience + 1 keeps the run in minutes")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each side per row, alternating (fresh processes each); medians reported")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
@@ -273,6 +276,8 @@ def main() -> int:
     if args.rate_worker:
         rate_worker(Path(args.rate_worker))
         return 0
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be >= 1.")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -288,8 +293,19 @@ def main() -> int:
         names.insert(0, "single")
     for name in names:
         for implementation in implementations(LAYOUTS[name]):
-            reference = run_worker("reference", workdir, name, implementation, args.steps, environ)
-            ours = run_worker("ours", workdir, name, implementation, args.steps, environ, args.warm_up)
+            # Sides alternate, each repeat a fresh pair of processes; the median of each side's times is reported
+            # (this machine's speed drifts by tens of percent between runs minutes apart).
+            runs = {"reference": [], "ours": []}
+            for repeat in range(args.repeats):
+                runs["reference"].append(run_worker("reference", workdir, name, implementation, args.steps, environ))
+                runs["ours"].append(run_worker("ours", workdir, name, implementation, args.steps, environ,
+                                               args.warm_up))
+                if args.repeats > 1:
+                    print(f"  repeat {repeat + 1}: " + ", ".join(
+                        f"{side} fwd {tokens / times[-1]['forward_s']:.0f} train {tokens / times[-1]['train_s']:.0f}"
+                        for side, times in runs.items()) + " tokens/s", file=sys.stderr, flush=True)
+            reference, ours = ({key: float(np.median([run[key] for run in runs[side]])) for key in ("forward_s", "train_s")}
+                               for side in ("reference", "ours"))
             baseline = np.load(workdir / "logits_reference_single_-.npy")
             differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
                                                - baseline))) for side in ("reference", "ours")]
@@ -303,8 +319,9 @@ def main() -> int:
 
     rate = run_worker("rate", workdir, "single", "-", args.steps, environ)["rate"]
     ceiling = rate / (3 * matmul_flops_per_token(SIZES[args.size], args.seq))   # train tokens/s
-    print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}; tokens/s "
-          "(higher is better); max |logits - 1-process reference|")
+    repeats = f"; medians of {args.repeats} alternating runs per side" if args.repeats > 1 else ""
+    print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}{repeats}; "
+          "tokens/s (higher is better); max |logits - 1-process reference|")
     print(f"dense matmul rate {rate / 1e9:.0f} GFLOP/s -> train-step ceiling {ceiling:.0f} tokens/s; 'ceil': the "
           "train step's share of it")
     print(f"{'layout':<15}{'ep_impl':<12}{'fwd ref':>10}{'fwd ours':>10}{'ratio':>8}{'train ref':>11}"

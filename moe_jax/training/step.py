@@ -69,6 +69,29 @@ class TrainStepOptions:
     pipeline_microbatches: int | None = None
 
 
+def _batch_signature(batch: dict) -> tuple:
+    """((name, shape, dtype), ...) of a batch's arrays (host or device, or ShapeDtypeStructs)."""
+    return tuple((name, tuple(np.shape(value)), jax.dtypes.canonicalize_dtype(
+        value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)) for name, value in sorted(batch.items()))
+
+
+class _Precompiled:
+    """A step compiled ahead (`TrainStep.precompile`) for batches of one signature; any other batch goes to the
+    jitted step, which compiles for it on first use as usual."""
+
+    def __init__(self, jitted, compiled, signature: tuple):
+        self.jitted, self.compiled, self.signature = jitted, compiled, signature
+
+    def __call__(self, state, batch):
+        return (self.compiled if _batch_signature(batch) == self.signature else self.jitted)(state, batch)
+
+
+def _holds_program(step, signature: tuple) -> bool:
+    """Whether a cached step already has a compiled program for batches of `signature` (a jitted step's own
+    cache is not inspected: precompiling over it builds the executable the next call would)."""
+    return isinstance(step, _Precompiled) and step.signature == signature
+
+
 def clip_by_global_norm(grads, max_norm: float | None):
     """(clipped grads, the global norm before clipping) over all parameters at once (dense and experts),
     as `torch.nn.utils.clip_grad_norm_`: scale by min(1, max_norm / (norm + 1e-6))."""
@@ -147,8 +170,8 @@ class TrainStep:
 
         A run's capacity moves along the ladder (`CapacitySchedule`); the first step at a rung not seen before
         otherwise stops the run for that rung's compilation (tens of seconds at real sizes). Nothing is run
-        and `state` is not consumed. Returns {capacity: seconds spent compiling it} for the capacities that
-        were not compiled yet.
+        and `state` is not consumed. A batch of another shape or dtype later compiles on first use, as without
+        this. Returns {capacity: seconds spent compiling it} for the capacities that were not precompiled yet.
         """
         if capacities is None:
             capacities = (None,) if state.capacity is None else self.model.capacity_schedule.ladder
@@ -160,18 +183,20 @@ class TrainStep:
         shape = self._batch_shape(batch)
         sharding = self.model.batch_sharding()
         # Shapes, dtypes (as `__call__` puts host arrays on the devices) and shardings: lowering reads no data.
-        batch_spec = {name: jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.canonicalize_dtype(
-            value.dtype if isinstance(value, jax.Array) else np.asarray(value).dtype), sharding=sharding)
-            for name, value in batch.items()}
-        keys = tuple(sorted(batch))
-        todo = [capacity for capacity in dict.fromkeys(capacities) if (capacity, keys) not in self._compiled]
+        batch_spec = {name: jax.ShapeDtypeStruct(shape_, dtype, sharding=sharding)
+                      for name, shape_, dtype in _batch_signature(batch)}
+        keys, signature = tuple(sorted(batch)), _batch_signature(batch_spec)
+        todo = [capacity for capacity in dict.fromkeys(capacities)
+                if not _holds_program(self._compiled.get((capacity, keys)), signature)]
         seconds = {}
         for capacity in tqdm(todo, desc="Compiling the train step per capacity", unit="program",
                              disable=not progress or not todo):
             at_capacity = state.replace(capacity=capacity)
             self._check_model_inputs(at_capacity, shape)
             start = time.perf_counter()
-            self._compiled[(capacity, keys)] = self._jit(capacity, keys).lower(at_capacity, batch_spec).compile()
+            jitted = self._jit(capacity, keys)
+            self._compiled[(capacity, keys)] = _Precompiled(jitted, jitted.lower(at_capacity, batch_spec).compile(),
+                                                            signature)
             seconds[capacity] = time.perf_counter() - start
         return seconds
 

@@ -168,9 +168,14 @@ def test_precompile_builds_each_rung_s_program_before_the_run_and_the_step_then_
     def compiles(*args):
         raise AssertionError("the step compiled a program precompile built")
 
-    monkeypatch.setattr(train_step, "_jit", compiles)
-    for capacity in (ladder[-1], ladder[0]):
-        ours, metrics = train_step(train_step.init_state(capacity=capacity), batch)
-        expected, expected_metrics = shared_step(shared_step.init_state(capacity=capacity), batch)
-        assert float(metrics["loss"]) == float(expected_metrics["loss"])
-        jax.tree.map(np.testing.assert_array_equal, host(ours.params), host(expected.params))
+    with monkeypatch.context() as patch:
+        patch.setattr(train_step, "_jit", compiles)
+        for capacity in (ladder[-1], ladder[0]):
+            ours, metrics = train_step(train_step.init_state(capacity=capacity), batch)
+            expected, expected_metrics = shared_step(shared_step.init_state(capacity=capacity), batch)
+            assert float(metrics["loss"]) == float(expected_metrics["loss"])
+            jax.tree.map(np.testing.assert_array_equal, host(ours.params), host(expected.params))
+    # A batch of another shape is the jitted step's to compile, as without precompile (not an error).
+    shorter = {name: array[:, :-2] for name, array in batch.items()}
+    _, metrics = train_step(train_step.init_state(capacity=ladder[-1]), shorter)
+    assert int(metrics["tokens"]) < int(expected_metrics["tokens"]) and np.isfinite(float(metrics["loss"]))
