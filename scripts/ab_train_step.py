@@ -21,9 +21,9 @@ Choices (the first variant is the baseline):
 
 --forward times the jitted forward (logits, as bench_vs_reference's forward column) instead of the train step.
 
-A variant that is not a model option is set by patching module constants (in every module that holds them) while the step is traced and compiled
-(a measurement device only). AdamW, fp32; with --layout the step runs on 4 virtual CPU devices (bench_vs_reference's
-layouts) at --capacity (default 1.5, where a training run settles).
+A variant that is not a model option is set by patching module constants (in every module that holds them) while
+the step is traced and compiled (a measurement device only). AdamW, fp32; with --layout the step runs on 4 virtual
+CPU devices (bench_vs_reference's layouts) at --capacity (default 1.5, where a training run settles).
 """
 
 from __future__ import annotations
