@@ -3,13 +3,14 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
 
     pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
     python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS] [--prompt 16-256]
-                                  [--output 16-128] [--size default|large] [--seed 0] [--skip-reference]
+                                  [--output 16-128] [--output-distribution uniform|lognormal] [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
+                                  [--decode-rows ROWS[,ROWS...]]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
-`max_tokens`) with a word-level tokenizer, draws the requests (prompt and output lengths uniform in the given
-ranges, token ids random), then measures, each in a fresh process:
+`max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
+lengths uniform or, with `--output-distribution lognormal`, long-tailed in theirs; token ids random), then measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
   (asyncio in one thread; each sends its next request when the last one ends); time to first token and
   inter-token latency are measured at the client, from sending the request; the clients share the machine;
@@ -74,10 +75,27 @@ def build(workdir: Path, size: str) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
 
 
-def draw_requests(count: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int):
+OUTPUT_DISTRIBUTIONS = ("uniform", "lognormal")
+
+
+def draw_output_length(rng: np.random.Generator, output: tuple[int, int], distribution: str) -> int:
+    """One request's output length in [low, high]: uniform, or lognormal with its median at sqrt(low * high) and
+    sigma ln(high / low) / 4 (about 95% of draws inside the range before clipping): chat traffic's long tail,
+    many short answers and a few long ones (vLLM's ShareGPT runs have that shape)."""
+    low, high = output
+    if distribution == "uniform":
+        return int(rng.integers(low, high + 1))
+    if distribution == "lognormal":
+        draw = rng.lognormal(np.log(np.sqrt(low * high)), np.log(high / low) / 4)
+        return int(np.clip(np.round(draw), low, high))
+    raise ValueError(f"output distribution {distribution!r}: expected one of {OUTPUT_DISTRIBUTIONS}")
+
+
+def draw_requests(count: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int,
+                  output_distribution: str = "uniform"):
     rng = np.random.default_rng(seed)
     return [dict(prompt=[int(t) for t in rng.integers(3, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))],
-                 max_tokens=int(rng.integers(output[0], output[1] + 1))) for _ in range(count)]
+                 max_tokens=draw_output_length(rng, output, output_distribution)) for _ in range(count)]
 
 
 def static_ceiling(requests: list[dict], slots: int) -> float:
@@ -116,6 +134,8 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
                "--port", str(port), "--max-slots", str(args.max_slots), "--page-size", "16",
                "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers,
                "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
+    if args.decode_rows:
+        command += ["--decode-rows", args.decode_rows]
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=args.environ)
     base = f"http://127.0.0.1:{port}"
@@ -294,6 +314,9 @@ def main() -> int:
                              "for the requests in flight; before 2026-12-03 the default was 8)")
     parser.add_argument("--prompt", type=parse_range, default=(16, 256), help="prompt lengths, LOW-HIGH")
     parser.add_argument("--output", type=parse_range, default=(16, 128), help="output lengths, LOW-HIGH")
+    parser.add_argument("--output-distribution", choices=OUTPUT_DISTRIBUTIONS, default="uniform",
+                        help="output lengths uniform in --output, or lognormal (median sqrt(LOW * HIGH), a long "
+                             "tail, clipped to the range)")
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-reference", action="store_true")
@@ -304,6 +327,9 @@ def main() -> int:
                         help="every side with glibc's hugetlb tunable (where it applies) or every side without")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's mixed prefill + decode steps (moe-jax serve --mixed-steps)")
+    parser.add_argument("--decode-rows", default=None,
+                        help="the server's decode programs' rows (moe-jax serve --decode-rows, e.g. 16 for one "
+                             "program of every slot; default the server's)")
     parser.add_argument("--reference-arrival", choices=("clients", "all"), default="clients",
                         help="Transformers' CB with --clients requests in flight, a new one as each finishes (our "
                              "clients' closed loop), or every request added at once (generate_batch's way)")
@@ -324,12 +350,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         build(workdir, args.size)
-        requests = draw_requests(args.requests, args.prompt, args.output, SIZES[args.size]["vocab_size"], args.seed)
+        requests = draw_requests(args.requests, args.prompt, args.output, SIZES[args.size]["vocab_size"], args.seed,
+                                 args.output_distribution)
         (workdir / "requests.json").write_text(json.dumps(requests))
         print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
-              f"{args.output[0]}-{args.output[1]} tokens; {args.clients} clients, {args.max_slots} slots; "
+              f"{args.output[0]}-{args.output[1]} tokens ({args.output_distribution}); {args.clients} clients, {args.max_slots} slots; "
               f"Transformers' CB: {'every request at once' if args.reference_arrival == 'all' else 'as many in flight'}; "
               f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
+              f"decode rows {args.decode_rows or 'the server default'}; "
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
               f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)

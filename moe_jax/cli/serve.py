@@ -9,7 +9,9 @@ two programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --pref
 fewer prompt rows, powers of two, for steps whose prompts fill fewer; a step that
 prefills a prompt chunk decodes every other running request in the same program, reading the weights once;
 --no-mixed-steps: a separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode
-[--max-slots, 1] (each for every page-table width the engine uses, `ServingEngine.page_widths`). With --warmup (the default)
+[groups x rows, 1] for each of --decode-rows (a decode step packs its requests into the fewest rows that hold
+them: default --max-slots per group and its quarters down to 1), each for every page-table width the engine uses
+(`ServingEngine.page_widths`). With --warmup (the default)
 all of them compile before the port accepts connections, so no client waits for a compilation; the startup
 line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
 (default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
@@ -66,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-rows", type=int, default=1,
                         help="rows of --prefill-chunk prompt tokens a step prefills per data-parallel group; a prompt "
                              "takes as many rows as it fills, the next prompt the rest (default 1)")
+    parser.add_argument("--decode-rows", type=_row_counts, default=None, metavar="ROWS[,ROWS...]",
+                        help="rows per data-parallel group a decode program may have, e.g. 1,4,16: a decode step runs "
+                             "the fewest that hold its requests, so a few long requests left do not pay for every "
+                             "slot (default: --max-slots per group and its quarters down to 1; the largest is always "
+                             "included)")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="a step that prefills a prompt chunk also decodes the running requests, in one program "
                              "(default on; --no-mixed-steps: a prefill program, then a decode program)")
@@ -75,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's log level (info logs each request; default info)")
     add_layout_flags(parser, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
+
+
+def _row_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected row counts separated by commas, e.g. 1,4,16") from None
 
 
 def _check_request(args: argparse.Namespace, limit: int | None) -> int:
@@ -89,6 +103,9 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
     for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
+    if args.decode_rows is not None and not all(1 <= rows <= args.max_slots for rows in args.decode_rows):
+        raise ValueError(f"--decode-rows {','.join(map(str, args.decode_rows))}: each must be in [1, --max-slots "
+                         f"{args.max_slots}] (rows per data-parallel group).")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535].")
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)
@@ -169,7 +186,8 @@ def _engine_config(args, max_model_len: int):
 
     return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
-                                    prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps)
+                                    prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps,
+                                    decode_rows=args.decode_rows)
 
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:

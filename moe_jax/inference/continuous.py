@@ -15,7 +15,9 @@ request never waits for memory. Each engine step runs one program:
              one token for every decoding slot, as one batch of flat tokens
              [G * (prefill_rows * prefill_chunk) + max_slots, 1]: the projections and experts read their weights
              once for both, and attention runs per kind of sequence (`nn.kv_store.SegmentedPagedKV`)
-    decode   [max_slots, 1]: one token for every decoding slot (idle slots store nothing)
+    decode   [rows, 1]: one token for every decoding slot, packed into the fewest rows of `decode_rows` that
+             hold them (per data-parallel group; idle rows store nothing): a step with few requests left does not
+             pay for every slot's row (the long tail of a batch of long and short outputs)
 
 (`mixed_steps=False` runs a separate prefill program [G * prefill_rows, prefill_chunk] before the decode one
 instead; a mixed step whose pieces fill fewer rows runs the mixed program of the fewest rows that hold them,
@@ -152,7 +154,10 @@ class ContinuousBatchingConfig:
     prompt takes as many as its remaining tokens fill, the next prompt the rows after it: many short rows waste
     less on a prompt's last piece);
     mixed_steps: a step that prefills also decodes, in one program (the weights read once), rather than running a
-    prefill program and then a decode program."""
+    prefill program and then a decode program;
+    decode_rows: the rows per data-parallel group a decode program may have (a step runs the fewest that hold its
+    decoding requests; every one is compiled at each page width); None: max_slots / groups and its quarters,
+    sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups."""
 
     max_slots: int = 8
     page_size: int = 16
@@ -161,6 +166,7 @@ class ContinuousBatchingConfig:
     prefill_chunk: int = 128
     prefill_rows: int = 1
     mixed_steps: bool = True
+    decode_rows: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -195,6 +201,7 @@ class ServingEngine:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} and prefill_rows={config.prefill_rows} must "
                              "be >= 1.")
         self.groups = groups
+        self.decode_row_counts = _decode_row_counts(config.decode_rows, config.max_slots // groups)
         self.pages_per_slot = -(-config.max_model_len // config.page_size)
         total = config.num_pages or config.max_slots * self.pages_per_slot
         if total % groups or total // groups < self.pages_per_slot:
@@ -341,12 +348,21 @@ class ServingEngine:
         return self._prefilled(placed, tokens)
 
     def _decode(self, decoding: list[Request]) -> list[StepEvent]:
-        inputs = self._host_inputs(self.config.max_slots, 1)
-        for request in decoding:
-            self._decode_row(inputs, request.slot, request)
+        """One token for each decoding request, each group's requests packed into its first rows of the smallest
+        decode program that holds them (`decode_row_counts`)."""
+        by_group: list[list[Request]] = [[] for _ in range(self.groups)]
+        for request in sorted(decoding, key=lambda r: r.slot):
+            by_group[request.group].append(request)
+        per_group = next(rows for rows in self.decode_row_counts if rows >= max(map(len, by_group)))
+        inputs = self._host_inputs(self.groups * per_group, 1)
+        rows = {}
+        for group, requests in enumerate(by_group):
+            for i, request in enumerate(requests):
+                rows[request.request_id] = group * per_group + i
+                self._decode_row(inputs, rows[request.request_id], request)
         tokens = self._run("decode", inputs)
         self.steps["decode"] += 1
-        return [self._emit(request, int(tokens[request.slot])) for request in decoding]
+        return [self._emit(request, int(tokens[rows[request.request_id]])) for request in decoding]
 
     def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
         """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
@@ -474,13 +490,14 @@ class ServingEngine:
                                                                    + 1, self.config.page_size)})
 
     def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every program a step can run (prefill and decode at each page width) now, so no request
+        """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
+        each page width) now, so no request
         waits for a compilation; `progress(done, total)` after each. Returns how many were compiled."""
         config = self.config
         shapes = ([("mixed", self.groups * rows + config.max_slots, config.prefill_chunk)
                    for rows in self.mixed_prompt_rows] if config.mixed_steps else
                   [("prefill", self.groups * config.prefill_rows, config.prefill_chunk)])
-        shapes.append(("decode", config.max_slots, 1))
+        shapes += [("decode", self.groups * rows, 1) for rows in self.decode_row_counts]
         work = [(name, rows, length, width) for name, rows, length in shapes for width in self.page_widths]
         for done, (name, rows, length, width) in enumerate(work, 1):
             self._program(name, self._placed(self._host_inputs(rows, length), width), length)
@@ -632,6 +649,22 @@ class ServingEngine:
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
         """The programs compiled so far: (name, [rows, tokens], page-table width); at most (the mixed programs'
-        `mixed_prompt_rows` choices, or one prefill program, + one decode program) x `page_widths`."""
+        `mixed_prompt_rows` choices, or one prefill program, + the decode programs' `decode_row_counts`) x
+        `page_widths`."""
         return sorted(self._programs)
 
+
+def _decode_row_counts(choice: tuple[int, ...] | None, per_group: int) -> list[int]:
+    """The decode programs' rows per group, ascending: `choice` (checked) or per_group / 4**i down to 1, and
+    per_group itself in either case."""
+    if choice is None:
+        counts, rows = {per_group}, per_group
+        while rows > 1:
+            rows = max(rows // 4, 1)
+            counts.add(rows)
+        return sorted(counts)
+    bad = [rows for rows in choice if not isinstance(rows, int) or not 1 <= rows <= per_group]
+    if bad:
+        raise ValueError(f"decode_rows={tuple(choice)}: each must be an int in [1, {per_group}] (max_slots per "
+                         f"data-parallel group); {bad} is not. E.g. decode_rows=({per_group},) for one decode program.")
+    return sorted(set(choice) | {per_group})

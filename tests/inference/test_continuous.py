@@ -74,8 +74,10 @@ def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_time
         assert request.output.generated_tokens == list(expected), request.request_id
         assert request.output.finish_reason == "length"
     assert engine.book.free_pages() == engine.book.total_pages
-    # Steps that prefill also decode (one program of 1 prompt row + 2 slots); steps that only decode.
-    assert {(name, shape) for name, shape, _ in engine.compiled_shapes} == {("decode", (2, 1)), ("mixed", (3, 3))}
+    # Steps that prefill also decode (one program of 1 prompt row + 2 slots); steps that only decode, in 2 rows
+    # while both slots decode and in 1 row once one request is left.
+    assert {(name, shape) for name, shape, _ in engine.compiled_shapes} == {
+        ("decode", (2, 1)), ("decode", (1, 1)), ("mixed", (3, 3))}
     assert {width for _, _, width in engine.compiled_shapes} <= set(engine.page_widths)
     assert engine.steps["prefill"] == 0 and engine.steps["mixed"] > 0
 
@@ -117,6 +119,31 @@ def test_greedy_tokens_equal_transformers_on_8_devices(model_type, layout):
     assert engine.book.free_pages() == engine.book.total_pages
 
 
+def test_decode_steps_pack_the_decoding_requests_into_the_fewest_rows():
+    """5 slots; the 3 prompts decode together in a program of 5 rows, and the last one left in a program of 1 row
+    (the default rows: 5 and its quarter), with Transformers' greedy tokens all along."""
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    config = ContinuousBatchingConfig(max_slots=5, page_size=4, max_model_len=64, prefill_chunk=8)
+    engine = ServingEngine(load("qwen3_moe"), config)
+    assert engine.decode_row_counts == [1, 5]
+    settings = [RequestSettings(max_new_tokens=n) for n in (NEW_TOKENS, 2, 3)]
+    requests = [Request(f"d{i}", prompt, setting) for i, (prompt, setting) in enumerate(zip(prompts, settings))]
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        engine.step()
+    for request, expected, setting in zip(requests, greedy, settings):
+        assert request.output.generated_tokens == list(expected[:setting.max_new_tokens])
+    assert {shape for name, shape, _ in engine.compiled_shapes if name == "decode"} == {(5, 1), (1, 1)}
+
+
+@pytest.mark.parametrize("rows", [(0,), (3, 9), (2.5,)])
+def test_decode_rows_outside_the_slots_are_refused_by_value(rows):
+    with pytest.raises(ValueError, match=r"decode_rows=.*in \[1, 4\]"):
+        ServingEngine(load("qwen3_moe"), ContinuousBatchingConfig(max_slots=4, page_size=4, max_model_len=64,
+                                                                  decode_rows=rows))
+
+
 def test_eos_ends_a_request_and_its_slot_serves_the_next():
     prompts, _, expected = fixture_prompts("olmoe")
     eos = int(expected["eos_token_id"])
@@ -137,7 +164,8 @@ def test_nothing_recompiles_as_requests_come_and_go():
     engine = ServingEngine(model, ContinuousBatchingConfig(max_slots=2, page_size=16, max_model_len=64,
                                                            prefill_chunk=3))
     rng = np.random.default_rng(0)
-    assert engine.compile_all() == 2 * len(engine.page_widths)
+    assert engine.decode_row_counts == [1, 2]
+    assert engine.compile_all() == 3 * len(engine.page_widths)     # mixed, decode of 2 rows and of 1
     prompts = [list(rng.integers(3, 100, n)) for n in (1, 9, 4, 17, 2)]
     with count_compilations("_step_math") as count:
         settings = [RequestSettings(max_new_tokens=int(n), do_sample=bool(n % 2), temperature=0.8, top_k=int(n),
@@ -261,7 +289,7 @@ def test_manager_streams_tokens_and_delivers_results():
             manager.add_request(list(range(3, 100)))
         metrics = manager.metrics()
         assert metrics["slots_in_use"] == 0 and metrics["pages_free"] == metrics["pages_total"]
-        assert metrics["compiled_programs"] <= 2 * len(manager.engine.page_widths)
+        assert metrics["compiled_programs"] <= 3 * len(manager.engine.page_widths)
     assert not manager.is_running()
 
 

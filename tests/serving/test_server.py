@@ -364,6 +364,8 @@ def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
     assert "error: --pp 2: continuous batching does not run pipeline stages" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint), "--max-model-len", "1000"]) == 2
     assert "must be in [2, 256]" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint), "--max-slots", "4", "--decode-rows", "1,8"]) == 2
+    assert "--decode-rows 1,8: each must be in [1, --max-slots 4]" in capsys.readouterr().err
     taken = free_socket()
     taken.listen()
     try:
