@@ -152,10 +152,13 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
             time.sleep(0.5)
         # One short pass first: the server's first steps and the clients' connections warmed.
         drive(base, requests[:args.clients], args.clients)
-        start = time.perf_counter()
+        before = step_counts(httpx.get(f"{base}/metrics", timeout=10).text)
+        start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
         results = drive(base, requests, args.clients)
         seconds = time.perf_counter() - start
+        client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        steps = {kind: count - before[kind] for kind, count in step_counts(metrics).items()}
     finally:
         server.terminate()
         server.wait(60)
@@ -165,9 +168,29 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
         raise RuntimeError(f"requests {wrong[:5]} got the wrong number of tokens")
     out = summary(sum(r["tokens"] for r in results), seconds, [r["ttft"] for r in results],
                   [gap for r in results for gap in r["gaps"]])
+    out["cpu_seconds"] = {"clients": client_cpu, "server": server_cpu}
+    out["steps"] = steps
     out["server_metrics"] = {line.split()[0]: line.split()[1] for line in metrics.splitlines()
                              if line and not line.startswith("#") and len(line.split()) == 2}
     return out
+
+
+def step_counts(metrics: str) -> dict[str, int]:
+    """The server's steps so far by kind, from its /metrics text."""
+    counts = {}
+    for kind in ("prefill", "decode", "mixed"):
+        line = next(line for line in metrics.splitlines() if line.startswith(f"moe_jax_{kind}_steps_total "))
+        counts[kind] = int(float(line.split()[1]))
+    return counts
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used, all its threads (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
@@ -372,6 +395,9 @@ def main() -> int:
     for name, row in rows.items():
         print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"
               f"{row['itl']['p50'] * 1e3:9.1f}m{row['itl']['p99'] * 1e3:9.1f}m")
+    cpu = rows["moe_jax serve"]["cpu_seconds"]
+    print(f"# during our pass ({rows['moe_jax serve']['seconds']:.1f} s on {os.cpu_count()} CPUs): server process "
+          f"{cpu['server']:.1f} CPU s, clients {cpu['clients']:.1f} CPU s; server steps {rows['moe_jax serve']['steps']}")
     ours = rows["moe_jax serve"]["tokens_per_s"]
     for name in ("static generate", "transformers CB"):
         if name in rows:

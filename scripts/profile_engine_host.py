@@ -3,6 +3,7 @@ everything else on the host (admission, building and packing inputs, emitting to
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python scripts/profile_engine_host.py [--rounds 2]
         [--max-slots 8] [--prefill-rows 1] [--prefill-chunk 128] [--scan-layers auto|true|false] [--compare-mixed]
+        [--decode-rows 1,2,8] [--output 16-128] [--output-distribution uniform|lognormal]
 
 bench_serve.py's default model and requests (48, prompts 16-256, outputs 16-128, seed 0) queued at once, 8 slots,
 pages of 16, every program compiled first. --compare-mixed alternates engines with mixed steps (a step that
@@ -37,17 +38,23 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto")
     parser.add_argument("--compare-mixed", action="store_true")
+    parser.add_argument("--decode-rows", default=None, help="e.g. 1,4,16 (ContinuousBatchingConfig.decode_rows)")
+    parser.add_argument("--output", default="16-128", help="output lengths, LOW-HIGH (bench_serve's --output)")
+    parser.add_argument("--output-distribution", choices=bench_serve.OUTPUT_DISTRIBUTIONS, default="uniform")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="moe_jax_engine_host_"))
     bench_serve.build(workdir, "default")
-    requests = bench_serve.draw_requests(48, (16, 256), (16, 128), bench_serve.SIZES["default"]["vocab_size"], 0)
+    requests = bench_serve.draw_requests(48, (16, 256), bench_serve.parse_range(args.output),
+                                         bench_serve.SIZES["default"]["vocab_size"], 0, args.output_distribution)
+    counts = lambda text: None if text is None else tuple(int(v) for v in text.split(","))  # noqa: E731
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
                                                  scan_layers=decode_scan_layers(args.scan_layers))
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     engines = [ServingEngine(model, ContinuousBatchingConfig(max_slots=args.max_slots, page_size=16,
                                                              max_model_len=max_len, mixed_steps=mixed,
                                                              prefill_rows=args.prefill_rows,
-                                                             prefill_chunk=args.prefill_chunk))
+                                                             prefill_chunk=args.prefill_chunk,
+                                                             decode_rows=counts(args.decode_rows)))
                for mixed in ((True, False) if args.compare_mixed else (True,))]
     for engine in engines:
         engine.compile_all()
@@ -67,16 +74,16 @@ def main() -> int:
         for i, r in enumerate(requests):
             engine.add(Request(f"r{round_}-{i}", r["prompt"], RequestSettings(max_new_tokens=r["max_tokens"])))
         steps_before = dict(engine.steps)
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         tokens = 0
         while engine.has_work():
             tokens += len(engine.step())
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
         steps = {k: engine.steps[k] - steps_before.get(k, 0) for k in engine.steps if engine.steps[k] > 0}
         program = sum(inside.values())
         each = ", ".join(f"{name} {seconds:.2f}" for name, seconds in sorted(inside.items()))
         print(f"round {round_} (mixed steps {'on' if engine.config.mixed_steps else 'off'}): {tokens} tokens in "
-              f"{wall:.2f} s = {tokens / wall:.0f} tokens/s; steps {steps}; programs {program:.2f} s ({each}); "
+              f"{wall:.2f} s = {tokens / wall:.0f} tokens/s ({cpu:.1f} CPU s); steps {steps}; programs {program:.2f} s ({each}); "
               f"host outside programs {wall - program:.2f} s ({(wall - program) / wall:.0%}), "
               f"{(wall - program) / sum(steps.values()) * 1e3:.2f} ms per program call")
     return 0
