@@ -6,7 +6,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
                                   [--output 16-128] [--output-distribution uniform|lognormal] [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
-                                  [--decode-rows ROWS[,ROWS...]]
+                                  [--decode-rows ROWS[,ROWS...]] [--prefill-rows N]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
@@ -136,6 +136,8 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
                "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
     if args.decode_rows:
         command += ["--decode-rows", args.decode_rows]
+    if args.prefill_rows:
+        command += ["--prefill-rows", str(args.prefill_rows)]
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=args.environ)
     base = f"http://127.0.0.1:{port}"
@@ -353,6 +355,9 @@ def main() -> int:
     parser.add_argument("--decode-rows", default=None,
                         help="the server's decode programs' rows (moe-jax serve --decode-rows, e.g. 16 for one "
                              "program of every slot; default the server's)")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help="the server's prompt rows per prefill step (moe-jax serve --prefill-rows; default the "
+                             "server's)")
     parser.add_argument("--reference-arrival", choices=("clients", "all"), default="clients",
                         help="Transformers' CB with --clients requests in flight, a new one as each finishes (our "
                              "clients' closed loop), or every request added at once (generate_batch's way)")
@@ -381,6 +386,7 @@ def main() -> int:
               f"Transformers' CB: {'every request at once' if args.reference_arrival == 'all' else 'as many in flight'}; "
               f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
               f"decode rows {args.decode_rows or 'the server default'}; "
+              f"prefill rows {args.prefill_rows or 'the server default'}; "
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
               f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)

@@ -1,11 +1,12 @@
 """Check continuous batching against Transformers' greedy tokens on every legal 8-device layout x ep_implementation.
 
-    python scripts/check_serving_layouts.py [FAMILY ...] [--every-layout]
+    python scripts/check_serving_layouts.py [FAMILY ...] [--every-layout] [--slots-per-group N]
 
 For each family, the committed fixture's three prompts (7, 4 and 2 tokens; tests/fixtures/generation/) go through a
 `ServingEngine` with staggered arrivals (request i joins after 2i steps), pages of 4 tokens and prompts prefilled
 in chunks of 3, as many slots as the layout has data-parallel groups (at least 2, so the third request waits for a
-slot on the smallest layouts); every request's 20 greedy tokens must equal Transformers' `generate`'s, and every page
+slot on the smallest layouts; `--slots-per-group 2`: twice as many, so a group's decode steps pack 1 or 2 rows,
+`ContinuousBatchingConfig.decode_rows`); every request's 20 greedy tokens must equal Transformers' `generate`'s, and every page
 must come back. Default: one device and one representative layout per shape of the mesh (tp=ep all_reduce, tp<ep
 dispatch, fsdp only, dp_replicate); `--every-layout`: the whole parity grid. The suite runs one device for every
 family and one 8-device layout (tests/inference/test_continuous.py).
@@ -41,12 +42,13 @@ REPRESENTATIVE = [
 ]
 
 
-def check(family: str, layout: dict | None) -> list[str]:
+def check(family: str, layout: dict | None, slots_per_group: int = 1) -> list[str]:
     prompts, greedy, _ = fixture_prompts(family)
     model = AutoModelForCausalLM.from_pretrained(
         MODELS / family, None if layout is None else DistributedConfig(**layout),
         devices=jax.devices()[:1] if layout is None else None, progress=False)
-    config = ContinuousBatchingConfig(max_slots=max(2, model.data_parallel_size), page_size=4, max_model_len=64,
+    config = ContinuousBatchingConfig(max_slots=max(2, slots_per_group * model.data_parallel_size), page_size=4,
+                                      max_model_len=64,
                                       prefill_chunk=3)
     engine = ServingEngine(model, config)
     requests = run_staggered(engine, prompts, RequestSettings(max_new_tokens=NEW_TOKENS), stagger=2)
@@ -61,6 +63,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"any of {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("--every-layout", action="store_true", help="the whole parity grid (26 layouts x EP modes)")
+    parser.add_argument("--slots-per-group", type=int, default=1,
+                        help="slots per data-parallel group (default 1; 2: decode steps of 1 or 2 rows per group)")
     args = parser.parse_args()
     failed = total = 0
     for family in args.families or FAMILIES:
@@ -70,7 +74,7 @@ def main() -> int:
             layouts = [layout for layout in REPRESENTATIVE if layout.get("ep_size", 1) == 1 or has_ep_plan(family)]
         start = time.perf_counter()
         for layout in [None, *layouts]:
-            failures = check(family, layout)
+            failures = check(family, layout, args.slots_per_group)
             total += 1
             if failures:
                 failed += 1

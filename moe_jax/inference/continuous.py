@@ -491,8 +491,8 @@ class ServingEngine:
 
     def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
-        each page width) now, so no request
-        waits for a compilation; `progress(done, total)` after each. Returns how many were compiled."""
+        each page width) now, so no request waits for a compilation; `progress(done, total)` after each. Returns
+        how many were compiled."""
         config = self.config
         shapes = ([("mixed", self.groups * rows + config.max_slots, config.prefill_chunk)
                    for rows in self.mixed_prompt_rows] if config.mixed_steps else
