@@ -5,15 +5,17 @@
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
 The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles
-two programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --prefill-chunk] (and the same with
-fewer prompt rows, powers of two, for steps whose prompts fill fewer; a step that
-prefills a prompt chunk decodes every other running request in the same program, reading the weights once;
---no-mixed-steps: a separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode
-[groups x rows, 1] for each of --decode-rows (a decode step packs its requests into the fewest rows that hold
-them: default --max-slots per group and its quarters down to 1), each for every page-table width the engine uses
-(`ServingEngine.page_widths`). With --warmup (the default)
-all of them compile before the port accepts connections, so no client waits for a compilation; the startup
-line lists them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
+two kinds of programs: mixed [data-parallel groups x --prefill-rows + --max-slots, --prefill-chunk] (and the
+same with fewer prompt rows, powers of two, for steps whose prompts fill fewer; a step that prefills a prompt
+chunk decodes every other running request in the same program, reading the weights once; --no-mixed-steps: a
+separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode [groups x rows, 1] for each of
+--decode-rows (a decode step packs its requests into the fewest rows that hold them: default --max-slots per
+group and its quarters down to 1), each for every page-table width the engine uses (`ServingEngine.page_widths`).
+With --warmup (the default) all of them compile before the port accepts connections, so no client waits for a
+compilation; the startup line lists them (bench_serve's 16 slots: 24 programs, about a minute on a 2-core CPU;
+--decode-rows 16 halves that). JAX's persistent compilation cache makes later starts quick:
+`JAX_COMPILATION_CACHE_DIR=~/.cache/jax moe-jax serve ...` (the same start: 60-69 s the first time, 18 s the
+next). Memory: --num-pages pages of --page-size tokens of keys and values per layer
 (default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
 requests in flight finish (up to 30 s), then the engine stops.
 

@@ -8,9 +8,10 @@
     client.completions.create(model="my-model", prompt="Hello", max_tokens=32, stream=True)
 
 What runs: one `ContinuousBatchingManager` (its engine on a background thread) shared by every HTTP request.
-The engine's programs have shapes its config fixes, whatever the requests: prefill [data-parallel groups x
-prefill_rows, prefill_chunk] and decode [max_slots, 1] (each for the page-table widths the engine uses, where
-it has several; `engine.compiled_shapes`), so requests join and leave the running batch without recompiling;
+The engine's programs have shapes its config fixes, whatever the requests: mixed (or prefill) [data-parallel
+groups x prefill_rows (+ max_slots), prefill_chunk] and decode [groups x rows, 1] for each of `decode_rows`
+(each for the page-table widths the engine uses, where it has several; `engine.compiled_shapes`), so requests
+join and leave the running batch without recompiling;
 `moe-jax serve` compiles them all before it listens. Any layout of tp, fsdp, ep and dp_replicate, in one process
 or several (process 0 serves HTTP and leads: `ServingEngine.lead` / `follow`); not pipeline stages.
 
