@@ -3,14 +3,16 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
 
     pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
     python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS] [--prompt 16-256]
-                                  [--output 16-128] [--output-distribution uniform|lognormal] [--size default|large] [--seed 0] [--skip-reference]
+                                  [--output 16-128] [--output-distribution uniform|lognormal]
+                                  [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
                                   [--decode-rows ROWS[,ROWS...]] [--prefill-rows N]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
-lengths uniform or, with `--output-distribution lognormal`, long-tailed in theirs; token ids random), then measures, each in a fresh process:
+lengths uniform or, with `--output-distribution lognormal`, long-tailed in theirs; token ids random), then
+measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
   (asyncio in one thread; each sends its next request when the last one ends); time to first token and
   inter-token latency are measured at the client, from sending the request; the clients share the machine;
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_vs_reference import SIZES, host_memory_environ  # noqa: E402
 
 from moe_jax.cli.layout_flags import SCAN_CHOICES, decode_scan_layers  # noqa: E402
+from moe_jax.cli.serve import parse_row_counts  # noqa: E402
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -135,7 +138,7 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
                "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers,
                "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
     if args.decode_rows:
-        command += ["--decode-rows", args.decode_rows]
+        command += ["--decode-rows", ",".join(map(str, args.decode_rows))]
     if args.prefill_rows:
         command += ["--prefill-rows", str(args.prefill_rows)]
     log = open(workdir / "server.log", "w")
@@ -352,7 +355,7 @@ def main() -> int:
                         help="every side with glibc's hugetlb tunable (where it applies) or every side without")
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's mixed prefill + decode steps (moe-jax serve --mixed-steps)")
-    parser.add_argument("--decode-rows", default=None,
+    parser.add_argument("--decode-rows", type=parse_row_counts, default=None, metavar="ROWS[,ROWS...]",
                         help="the server's decode programs' rows (moe-jax serve --decode-rows, e.g. 16 for one "
                              "program of every slot; default the server's)")
     parser.add_argument("--prefill-rows", type=int, default=None,
@@ -385,7 +388,7 @@ def main() -> int:
               f"{args.output[0]}-{args.output[1]} tokens ({args.output_distribution}); {args.clients} clients, {args.max_slots} slots; "
               f"Transformers' CB: {'every request at once' if args.reference_arrival == 'all' else 'as many in flight'}; "
               f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
-              f"decode rows {args.decode_rows or 'the server default'}; "
+              f"decode rows {','.join(map(str, args.decode_rows)) if args.decode_rows else 'the server default'}; "
               f"prefill rows {args.prefill_rows or 'the server default'}; "
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "

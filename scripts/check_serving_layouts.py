@@ -6,8 +6,8 @@ For each family, the committed fixture's three prompts (7, 4 and 2 tokens; tests
 `ServingEngine` with staggered arrivals (request i joins after 2i steps), pages of 4 tokens and prompts prefilled
 in chunks of 3, as many slots as the layout has data-parallel groups (at least 2, so the third request waits for a
 slot on the smallest layouts; `--slots-per-group 2`: twice as many, so a group's decode steps pack 1 or 2 rows,
-`ContinuousBatchingConfig.decode_rows`); every request's 20 greedy tokens must equal Transformers' `generate`'s, and every page
-must come back. Default: one device and one representative layout per shape of the mesh (tp=ep all_reduce, tp<ep
+`ContinuousBatchingConfig.decode_rows`); every request's 20 greedy tokens must equal Transformers' `generate`'s,
+and every page must come back. Default: one device and one representative layout per shape of the mesh (tp=ep all_reduce, tp<ep
 dispatch, fsdp only, dp_replicate); `--every-layout`: the whole parity grid. The suite runs one device for every
 family and one 8-device layout (tests/inference/test_continuous.py).
 """
@@ -48,8 +48,7 @@ def check(family: str, layout: dict | None, slots_per_group: int = 1) -> list[st
         MODELS / family, None if layout is None else DistributedConfig(**layout),
         devices=jax.devices()[:1] if layout is None else None, progress=False)
     config = ContinuousBatchingConfig(max_slots=max(2, slots_per_group * model.data_parallel_size), page_size=4,
-                                      max_model_len=64,
-                                      prefill_chunk=3)
+                                      max_model_len=64, prefill_chunk=3)
     engine = ServingEngine(model, config)
     requests = run_staggered(engine, prompts, RequestSettings(max_new_tokens=NEW_TOKENS), stagger=2)
     failures = [f"{r.request_id} tokens differ" for r, row in zip(requests, greedy)

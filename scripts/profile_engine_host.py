@@ -27,6 +27,7 @@ import jax  # noqa: E402
 
 from moe_jax import AutoModelForCausalLM  # noqa: E402
 from moe_jax.cli.layout_flags import SCAN_CHOICES, decode_scan_layers  # noqa: E402
+from moe_jax.cli.serve import parse_row_counts  # noqa: E402
 from moe_jax.inference import ContinuousBatchingConfig, Request, RequestSettings, ServingEngine  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main() -> int:
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto")
     parser.add_argument("--compare-mixed", action="store_true")
-    parser.add_argument("--decode-rows", default=None, help="e.g. 1,4,16 (ContinuousBatchingConfig.decode_rows)")
+    parser.add_argument("--decode-rows", type=parse_row_counts, default=None, help="e.g. 1,4,16 (ContinuousBatchingConfig.decode_rows)")
     parser.add_argument("--output", default="16-128", help="output lengths, LOW-HIGH (bench_serve's --output)")
     parser.add_argument("--output-distribution", choices=bench_serve.OUTPUT_DISTRIBUTIONS, default="uniform")
     args = parser.parse_args()
@@ -46,7 +47,6 @@ def main() -> int:
     bench_serve.build(workdir, "default")
     requests = bench_serve.draw_requests(48, (16, 256), bench_serve.parse_range(args.output),
                                          bench_serve.SIZES["default"]["vocab_size"], 0, args.output_distribution)
-    counts = lambda text: None if text is None else tuple(int(v) for v in text.split(","))  # noqa: E731
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", devices=jax.devices()[:1], progress=False,
                                                  scan_layers=decode_scan_layers(args.scan_layers))
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
@@ -54,7 +54,7 @@ def main() -> int:
                                                              max_model_len=max_len, mixed_steps=mixed,
                                                              prefill_rows=args.prefill_rows,
                                                              prefill_chunk=args.prefill_chunk,
-                                                             decode_rows=counts(args.decode_rows)))
+                                                             decode_rows=args.decode_rows))
                for mixed in ((True, False) if args.compare_mixed else (True,))]
     for engine in engines:
         engine.compile_all()

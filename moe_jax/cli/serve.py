@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-rows", type=int, default=1,
                         help="rows of --prefill-chunk prompt tokens a step prefills per data-parallel group; a prompt "
                              "takes as many rows as it fills, the next prompt the rest (default 1)")
-    parser.add_argument("--decode-rows", type=_row_counts, default=None, metavar="ROWS[,ROWS...]",
+    parser.add_argument("--decode-rows", type=parse_row_counts, default=None, metavar="ROWS[,ROWS...]",
                         help="rows per data-parallel group a decode program may have, e.g. 1,4,16: a decode step runs "
                              "the fewest that hold its requests, so a few long requests left do not pay for every "
                              "slot (default: --max-slots per group and its quarters down to 1; the largest is always "
@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
 
 
-def _row_counts(text: str) -> tuple[int, ...]:
+def parse_row_counts(text: str) -> tuple[int, ...]:
+    """`--decode-rows`' value: "1,4,16" -> (1, 4, 16)."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
