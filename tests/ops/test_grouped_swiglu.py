@@ -140,3 +140,16 @@ def test_grouped_swiglu_errors_name_the_shapes_and_the_backends():
         grouped_swiglu(x, gate_up, jnp.swapaxes(down, 1, 2), group_sizes)
     with pytest.raises(ValueError, match="unknown grouped_matmul backend 'fast'; choose one of"):
         grouped_swiglu(x, gate_up, down, group_sizes, backend="fast")
+
+
+def test_the_forward_loop_enters_only_experts_with_rows():
+    """Experts without rows are left out of the loop (each one entered copies its weights out of the stacks):
+    the ones with visits come first, in expert order, and the loop runs that many."""
+    from moe_jax.ops.grouped_matmul_backends.tile_plan import plan_tile_schedules
+    from moe_jax.ops.grouped_matmul_backends.tiled_swiglu import _by_expert, _experts_with_visits
+
+    group_sizes = jnp.asarray([0, 3, 0, 0, 9, 1], jnp.int32)
+    runs = _by_expert(plan_tile_schedules(group_sizes, 16, 8, 2), 6)
+    order, entered = _experts_with_visits(runs, 6)
+    assert int(entered) == 3
+    assert order.tolist() == [1, 4, 5, 0, 2, 3]

@@ -81,6 +81,13 @@ def _by_expert(schedules, num_experts: int) -> list[_ExpertVisits]:
     return runs
 
 
+def _experts_with_visits(runs: list[_ExpertVisits], num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """-> (order [E]: the experts with visits first, in expert order, then the rest; how many have visits)."""
+    visits = sum(run.count for run in runs)
+    order = jnp.argsort(visits == 0, stable=True).astype(jnp.int32)
+    return order, jnp.sum(visits > 0, dtype=jnp.int32)
+
+
 def _over_expert_visits(visit, carry, run: _ExpertVisits, expert):
     """visit(carry, v) for each of expert's visits in `run`, in order."""
     first = run.first[expert]
@@ -115,7 +122,10 @@ def _forward(x, gate_up, down, group_sizes, act, tile_rows, remainder_rows, keep
             carry = _over_expert_visits(visit, carry, run, expert)
         return carry
 
-    return lax.fori_loop(0, num_experts, expert_visits, (y, h_rows))
+    # Only experts with rows: decoding a few tokens touches top-k of them, and every expert the loop enters
+    # copies its two weights out of the stacks (E = 128, one token: 8 experts' copies instead of 128).
+    order, entered = _experts_with_visits(runs, num_experts)
+    return lax.fori_loop(0, entered, lambda i, carry: expert_visits(order[i], carry), (y, h_rows))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
