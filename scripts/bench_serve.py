@@ -7,7 +7,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
                                   [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
-                                  [--decode-rows ROWS[,ROWS...]] [--prefill-rows N]
+                                  [--decode-rows ROWS[,ROWS...]] [--prefill-rows N] [--repeats 1]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
@@ -24,9 +24,11 @@ measures, each in a fresh process:
   one finishes (the closed loop our clients run; default), or with `--reference-arrival all` every request added
   at once (`generate_batch`'s way: run ours with `--clients` = `--requests` to compare at equal arrival).
 Prints tokens/s (generated tokens of every request / wall seconds of the whole pass), p50 / p99 TTFT and ITL,
-and the ratios ours / static and ours / reference. Greedy on every side. `--huge-pages on` (default) runs all
-three processes with glibc's hugetlb tunable where it applies (as the `moe-jax` command runs itself), `off` all
-three without. `--no-mixed-steps`: the server runs separate prefill and decode programs (`moe-jax serve
+and the ratios ours / static and ours / reference. `--repeats N` times every side N times, alternated (ours,
+static, reference, ours, ...; the server starts once), prints each repeat's line and the medians (ratios: the
+median of each repeat's ratio): this machine's figures move 10-20% between passes. Greedy on every side.
+`--huge-pages on` (default) runs all three processes with glibc's hugetlb tunable where it applies (as the
+`moe-jax` command runs itself), `off` all three without. `--no-mixed-steps`: the server runs separate prefill and decode programs (`moe-jax serve
 --no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to static batches for these requests, at
 equal batch width (static batch decode steps / (generated tokens / slots)): continuous batching cannot beat it by
 scheduling alone when a step costs the same whatever rows it holds.
@@ -38,10 +40,12 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +132,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ours(workdir: Path, requests: list[dict], args) -> dict:
+@contextmanager
+def served(workdir: Path, requests: list[dict], args):
+    """`moe-jax serve` on a free port, healthy and warmed up (one short pass of the clients) -> (base URL, its
+    process); terminated on exit."""
     import httpx
 
     port = free_port()
@@ -157,17 +164,24 @@ def run_ours(workdir: Path, requests: list[dict], args) -> dict:
             time.sleep(0.5)
         # One short pass first: the server's first steps and the clients' connections warmed.
         drive(base, requests[:args.clients], args.clients)
-        before = step_counts(httpx.get(f"{base}/metrics", timeout=10).text)
-        start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
-        results = drive(base, requests, args.clients)
-        seconds = time.perf_counter() - start
-        client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        steps = {kind: count - before[kind] for kind, count in step_counts(metrics).items()}
+        yield base, server
     finally:
         server.terminate()
         server.wait(60)
         log.close()
+
+
+def run_ours(base: str, server: subprocess.Popen, requests: list[dict], args) -> dict:
+    """One timed pass of the clients against the running server."""
+    import httpx
+
+    before = step_counts(httpx.get(f"{base}/metrics", timeout=10).text)
+    start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
+    results = drive(base, requests, args.clients)
+    seconds = time.perf_counter() - start
+    client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    steps = {kind: count - before[kind] for kind, count in step_counts(metrics).items()}
     wrong = [i for i, (r, got) in enumerate(zip(requests, results)) if got["tokens"] != r["max_tokens"]]
     if wrong:
         raise RuntimeError(f"requests {wrong[:5]} got the wrong number of tokens")
@@ -325,6 +339,29 @@ class _Never:
         return False
 
 
+def ratios(rows: dict) -> dict[str, float]:
+    """Ours over each other side's tokens/s."""
+    ours = rows["moe_jax serve"]["tokens_per_s"]
+    return {name: ours / rows[name]["tokens_per_s"] for name in ("static generate", "transformers CB") if name in rows}
+
+
+def median_rows(passes: list[dict]) -> dict:
+    """Each side's tokens/s, TTFT and ITL percentiles: the median over the passes."""
+    def median_of(name, *path):
+        values = []
+        for rows in passes:
+            value = rows[name]
+            for key in path:
+                value = value[key]
+            values.append(value)
+        return statistics.median(values)
+
+    return {name: {"tokens_per_s": median_of(name, "tokens_per_s"),
+                   "ttft": {q: median_of(name, "ttft", q) for q in ("p50", "p99")},
+                   "itl": {q: median_of(name, "itl", q) for q in ("p50", "p99")}}
+            for name in passes[0]}
+
+
 def in_fresh_process(role: str, workdir: Path, environ: dict, *extra: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--role", role, "--workdir", str(workdir), *extra],
                          capture_output=True, text=True, cwd=ROOT, env=environ)
@@ -348,6 +385,8 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed passes of every side, alternated (one server start); medians printed")
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto",
                         help="the model's layer scan, the same on both of our sides (moe-jax serve --scan-layers: auto is "
                              "unrolled for decoding)")
@@ -393,25 +432,38 @@ def main() -> int:
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
               f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)
-        rows = {"moe_jax serve": run_ours(workdir, requests, args)}
-        rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
-                                                   str(args.max_slots), "--scan-layers", args.scan_layers)
-        if not args.skip_reference:
-            rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ, "--clients",
-                                                       str(args.clients), "--reference-arrival",
-                                                       args.reference_arrival)
+        passes = []
+        with served(workdir, requests, args) as (base, server):
+            for repeat in range(args.repeats):
+                rows = {"moe_jax serve": run_ours(base, server, requests, args)}
+                rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
+                                                           str(args.max_slots), "--scan-layers", args.scan_layers)
+                if not args.skip_reference:
+                    rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ, "--clients",
+                                                               str(args.clients), "--reference-arrival",
+                                                               args.reference_arrival)
+                passes.append(rows)
+                if args.repeats > 1:
+                    print(f"# repeat {repeat + 1}: " + ", ".join(f"{name} {row['tokens_per_s']:.1f}"
+                                                                 for name, row in rows.items())
+                          + " tokens/s; " + "; ".join(f"ours / {name} {ratio:.2f}x"
+                                                      for name, ratio in ratios(rows).items()), flush=True)
+    rows = passes[0] if len(passes) == 1 else median_rows(passes)
+    if len(passes) > 1:
+        print(f"# medians of {len(passes)} repeats (ours / static and ours / reference: medians of each repeat's ratio)")
     print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
     for name, row in rows.items():
         print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"
               f"{row['itl']['p50'] * 1e3:9.1f}m{row['itl']['p99'] * 1e3:9.1f}m")
-    cpu = rows["moe_jax serve"]["cpu_seconds"]
-    print(f"# during our pass ({rows['moe_jax serve']['seconds']:.1f} s on {os.cpu_count()} CPUs): server process "
-          f"{cpu['server']:.1f} CPU s, clients {cpu['clients']:.1f} CPU s; server steps {rows['moe_jax serve']['steps']}")
-    ours = rows["moe_jax serve"]["tokens_per_s"]
-    for name in ("static generate", "transformers CB"):
-        if name in rows:
-            print(f"ours / {name}: {ours / rows[name]['tokens_per_s']:.2f}x throughput")
-    print(json.dumps({name: {k: v for k, v in row.items() if k != "server_metrics"} for name, row in rows.items()}))
+    cpu = passes[-1]["moe_jax serve"]["cpu_seconds"]
+    print(f"# during our {'last ' if len(passes) > 1 else ''}pass ({passes[-1]['moe_jax serve']['seconds']:.1f} s on "
+          f"{os.cpu_count()} CPUs): server process {cpu['server']:.1f} CPU s, clients {cpu['clients']:.1f} CPU s; "
+          f"server steps {passes[-1]['moe_jax serve']['steps']}")
+    each = [ratios(rows) for rows in passes]
+    for name in each[0]:
+        print(f"ours / {name}: {statistics.median(r[name] for r in each):.2f}x throughput")
+    print(json.dumps([{name: {k: v for k, v in row.items() if k != "server_metrics"} for name, row in rows.items()}
+                      for rows in passes]))
     return 0
 
 
