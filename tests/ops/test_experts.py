@@ -182,3 +182,44 @@ def test_matches_transformers_qwen3_moe_experts(with_sentinels):
         )
     out = jax.jit(swiglu_experts)(**problem)
     np.testing.assert_allclose(np.asarray(out), torch_out.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("choices", [[2, 0], [3, SENTINEL], [SENTINEL, SENTINEL]],
+                         ids=["two experts", "one of them not mine", "none mine"])
+def test_one_token_matches_the_reference_values_and_gradients(choices):
+    """One token (decoding one sequence) takes its own path (its experts' weights gathered, no sort and no tile
+    loop): the same values and gradients as every other token count."""
+    full = _problem(seed=5, with_sentinels=False)
+    problem = dict(full, hidden=full["hidden"][:1], weights=full["weights"][:1],
+                   expert_ids=jnp.asarray([choices], jnp.int32))
+    # A non-finite weight on a "not mine" choice must not leak in.
+    problem["weights"] = jnp.where(problem["expert_ids"] == SENTINEL, jnp.nan, problem["weights"])
+    cotangent = _cotangent()[:1]
+
+    def value_and_grads(experts, problem):
+        out, vjp = jax.vjp(lambda params: experts(expert_ids=problem["expert_ids"], **params),
+                           {name: problem[name] for name in DIFFERENTIABLE})
+        return out, vjp(cotangent)[0]
+
+    out, grads = jax.jit(functools.partial(value_and_grads, swiglu_experts))(problem)
+    # The reference with the "not mine" choices' weights zeroed by hand.
+    clean = dict(problem, weights=jnp.where(problem["expert_ids"] == SENTINEL, 0.0, problem["weights"]))
+    want_out, want_grads = jax.jit(functools.partial(value_and_grads, swiglu_experts_reference))(clean)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    for name in DIFFERENTIABLE:
+        np.testing.assert_allclose(np.asarray(grads[name]), np.asarray(want_grads[name]), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+    mine = np.asarray(problem["expert_ids"]) != SENTINEL
+    np.testing.assert_array_equal(np.asarray(grads["weights"])[~mine], 0.0)
+    assert np.all(np.isfinite(np.asarray(grads["weights"])))
+
+
+def test_one_token_keeps_the_dtypes():
+    """bf16 hidden states and experts with fp32 routing weights: a bf16 result, summed over K in fp32."""
+    problem = _problem(seed=6, with_sentinels=False, dtype=jnp.bfloat16)
+    one = dict(problem, hidden=problem["hidden"][:1], expert_ids=problem["expert_ids"][:1],
+               weights=problem["weights"][:1])
+    out = swiglu_experts(**one)
+    assert out.dtype == jnp.bfloat16
+    want = swiglu_experts_reference(**{k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in one.items()})
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
