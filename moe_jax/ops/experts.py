@@ -20,6 +20,7 @@ Mixtral's fp32 routing weights with bf16 hidden states are summed in fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -98,7 +99,7 @@ def swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
 
-    if hidden.shape[0] == 1:
+    if hidden.shape[0] == 1 and one_token_gathers(top_k, gate_up_proj, down_proj):
         return _one_token_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
@@ -113,22 +114,36 @@ def swiglu_experts(
     return unpermute(y_sorted, order, weights).astype(hidden.dtype)
 
 
+# One token's K experts' weights are gathered at once while they take at most this many bytes. Past it the tile loop
+# is as fast or faster: it copies one expert at a time, which the next dots read from cache, where K gathered
+# experts spill to memory (one token, forward, `/tmp` micro on the 2-core EPYC, gathered bytes -> gather / loop
+# time: 8 experts top-2 H = I = 1024, 25 MB, 0.69-0.74x; H = I = 2048, 100 MB, 1.02-1.04x; 64 experts top-8,
+# H 2048, I 512, 100 MB, 1.50x; docs/benchmarks.md, session 22).
+ONE_TOKEN_GATHER_MAX_BYTES = 32 << 20
+
+
+def one_token_gathers(top_k: int, gate_up_proj: jax.Array, down_proj: jax.Array) -> bool:
+    """Whether `swiglu_experts` runs one token by gathering its K experts' weights (`ONE_TOKEN_GATHER_MAX_BYTES`)."""
+    expert_bytes = sum(math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize for w in (gate_up_proj, down_proj))
+    return top_k * expert_bytes <= ONE_TOKEN_GATHER_MAX_BYTES
+
+
 def _one_token_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: Activation) -> jax.Array:
     """`swiglu_experts` for one token (decoding one sequence): its K experts' weights gathered and applied, no
     sort and no tile loop. hidden: [1, H]; expert_ids, weights: [1, K] -> [1, H].
 
     The tile loop would copy the same K experts' weights out of the stacks (a token's K choices are distinct), so
-    this reads no more; what it saves is the loop (one token's experts, forward: 16 experts top-4 0.53 -> 0.35 ms,
-    128 top-8 1.59 -> 0.94 ms; docs/benchmarks.md, session 22). Dtypes as the tiled path's: h and the activation in
-    result_type(hidden, gate_up), the down projection in result_type(that, down), dots summed in the accumulation
-    dtype, the weighted sum over K in at least fp32."""
+    this reads no more while they fit in cache; what it saves is the loop (one token's experts, forward: 16 experts
+    top-4 0.51 -> 0.21 ms, 128 top-8 1.31 -> 0.68 ms; docs/benchmarks.md, session 22). Dtypes as the tiled path's:
+    h and the activation in result_type(hidden, gate_up), the down projection in result_type(that, down), dots
+    summed in the accumulation dtype, the weighted sum over K in at least fp32."""
     num_experts = gate_up_proj.shape[0]
     inner = jnp.result_type(hidden.dtype, gate_up_proj.dtype)
     outer = jnp.result_type(inner, down_proj.dtype)
     ids = expert_ids[0]
     # A sentinel id (E, "not mine") gathers zero weights: a zero output, and its routing weight is masked below.
-    w_gate_up = jnp.take(gate_up_proj.astype(inner), ids, axis=0, mode="fill", fill_value=0)     # [K, 2I, H]
-    w_down = jnp.take(down_proj.astype(outer), ids, axis=0, mode="fill", fill_value=0)           # [K, H, I]
+    w_gate_up = jnp.take(gate_up_proj, ids, axis=0, mode="fill", fill_value=0).astype(inner)     # [K, 2I, H]
+    w_down = jnp.take(down_proj, ids, axis=0, mode="fill", fill_value=0).astype(outer)           # [K, H, I]
     # Written as K batched products (the token repeated), the form XLA:CPU runs fastest (a matrix-vector
     # contraction of the gathered stack was slower than the tile loop).
     x = jnp.broadcast_to(hidden.astype(inner), (ids.shape[0], hidden.shape[1]))                # [K, H]

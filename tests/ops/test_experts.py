@@ -223,3 +223,16 @@ def test_one_token_keeps_the_dtypes():
     assert out.dtype == jnp.bfloat16
     want = swiglu_experts_reference(**{k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in one.items()})
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
+
+
+def test_one_token_gathers_only_experts_that_fit_in_cache():
+    """Past `ONE_TOKEN_GATHER_MAX_BYTES` of gathered weights one token goes through the tile loop, which is faster
+    there (docs/benchmarks.md, session 22)."""
+    from moe_jax.ops.experts import ONE_TOKEN_GATHER_MAX_BYTES, one_token_gathers
+
+    small = jax.ShapeDtypeStruct((16, 512, 256), jnp.float32), jax.ShapeDtypeStruct((16, 256, 256), jnp.float32)
+    large = jax.ShapeDtypeStruct((64, 1024, 2048), jnp.float32), jax.ShapeDtypeStruct((64, 2048, 512), jnp.float32)
+    assert one_token_gathers(4, *small)
+    assert not one_token_gathers(8, *large)
+    per_expert = 3 * 2048 * 512 * 4
+    assert one_token_gathers(ONE_TOKEN_GATHER_MAX_BYTES // per_expert, *large)
