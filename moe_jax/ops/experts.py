@@ -99,8 +99,8 @@ def swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
 
-    if hidden.shape[0] == 1 and one_token_gathers(top_k, gate_up_proj, down_proj):
-        return _one_token_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
+    if gathers_experts(hidden.shape[0], top_k, gate_up_proj, down_proj):
+        return _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
@@ -114,45 +114,55 @@ def swiglu_experts(
     return unpermute(y_sorted, order, weights).astype(hidden.dtype)
 
 
-# One token's K experts' weights are gathered at once while they take at most this many bytes. Past it the tile loop
-# is as fast or faster: it copies one expert at a time, which the next dots read from cache, where K gathered
-# experts spill to memory (one token, forward, `/tmp` micro on the 2-core EPYC, gathered bytes -> gather / loop
-# time: 8 experts top-2 H = I = 1024, 25 MB, 0.69-0.74x; H = I = 2048, 100 MB, 1.02-1.04x; 64 experts top-8,
-# H 2048, I 512, 100 MB, 1.50x; docs/benchmarks.md, session 22).
-ONE_TOKEN_GATHER_MAX_BYTES = 32 << 20
+# A few tokens' experts are gathered (each (token, choice) pair's weights, `_gathered_swiglu`) while those weights
+# take at most this many bytes; past it the tile loop is as fast or faster: it copies one expert at a time, which
+# its dots then read from cache, where the gathered experts spill to memory, and it copies an expert chosen twice
+# once. Forward, `/tmp` micros on the 2-core EPYC (docs/benchmarks.md, session 22), gathered bytes -> gather / loop
+# time: one token, 16 experts top-4 H = I = 256 (3 MB) 0.41-0.63x, 128 top-8 H 512 I 256 (13 MB) 0.45-0.55x, 8 top-2
+# H = I = 1024 (25 MB) 0.60-0.74x, H = I = 2048 (101 MB) 1.02-1.04x, 64 top-8 H 2048 I 512 (101 MB) 1.50x; several
+# tokens, 16 experts H = I = 256: 4 tokens (13 MB) 0.57x, 6 (19 MB) 0.72x, 8 (25 MB) 1.07x; 32 top-4 H = I = 512, 2
+# tokens (25 MB) 1.06x, 4 (50 MB) 1.60x; 8 top-2 H = I = 1024, 2 tokens (50 MB) 1.53x.
+GATHERED_EXPERTS_MAX_BYTES = 24 << 20
+# ... and while there are at most this many pairs (a decode step's, not a prompt's: 16 experts at H = I = 256, the
+# gather was 0.72x the loop's time at 24 pairs, 1.07x at 32).
+GATHERED_EXPERTS_MAX_PAIRS = 24
 
 
-def one_token_gathers(top_k: int, gate_up_proj: jax.Array, down_proj: jax.Array) -> bool:
-    """Whether `swiglu_experts` runs one token by gathering its K experts' weights (`ONE_TOKEN_GATHER_MAX_BYTES`)."""
+def gathers_experts(num_tokens: int, top_k: int, gate_up_proj: jax.Array, down_proj: jax.Array) -> bool:
+    """Whether `swiglu_experts` runs `num_tokens` tokens by gathering each pair's expert weights (at most
+    `GATHERED_EXPERTS_MAX_PAIRS` pairs and `GATHERED_EXPERTS_MAX_BYTES`) instead of sorting them through the tile
+    loop."""
+    pairs = num_tokens * top_k
     expert_bytes = sum(math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize for w in (gate_up_proj, down_proj))
-    return top_k * expert_bytes <= ONE_TOKEN_GATHER_MAX_BYTES
+    return pairs <= GATHERED_EXPERTS_MAX_PAIRS and pairs * expert_bytes <= GATHERED_EXPERTS_MAX_BYTES
 
 
-def _one_token_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: Activation) -> jax.Array:
-    """`swiglu_experts` for one token (decoding one sequence): its K experts' weights gathered and applied, no
-    sort and no tile loop. hidden: [1, H]; expert_ids, weights: [1, K] -> [1, H].
+def _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: Activation) -> jax.Array:
+    """`swiglu_experts` for a few tokens (decoding): each (token, choice) pair's expert weights gathered and applied
+    as M batched products, no sort and no tile loop. hidden: [N, H]; expert_ids, weights: [N, K] -> [N, H].
 
-    The tile loop would copy the same K experts' weights out of the stacks (a token's K choices are distinct), so
-    this reads no more while they fit in cache; what it saves is the loop (one token's experts, forward: 16 experts
-    top-4 0.51 -> 0.21 ms, 128 top-8 1.31 -> 0.68 ms; docs/benchmarks.md, session 22). Dtypes as the tiled path's:
-    h and the activation in result_type(hidden, gate_up), the down projection in result_type(that, down), dots
-    summed in the accumulation dtype, the weighted sum over K in at least fp32."""
+    What it saves is the loop's per-expert and per-visit work (one token's experts, forward: 16 experts top-4
+    0.51 -> 0.21 ms, 128 top-8 1.31 -> 0.68 ms); what it pays is reading every pair's weights, an expert chosen
+    twice twice (`gathers_experts` keeps it to few bytes). Dtypes as the tiled path's: h and the activation in
+    result_type(hidden, gate_up), the down projection in result_type(that, down), dots summed in the accumulation
+    dtype, the weighted sum over K in at least fp32."""
     num_experts = gate_up_proj.shape[0]
+    num_tokens, top_k = expert_ids.shape
     inner = jnp.result_type(hidden.dtype, gate_up_proj.dtype)
     outer = jnp.result_type(inner, down_proj.dtype)
-    ids = expert_ids[0]
+    pair_expert = expert_ids.reshape(-1)                                                        # [M]
     # A sentinel id (E, "not mine") gathers zero weights: a zero output, and its routing weight is masked below.
-    w_gate_up = jnp.take(gate_up_proj, ids, axis=0, mode="fill", fill_value=0).astype(inner)     # [K, 2I, H]
-    w_down = jnp.take(down_proj, ids, axis=0, mode="fill", fill_value=0).astype(outer)           # [K, H, I]
-    # Written as K batched products (the token repeated), the form XLA:CPU runs fastest (a matrix-vector
-    # contraction of the gathered stack was slower than the tile loop).
-    x = jnp.broadcast_to(hidden.astype(inner), (ids.shape[0], hidden.shape[1]))                # [K, H]
-    h = jnp.einsum("kh,koh->ko", x, w_gate_up,
-                   preferred_element_type=accumulation_dtype(inner)).astype(inner)               # [K, 2I]
-    a = gated(h, act).astype(outer)                                                              # [K, I]
-    y = jnp.einsum("ki,khi->kh", a, w_down, preferred_element_type=accumulation_dtype(outer)).astype(outer)
+    w_gate_up = jnp.take(gate_up_proj, pair_expert, axis=0, mode="fill", fill_value=0).astype(inner)  # [M, 2I, H]
+    w_down = jnp.take(down_proj, pair_expert, axis=0, mode="fill", fill_value=0).astype(outer)        # [M, H, I]
+    # Batched products over the pairs, each token repeated per choice: the form XLA:CPU runs fastest (one token as
+    # a matrix-vector contraction of its K gathered experts ran at twice the loop's time).
+    x = jnp.repeat(hidden.astype(inner), top_k, axis=0)                                         # [M, H]
+    h = jnp.einsum("mh,moh->mo", x, w_gate_up,
+                   preferred_element_type=accumulation_dtype(inner)).astype(inner)               # [M, 2I]
+    a = gated(h, act).astype(outer)                                                              # [M, I]
+    y = jnp.einsum("mi,mhi->mh", a, w_down, preferred_element_type=accumulation_dtype(outer)).astype(outer)
     weights = jnp.where(expert_ids < num_experts, weights, jnp.zeros_like(weights))
-    return accumulating_einsum("tkh,tk->th", y[None], weights).astype(hidden.dtype)
+    return accumulating_einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1), weights).astype(hidden.dtype)
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:

@@ -184,17 +184,22 @@ def test_matches_transformers_qwen3_moe_experts(with_sentinels):
     np.testing.assert_allclose(np.asarray(out), torch_out.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("choices", [[2, 0], [3, SENTINEL], [SENTINEL, SENTINEL]],
-                         ids=["two experts", "one of them not mine", "none mine"])
-def test_one_token_matches_the_reference_values_and_gradients(choices):
-    """One token (decoding one sequence) takes its own path (its experts' weights gathered, no sort and no tile
-    loop): the same values and gradients as every other token count."""
+@pytest.mark.parametrize("choices", [[[2, 0]], [[3, SENTINEL]], [[SENTINEL, SENTINEL]],
+                                     [[2, 0], [0, 2], [1, SENTINEL], [3, 1], [SENTINEL, SENTINEL]]],
+                         ids=["one token", "one token, one choice not mine", "one token, none mine", "five tokens"])
+def test_a_few_tokens_match_the_reference_values_and_gradients(choices):
+    """A few tokens (a decode step) take their own path (each pair's expert weights gathered, no sort and no tile
+    loop): the same values and gradients as the reference."""
+    from moe_jax.ops.experts import gathers_experts
+
     full = _problem(seed=5, with_sentinels=False)
-    problem = dict(full, hidden=full["hidden"][:1], weights=full["weights"][:1],
-                   expert_ids=jnp.asarray([choices], jnp.int32))
+    tokens = len(choices)
+    problem = dict(full, hidden=full["hidden"][:tokens], weights=full["weights"][:tokens],
+                   expert_ids=jnp.asarray(choices, jnp.int32))
+    assert gathers_experts(tokens, TOP_K, full["gate_up_proj"], full["down_proj"])
     # A non-finite weight on a "not mine" choice must not leak in.
     problem["weights"] = jnp.where(problem["expert_ids"] == SENTINEL, jnp.nan, problem["weights"])
-    cotangent = _cotangent()[:1]
+    cotangent = _cotangent()[:tokens]
 
     def value_and_grads(experts, problem):
         out, vjp = jax.vjp(lambda params: experts(expert_ids=problem["expert_ids"], **params),
@@ -214,25 +219,28 @@ def test_one_token_matches_the_reference_values_and_gradients(choices):
     assert np.all(np.isfinite(np.asarray(grads["weights"])))
 
 
-def test_one_token_keeps_the_dtypes():
+def test_a_few_tokens_keep_the_dtypes():
     """bf16 hidden states and experts with fp32 routing weights: a bf16 result, summed over K in fp32."""
     problem = _problem(seed=6, with_sentinels=False, dtype=jnp.bfloat16)
-    one = dict(problem, hidden=problem["hidden"][:1], expert_ids=problem["expert_ids"][:1],
-               weights=problem["weights"][:1])
-    out = swiglu_experts(**one)
+    few = dict(problem, hidden=problem["hidden"][:3], expert_ids=problem["expert_ids"][:3],
+               weights=problem["weights"][:3])
+    out = swiglu_experts(**few)
     assert out.dtype == jnp.bfloat16
-    want = swiglu_experts_reference(**{k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in one.items()})
+    want = swiglu_experts_reference(**{k: (v.astype(jnp.float32) if k != "expert_ids" else v) for k, v in few.items()})
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
 
 
-def test_one_token_gathers_only_experts_that_fit_in_cache():
-    """Past `ONE_TOKEN_GATHER_MAX_BYTES` of gathered weights one token goes through the tile loop, which is faster
-    there (docs/benchmarks.md, session 22)."""
-    from moe_jax.ops.experts import ONE_TOKEN_GATHER_MAX_BYTES, one_token_gathers
+def test_gathering_is_kept_to_a_few_tokens_and_few_bytes():
+    """Past `GATHERED_EXPERTS_MAX_PAIRS` pairs or `GATHERED_EXPERTS_MAX_BYTES` of gathered weights the tokens go
+    through the tile loop, which is as fast or faster there (docs/benchmarks.md, session 22); the suite's other
+    tests (19 tokens x top-2) run the loop."""
+    from moe_jax.ops.experts import GATHERED_EXPERTS_MAX_BYTES, GATHERED_EXPERTS_MAX_PAIRS, gathers_experts
 
     small = jax.ShapeDtypeStruct((16, 512, 256), jnp.float32), jax.ShapeDtypeStruct((16, 256, 256), jnp.float32)
     large = jax.ShapeDtypeStruct((64, 1024, 2048), jnp.float32), jax.ShapeDtypeStruct((64, 2048, 512), jnp.float32)
-    assert one_token_gathers(4, *small)
-    assert not one_token_gathers(8, *large)
+    assert gathers_experts(1, 4, *small) and gathers_experts(GATHERED_EXPERTS_MAX_PAIRS // 4, 4, *small)
+    assert not gathers_experts(GATHERED_EXPERTS_MAX_PAIRS // 4 + 1, 4, *small)
+    assert not gathers_experts(1, 8, *large)
     per_expert = 3 * 2048 * 512 * 4
-    assert one_token_gathers(ONE_TOKEN_GATHER_MAX_BYTES // per_expert, *large)
+    assert gathers_experts(1, GATHERED_EXPERTS_MAX_BYTES // per_expert, *large)
+    assert not gathers_experts(NUM_TOKENS, TOP_K, *small)
