@@ -91,7 +91,9 @@ def swiglu_experts(
     down_proj: [E, H, I]
     returns [N, H] in hidden's dtype
 
-    backend: grouped_matmul backend name, None for the platform default.
+    backend: grouped_matmul backend name, None for the platform default. A decode step's few tokens skip the sort
+    and the backend (`gathers_experts`: each pair's expert weights gathered, `_gathered_swiglu`; thresholds measured
+    on CPU).
     """
     _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
