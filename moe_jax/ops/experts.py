@@ -164,7 +164,7 @@ def _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: 
     a = gated(h, act).astype(outer)                                                              # [M, I]
     y = jnp.einsum("mi,mhi->mh", a, w_down, preferred_element_type=accumulation_dtype(outer)).astype(outer)
     weights = jnp.where(expert_ids < num_experts, weights, jnp.zeros_like(weights))
-    return accumulating_einsum("tkh,tk->th", y.reshape(num_tokens, top_k, -1), weights).astype(hidden.dtype)
+    return accumulating_einsum("tkh,tk->th", y.reshape(num_tokens, top_k, y.shape[-1]), weights).astype(hidden.dtype)
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:

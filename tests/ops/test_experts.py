@@ -244,3 +244,13 @@ def test_gathering_is_kept_to_a_few_tokens_and_few_bytes():
     per_expert = 3 * 2048 * 512 * 4
     assert gathers_experts(1, GATHERED_EXPERTS_MAX_BYTES // per_expert, *large)
     assert not gathers_experts(NUM_TOKENS, TOP_K, *small)
+
+
+def test_no_tokens():
+    """Zero tokens (an empty shard's slice) give an empty result and zero gradients, whichever path runs."""
+    problem = _problem(seed=7, with_sentinels=False)
+    empty = dict(problem, hidden=problem["hidden"][:0], expert_ids=problem["expert_ids"][:0],
+                 weights=problem["weights"][:0])
+    assert swiglu_experts(**empty).shape == (0, HIDDEN)
+    grads = jax.grad(lambda gate_up: swiglu_experts(**dict(empty, gate_up_proj=gate_up)).sum())(empty["gate_up_proj"])
+    np.testing.assert_array_equal(np.asarray(grads), 0.0)
