@@ -28,8 +28,8 @@ and the ratios ours / static and ours / reference. `--repeats N` times every sid
 static, reference, ours, ...; the server starts once), prints each repeat's line and the medians (ratios: the
 median of each repeat's ratio): this machine's figures move 10-20% between passes. Greedy on every side.
 `--huge-pages on` (default) runs all three processes with glibc's hugetlb tunable where it applies (as the
-`moe-jax` command runs itself), `off` all three without. `--no-mixed-steps`: the server runs separate prefill and decode programs (`moe-jax serve
---no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to static batches for these requests, at
+`moe-jax` command runs itself), `off` all three without. `--no-mixed-steps`: the server runs separate prefill
+and decode programs (`moe-jax serve --no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to static batches for these requests, at
 equal batch width (static batch decode steps / (generated tokens / slots)): continuous batching cannot beat it by
 scheduling alone when a step costs the same whatever rows it holds.
 """

@@ -6,7 +6,8 @@ everything else on the host (admission, building and packing inputs, emitting to
         [--decode-rows 1,2,8] [--output 16-128] [--output-distribution uniform|lognormal]
 
 bench_serve.py's default model and requests (48, prompts 16-256, outputs 16-128, seed 0) queued at once, 8 slots,
-pages of 16, every program compiled first. --compare-mixed alternates engines with mixed steps (a step that
+pages of 16, every program compiled first. Program time is printed per program and row count (each decode program
+of --decode-rows apart: seconds / calls = ms a call). --compare-mixed alternates engines with mixed steps (a step that
 prefills also decodes, one program) and without (a prefill program, then a decode program), round by round.
 Needs torch + transformers (the checkpoint is written by bench_serve's `build`).
 """
@@ -61,16 +62,21 @@ def main() -> int:
     inside: dict[str, float] = {}
     original = ServingEngine._execute
 
+    calls: dict[str, int] = {}
+
     def timed(self, name, ints, floats, length):
         began = time.perf_counter()
         out = original(self, name, ints, floats, length)
-        inside[name] = inside.get(name, 0.0) + time.perf_counter() - began
+        program = f"{name} {ints.shape[0]} rows"   # each decode program of --decode-rows apart
+        inside[program] = inside.get(program, 0.0) + time.perf_counter() - began
+        calls[program] = calls.get(program, 0) + 1
         return out
 
     ServingEngine._execute = timed
     for round_ in range(args.rounds * len(engines)):
         engine = engines[round_ % len(engines)]
         inside.clear()
+        calls.clear()
         for i, r in enumerate(requests):
             engine.add(Request(f"r{round_}-{i}", r["prompt"], RequestSettings(max_new_tokens=r["max_tokens"])))
         steps_before = dict(engine.steps)
@@ -81,7 +87,8 @@ def main() -> int:
         wall, cpu = time.perf_counter() - began, time.process_time() - cpu
         steps = {k: engine.steps[k] - steps_before.get(k, 0) for k in engine.steps if engine.steps[k] > 0}
         program = sum(inside.values())
-        each = ", ".join(f"{name} {seconds:.2f}" for name, seconds in sorted(inside.items()))
+        each = ", ".join(f"{name} {seconds:.2f} s / {calls[name]} = {seconds / calls[name] * 1e3:.1f} ms"
+                         for name, seconds in sorted(inside.items()))
         print(f"round {round_} (mixed steps {'on' if engine.config.mixed_steps else 'off'}): {tokens} tokens in "
               f"{wall:.2f} s = {tokens / wall:.0f} tokens/s ({cpu:.1f} CPU s); steps {steps}; programs {program:.2f} s ({each}); "
               f"host outside programs {wall - program:.2f} s ({(wall - program) / wall:.0%}), "
