@@ -1,7 +1,7 @@
 """Serving throughput and latency: `moe-jax serve` (continuous batching) against static `generate` batches and
 Transformers' continuous batching, on the same checkpoint, requests and machine, in one run.
 
-    pip install "moe_jax[serve]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
+    pip install "moe_jax[serve,bench]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
     python scripts/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS] [--prompt 16-256]
                                   [--output 16-128] [--output-distribution uniform|lognormal]
                                   [--size default|large] [--seed 0] [--skip-reference]
@@ -14,7 +14,8 @@ Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every
 lengths uniform or, with `--output-distribution lognormal`, long-tailed in theirs; token ids random), then
 measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
-  (asyncio in one thread; each sends its next request when the last one ends); time to first token and
+  (aiohttp on asyncio in one thread, as vLLM's benchmark client; each sends its next request when the last one
+  ends); time to first token and
   inter-token latency are measured at the client, from sending the request; the clients share the machine;
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
@@ -213,39 +214,40 @@ def cpu_seconds(pid: int) -> float:
 
 
 def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
-    """`clients` concurrent streaming clients (asyncio, one thread: the clients take as little of the machine's
-    CPU as they can, as vLLM's benchmark client does), each sending its next request when the last one ended ->
-    per request: tokens, time to first token, gaps between tokens (seconds, at the client)."""
+    """`clients` concurrent streaming clients (asyncio and aiohttp in one thread, as vLLM's benchmark client: the
+    clients share the machine with the server, so they take as little of its CPU as they can), each sending its
+    next request when the last one ended -> per request: tokens, time to first token, gaps between tokens
+    (seconds, at the client)."""
     import asyncio
 
-    import httpx
+    import aiohttp
 
     results: list[dict | None] = [None] * len(requests)
 
-    async def one(http: httpx.AsyncClient, index: int) -> None:
+    async def one(session: aiohttp.ClientSession, index: int) -> None:
         request = requests[index]
         body = {"model": "bench", "prompt": request["prompt"], "max_tokens": request["max_tokens"],
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         sent, stamps, tokens = time.perf_counter(), [], 0
-        async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+        async with session.post(f"{base}/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:   # the server-sent events, a line at a time
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
-                if '"usage":{' in line.replace(" ", ""):
+                if b'"usage":{' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                elif '"text":""' not in line.replace(" ", ""):
+                elif b'"text":""' not in line:
                     stamps.append(time.perf_counter())
         results[index] = {"tokens": tokens, "ttft": stamps[0] - sent if stamps else float("nan"),
                           "gaps": list(np.diff(stamps))}
 
     async def main() -> None:
         cursor = iter(range(len(requests)))
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        connector = aiohttp.TCPConnector(limit=clients)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
             async def client() -> None:
                 for index in cursor:
-                    await one(http, index)
+                    await one(session, index)
             await asyncio.gather(*(client() for _ in range(clients)))
 
     asyncio.run(main())
