@@ -15,8 +15,8 @@ lengths uniform or, with `--output-distribution lognormal`, long-tailed in their
 measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
   (aiohttp on asyncio in one thread, as vLLM's benchmark client; each sends its next request when the last one
-  ends); time to first token and
-  inter-token latency are measured at the client, from sending the request; the clients share the machine;
+  ends); time to first token and inter-token latency are measured at the client, from sending the request; the
+  clients share the machine;
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
   request's own tokens count); compilation excluded (every batch shape runs once before the timed pass);
@@ -30,9 +30,9 @@ static, reference, ours, ...; the server starts once), prints each repeat's line
 median of each repeat's ratio): this machine's figures move 10-20% between passes. Greedy on every side.
 `--huge-pages on` (default) runs all three processes with glibc's hugetlb tunable where it applies (as the
 `moe-jax` command runs itself), `off` all three without. `--no-mixed-steps`: the server runs separate prefill
-and decode programs (`moe-jax serve --no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to static batches for these requests, at
-equal batch width (static batch decode steps / (generated tokens / slots)): continuous batching cannot beat it by
-scheduling alone when a step costs the same whatever rows it holds.
+and decode programs (`moe-jax serve --no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to
+static batches for these requests, at equal batch width (static batch decode steps / (generated tokens / slots)):
+continuous batching cannot beat it by scheduling alone when a step costs the same whatever rows it holds.
 """
 
 from __future__ import annotations
