@@ -187,15 +187,27 @@ class MoeForCausalLM(PlannedModel):
     def logical_axis_rules(self) -> LogicalAxisRules:
         """The logical axes' mesh axes on this model's layout, from its resolved TP plan."""
         return model_axis_rules(self.family, self.layout, self.resolved_plans.tp, self.plan_names(),
-                                self.base_model_prefix)
+                                self.base_model_prefix, self._head_rows_axes())
+
+    def _head_rows_axes(self) -> tuple[str, ...]:
+        """The tp axes the LM head's weight (the tied embedding's when tied) splits its vocab rows over."""
+        name = (f"{self.base_model_prefix}.embed_tokens.weight" if getattr(self.config, "tie_word_embeddings", False)
+                else "lm_head.weight")
+        spec = self.param_layouts[name].spec
+        entry = spec[0] if len(spec) else None
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return tuple(axis for axis in axes if axis in self.layout.tp_axes)
 
     def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """params: nested (`layer_stack.nest`); hidden: [B, S, H] after the final norm -> logits [B, S, V] with the
         batch over the data axes (the vocab as the compiler chooses: split over tp, a vocab-parallel loss, where
         the head's weight is). Left free, XLA:CPU ran the loss's lm_head under FSDP vocab-parallel over the
-        whole batch, with a slow transposed copy of the logits' gradient (fsdp4/ep4 train step +10%)."""
+        whole batch, with a slow transposed copy of the logits' gradient (fsdp4/ep4 train step +10%). Where tp
+        splits the head's rows the logits stay split as they are (`head_rows`): a decode step's few rows never
+        make XLA gather the whole weight."""
+        vocab = "head_rows" if self.activation_layouts.rules.mesh_axes("head_rows") else UNCONSTRAINED
         return self.activation_layouts.constrain(head_logits(self.config, params, hidden),
-                                                 ("batch", "length", UNCONSTRAINED))
+                                                 ("batch", "length", vocab))
 
     # ---- layout --------------------------------------------------------------------------------------
     def _layer_signature(self, layer: int) -> tuple:

@@ -13,6 +13,9 @@ model, built once from its `DeviceLayout` and resolved TP plan (`logical_axis_ru
                         outputs the axis (the model's `output_axes`) keeps its output split on its last dim
                         (colwise, packed_colwise), otherwise None (no rule, rowwise, gathered, replicated,
                         or rules that disagree)
+    head_rows           the tp axes the LM head's weight splits its vocab rows over: the logits' layout, left
+                        where the head's dot computes them (a gathered head's too: a global array is whole to
+                        its readers, and gathering [B, S, V] onto every device costs more than the model's dot)
 
 so a TP block is colwise [B, S, out] P(batch, None, tp) -> rowwise [B, S, H] P(batch, None, None) with one
 reduction over tp, and a user's `tp_plan` override of a projection (verbatim HF names) moves the axis its
@@ -39,9 +42,10 @@ from .styles import ALL_PARALLEL_STYLES, SHARDED_LAST_DIM
 BATCH_AXES = ("batch", "tokens")
 WHOLE_AXES = ("length", "embed")
 PLANNED_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "q_lora", "kv_lora")
+WEIGHT_AXES = ("head_rows",)
 # A dim laid out as the compiler chooses (e.g. the loss's vocab: split over tp where the head's weight is).
 UNCONSTRAINED = "unconstrained"
-LOGICAL_AXES = BATCH_AXES + WHOLE_AXES + PLANNED_AXES
+LOGICAL_AXES = BATCH_AXES + WHOLE_AXES + PLANNED_AXES + WEIGHT_AXES
 
 MeshAxes = tuple[str, ...] | None
 
@@ -92,13 +96,14 @@ def _keeps_output_split(style: str | None) -> bool:
 
 
 def logical_axis_rules(layout: DeviceLayout, tp_plan: Mapping[str, str],
-                       output_axes: Mapping[str, str]) -> LogicalAxisRules:
+                       output_axes: Mapping[str, str], head_rows: tuple[str, ...] = ()) -> LogicalAxisRules:
     """The rules table of one model on one layout.
 
     tp_plan: the resolved TP plan (concrete or `*` names: HF module -> style). output_axes: HF module name
     (`*` for the layer) -> the logical axis of its output's last dim, for every module of the model whose
     output is constrained with a name of `PLANNED_AXES`. Such an axis maps to the tp axes when every module
-    that outputs it has a rule keeping its output split (`SHARDED_LAST_DIM`), else to None.
+    that outputs it has a rule keeping its output split (`SHARDED_LAST_DIM`), else to None. head_rows: the
+    tp axes the LM head's weight splits its vocab rows over (`head_rows`).
     """
     if unknown := sorted(set(output_axes.values()) - set(PLANNED_AXES)):
         raise ValueError(f"output_axes names {unknown}; outputs are one of {', '.join(PLANNED_AXES)}.")
@@ -109,6 +114,7 @@ def logical_axis_rules(layout: DeviceLayout, tp_plan: Mapping[str, str],
         modules = [module for module, name in output_axes.items() if name == axis]
         split = bool(modules) and all(_keeps_output_split(styles.get(module)) for module in modules)
         rules.append((axis, layout.tp_axes if split and layout.tp_axes else None))
+    rules.append(("head_rows", tuple(head_rows) or None))
     return LogicalAxisRules(tuple(rules), tuple(layout.axis_sizes.items()))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -139,7 +140,34 @@ def test_colwise_outputs_map_to_tp_and_the_rest_stays_whole():
         "mlp": None,                             # no dense layer: nothing outputs it
         "experts": None, "vocab": None,          # router: no rule; lm_head: colwise_gather_output
         "q_lora": None, "kv_lora": None,
+        "head_rows": ("tp",),                    # lm_head's weight: vocab rows split over tp
     }
+
+
+def test_the_head_rows_follow_the_weight_the_logits_come_from():
+    """head_rows: where tp splits the head's vocab rows, the tied embedding's when tied; none without tp."""
+    assert rules_of(Qwen3MoeForCausalLM, CONFIG, tp_size=4, ep_size=4)["head_rows"] == ("tp",)
+    assert rules_of(Qwen3MoeForCausalLM, dict(CONFIG, tie_word_embeddings=True), tp_size=4)["head_rows"] == ("tp",)
+    assert rules_of(Qwen3MoeForCausalLM, CONFIG, fsdp_size=4, ep_size=4)["head_rows"] is None
+    assert rules_of(Qwen3MoeForCausalLM, CONFIG, tp_size=4, tp_plan={"lm_head": "rowwise"})["head_rows"] is None
+
+
+def test_tp_logits_come_from_the_split_head_not_a_gathered_weight():
+    """Given a replicated output, XLA gathered the [V, H] weight and ran the whole head on every tp device; the
+    logits stay split over tp where the head's rows are, with the one-device values."""
+    model = Qwen3MoeForCausalLM(CONFIG, DistributedConfig(tp_size=4, ep_size=4), devices=jax.devices()[:4])
+    model.init_params(seed=0)
+    ids = jnp.arange(BATCH * SEQUENCE, dtype=jnp.int32).reshape(BATCH, SEQUENCE) % CONFIG["vocab_size"]
+    forward = jax.jit(lambda params, ids: model.apply(params, ids, capacity=2.0).logits)
+    text = forward.lower(model.params, ids).compile().as_text()
+    weight_shape = f"f32[{CONFIG['vocab_size']},{CONFIG['hidden_size']}]"
+    assert not [shape for shape, kind in COLLECTIVE.findall(text) if kind == "all-gather" and weight_shape in shape]
+    logits = forward(model.params, ids)
+    assert logits.sharding.spec[-1] == "tp"
+    one_device = Qwen3MoeForCausalLM(CONFIG, devices=jax.devices()[:1])
+    one_device.set_params(model.hf_params())
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(one_device.apply(one_device.params, ids).logits),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_without_tp_only_the_batch_is_split():
