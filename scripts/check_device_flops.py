@@ -3,8 +3,9 @@
     python scripts/check_device_flops.py [--size default|large] [--seq 128] [--layouts tp4_ep4,fsdp4_ep4]
 
 For bench_vs_reference's model and layouts, compiles the forward (the logits, as the bench's forward row) and the
-train step (AdamW; dispatch buffers at the capacity ladder's largest rung) once per layout and prints XLA's own cost analysis of one device's program: FLOPs and bytes
-accessed, and the FLOPs of all devices together against the one-device program's. A layout that splits its work
+train step (AdamW; dispatch buffers at the capacity ladder's largest rung) once per layout and prints XLA's own
+cost analysis of one device's program: FLOPs and bytes accessed, and the FLOPs of all devices together against
+the one-device program's. A layout that splits its work
 shows the same ratio as the others; one that repeats work on every device stands out (the LM head run whole on
 each tp device, issue 26: tp4/ep4 forward 2.74x against fsdp4/ep4's 1.34x, 1.37x once fixed).
 
