@@ -7,6 +7,7 @@ steps run alternately, medians printed with the ratio (what docs/benchmarks.md's
     python scripts/ab_train_step.py kept-logits --layout fsdp4_ep4 --capacity 1.5
     python scripts/ab_train_step.py fused-swiglu [--forward]
     python scripts/ab_train_step.py query-blocks [--forward]
+    python scripts/ab_train_step.py norm-barrier [--layout fsdp4_ep4]
 
 Choices (the first variant is the baseline):
     scan-layers       scanned layers against unrolled (`scan_layers=True / False`)
@@ -16,6 +17,8 @@ Choices (the first variant is the baseline):
     kept-logits       the loss recomputing each chunk's logits in the backward pass against keeping them
     fused-swiglu      the experts' gate/up and down as two chained tiled grouped matmuls against one fused tile
                       loop (`moe_jax.ops.grouped_swiglu`)
+    norm-barrier      the global gradient norm sharing g * g with AdamW's update (XLA writes it out) against an
+                      optimization barrier between them (`training.step.clip_by_global_norm`)
     query-blocks      attention through `jax.nn.dot_product_attention`'s XLA path against causal query blocks
                       (`moe_jax.nn.query_blocks`; calls with an explicit mask: `grouped_masked_attention`)
 
@@ -46,10 +49,21 @@ import moe_jax.ops.grouped_matmul_backends.tiled_scan as tiled_scan  # noqa: E40
 import moe_jax.ops.grouped_matmul_backends.tiled_swiglu as tiled_swiglu  # noqa: E402
 import moe_jax.ops.grouped_swiglu as grouped_swiglu  # noqa: E402
 import moe_jax.training.loss as loss  # noqa: E402
+import moe_jax.training.step as step_module  # noqa: E402
 from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from scripts.bench_vs_reference import LAYOUTS, SIZES  # noqa: E402
+
+
+def _norm_without_barrier(grads, max_norm):
+    """The gradient norm as before session 25: no barrier between it and the optimizer's update."""
+    norm = optax.tree.norm(grads)
+    if max_norm is None:
+        return grads, norm
+    scale = jax.numpy.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
+
 
 # choice -> ((variant name, model options, {(module, constant): value while tracing}), ...); baseline first.
 CHOICES = {
@@ -63,6 +77,8 @@ CHOICES = {
                                        for module in (tiled_scan, tiled_swiglu)})),
     "kept-logits": (("recomputed", {}, {(loss, "KEPT_LOGITS_BYTES"): 0}), ("kept", {}, {})),
     "fused-swiglu": (("chained", {}, {(grouped_swiglu, "FUSED_SWIGLU_BACKENDS"): {}}), ("fused", {}, {})),
+    "norm-barrier": (("shared-squares", {}, {(step_module, "clip_by_global_norm"): _norm_without_barrier}),
+                     ("barrier", {}, {})),
     "query-blocks": (("jax-xla", {}, {(attention, "_takes_own_cpu_core"): lambda implementation: False}),
                      ("blocked", {}, {})),
 }
