@@ -4,6 +4,7 @@
                                                               # accelerate); needed by this script only
     python scripts/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
                                          [--size default|large] [--huge-pages on|off] [--warm-up N] [--repeats 1]
+                                         [--interleave ROUNDS]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
 each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
@@ -17,7 +18,10 @@ each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same 
 and prints one table: tokens/s of both and the ratio moe_jax / reference per row, with the largest
 |logits - one-process reference| of both on the same batch. Every run is a fresh process; runs are
 sequential (the machine is shared: read the ratios, not the absolute figures). `--repeats N` runs each row's two
-sides N times, alternating, and reports each side's median (per-repeat figures on stderr).
+sides N times, alternating, and reports each side's median (per-repeat figures on stderr). `--interleave N` keeps
+both sides' processes alive instead and alternates their timed blocks of `--steps` calls N times, seconds apart,
+so the machine's drift moves both sides alike; the ratios are the medians of the rounds' ratios (per-round
+figures on stderr).
 
 `--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
 runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
@@ -27,13 +31,16 @@ does (moe_jax/host_memory.py); `off` runs both without it. The header says which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -91,7 +98,15 @@ def timed(fn, steps: int) -> float:
 
 
 # ---- the reference (one process, or one rank of a torchrun job) --------------------------------------
-def reference_worker(workdir: Path, layout_name: str, implementation: str, steps: int) -> None:
+class Blocks(NamedTuple):
+    """One side's timed work, set up and warmed up: forward(n) / train(n) -> seconds for n calls."""
+
+    forward: Callable[[int], float]
+    train: Callable[[int], float]
+
+
+def reference_setup(workdir: Path, layout_name: str, implementation: str) -> tuple[Blocks, int]:
+    """-> (the reference's blocks, this rank); rank 0 has saved its logits."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -116,8 +131,12 @@ def reference_worker(workdir: Path, layout_name: str, implementation: str, steps
     model.eval()
     with torch.no_grad():
         logits = model(local).logits
-        forward_s = timed(lambda: model(local), steps)
-    model.train()
+    if data_parallel > 1:  # gather every data-parallel rank's logits on rank 0
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits.contiguous())
+        logits = torch.cat(gathered[::tp])
+    if rank == 0:
+        np.save(workdir / f"logits_reference_{layout_name}_{implementation}.npy", logits.float().numpy())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
     def train_step():
@@ -126,14 +145,38 @@ def reference_worker(workdir: Path, layout_name: str, implementation: str, steps
         optimizer.step()
         optimizer.zero_grad()
 
-    train_s = timed(train_step, steps)
-    if data_parallel > 1:  # gather every data-parallel rank's logits on rank 0
-        gathered = [torch.empty_like(logits) for _ in range(world)]
-        dist.all_gather(gathered, logits.contiguous())
-        logits = torch.cat(gathered[::tp])
-    if rank == 0:
-        np.save(workdir / f"logits_reference_{layout_name}_{implementation}.npy", logits.float().numpy())
-        print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
+    def forward(n: int) -> float:
+        model.eval()
+        with torch.no_grad():
+            return timed(lambda: model(local), n)
+
+    def train(n: int) -> float:
+        model.train()
+        return timed(train_step, n)
+
+    return Blocks(forward, train), rank
+
+
+def reference_worker(workdir: Path, layout_name: str, implementation: str, steps: int, serve: bool) -> None:
+    import torch.distributed as dist
+
+    blocks, rank = reference_setup(workdir, layout_name, implementation)
+    if not serve:
+        forward_s, train_s = blocks.forward(steps), blocks.train(steps)
+        if rank == 0:
+            print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
+        return
+    blocks.forward(1), blocks.train(1)   # each kind warmed up before the first timed block
+
+    def next_command(command: str | None) -> str:
+        """Rank 0's command, read from the driver, on every rank."""
+        if not dist.is_initialized():
+            return command
+        message = [command]
+        dist.broadcast_object_list(message, src=0)
+        return message[0]
+
+    serve_blocks(blocks, workdir / "commands_reference", rank == 0, next_command)
 
 
 # ---- moe_jax (one process, on as many virtual devices as the layout needs) ---------------------------
@@ -146,7 +189,8 @@ def settled_capacity(model, batch, inference: bool) -> float | None:
     return model.capacity_schedule.check(float(probe.statistics.required_capacity))
 
 
-def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int, warm_up: int | None) -> None:
+def ours_setup(workdir: Path, layout_name: str, implementation: str, warm_up: int | None) -> Blocks:
+    """-> our blocks, after saving the logits, compiling every rung's train step and TrainLoop's warm-up steps."""
     import jax
     import optax
 
@@ -166,8 +210,7 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
     output = model.apply(model.params, batch, capacity=forward_capacity)
     if forward_capacity is not None and int(output.statistics.dropped):
         sys.exit(f"the forward dropped pairs at capacity {forward_capacity}")
-    logits = np.asarray(forward(model.params, batch))
-    forward_s = timed(lambda: jax.block_until_ready(forward(model.params, batch)), steps)
+    np.save(workdir / f"logits_ours_{layout_name}_{implementation}.npy", np.asarray(forward(model.params, batch)))
 
     # Training as users run it: TrainLoop (one step in flight, overflowed steps replayed at a larger capacity,
     # the capacity moved by the model's CapacitySchedule), on the same batch every step.
@@ -187,15 +230,51 @@ def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int
     # Warm-up: long enough for the capacity to climb and step down (patience) once.
     if warm_up is None:
         warm_up = 2 + 3 * model.capacity_schedule.patience
-    state, capacity_state = loop.run(state, until_step=warm_up)
-    replays = loop.replays
-    start = time.perf_counter()
-    state, capacity_state = loop.run(state, until_step=warm_up + steps, capacity_state=capacity_state)
-    train_s = (time.perf_counter() - start) / steps
-    print(f"timed steps: {loop.replays - replays} replays, final capacity "
-          f"{None if capacity_state is None else capacity_state.capacity}", file=sys.stderr)
-    np.save(workdir / f"logits_ours_{layout_name}_{implementation}.npy", logits)
-    print(json.dumps({"forward_s": forward_s, "train_s": train_s}))
+    training = {"state": None, "capacity_state": None, "step": warm_up}
+    training["state"], training["capacity_state"] = loop.run(state, until_step=warm_up)
+
+    def train(n: int) -> float:
+        # One untimed step first, as `timed` gives the reference's blocks.
+        training["step"] += 1
+        training["state"], training["capacity_state"] = loop.run(
+            training["state"], until_step=training["step"], capacity_state=training["capacity_state"])
+        replays = loop.replays
+        start = time.perf_counter()
+        training["state"], training["capacity_state"] = loop.run(
+            training["state"], until_step=training["step"] + n, capacity_state=training["capacity_state"])
+        seconds = (time.perf_counter() - start) / n
+        training["step"] += n
+        capacity_state = training["capacity_state"]
+        print(f"{n} timed steps: {loop.replays - replays} replays, capacity "
+              f"{None if capacity_state is None else capacity_state.capacity}", file=sys.stderr)
+        return seconds
+
+    return Blocks(lambda n: timed(lambda: jax.block_until_ready(forward(model.params, batch)), n), train)
+
+
+def ours_worker(workdir: Path, layout_name: str, implementation: str, steps: int, warm_up: int | None,
+                serve: bool) -> None:
+    blocks = ours_setup(workdir, layout_name, implementation, warm_up)
+    if not serve:
+        print(json.dumps({"forward_s": blocks.forward(steps), "train_s": blocks.train(steps)}))
+        return
+    serve_blocks(blocks, workdir / "commands_ours", True, lambda command: command)
+
+
+def serve_blocks(blocks: Blocks, commands: Path, reads: bool, share: Callable[[str | None], str]) -> None:
+    """Run the driver's commands ("forward N", "train N", "stop"), read from the FIFO `commands` by the one
+    process that `reads` and passed to the others by `share`; the reader prints each block's seconds per call."""
+    if reads:
+        print(json.dumps({"ready": True}), flush=True)
+    with open(commands) if reads else contextlib.nullcontext() as source:
+        while True:
+            command = share(source.readline().strip() if reads else None)
+            if command in ("stop", ""):
+                return
+            kind, count = command.split()
+            seconds = getattr(blocks, kind)(int(count))
+            if reads:
+                print(json.dumps({"seconds": seconds}), flush=True)
 
 
 def rate_worker(workdir: Path) -> None:
@@ -223,12 +302,15 @@ def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
     return environ, f"GLIBC_TUNABLES={value}" if value else "GLIBC_TUNABLES unset"
 
 
-def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
-               base_environ: dict | None = None, warm_up: int | None = None) -> dict:
+def worker_command(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
+                   base_environ: dict | None, warm_up: int | None, serve: bool) -> tuple[list[str], dict]:
+    """-> (the command line, its environment) of one side's worker process."""
     arguments = [__file__, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
                  implementation, "--steps", str(steps)]
     if side == "ours" and warm_up is not None:
         arguments += ["--warm-up", str(warm_up)]
+    if serve:
+        arguments.append("--serve")
     environ = dict(base_environ or os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     layout = LAYOUTS[layout_name]
     devices = 1 if layout is None else layout.get("tp_size", 1) * layout.get("fsdp_size", 1)
@@ -237,11 +319,86 @@ def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, 
     else:
         command = [sys.executable, *arguments]
         environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return command, environ
+
+
+def run_worker(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
+               base_environ: dict | None = None, warm_up: int | None = None) -> dict:
+    command, environ = worker_command(side, workdir, layout_name, implementation, steps, base_environ, warm_up,
+                                      serve=False)
     result = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         sys.exit(f"{side} {layout_name} {implementation} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+class ServingWorker:
+    """One side's worker kept alive between timed blocks (`--interleave`): commands through a FIFO, each block's
+    seconds per call back on its stdout (stderr to a log file in the work directory)."""
+
+    def __init__(self, side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
+                 environ: dict, warm_up: int | None):
+        self.side = side
+        fifo = workdir / f"commands_{side}"
+        if fifo.exists():
+            fifo.unlink()
+        os.mkfifo(fifo)
+        command, environ = worker_command(side, workdir, layout_name, implementation, steps, environ, warm_up,
+                                          serve=True)
+        self.log = workdir / f"{side}_{layout_name}_{implementation}.log"
+        self.process = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                                        stderr=self.log.open("w"), text=True)
+        self._reply()                       # {"ready": true}: set up and warmed up
+        self.commands = fifo.open("w")
+
+    def _reply(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        sys.exit(f"{self.side} worker ended ({self.process.wait()}):\n{self.log.read_text()[-4000:]}")
+
+    def block(self, kind: str, calls: int) -> float:
+        self.commands.write(f"{kind} {calls}\n")
+        self.commands.flush()
+        return self._reply()["seconds"]
+
+    def stop(self) -> None:
+        self.commands.write("stop\n")
+        self.commands.close()
+        self.process.wait()
+
+
+# Between two blocks: the side that just ran lets its threads go idle (OpenMP and Eigen workers spin a while
+# after their last task) before the other side's clock starts.
+PAUSE_S = 0.5
+
+
+def interleaved_row(workdir: Path, layout_name: str, implementation: str, steps: int, environ: dict,
+                    warm_up: int | None, rounds: int, tokens: int) -> tuple[dict, dict, dict]:
+    """Both sides alive at once, their timed blocks alternating (the side that goes first alternates too) ->
+    (reference, ours: {kind: median seconds per call}, {kind: median over rounds of ours / reference})."""
+    workers = {side: ServingWorker(side, workdir, layout_name, implementation, steps, environ, warm_up)
+               for side in ("reference", "ours")}
+    times = {side: {"forward": [], "train": []} for side in workers}
+    try:
+        for round_index in range(rounds):
+            order = ("reference", "ours") if round_index % 2 == 0 else ("ours", "reference")
+            for kind in ("forward", "train"):
+                for side in order:
+                    time.sleep(PAUSE_S)
+                    times[side][kind].append(workers[side].block(kind, steps))
+            print(f"  round {round_index + 1}: " + ", ".join(
+                f"{kind} ours / reference {times['reference'][kind][-1] / times['ours'][kind][-1]:.2f}x "
+                f"({tokens / times['ours'][kind][-1]:.0f} / {tokens / times['reference'][kind][-1]:.0f} tokens/s)"
+                for kind in ("forward", "train")), file=sys.stderr, flush=True)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    medians = ({kind: float(np.median(values)) for kind, values in times[side].items()} for side in workers)
+    ratios = {kind: float(np.median(np.array(times["reference"][kind]) / np.array(times["ours"][kind])))
+              for kind in ("forward", "train")}
+    return *medians, ratios
 
 
 def main() -> int:
@@ -257,6 +414,10 @@ def main() -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each side per row, alternating (fresh processes each); medians reported")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="keep both sides' processes alive and alternate their timed blocks (--steps calls "
+                             "each) ROUNDS times; the ratio is the median of the rounds' ratios (the machine's "
+                             "drift between blocks seconds apart is small). Not with --repeats")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
@@ -264,20 +425,23 @@ def main() -> int:
     parser.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rate-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="single", help=argparse.SUPPRESS)
     parser.add_argument("--implementation", default="-", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reference_worker:
-        reference_worker(Path(args.reference_worker), args.layout, args.implementation, args.steps)
+        reference_worker(Path(args.reference_worker), args.layout, args.implementation, args.steps, args.serve)
         return 0
     if args.ours_worker:
-        ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps, args.warm_up)
+        ours_worker(Path(args.ours_worker), args.layout, args.implementation, args.steps, args.warm_up, args.serve)
         return 0
     if args.rate_worker:
         rate_worker(Path(args.rate_worker))
         return 0
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be >= 1.")
+    if args.interleave < 0 or (args.interleave and args.repeats > 1):
+        parser.error(f"--interleave {args.interleave}: a number of rounds >= 1 (0: off), without --repeats.")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -296,7 +460,12 @@ def main() -> int:
             # Sides alternate, each repeat a fresh pair of processes; the median of each side's times is reported
             # (this machine's speed drifts by tens of percent between runs minutes apart).
             runs = {"reference": [], "ours": []}
-            for repeat in range(args.repeats):
+            if args.interleave:
+                reference_s, ours_s, ratios = interleaved_row(workdir, name, implementation, args.steps, environ,
+                                                              args.warm_up, args.interleave, tokens)
+                runs = {"reference": [{f"{kind}_s": seconds for kind, seconds in reference_s.items()}],
+                        "ours": [{f"{kind}_s": seconds for kind, seconds in ours_s.items()}]}
+            for repeat in range(0 if args.interleave else args.repeats):
                 runs["reference"].append(run_worker("reference", workdir, name, implementation, args.steps, environ))
                 runs["ours"].append(run_worker("ours", workdir, name, implementation, args.steps, environ,
                                                args.warm_up))
@@ -309,8 +478,11 @@ def main() -> int:
             baseline = np.load(workdir / "logits_reference_single_-.npy")
             differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
                                                - baseline))) for side in ("reference", "ours")]
+            if not args.interleave:
+                ratios = {kind: reference[f"{kind}_s"] / ours[f"{kind}_s"] for kind in ("forward", "train")}
             rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
-                         tokens / reference["train_s"], tokens / ours["train_s"], *differences))
+                         ratios["forward"], tokens / reference["train_s"], tokens / ours["train_s"], ratios["train"],
+                         *differences))
             print(f"done: {name} {implementation}", file=sys.stderr, flush=True)
     # The hardware ceiling: the train step's matmul FLOPs (3x the forward's) at the dense-matmul rate of this
     # machine, measured now at the model's shapes (scripts/timing.py); every layout shares the same cores.
@@ -319,16 +491,19 @@ def main() -> int:
 
     rate = run_worker("rate", workdir, "single", "-", args.steps, environ)["rate"]
     ceiling = rate / (3 * matmul_flops_per_token(SIZES[args.size], args.seq))   # train tokens/s
-    repeats = f"; medians of {args.repeats} alternating runs per side" if args.repeats > 1 else ""
+    repeats = (f"; medians of {args.repeats} alternating runs per side" if args.repeats > 1 else
+               f"; {args.interleave} interleaved rounds of {args.steps} calls, tokens/s medians per side, ratios "
+               "the medians of the rounds' ratios" if args.interleave else "")
     print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}{repeats}; "
           "tokens/s (higher is better); max |logits - 1-process reference|")
     print(f"dense matmul rate {rate / 1e9:.0f} GFLOP/s -> train-step ceiling {ceiling:.0f} tokens/s; 'ceil': the "
           "train step's share of it")
     print(f"{'layout':<15}{'ep_impl':<12}{'fwd ref':>10}{'fwd ours':>10}{'ratio':>8}{'train ref':>11}"
           f"{'train ours':>11}{'ratio':>8}{'ceil ref':>9}{'ceil ours':>10}{'diff ref':>10}{'diff ours':>10}")
-    for name, implementation, fwd_ref, fwd_ours, train_ref, train_ours, diff_ref, diff_ours in rows:
-        print(f"{name:<15}{implementation:<12}{fwd_ref:>10.0f}{fwd_ours:>10.0f}{fwd_ours / fwd_ref:>7.2f}x"
-              f"{train_ref:>11.0f}{train_ours:>11.0f}{train_ours / train_ref:>7.2f}x{train_ref / ceiling:>8.0%}"
+    for name, implementation, fwd_ref, fwd_ours, fwd_ratio, train_ref, train_ours, train_ratio, diff_ref, diff_ours \
+            in rows:
+        print(f"{name:<15}{implementation:<12}{fwd_ref:>10.0f}{fwd_ours:>10.0f}{fwd_ratio:>7.2f}x"
+              f"{train_ref:>11.0f}{train_ours:>11.0f}{train_ratio:>7.2f}x{train_ref / ceiling:>8.0%}"
               f"{train_ours / ceiling:>10.0%}{diff_ref:>10.1e}{diff_ours:>10.1e}")
     return 0
 
