@@ -179,3 +179,25 @@ def test_precompile_builds_each_rung_s_program_before_the_run_and_the_step_then_
     shorter = {name: array[:, :-2] for name, array in batch.items()}
     _, metrics = train_step(train_step.init_state(capacity=ladder[-1]), shorter)
     assert int(metrics["tokens"]) < int(expected_metrics["tokens"]) and np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_the_gradient_norm_leaves_the_optimizer_its_own_squares(max_norm):
+    """Without a barrier between them XLA wrote the norm's g * g out once per parameter for AdamW's second moment to
+    read back (a full-size buffer per parameter; the bench model's AdamW + norm 28 -> 19 ms without it)."""
+    from moe_jax.training.step import clip_by_global_norm
+
+    params = {"a": jnp.ones((64, 128)), "b": jnp.ones((32, 64, 16)), "c": jnp.ones((128,))}
+    grads = jax.tree.map(lambda p: p * 0.25, params)
+    optimizer = optax.adamw(1e-3)
+
+    def step(params, opt_state, grads):
+        clipped, norm = clip_by_global_norm(grads, max_norm)
+        updates, opt_state = optimizer.update(clipped, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, norm
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, optimizer.init(params), grads).compile()
+    smallest_gradient_bytes = min(g.nbytes for g in jax.tree.leaves(grads) if g.ndim > 1)
+    assert compiled.memory_analysis().temp_size_in_bytes < smallest_gradient_bytes
+    _, _, norm = compiled(jax.tree.map(jnp.copy, params), optimizer.init(params), grads)
+    np.testing.assert_allclose(float(norm), float(optax.tree.norm(grads)), rtol=1e-6)
