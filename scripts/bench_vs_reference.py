@@ -97,7 +97,6 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-# ---- the reference (one process, or one rank of a torchrun job) --------------------------------------
 class Blocks(NamedTuple):
     """One side's timed work, set up and warmed up: forward(n) / train(n) -> seconds for n calls."""
 
@@ -105,6 +104,7 @@ class Blocks(NamedTuple):
     train: Callable[[int], float]
 
 
+# ---- the reference (one process, or one rank of a torchrun job) --------------------------------------
 def reference_setup(workdir: Path, layout_name: str, implementation: str) -> tuple[Blocks, int]:
     """-> (the reference's blocks, this rank); rank 0 has saved its logits."""
     import torch
