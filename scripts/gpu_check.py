@@ -11,9 +11,13 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
   2. MoE layer at Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, moe intermediate 768, bf16; --tokens
      routed tokens): forward and forward+backward per backend, TFLOP/s of the expert matmuls and MFU against
      --peak-tflops (H200 bf16 dense: 989), and the tiled scan at tiles 128, 512 and 1024 besides its default;
-  3. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
+  3. attention (issue 26, item 2): causal GQA at Qwen3-30B-A3B's head shapes (32 heads over 4, head dim 128,
+     bf16, batch --batch x --seq): jax.nn.dot_product_attention with implementation "cudnn" and "xla" (on a CPU:
+     "xla" and moe_jax's query blocks), forward and forward+backward, against torch's scaled_dot_product_attention
+     on the same inputs where torch is importable;
+  4. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
      compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second);
-  4. serving (issue 28): continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
+  5. serving (issue 28): continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
      new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s.
 Not run on a GPU yet (no session has been lent one). `--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
@@ -146,6 +150,94 @@ def moe_layer(config: dict, tokens: int, peak: float, repeats: int, report) -> d
     return results
 
 
+def attention(config: dict, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
+    """Causal grouped-query attention at the model's head shapes, bf16: jax.nn.dot_product_attention per
+    implementation (cuDNN's fused kernel and XLA's on a GPU; XLA's and moe_jax's query blocks on a CPU) and, where
+    torch is importable, torch's scaled_dot_product_attention on the same shapes and device kind. FLOPs: the
+    forward's two matmuls over the causal half, 4 B N S^2 D / 2; forward + backward 3.5x that (the backward's five
+    matmuls, FlashAttention's convention)."""
+    from moe_jax.nn.query_blocks import causal_block_attention
+
+    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, seq, n, dim)), jnp.bfloat16) for n in (heads, kv_heads, kv_heads))
+    flops = 4 * batch * heads * seq * seq * dim / 2
+    implementations = {"xla": partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")}
+    if jax.default_backend() == "gpu":
+        implementations["cudnn"] = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    else:
+        implementations["query_blocks"] = partial(causal_block_attention, scale=dim ** -0.5)
+    results, outputs = {}, {}
+    for name, attend in implementations.items():
+        forward = jax.jit(attend)
+        grad = jax.jit(jax.grad(lambda q, k, v, f=attend: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2),
+                                argnums=(0, 1, 2)))
+        try:
+            outputs[name] = np.asarray(forward(q, k, v).astype(jnp.float32))
+            fwd = median_seconds(forward, q, k, v, repeats=repeats)
+            both = median_seconds(grad, q, k, v, repeats=repeats)
+        except Exception as error:  # an implementation this device lacks is reported, not hidden
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            report(f"  {name}: failed: {results[name]['error']}")
+            continue
+        results[name] = {"forward_ms": fwd * 1e3, "forward_tflops": flops / fwd / 1e12,
+                         "fwd_bwd_ms": both * 1e3, "fwd_bwd_tflops": 3.5 * flops / both / 1e12,
+                         "fwd_bwd_mfu": 3.5 * flops / both / peak}
+        report(f"  {name}: forward {fwd * 1e3:.2f} ms {flops / fwd / 1e12:.1f} TFLOP/s; fwd+bwd {both * 1e3:.2f} ms "
+               f"{3.5 * flops / both / 1e12:.1f} TFLOP/s (MFU {3.5 * flops / both / peak:.1%})")
+    for name, output in outputs.items():
+        if name != "xla" and "xla" in outputs:
+            results[name]["max_abs_diff_vs_xla"] = float(np.abs(output - outputs["xla"]).max())
+            report(f"  {name}: max |output - xla's| {results[name]['max_abs_diff_vs_xla']:.3e}")
+    results["torch_sdpa"] = torch_sdpa(q, k, v, flops, repeats, report)
+    return results
+
+
+def torch_sdpa(q, k, v, flops: float, repeats: int, report) -> dict:
+    """torch's scaled_dot_product_attention (causal, GQA) on the same inputs, on CUDA when JAX runs on a GPU."""
+    try:
+        import torch
+    except ImportError:
+        report("  torch_sdpa: torch is not importable here")
+        return {"error": "torch not importable"}
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not torch.cuda.is_available():
+        report("  torch_sdpa: torch has no CUDA here")
+        return {"error": "torch without CUDA"}
+    device = "cuda" if on_gpu else "cpu"
+    tq, tk, tv = (torch.from_numpy(np.array(a.astype(jnp.float32))).to(device, torch.bfloat16).transpose(1, 2)
+                  .contiguous().requires_grad_() for a in (q, k, v))
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+
+    def forward():
+        with torch.no_grad():
+            sdpa()
+
+    def forward_backward():
+        (sdpa().float() ** 2).sum().backward()
+
+    def seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if on_gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if on_gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    fwd, both = seconds(forward), seconds(forward_backward)
+    report(f"  torch_sdpa ({device}): forward {fwd * 1e3:.2f} ms {flops / fwd / 1e12:.1f} TFLOP/s; fwd+bwd "
+           f"{both * 1e3:.2f} ms {3.5 * flops / both / 1e12:.1f} TFLOP/s")
+    return {"device": device, "forward_ms": fwd * 1e3, "forward_tflops": flops / fwd / 1e12,
+            "fwd_bwd_ms": both * 1e3, "fwd_bwd_tflops": 3.5 * flops / both / 1e12}
+
+
 def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
     """The default backend's train step; if it fails, the failure is reported and the tiled scan's is measured."""
     try:
@@ -264,6 +356,7 @@ def main() -> int:
     report(f"jax {jax.__version__} on {device.platform} ({results['device_kind']}); backends {results['backends']}")
     for name, run in [("correctness", lambda: correctness(config, report)),
                       ("moe_layer", lambda: moe_layer(config, args.tokens, peak, args.repeats, report)),
+                      ("attention", lambda: attention(config, args.batch, args.seq, peak, args.repeats, report)),
                       ("train_step", lambda: train_step(config, args.layers, args.batch, args.seq, peak, args.repeats,
                                                         report)),
                       ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
