@@ -364,8 +364,13 @@ class ServingWorker:
         return self._reply()["seconds"]
 
     def stop(self) -> None:
-        self.commands.write("stop\n")
-        self.commands.close()
+        """Ends the worker; one that already ended (its failure being reported) is only waited for."""
+        try:
+            if self.process.poll() is None:
+                self.commands.write("stop\n")
+            self.commands.close()
+        except BrokenPipeError:   # it ended between the poll and the write
+            pass
         self.process.wait()
 
 
