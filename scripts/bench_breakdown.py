@@ -271,10 +271,16 @@ def main() -> int:
     if args.worker:
         return worker(args)
 
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        sys.exit(f"bench_breakdown needs the reference ({error.name} is missing): "
+                 "pip install torch==2.13.0 transformers==5.23.0")
     available = len(os.sched_getaffinity(0))
     core_counts = []
     for item in args.cores.split(","):
-        count = available if item == "all" else int(item)
+        count = available if item == "all" else int(item) if item.isdigit() else 0
         if not 1 <= count <= available:
             sys.exit(f"--cores {item}: this process may use {available} cores; pass 'all' or 1..{available}")
         core_counts.append(count)
