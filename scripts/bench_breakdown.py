@@ -5,18 +5,19 @@ forward and train step, on all cores and on one (CPU).
     python scripts/bench_breakdown.py [--size default|large] [--seq 128] [--rounds 6] [--steps 3] [--cores all,1]
                                       [--backward-parts]
 
-bench_vs_reference's one-device row, taken apart in place. Each side (Transformers, moe_jax) runs in a process of
-its own, pinned to the first N cores (`--cores`: `all` and/or numbers; torch gets N threads, XLA:CPU sizes its pool
-from the affinity), and times four things alternately, `--rounds` times `--steps` calls each: the forward (logits)
-and the AdamW train step (fp32, lr 1e-4, weight decay 0.01, no clipping), each of the whole model and of the model
-with its experts' computation removed: the routed experts return zeros (Transformers' `Qwen3MoeExperts.forward`;
-moe_jax's `swiglu_experts`, patched while that variant is traced), while the router, its top-k and every other
-layer stay, and the expert weights still get (zero) gradients and their optimizer update, so the two variants
-differ by the experts' work alone (sort, gathers, matmuls, SwiGLU, combine; forward and backward).
+bench_vs_reference's one-device row, taken apart in place. Each side (Transformers, moe_jax) runs in a resident
+worker process pinned to the first N cores (`--cores`: `all` and/or numbers; torch gets N threads, XLA:CPU sizes
+its pool from the affinity); both are alive together and their timed blocks alternate, `--rounds` times (one
+untimed call, then `--steps` timed calls a block), so the machine's drift moves both sides alike. Timed: the forward
+(logits) and the AdamW train step (fp32, lr 1e-4, weight decay 0.01, no clipping), each of the whole model and of
+the model with its experts' computation removed: the routed experts return zeros (Transformers'
+`Qwen3MoeExperts.forward`; moe_jax's `swiglu_experts`, patched while that variant is traced), while the router, its
+top-k and every other layer stay, and the expert weights still get (zero) gradients and their optimizer update, so
+the two variants differ by the experts' work alone (sort, gathers, matmuls, SwiGLU, combine; forward and backward).
 
 Printed: each part's milliseconds per call on both sides (medians of the rounds), the speed ratio reference /
-moe_jax (above 1: moe_jax faster, as bench_vs_reference's tokens/s ratios), and each side's speed-up from one core
-to all. Removing a part is a measurement device only (the outputs are wrong); the differences place the time
+moe_jax (the median of the rounds' ratios; above 1: moe_jax faster, as bench_vs_reference's), and each side's
+speed-up from one core to all. Removing a part is a measurement device only (the outputs are wrong); the differences place the time
 where a profiler's per-op times do not: a trace inflates small ops and cannot show two threads' idle time.
 """
 
