@@ -1,5 +1,6 @@
 """A checkpoint's own tokenizer, from local files only: Transformers' `AutoTokenizer` when it is installed,
-else the `tokenizers` library on tokenizer.json.
+else the `tokenizers` library on tokenizer.json (a dependency of the package) with the chat template rendered
+by `moe_jax.chat_template` (jinja2).
 
     tokenizer = load_checkpoint_tokenizer("ckpt/", instead="give token ids with --data FILE.npy")
     ids = tokenizer.encode("hello world"); text = tokenizer.decode(ids)
@@ -24,7 +25,7 @@ class CheckpointTokenizer:
     """encode: text -> ids; decode: ids -> text (special tokens skipped); apply_chat_template: chat messages
     ([{"role": ..., "content": ...}]) -> the prompt's ids, ending with the assistant's turn (Transformers'
     `apply_chat_template(messages, add_generation_prompt=True)`); None when the checkpoint has no chat
-    template or only the `tokenizers` library reads it."""
+    template."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
@@ -63,7 +64,24 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
                          f"`pip install tokenizers` (or transformers); {instead}.") from None
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
-                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                               apply_chat_template=_rendered_chat_template(directory, tokenizer))
+
+
+def _rendered_chat_template(directory: Path, tokenizer) -> Callable[[list[dict]], list[int]] | None:
+    """The checkpoint's chat template through `moe_jax.chat_template` (as Transformers renders it), the text
+    encoded without added special tokens (the template writes the ones it wants); None without a template."""
+    from .chat_template import read_chat_template, render_chat_template, special_tokens
+
+    template = read_chat_template(directory)
+    if template is None:
+        return None
+    tokens = special_tokens(directory)
+
+    def apply(messages: list[dict]) -> list[int]:
+        return tokenizer.encode(render_chat_template(template, messages, tokens), add_special_tokens=False).ids
+
+    return apply
 
 
 def _chat_template(tokenizer) -> Callable[[list[dict]], list[int]] | None:

@@ -21,8 +21,8 @@ requests in flight finish (up to 30 s), then the engine stops.
 
 Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
 each step's inputs to the other processes, which run the same programs on their devices until it stops. --pp is
-refused (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn) and the checkpoint's tokenizer;
-chat needs a chat template in it (and Transformers).
+refused (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn, jinja2) and the
+checkpoint's tokenizer; chat needs a chat template in it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def parse_row_counts(text: str) -> tuple[int, ...]:
 
 def _check_request(args: argparse.Namespace, limit: int | None) -> int:
     """Errors found without loading anything; returns max_model_len."""
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("fastapi", "uvicorn", "jinja2") if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(f'moe-jax serve needs {" and ".join(missing)}, not installed: '
                          f'pip install "moe_jax[serve]"')

@@ -28,7 +28,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-pytest.importorskip("transformers", reason="chat templates are applied by Transformers' tokenizer")
+pytest.importorskip("jinja2", reason="chat templates are rendered with jinja2")
 
 import jax  # noqa: E402
 
