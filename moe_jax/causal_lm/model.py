@@ -19,6 +19,7 @@ programs and the NNX face, each once, at its boundary, where it also runs `check
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -143,12 +144,56 @@ class MoeForCausalLM(PlannedModel):
                               dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
-        self._apply_jit = jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden",
-                                                                   "compute_dtype"))
+        self._apply_jit = self._new_apply_jit()
         self.generation_config = GenerationConfig.from_values(self.config.raw)  # from_pretrained: the checkpoint's
         self._generator: Generator | None = None
         # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
         self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
+
+    @property
+    def config(self):
+        """The family's config dataclass. Assigning a changed copy (`model.config = dataclasses.replace(
+        model.config, router_jitter_noise=0.1)`) applies it to every layer from the next call on: the experts
+        modules and the step are rebuilt and this model's compiled programs (`apply`, `generate`,
+        `generate_batch`) dropped. Programs built from the model before (a train step, an `Evaluator`, a
+        `ServingEngine`) keep what they traced: build them after the change. A change to what the model was
+        built from (parameter shapes, the layers' kinds, tied embeddings) raises ValueError: build a new model
+        with that config instead."""
+        return self._config
+
+    @config.setter
+    def config(self, config) -> None:
+        if getattr(self, "core", None) is None:   # while __init__ builds the model from it
+            self._config = config
+            return
+        self._check_same_structure(config)
+        self._config = config
+        self.sharded_experts = {} if self.mesh is None else self._build_sharded_experts()
+        self.core = dataclasses.replace(self.core, config=config, experts=self.sharded_experts)
+        self._apply_jit = self._new_apply_jit()
+        self._generator = None
+        self._batch_engine = None
+
+    def _check_same_structure(self, config) -> None:
+        """Refuse a config the built model cannot follow: another class, other parameters, other layer kinds."""
+        built = self._config
+        if type(config) is not type(built):
+            raise ValueError(f"model.config must stay a {type(built).__name__}, got {type(config).__name__}.")
+        changed = sorted(name for name in built.field_names() if getattr(config, name) != getattr(built, name))
+        layers = config.num_hidden_layers == built.num_hidden_layers and all(
+            self.family.layer_signature(config, layer) == self.family.layer_signature(built, layer)
+            for layer in range(built.num_hidden_layers))
+        same_tie = bool(getattr(config, "tie_word_embeddings", False)) == bool(
+            getattr(built, "tie_word_embeddings", False))
+        if not (layers and same_tie and declare_tree(self.family, config) == self.module_tree):
+            raise ValueError(
+                f"this change of model.config ({', '.join(changed)}) changes what the model was built from (its "
+                "parameters' shapes or its layers' kinds), which a built model cannot follow: build a new model "
+                f"with the changed config, e.g. {type(self).__name__}(config, distributed_config), then "
+                "set_params / load_weights.")
+
+    def _new_apply_jit(self):
+        return jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden", "compute_dtype"))
 
     @property
     def capacity_schedule(self) -> CapacitySchedule:
@@ -445,12 +490,16 @@ class MoeForCausalLM(PlannedModel):
                               progress_bar=progress_bar, params=params, **kwargs)
 
     def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
-                                 continuous_batching_config=None, *, params=None, decode=None, **config_fields):
+                                 continuous_batching_config=None, *, params=None, decode=None,
+                                 max_queued: int | None = None, queue_timeout: float | None = None,
+                                 **config_fields):
         """A `ContinuousBatchingManager` (Transformers' verbs: start, add_request, get_result,
         request_id_iter, cancel_request, stop) over this model; config_fields: `ContinuousBatchingConfig`'s
-        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows)."""
+        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows); max_queued and
+        queue_timeout bound the requests waiting for a slot (`ContinuousBatchingManager`)."""
         config = continuous_batching_config or ContinuousBatchingConfig(**config_fields)
-        return ContinuousBatchingManager(self, generation_config, config, params=params, decode=decode)
+        return ContinuousBatchingManager(self, generation_config, config, params=params, decode=decode,
+                                         max_queued=max_queued, queue_timeout=queue_timeout)
 
     def continuous_batching_engine(self, config, *, params=None):
         """The `ServingEngine` for `config` (kept, with its compiled programs and page pools, for the next call

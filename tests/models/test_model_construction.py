@@ -1,10 +1,17 @@
-"""What building a model through the public constructors refuses or warns about."""
+"""What building a model through the public constructors refuses or warns about, and what a config assigned
+after construction does."""
 
+import dataclasses
 import warnings
 
-from moe_jax import AutoModelForCausalLM, DistributedConfig
+import jax
+import numpy as np
+import pytest
 
-from .hf_reference import TINY_QWEN3_MOE
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.causal_lm import MixtralForCausalLM
+
+from .hf_reference import TINY_MIXTRAL, TINY_QWEN3_MOE
 
 CONFIG = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe"}
 NO_DISPATCH = "the EP plan has no `ep_dispatch_experts` rule"
@@ -38,3 +45,35 @@ def test_pipeline_stages_are_built_on_the_pp_axis():
     stacked = [name for name in model.layer_stack.members if model.layer_stack.is_stacked(name)]
     assert stacked and all(model.storage_shardings()[name].spec[0] == "pp" for name in stacked)
     assert AutoModelForCausalLM.from_config(CONFIG, config, abstract=True).layer_stack.pipeline is not None
+
+
+def jitter_logits(model, ids) -> np.ndarray:
+    """A training forward (router jitter on when the config asks for it) with a fixed key."""
+    return np.asarray(model.apply(model.params, ids, inference=False, rng=jax.random.key(3)).logits)
+
+
+def test_a_config_assigned_after_construction_reaches_the_layers():
+    """`model.config = dataclasses.replace(...)` is the frozen config's way to change a setting; the layers used
+    to keep the config they were built with (router jitter switched on this way never ran). After the change the
+    step, already compiled once with the old config, equals a model built with the new one."""
+    model = MixtralForCausalLM(TINY_MIXTRAL, devices=jax.devices()[:1])
+    model.init_params(seed=1)
+    ids = np.random.default_rng(0).integers(0, TINY_MIXTRAL["vocab_size"], (2, 6)).astype(np.int32)
+    before = jitter_logits(model, ids)
+    model.config = dataclasses.replace(model.config, router_jitter_noise=0.1)
+    built = MixtralForCausalLM({**TINY_MIXTRAL, "router_jitter_noise": 0.1}, devices=jax.devices()[:1])
+    built.set_params(model.hf_params())
+    after = jitter_logits(model, ids)
+    np.testing.assert_allclose(after, jitter_logits(built, ids), rtol=0, atol=1e-6)
+    assert not np.allclose(after, before, atol=1e-4)
+
+
+@pytest.mark.parametrize("change", [dict(hidden_size=64), dict(num_hidden_layers=3), dict(sliding_window=None)])
+def test_a_config_change_the_built_model_cannot_follow_is_refused(change):
+    """Parameter shapes, the layer count and the layers' kinds are fixed when the model is built: such a change
+    says to build a new model, and the model keeps its config."""
+    model = MixtralForCausalLM(TINY_MIXTRAL, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match=f"model.config \\({next(iter(change))}\\).*build a new model"):
+        model.config = dataclasses.replace(model.config, **change)
+    assert model.config.hidden_size == TINY_MIXTRAL["hidden_size"]
+    assert model.core.config is model.config
