@@ -70,6 +70,17 @@ def test_a_call_needing_the_current_capacity_breaks_the_calm_streak():
     assert schedule.update(schedule.update(state, 2.0), 2.0) == CapacityState(3.0)
 
 
+def test_a_call_needing_exactly_the_lower_capacity_counts_as_calm():
+    """The boundary of stepping down: a call whose required capacity is the rung below fits there, so it counts
+    towards the step down (a strict comparison would pin the capacity while every call needs that rung)."""
+    schedule = CapacitySchedule.for_ep(8, patience=2)
+    state = schedule.update(CapacityState(4.0), 3.0)
+    assert state == CapacityState(4.0, calm_calls=1, calm_peak=3.0)
+    assert schedule.update(state, 3.0) == CapacityState(3.0)
+    # At the first rung there is nothing below: the state stays as it is.
+    assert schedule.update(CapacityState(1.25), 1.25) == CapacityState(1.25)
+
+
 def test_capacity_off_the_ladder_is_refused():
     schedule = CapacitySchedule.for_ep(8)
     with pytest.raises(ValueError, match=r"capacity=2.5 is not on the dispatch capacity ladder \[1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0\]"):
