@@ -11,6 +11,7 @@ import pytest
 
 from moe_jax.cli import main
 from moe_jax.training import Evaluator, TrainLoop
+from moe_jax.training.corpus import Corpus
 from moe_jax.training.data import TokenRows
 
 from ..heavy import representative
@@ -45,6 +46,51 @@ def test_the_loss_is_the_mean_cross_entropy_of_the_logits(layout, rows):
     assert result["eval_tokens"] == count == 16 * 23
     assert result["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     assert result["eval_perplexity"] == pytest.approx(np.exp(total / count), rel=1e-5)
+
+
+def documents(lengths: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(1, 128, length).astype(np.int32) for length in lengths]
+
+
+def alone(model, pieces: list[np.ndarray], width: int) -> tuple[float, int]:
+    """Cross-entropy sum and predicted tokens of each token sequence run alone from position 0 (right-padded
+    to `width`: causal attention keeps padding out of the real positions' logits)."""
+    ids, mask = np.zeros((len(pieces), width), np.int32), np.zeros((len(pieces), width), np.int32)
+    for row, piece in enumerate(pieces):
+        ids[row, :len(piece)], mask[row, :len(piece)] = piece, 1
+    return cross_entropy(np.asarray(model.apply(model.params, ids).logits), ids, mask)
+
+
+def test_packed_rows_score_each_document_piece_alone(trainers):
+    """Packed rows (`segment_ids`): the loss counts each piece's own next-token predictions, none across a
+    document's end and none from the last row's padding, with attention and positions as if the piece ran
+    alone. 55 tokens in rows of 10: 6 rows (the last half padding), 3 whole batches of 2."""
+    model, _ = trainers("one_device")
+    corpus = Corpus(documents([5, 9, 3, 7, 4, 6, 11, 8, 2]), batch_size=2, seq_len=10)
+    result = Evaluator(model, loss_chunk=4).run(model.params, corpus)
+    pieces = []
+    for index in range(3):
+        batch = corpus.batch(index)
+        for ids, segments in zip(batch["input_ids"], batch["segment_ids"]):
+            pieces += [ids[segments == piece] for piece in np.unique(segments[segments > 0])]
+    total, count = alone(model, pieces, 10)
+    assert count == 55 - len(pieces) and result["eval_tokens"] == count
+    assert result["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_padded_rows_score_only_their_real_tokens(trainers):
+    """One document per row (`attention_mask`, padding after it; a long one cut at seq_len, a one-token one
+    predicting nothing): the loss counts each row's real next-token predictions only."""
+    model, _ = trainers("one_device")
+    lengths = [5, 12, 3, 9, 1, 7]
+    corpus = Corpus(documents(lengths), batch_size=2, seq_len=8, pack=False)
+    result = Evaluator(model, loss_chunk=4).run(model.params, corpus)
+    rows = [corpus.batch(index) for index in range(3)]
+    pieces = [ids[mask > 0] for batch in rows for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    total, count = alone(model, pieces, 8)
+    assert count == sum(min(length, 8) - 1 for length in lengths) and result["eval_tokens"] == count
+    assert result["eval_loss"] == pytest.approx(total / count, rel=1e-5)
 
 
 def test_evaluating_during_training_leaves_the_curve_unchanged(rows):
