@@ -18,11 +18,11 @@ import moe_jax
 import moe_jax.models.pipeline
 from converters import record_reads
 from moe_jax import DistributedConfig
-from moe_jax.causal_lm import Qwen3MoeForCausalLM
+from moe_jax.causal_lm import MixtralForCausalLM, Qwen3MoeForCausalLM
 from moe_jax.training import make_train_step
 
 from ..heavy import representative
-from .hf_reference import TINY_QWEN3_MOE
+from .hf_reference import TINY_MIXTRAL, TINY_QWEN3_MOE
 from .test_fixture_parity import FIXTURES, check_against_fixture
 
 # 4 layers (dense 0, sparse 1-3): splits into 2 stages, and into 2 stages x 2 repeats for the circular schedule.
@@ -121,6 +121,24 @@ def test_training_curve_through_stages_matches_one_stage(one_stage):
     staged = losses(Qwen3MoeForCausalLM(FOUR_LAYERS, DistributedConfig(**layout), devices=_devices(layout)),
                     pipeline_microbatches=2)
     np.testing.assert_allclose(staged, expected, rtol=1e-5, atol=0)
+
+
+def test_router_jitter_through_stages_equals_one_device():
+    """Per-layer randomness follows the layer's own number: Mixtral's training jitter (4 layers, 2 a stage) draws
+    with fold_in(rng, layer), so stage 1's layers 2-3 must not reuse stage 0's keys. One microbatch, so every
+    layer's draw has one device's shape."""
+    config = {**TINY_MIXTRAL, "num_hidden_layers": 4, "router_jitter_noise": 0.5}
+    one = MixtralForCausalLM(config, devices=jax.devices()[:1])
+    one.init_params(seed=2)
+    staged = MixtralForCausalLM(config, DistributedConfig(pp_size=2), devices=jax.devices()[:2],
+                                pipeline_microbatches=1)
+    staged.set_params(one.hf_params())
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6)).astype(np.int32)
+    key = jax.random.key(7)
+    expected = np.asarray(one.apply(one.params, ids, inference=False, rng=key).logits)
+    np.testing.assert_allclose(np.asarray(staged.apply(staged.params, ids, inference=False, rng=key).logits),
+                               expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected, np.asarray(one.apply(one.params, ids).logits), atol=1e-4)
 
 
 @pytest.mark.heavy
