@@ -13,6 +13,7 @@ import pytest
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import (
     ContinuousBatchingConfig,
+    GenerationConfig,
     Request,
     RequestSettings,
     RequestStatus,
@@ -21,6 +22,7 @@ from moe_jax.inference import (
     warp,
     warp_per_row,
 )
+from moe_jax.inference.manager import request_settings
 from tests.heavy import representative
 from tests.models.test_apply import count_compilations
 
@@ -303,3 +305,104 @@ def test_generate_batch_equals_generate_for_each_prompt():
         alone = model.generate(np.asarray([prompt]), max_new_tokens=NEW_TOKENS)
         assert list(alone[0, len(prompt):]) == output.generated_tokens
     assert model.generate_batch([]) == {}
+
+
+def finish(engine: ServingEngine, limit: int = 200) -> None:
+    """Step until no request is left; a request that never finishes (waiting for pages that cannot come) fails
+    the test instead of hanging it."""
+    for _ in range(limit):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError(f"still {len(engine.waiting)} waiting and {engine.slots_in_use} running after {limit} steps")
+
+
+def reference_draws(model, prompt: list[int], tokens: list[int], settings: RequestSettings) -> list[int]:
+    """What a request sampling with `settings` draws after `prompt`, each token from the logits `model.apply` gives
+    its position (the request's own tokens before it): token i is categorical(fold_in(key(seed), i), the logits
+    warped by Transformers' order of temperature, top-k, top-p)."""
+    sequence = np.asarray([prompt + tokens[:-1]], np.int32)
+    logits = model.apply(model.params, sequence).logits[0, len(prompt) - 1:]
+    warped = warp(logits, Sampling(True, settings.temperature, settings.top_k, settings.top_p))
+    base = jax.random.key(settings.seed)
+    return [int(jax.random.categorical(jax.random.fold_in(base, i), warped[i])) for i in range(len(tokens))]
+
+
+def test_sampled_tokens_are_draws_of_the_warped_logits_keyed_by_seed_and_token_index():
+    """By value, not by self-consistency: each sampled token equals the draw computed from the model's logits
+    with the request's own temperature, top-k, top-p and key. The two requests differ in every setting (and
+    their temperature is not their top_p), so a setting read from the wrong place, or a key that does not move
+    with the generated-token count, changes the draws."""
+    model = load("qwen3_moe")
+    engine = ServingEngine(model, SMALL)
+    settings = [RequestSettings(max_new_tokens=12, do_sample=True, temperature=0.6, top_k=20, top_p=0.85, seed=11),
+                RequestSettings(max_new_tokens=12, do_sample=True, temperature=1.3, top_k=0, top_p=0.7, seed=5)]
+    requests = [Request("a", [9, 8, 7, 6, 5], settings[0]), Request("b", [3, 4, 5], settings[1])]
+    for request in requests:
+        engine.add(request)
+    finish(engine)
+    for request in requests:
+        tokens = request.output.generated_tokens
+        assert len(tokens) == 12
+        assert tokens == reference_draws(model, request.prompt_ids, tokens, request.settings), request.request_id
+
+
+def test_a_request_asking_for_more_than_the_context_gets_transformers_tokens_up_to_the_context_end():
+    """max_model_len 13 with pages of 5 (3 pages, the last partly used) and requests asking for 50 tokens: each
+    generates exactly to the context's end (HF's greedy tokens for that many), finishes with "length", and one
+    slot serves both in turn with every page back at the end."""
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    config = ContinuousBatchingConfig(max_slots=1, page_size=5, max_model_len=13, prefill_chunk=4)
+    engine = ServingEngine(load("qwen3_moe"), config)
+    requests = [Request(f"long{i}", prompts[i], RequestSettings(max_new_tokens=50)) for i in (0, 1)]
+    for request in requests:
+        engine.add(request)
+    finish(engine)
+    for request, expected in zip(requests, greedy):
+        room = config.max_model_len - len(request.prompt_ids)
+        assert request.output.generated_tokens == list(expected[:room]), request.request_id
+        assert request.output.finish_reason == "length"
+    assert engine.pages_per_slot == 3 and engine.book.free_pages() == engine.book.total_pages == 3
+
+
+def test_a_request_needing_every_free_page_is_admitted_at_once():
+    """One slot and 4 pages; a 4-token prompt with 12 new tokens fills all 4: it is admitted in the first step
+    (waiting for more than exactly the free pages would wait forever) and gets HF's greedy tokens."""
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    config = ContinuousBatchingConfig(max_slots=1, page_size=4, max_model_len=16, prefill_chunk=8)
+    engine = ServingEngine(load("qwen3_moe"), config)
+    request = Request("all", prompts[1], RequestSettings(max_new_tokens=16 - len(prompts[1])))
+    engine.add(request)
+    engine.step()
+    assert request.output.status != RequestStatus.PENDING and engine.book.free_pages() == 0
+    finish(engine)
+    assert request.output.generated_tokens == list(greedy[1][:12]) and request.output.finish_reason == "length"
+    assert engine.book.free_pages() == engine.book.total_pages
+
+
+def test_request_settings_keep_eos_id_0_and_drop_transformers_minus_1():
+    """-1 is Transformers' "no EOS"; 0 is a token id like any other."""
+    config = GenerationConfig(eos_token_id=(0, -1, 5))
+    assert request_settings(config, 4).eos_token_id == (0, 5)
+    assert request_settings(config, 4, eos_token_id=0).eos_token_id == (0,)
+    assert request_settings(config, 4, eos_token_id=-1).eos_token_id == ()
+
+
+def test_an_eos_id_of_0_ends_a_request():
+    """The model's vocabulary permuted so that the token its greedy decoding emits 4th is id 0 (its embedding and
+    head rows swapped with id 0's): with eos_token_id=0, the request ends with that token, as HF's greedy tokens
+    mapped through the same permutation say."""
+    prompts, greedy, _ = fixture_prompts("qwen3_moe")
+    model = load("qwen3_moe")
+    swap = np.arange(model.config.vocab_size)
+    chosen = int(greedy[0][3])
+    swap[[0, chosen]] = swap[[chosen, 0]]
+    params = {name: np.asarray(value) for name, value in model.hf_params().items()}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        params[name] = params[name][swap]
+    model.set_params(params)
+    expected = [int(swap[token]) for token in greedy[0]]
+    expected = expected[:expected.index(0) + 1]
+    output = model.generate_batch([[int(swap[t]) for t in prompts[0]]], max_new_tokens=NEW_TOKENS,
+                                  eos_token_id=0)["req_0"]
+    assert output.generated_tokens == expected and output.finish_reason == "stop"
