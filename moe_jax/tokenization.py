@@ -25,11 +25,14 @@ class CheckpointTokenizer:
     """encode: text -> ids; decode: ids -> text (special tokens skipped); apply_chat_template: chat messages
     ([{"role": ..., "content": ...}]) -> the prompt's ids, ending with the assistant's turn (Transformers'
     `apply_chat_template(messages, add_generation_prompt=True)`); None when the checkpoint has no chat
-    template."""
+    template. max_token_chars: the most characters one token of the vocabulary spells (a bound on the text a
+    number of tokens can hold: the server refuses a prompt too long for its context before tokenizing it);
+    None when unknown."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     apply_chat_template: Callable[[list[dict]], list[int]] | None = None
+    max_token_chars: int | None = None
 
 
 def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer:
@@ -52,7 +55,8 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
             raise ValueError(f"{directory}: transformers cannot load its tokenizer ({error}); {instead}.") from None
         return CheckpointTokenizer(encode=lambda text: tokenizer(text)["input_ids"],
                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                   apply_chat_template=_chat_template(tokenizer))
+                                   apply_chat_template=_chat_template(tokenizer),
+                                   max_token_chars=_longest_token(tokenizer.get_vocab()))
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
@@ -65,7 +69,14 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                               apply_chat_template=_rendered_chat_template(directory, tokenizer))
+                               apply_chat_template=_rendered_chat_template(directory, tokenizer),
+                               max_token_chars=_longest_token(tokenizer.get_vocab()))
+
+
+def _longest_token(vocabulary: dict[str, int]) -> int | None:
+    """The longest token's characters as the vocabulary spells it (a byte-level token spells each byte as one
+    character, so its text has at most as many characters)."""
+    return max(map(len, vocabulary), default=None)
 
 
 def _rendered_chat_template(directory: Path, tokenizer) -> Callable[[list[dict]], list[int]] | None:

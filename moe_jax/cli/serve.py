@@ -16,8 +16,16 @@ compilation; the startup line lists them (bench_serve's 16 slots: 24 programs, a
 --decode-rows 16 halves that). JAX's persistent compilation cache makes later starts quick:
 `JAX_COMPILATION_CACHE_DIR=~/.cache/jax moe-jax serve ...` (the same start: 60-69 s the first time, 18 s the
 next). Memory: --num-pages pages of --page-size tokens of keys and values per layer
-(default: every slot at --max-model-len). SIGTERM or Ctrl-C shuts down gracefully: no new connections, the
-requests in flight finish (up to 30 s), then the engine stops.
+(default: every slot at --max-model-len).
+
+In production (docs/inference.md): --api-key (or MOE_JAX_API_KEY) requires `Authorization: Bearer KEY` on every
+endpoint but /health (and /metrics with --metrics-public); browsers' cross-origin calls are refused unless
+--allowed-origins lists the page's origin; bound to a loopback address, the server answers only to loopback Host
+names. Bodies over --max-request-bytes get 413; more than --max-queued-requests waiting for a slot get 429 with
+Retry-After; a request waiting longer than --queue-timeout gets 503. SIGTERM or Ctrl-C drains: no new
+connections or requests, the queued ones refused (503), the running ones given --drain-timeout seconds, then
+ended with an error event; the command exits 0 after a clean drain and 1 if the engine failed (a supervisor
+restarts it).
 
 Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
 each step's inputs to the other processes, which run the same programs on their devices until it stops. --pp is
@@ -49,6 +57,9 @@ from .layout_flags import (
 SHUTDOWN_TIMEOUT_S = 30
 # --max-model-len when not given: this, or the model's positions if fewer.
 DEFAULT_MAX_MODEL_LEN = 2048
+# --max-queued-requests when not given: this many per slot (a queue a few batches deep: deeper only adds latency).
+QUEUED_PER_SLOT = 4
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +93,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the engine's programs before listening (default on)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (info logs each request; default info)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the "
+                             "MOE_JAX_API_KEY environment variable; unset: no key)")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="serve /metrics without the API key (for a scraper that sends none)")
+    parser.add_argument("--allowed-origins", type=parse_origins, default=(), metavar="ORIGIN[,ORIGIN...]",
+                        help="browser origins allowed to call the API (CORS), e.g. https://app.example.com; '*' "
+                             "allows any (default: none, every cross-origin request is refused)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"the largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
+                             "8 MiB)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests that may wait for a slot; beyond it a request gets 429 with Retry-After "
+                             f"(default {QUEUED_PER_SLOT} x --max-slots)")
+    parser.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request waiting longer than this for a slot gets 503 (default: no limit)")
+    parser.add_argument("--drain-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                        help="on SIGTERM / Ctrl-C, how long the running requests may go on before they are ended "
+                             f"with an error event (default {SHUTDOWN_TIMEOUT_S})")
     add_layout_flags(parser, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """`--allowed-origins`' value: "https://a.example,https://b.example" -> the origins (no trailing slash)."""
+    origins = tuple(part.strip().rstrip("/") for part in text.split(",") if part.strip())
+    bad = [origin for origin in origins if origin != "*" and "://" not in origin]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: an origin is scheme://host[:port], e.g. https://app.example.com")
+    return origins
 
 
 def parse_row_counts(text: str) -> tuple[int, ...]:
@@ -103,9 +142,15 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
     if args.pp is not None and args.pp > 1:
         raise ValueError(f"--pp {args.pp}: continuous batching does not run pipeline stages; serve with --tp, "
                          "--fsdp, --ep and --dp-replicate.")
-    for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows"):
+    for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows", "max_request_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0.")
+    for flag in ("queue_timeout", "drain_timeout"):
+        value = getattr(args, flag)
+        if value is not None and not (value > 0 or (flag == "drain_timeout" and value == 0)):
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive number of seconds.")
     if args.decode_rows is not None and not all(1 <= rows <= args.max_slots for rows in args.decode_rows):
         raise ValueError(f"--decode-rows {','.join(map(str, args.decode_rows))}: each must be in [1, --max-slots "
                          f"{args.max_slots}] (rows per data-parallel group).")
@@ -222,18 +267,25 @@ def _one_device_config(args):
 
 def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, devices, max_model_len: int,
            sock) -> int:
+    import os
+
     import uvicorn
 
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.generation_config import GenerationConfig
     from ..serving import build_app
+    from ..serving.guard import LOOPBACK_HOSTS, GuardSettings
+    from ..serving.server import draining_server_class, header_timeout_protocol
     from .layout_flags import warn_about_head_split
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True))
     warn_about_head_split(model)
     generation = GenerationConfig.for_checkpoint(directory, config)
-    manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode)
+    max_queued = (args.max_queued_requests if args.max_queued_requests is not None
+                  else QUEUED_PER_SLOT * args.max_slots)
+    manager = model.init_continuous_batching(generation, _engine_config(args, max_model_len), decode=tokenizer.decode,
+                                             max_queued=max_queued, queue_timeout=args.queue_timeout)
     manager.engine.lead()   # a multi-process job: the other processes run each step with it (`_follow`)
     try:
         compiled = "programs compile on the first request (--no-warmup)"
@@ -245,8 +297,12 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
         manager.engine.keep_followers_alive()
         manager.start()
         name = args.served_model_name or directory.resolve().name
+        guard = GuardSettings(api_key=args.api_key or os.environ.get("MOE_JAX_API_KEY") or None,
+                              metrics_public=args.metrics_public, allowed_origins=args.allowed_origins,
+                              allowed_hosts=LOOPBACK_HOSTS if _is_loopback(sock.getsockname()[0]) else None,
+                              max_request_bytes=args.max_request_bytes)
         app = build_app(manager, tokenizer, model_name=name, max_model_len=max_model_len,
-                        drain_timeout=SHUTDOWN_TIMEOUT_S)
+                        drain_timeout=args.drain_timeout, guard=guard)
         sock.listen(2048)   # connections wait in the backlog from now on, until uvicorn accepts them
         host, port = sock.getsockname()[:2]
         engine = manager.engine
@@ -255,8 +311,8 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
               f"{len(devices)} {devices[0].platform} device(s); {engine.config.max_slots} slots, max_model_len "
               f"{max_model_len}, {engine.book.total_pages} pages of {engine.config.page_size} tokens; {compiled})",
               file=sys.stderr, flush=True)
-        server = _graceful_server_class()(uvicorn.Config(app, log_level=args.log_level, lifespan="on",
-                                                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=header_timeout_protocol())
+        server = draining_server_class()(config, manager, drain_timeout=args.drain_timeout)
         server.run(sockets=[sock])
         if not server.started:
             return 1
@@ -264,27 +320,20 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
         manager.stop(timeout=SHUTDOWN_TIMEOUT_S)
         manager.engine.release_followers()
     metrics = manager.metrics()
+    if manager.error is not None:
+        print(f"error: the engine failed and the server stopped: {type(manager.error).__name__}: {manager.error}",
+              file=sys.stderr, flush=True)
+        return 1
     print(f"stopped: {metrics['requests_finished']} requests finished, {metrics['generated_tokens']} tokens "
           "generated", file=sys.stderr, flush=True)
     return 0
 
 
-def _graceful_server_class():
-    import contextlib
+def _is_loopback(host: str) -> bool:
+    import ipaddress
 
-    import uvicorn
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
-    class GracefulServer(uvicorn.Server):
-        """uvicorn's server, except that a graceful shutdown on SIGTERM / SIGINT ends the command with status 0
-        (uvicorn raises the signal again once it has shut down, which would kill the process, or raise
-        KeyboardInterrupt, before the engine stops)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    getattr(self, "_captured_signals", []).clear()
-
-    return GracefulServer

@@ -101,7 +101,12 @@ class RequestSettings:
 class GenerationOutput:
     """A request's result so far, as Transformers' `GenerationOutput`: prompt_ids, generated_tokens, status, error,
     created_time, lifespan (started, finished) and one timestamp per token (perf_counter seconds).
-    finish_reason: "stop" (EOS or a stop string), "length" (max_new_tokens or the context), "cancelled" or None."""
+    finish_reason: "stop" (EOS or a stop string), "length" (max_new_tokens or the context), "cancelled" or None;
+    a FAILED output's is "error" (its own inputs failed: `error` says why), "engine_error" (a step's program
+    failed and the engine stopped), "queue_timeout" (it waited
+    longer than the manager's queue timeout) or "shutdown" (the manager stopped before it finished).
+    offset: the index of `generated_tokens[0]` among the request's tokens (an incremental output carries only
+    the tokens new since the previous one; 0 otherwise)."""
 
     request_id: str
     prompt_ids: list[int] = field(default_factory=list)
@@ -113,6 +118,7 @@ class GenerationOutput:
     lifespan: tuple[float, float] = (-1, -1)
     timestamps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    offset: int = 0
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -218,6 +224,7 @@ class ServingEngine:
         self.compilations = 0
         self.steps = {"prefill": 0, "decode": 0, "mixed": 0}
         self.generated_tokens = 0
+        self._failed: list[StepEvent] = []   # requests whose own inputs failed while a step was built
         mesh, axes = model.mesh, model.layout.batch_axes
         self._rows = NamedSharding(mesh, P(spec_entry(axes)))
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
@@ -238,6 +245,11 @@ class ServingEngine:
         if request.settings.stop and self.decode_text is None:
             raise ValueError("stop strings need a tokenizer: build the engine with decode=tokenizer.decode.")
         self.check_prompt(request.prompt_ids)
+        try:   # the settings must fit the step's input arrays (int32 top_k, uint32 seed bits, float32)
+            self._sampling_inputs(self._host_inputs(1, 1), 0, request)
+        except (OverflowError, ValueError, TypeError) as error:
+            raise ValueError(f"request {request.request_id!r}: its sampling settings do not fit the step's inputs "
+                             f"({error}).") from None
 
     def check_prompt(self, prompt: list[int]) -> None:
         """A prompt this engine can serve: not empty, ids in the vocabulary, room for one new token."""
@@ -271,20 +283,49 @@ class ServingEngine:
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Admit what fits, run one prefill chunk (if any prompt waits for one) and one decode step (if any
-        request decodes) -> what each request got. With `mixed_steps` both are one program."""
+        request decodes) -> what each request got. With `mixed_steps` both are one program. A request whose own
+        inputs cannot be written into the step's arrays ends FAILED (an event with no tokens) and the step runs
+        without it; an error of the program itself raises (every request in it is lost with the pools)."""
         self._admit()
         events = []
         prefilling = [r for r in self.slots if r is not None and r.output.status == RequestStatus.PREFILLING]
         if prefilling and self.config.mixed_steps:
             decoding = [r for r in self.slots if r is not None and r.output.status == RequestStatus.DECODING]
-            return self._mixed(prefilling, decoding)
+            events = self._mixed(prefilling, decoding)
+            return self._take_failed() + events
         if prefilling:
             events += self._prefill(prefilling)
         # A prompt that just finished prefilling decodes its second token in the same step.
         decoding = [r for r in self.slots if r is not None and r.output.status == RequestStatus.DECODING]
         if decoding:
             events += self._decode(decoding)
-        return events
+        return self._take_failed() + events
+
+    def _take_failed(self) -> list[StepEvent]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def fail(self, request: Request, message: str, reason: str = "error") -> None:
+        """End `request` with status FAILED (`reason` as its finish_reason, `message` as its error); its slot
+        and pages are freed."""
+        self._finish(request, reason, status=RequestStatus.FAILED)
+        request.output.error = message
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def _write_row(self, inputs: dict, row: int, request: Request, write: Callable[[], None]) -> bool:
+        """Run `write` (which fills `row` of `inputs` for `request`); if it raises, the row is left idle and the
+        request alone fails. -> whether it was written."""
+        if request.output.status == RequestStatus.FAILED:
+            return False
+        try:
+            write()
+            return True
+        except Exception as error:  # noqa: BLE001 - one request's inputs must not end the others
+            self._blank_row(inputs, row)
+            self.fail(request, f"its inputs could not be prepared for the step: {error}")
+            self._failed.append(StepEvent(request, [], True, len(request.output.generated_tokens)))
+            return False
 
     def _admit(self) -> None:
         per_group = self.config.max_slots // self.groups
@@ -335,14 +376,27 @@ class ServingEngine:
         placed = []
         for group, group_pieces in enumerate(pieces):
             for i, (request, start, count) in enumerate(group_pieces):
-                self._prefill_row(inputs, group * stride + i, request, start, count)
-                placed.append((group * stride + i, request, count))
-        return placed
+                row = group * stride + i
+                if self._write_row(inputs, row, request,
+                                   partial(self._prefill_row, inputs, row, request, start, count)):
+                    placed.append((row, request, count))
+        # A prompt whose later piece failed leaves its earlier rows idle too (it is gone).
+        for row, request, _ in placed:
+            if request.output.status == RequestStatus.FAILED:
+                self._blank_row(inputs, row)
+        return [entry for entry in placed if entry[1].output.status != RequestStatus.FAILED]
+
+    def _blank_row(self, inputs: dict, row: int) -> None:
+        blank = self._host_inputs(1, inputs["ids"].shape[1])
+        for name, values in inputs.items():
+            values[row] = blank[name][0]
 
     def _prefill(self, prefilling: list[Request]) -> list[StepEvent]:
         rows_per_group = self.config.prefill_rows
         inputs = self._host_inputs(self.groups * rows_per_group, self.config.prefill_chunk)
         placed = self._place_prefill(inputs, self._prefill_pieces(prefilling), rows_per_group)
+        if not placed:
+            return []
         tokens = self._run("prefill", inputs)
         self.steps["prefill"] += 1
         return self._prefilled(placed, tokens)
@@ -359,7 +413,11 @@ class ServingEngine:
         for group, requests in enumerate(by_group):
             for i, request in enumerate(requests):
                 rows[request.request_id] = group * per_group + i
-                self._decode_row(inputs, rows[request.request_id], request)
+                self._write_row(inputs, rows[request.request_id], request,
+                                partial(self._decode_row, inputs, rows[request.request_id], request))
+        decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
+        if not decoding:
+            return []
         tokens = self._run("decode", inputs)
         self.steps["decode"] += 1
         return [self._emit(request, int(tokens[rows[request.request_id]])) for request in decoding]
@@ -377,7 +435,11 @@ class ServingEngine:
         placed = self._place_prefill(inputs, pieces, stride)
         decode_rows = {request.request_id: self._mixed_decode_row(request.slot, prompt_rows) for request in decoding}
         for request in decoding:
-            self._decode_row(inputs, decode_rows[request.request_id], request)
+            self._write_row(inputs, decode_rows[request.request_id], request,
+                            partial(self._decode_row, inputs, decode_rows[request.request_id], request))
+        decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
+        if not placed and not decoding:
+            return []
         tokens = self._run("mixed", inputs)
         self.steps["mixed"] += 1
         events = self._prefilled(placed, tokens)
@@ -464,9 +526,9 @@ class ServingEngine:
         text = self.decode_text(request.output.generated_tokens)
         return any(stop in text for stop in request.settings.stop)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
         output = request.output
-        output.status = RequestStatus.FINISHED
+        output.status = status
         output.finish_reason = reason
         output.lifespan = (output.lifespan[0], time.perf_counter())
         self.requests.pop(request.request_id, None)   # ids need only be unique among live requests

@@ -11,8 +11,14 @@
 Requests are checked when added (a bad one raises in the caller's thread, nothing is queued); the engine's
 thread admits them, steps, and delivers outputs: to the request's own queue (`get_result(request_id)`,
 `request_id_iter`), or to a handler (`register_result_handler`, the server's path). Streaming requests get an
-output per token, others one when they finish. A step that fails ends every request with status FAILED and its
-error, and stops the thread (`error` keeps it).
+output per token (with `incremental`, only its new tokens: a slow reader's backlog stays linear in the output),
+others one when they finish.
+
+Under load: `max_queued` bounds the requests waiting for a slot (`add_request` raises `QueueFull` beyond it),
+`queue_timeout` ends a request that waited longer (FAILED, finish_reason "queue_timeout"), and `begin_drain`
+refuses new requests, ends the waiting ones (finish_reason "shutdown") and gives the running ones until a deadline.
+A request whose own inputs break a step fails alone (FAILED, finish_reason "error"); a step whose program fails
+ends every request with status FAILED and its error, and stops the thread (`error` keeps it).
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ RATE_WINDOW_S = 10.0
 KEEPALIVE_S = 2.0
 
 
+class QueueFull(RuntimeError):
+    """`add_request` with `max_queued` requests already waiting for a slot."""
+
+
 def request_settings(generation_config: GenerationConfig, max_new_tokens: int | None = None, eos_token_id=None, *,
                      do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                      top_p: float | None = None, seed: int = 0, stop=None, prompt_length: int = 0) -> RequestSettings:
@@ -59,7 +69,15 @@ def request_settings(generation_config: GenerationConfig, max_new_tokens: int | 
 class ContinuousBatchingManager:
     def __init__(self, model, generation_config: GenerationConfig | None = None,
                  config: ContinuousBatchingConfig | None = None, *, params=None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, max_queued: int | None = None,
+                 queue_timeout: float | None = None):
+        """max_queued: requests that may wait for a slot at once (None: unbounded); queue_timeout: seconds a
+        request may wait for a slot before it fails (None: forever)."""
+        if max_queued is not None and max_queued < 0:
+            raise ValueError(f"max_queued={max_queued} must be >= 0 (None: unbounded).")
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise ValueError(f"queue_timeout={queue_timeout} must be > 0 seconds (None: no timeout).")
+        self.max_queued, self.queue_timeout = max_queued, queue_timeout
         self.generation_config = generation_config or model.generation_config
         self.engine = ServingEngine(model, config, params=params, decode=decode)
         self._lock = threading.Lock()
@@ -69,6 +87,9 @@ class ContinuousBatchingManager:
         self._queues: dict[str, queue.Queue] = {}
         self._handlers: dict[str, Callable[[GenerationOutput], None]] = {}
         self._streaming: set[str] = set()
+        self._incremental: set[str] = set()
+        self._delivered: dict[str, int] = {}   # incremental requests: tokens handed over so far
+        self._drain_deadline: float | None = None   # monotonic; set by begin_drain
         self._ready: queue.Queue[str] = queue.Queue()
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
@@ -100,6 +121,16 @@ class ContinuousBatchingManager:
         if block and self._thread is not None:
             self._thread.join(timeout)
 
+    def begin_drain(self, timeout: float) -> None:
+        """Start a shutdown without blocking: no new requests; the waiting ones end now (FAILED, finish_reason
+        "shutdown"); the running ones have `timeout` seconds to finish, then end the same way."""
+        self._accepting = False
+        self._drain_deadline = time.monotonic() + max(timeout, 0.0)
+        self._wake.set()
+
+    def is_draining(self) -> bool:
+        return self._drain_deadline is not None
+
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -116,11 +147,14 @@ class ContinuousBatchingManager:
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = True, eos_token_id=None,
-                    handler: Callable[[GenerationOutput], None] | None = None, **sampling) -> str:
+                    handler: Callable[[GenerationOutput], None] | None = None, incremental: bool = False,
+                    **sampling) -> str:
         """Queue a prompt (token ids) -> its request id. sampling: do_sample, temperature, top_k, top_p, seed,
         stop (strings; the manager needs `decode`). handler: receives this request's outputs (on the engine's
-        thread, in order) instead of its queue, from the first one. Raises ValueError for a request the engine
-        cannot serve."""
+        thread, in order) instead of its queue, from the first one. incremental: a streaming request's unfinished
+        outputs carry only their new tokens (`GenerationOutput.offset` says where they start); the finished one
+        carries all. Raises ValueError for a request the engine cannot serve, `QueueFull` when `max_queued`
+        requests wait already, RuntimeError while stopping."""
         if not self._accepting:
             raise RuntimeError("the manager is stopping and accepts no new requests.")
         if self.error is not None:
@@ -134,14 +168,23 @@ class ContinuousBatchingManager:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             request = Request(request_id, prompt, settings)
             self.engine.check(request)
+            if self.max_queued is not None and self.waiting_requests() >= self.max_queued:
+                raise QueueFull(f"{self.waiting_requests()} requests are waiting for a slot already (the queue "
+                                f"holds {self.max_queued}); retry later.")
             self._queues[request_id] = queue.Queue()
             if handler is not None:
                 self._handlers[request_id] = handler
             if streaming:
                 self._streaming.add(request_id)
+                if incremental:
+                    self._incremental.add(request_id)
             self._incoming.append(request)
         self._wake.set()
         return request_id
+
+    def waiting_requests(self) -> int:
+        """Requests added and not yet in a slot."""
+        return len(self._incoming) + len(self.engine.waiting)
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      **kwargs) -> list[str]:
@@ -207,7 +250,7 @@ class ContinuousBatchingManager:
         span = now - recent[0][0] if recent else 0.0
         return dict(slots_total=engine.config.max_slots, slots_in_use=engine.slots_in_use,
                     pages_total=engine.book.total_pages, pages_free=engine.book.free_pages(),
-                    page_size=engine.config.page_size, requests_waiting=len(engine.waiting) + len(self._incoming),
+                    page_size=engine.config.page_size, requests_waiting=self.waiting_requests(),
                     requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
                     generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
                     decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"], compiled_programs=len(engine.compiled_shapes),
@@ -220,11 +263,18 @@ class ContinuousBatchingManager:
         try:
             while not self._stop.is_set():
                 while self._incoming:
-                    engine.add(self._incoming.popleft())
+                    request = self._incoming.popleft()
+                    try:
+                        engine.add(request)
+                    except ValueError as error:   # checked when added; a late conflict fails this one only
+                        request.output.status, request.output.finish_reason = RequestStatus.FAILED, "error"
+                        request.output.error = str(error)
+                        self._deliver(request.output, finished=True)
                 while self._cancels:
                     cancelled = engine.cancel(self._cancels.popleft())
                     if cancelled is not None:
                         self._deliver(cancelled.output, finished=True)
+                self._end_overdue()
                 if not engine.has_work():
                     if engine.leading and time.monotonic() - last_heard > KEEPALIVE_S:
                         engine.keep_followers_alive()
@@ -242,22 +292,61 @@ class ContinuousBatchingManager:
         except BaseException as error:  # noqa: BLE001 - every request learns of it, then the thread ends
             self.error = error
             self._fail_all(error)
+            return
+        # Stopped: no reader waits forever for a request that will not run.
+        for request in list(self.engine.requests.values()) + list(self._incoming):
+            if not request.output.is_finished():
+                self.engine.fail(request, "the server stopped before the request finished.", "shutdown")
+                self._deliver(request.output, finished=True)
+
+    def _end_overdue(self) -> None:
+        """Fail the requests that waited past `queue_timeout`; while draining, the waiting ones, and at the
+        drain's deadline the running ones too."""
+        engine, now = self.engine, time.monotonic()
+        ended: list[tuple] = []
+        if self._drain_deadline is not None:
+            ended += [(request, "shutdown", "the server is shutting down and did not start this request; retry.")
+                      for request in engine.waiting]
+            if now >= self._drain_deadline:
+                ended += [(request, "shutdown", "the server is shutting down: the request did not finish in its "
+                           "drain time.") for request in engine.slots if request is not None]
+        elif self.queue_timeout is not None:
+            # perf_counter: the clock of GenerationOutput.created_time.
+            oldest_allowed = time.perf_counter() - self.queue_timeout
+            ended += [(request, "queue_timeout", f"the request waited more than {self.queue_timeout:g} s for a "
+                       "slot; retry later.") for request in engine.waiting
+                      if request.output.created_time < oldest_allowed]
+        for request, reason, message in ended:
+            engine.fail(request, message, reason)
+            self._deliver(request.output, finished=True)
 
     def _deliver(self, output: GenerationOutput, *, finished: bool, generated: int | None = None) -> None:
-        """Hand `output` as it was after its first `generated` tokens (all by default) to its reader."""
+        """Hand `output` as it was after its first `generated` tokens (all by default) to its reader (an
+        incremental request's unfinished outputs: only the tokens of this step)."""
         request_id = output.request_id
         if not finished and request_id not in self._streaming:
             return
-        # A snapshot: the lists that grow are copied; the prompt is never changed, so it is shared.
-        snapshot = dataclasses.replace(output, generated_tokens=list(output.generated_tokens),
-                                       timestamps=list(output.timestamps), logprobs=list(output.logprobs))
-        if not finished and generated is not None:   # a later event of the same step already extended it
-            snapshot.generated_tokens = snapshot.generated_tokens[:generated]
-            snapshot.timestamps = snapshot.timestamps[:generated]
-            snapshot.status, snapshot.finish_reason = RequestStatus.DECODING, None
+        if not finished and request_id in self._incremental:
+            end = len(output.generated_tokens) if generated is None else generated
+            # The tokens since the previous event: one, or two when a prompt's last chunk and a decode share a step.
+            start = self._delivered.get(request_id, 0)
+            self._delivered[request_id] = end
+            snapshot = dataclasses.replace(output, generated_tokens=output.generated_tokens[start:end],
+                                           timestamps=output.timestamps[start:end], logprobs=[], offset=start,
+                                           status=RequestStatus.DECODING, finish_reason=None)
+        else:
+            # A snapshot: the lists that grow are copied; the prompt is never changed, so it is shared.
+            snapshot = dataclasses.replace(output, generated_tokens=list(output.generated_tokens),
+                                           timestamps=list(output.timestamps), logprobs=list(output.logprobs))
+            if not finished and generated is not None:   # a later event of the same step already extended it
+                snapshot.generated_tokens = snapshot.generated_tokens[:generated]
+                snapshot.timestamps = snapshot.timestamps[:generated]
+                snapshot.status, snapshot.finish_reason = RequestStatus.DECODING, None
         if finished:
             self.finished_requests += 1
             self._streaming.discard(request_id)
+            self._incremental.discard(request_id)
+            self._delivered.pop(request_id, None)
         with self._lock:
             handler = self._handlers.get(request_id)
             if finished:
@@ -281,6 +370,6 @@ class ContinuousBatchingManager:
         for request in requests:
             if request.output.is_finished():
                 continue
-            request.output.status = RequestStatus.FAILED
+            request.output.status, request.output.finish_reason = RequestStatus.FAILED, "engine_error"
             request.output.error = f"{type(error).__name__}: {error}"
             self._deliver(request.output, finished=True)

@@ -9,13 +9,17 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+# Below this temperature sampling is greedy (vLLM's rule): logits / 1e-40 overflow float32, and the draw of a
+# distribution that sharp is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class Sampling:
     """Static choice of the next-token rule (hashable: one compilation per rule).
 
-    do_sample=False is greedy (argmax, lowest id on ties, as torch.argmax). top_k: 0 or None = off;
-    top_p: 1.0 = off; temperature: 1.0 = off."""
+    do_sample=False is greedy (argmax, lowest id on ties, as torch.argmax), and so is a temperature below
+    `MIN_TEMPERATURE`. top_k: 0 or None = off; top_p: 1.0 = off; temperature: 1.0 = off."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -65,7 +69,7 @@ def _outside_nucleus(logits: jax.Array, top_p: jax.Array) -> jax.Array:
 def next_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """logits: [B, V] -> token ids [B] int32."""
     logits = logits.astype(jnp.float32)
-    if not sampling.do_sample:
+    if not sampling.do_sample or sampling.temperature < MIN_TEMPERATURE:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, warp(logits, sampling), axis=-1).astype(jnp.int32)
 
@@ -88,7 +92,8 @@ def next_tokens_per_row(logits: jax.Array, keys: jax.Array, do_sample: jax.Array
     """Each row its own rule (continuous batching: one compiled program for every request's settings).
 
     logits: [B, V]; keys: [B] typed PRNG keys; do_sample: [B] bool (False: greedy, as `next_tokens`); temperature,
-    top_k, top_p: [B] as `warp_per_row` -> token ids [B] int32."""
+    top_k, top_p: [B] as `warp_per_row` -> token ids [B] int32. A row sampling below `MIN_TEMPERATURE` is greedy."""
+    do_sample = do_sample & (temperature >= MIN_TEMPERATURE)
     greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
     warped = warp_per_row(logits, jnp.where(do_sample, temperature, 1.0), top_k, top_p)
     sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, warped).astype(jnp.int32)

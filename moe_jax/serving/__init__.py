@@ -15,11 +15,13 @@ join and leave the running batch without recompiling;
 `moe-jax serve` compiles them all before it listens. Any layout of tp, fsdp, ep and dp_replicate, in one process
 or several (process 0 serves HTTP and leads: `ServingEngine.lead` / `follow`); not pipeline stages.
 
-Modules: `app` (routes, streaming, disconnects), `protocol` (request bodies, OpenAI's error shape), `text`
-(ids -> streamed text, stop strings), `metrics` (Prometheus text). FastAPI, uvicorn and pydantic are the
+Modules: `app` (routes, streaming, disconnects), `protocol` (request bodies and their bounds, OpenAI's error
+shape), `guard` (Host, Origin, API key, content type, body size), `server` (uvicorn with a drain on SIGTERM and
+an exit when the engine fails), `text` (ids -> streamed text, stop strings), `metrics` (Prometheus text). FastAPI, uvicorn and pydantic are the
 optional `serve` extra (pip install "moe_jax[serve]"); nothing else in moe_jax imports this package.
 """
 
 from .app import build_app
+from .guard import GuardSettings
 
-__all__ = ["build_app"]
+__all__ = ["GuardSettings", "build_app"]

@@ -3,7 +3,8 @@
     POST /v1/completions         prompt (text or token ids) -> text; streamed as server-sent events with stream
     POST /v1/chat/completions    messages through the checkpoint's chat template -> the assistant's message
     GET  /v1/models              the one served model
-    GET  /health                 200 {"status": "ok"} while the engine's thread runs (503 after it failed)
+    GET  /health                 200 {"status": "ok"} while the engine's thread runs (503 after it failed, and
+                                 while draining)
     GET  /metrics                Prometheus text: slots, pages, requests, tokens/s, latency summaries
 
 Each HTTP request is one manager request (its id is the response's id). The engine's thread hands outputs to
@@ -13,6 +14,14 @@ stop-string starts held back), a plain request waits for the finished output. A 
 (closes a stream, or drops a plain request's connection) has its request cancelled, so its slot and pages
 serve the next one. Client errors are OpenAI's error object with 400 (bad JSON, bad parameters, a prompt the
 context cannot hold) or 404 (an unknown model), never a 500.
+
+Under hostile or heavy traffic (docs/inference.md, "Running it in production"): `AccessGuard` checks the Host,
+Origin, API key, content type and body size before a handler runs; every bound of a request is checked before it
+reaches the engine; parsing, tokenizing, chat templates and detokenizing run on a small thread pool, never on the
+event loop, so a large request does not stall other streams; a prompt longer than the context could hold in
+characters is refused before it is tokenized; beyond the manager's queue bound a request gets 429 with
+Retry-After, past its queue timeout 503; a request that fails alone gets its own error, and only an engine
+failure (its message kept in the server's log, not in response bodies) fails them all.
 
 OpenAI's semantics where they differ from `generate`'s defaults: temperature 1.0 unless given (0: greedy),
 no top-k (the `top_k` extension sets one), max_tokens 16 for completions and up to the context for chat, a
@@ -24,11 +33,15 @@ context has room for stops at the context with finish_reason "length".
 # build_app to keep FastAPI optional) at runtime.
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+from ..inference.manager import QueueFull
+from .guard import AccessGuard, GuardSettings
 from .metrics import LatencyStats, prometheus_text
 from .protocol import (
     ChatCompletionRequest,
@@ -36,6 +49,7 @@ from .protocol import (
     InvalidRequest,
     SamplingFields,
     error_body,
+    parse_json,
     parse_request,
 )
 from .text import TextStream, cut_at_stop
@@ -43,6 +57,18 @@ from .text import TextStream, cut_at_stop
 # Seconds the lifespan's shutdown waits for the manager to finish the requests it holds.
 DRAIN_TIMEOUT_S = 30.0
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+# Threads that parse, tokenize and detokenize (off the event loop; the tokenizers library releases the GIL).
+TEXT_WORKERS = 4
+# A prompt may have at most max_model_len x the longest token's characters x this many characters (slack for
+# normalizers that fold several characters into one) before it is refused without tokenizing.
+PROMPT_CHARS_SLACK = 2
+# Characters per token assumed when the tokenizer cannot tell its longest token.
+FALLBACK_TOKEN_CHARS = 64
+# Retry-After of a 429: seconds a client should wait before asking again.
+RETRY_AFTER_S = 1
+# The failures the engine reports for a request, as HTTP statuses.
+FAILURE_STATUS = {"queue_timeout": 503, "shutdown": 503, "error": 500, "engine_error": 500}
+logger = logging.getLogger("moe_jax.serving")
 
 
 def _finish_reason(output) -> str:
@@ -62,7 +88,7 @@ class _Generation:
         self.streaming = streaming
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
-        self.seen = -1
+        self.tokens: list[int] = []   # the generated tokens so far (incremental outputs put together)
 
     def close(self) -> None:
         """Cancel the manager's request unless it finished (idempotent): the client is gone."""
@@ -71,15 +97,20 @@ class _Generation:
             self.server.manager.cancel_request(self.request_id)
 
     async def next_output(self):
-        """The next output that tells something new (outputs handed over out of order are skipped)."""
-        while True:
+        """The latest output once something new arrived: every output waiting in the queue is taken (a reader
+        that fell behind catches up in one go), their tokens added to `tokens`."""
+        latest = None
+        while latest is None or (not latest.is_finished() and not self.queue.empty()):
             output = await self.queue.get()
             if output.is_finished():
                 self.finished = True
+                self.tokens = list(output.generated_tokens)
                 return output
-            if len(output.generated_tokens) > self.seen:
-                self.seen = len(output.generated_tokens)
-                return output
+            end = output.offset + len(output.generated_tokens)
+            if end > len(self.tokens):
+                self.tokens[output.offset:] = output.generated_tokens
+                latest = output
+        return latest
 
     async def finished_output(self, http_request):
         """The finished output; the request is cancelled if the client disconnects first."""
@@ -110,17 +141,38 @@ async def _disconnected(http_request) -> None:
 
 
 class _Server:
-    def __init__(self, manager, tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, max_prompt_chars: int | None = None):
         self.manager, self.tokenizer = manager, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.vocab_size = manager.engine.model.config.vocab_size
+        token_chars = getattr(tokenizer, "max_token_chars", None) or FALLBACK_TOKEN_CHARS
+        self.max_prompt_chars = max_prompt_chars or max_model_len * token_chars * PROMPT_CHARS_SLACK
         self.stats = LatencyStats()
         self.created = int(time.time())
+        self.text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="moe-jax-text")
+
+    async def off_loop(self, function, *args):
+        """`function(*args)` on the text pool: the event loop keeps serving other streams meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, function, *args)
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_model(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
             raise InvalidRequest(f"The model `{body.model}` does not exist: this server serves "
                                  f"`{self.model_name}`.", param="model", code="model_not_found", status=404)
+
+    def check_sampling(self, body: SamplingFields) -> None:
+        """What the protocol cannot check alone: top_k within the vocabulary."""
+        if body.top_k is not None and body.top_k > self.vocab_size:
+            raise InvalidRequest(f"top_k={body.top_k} is larger than the vocabulary ({self.vocab_size} tokens); use "
+                                 "0 or -1 for no top-k filter.", param="top_k")
+
+    def check_prompt_chars(self, chars: int, what: str) -> None:
+        """Refuse text that could not fit the context whatever its tokens, before tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(f"the {what} has {chars} characters: more than this model's context of "
+                                 f"{self.max_model_len} tokens can hold (at most {self.max_prompt_chars} characters).",
+                                 param=what, code="context_length_exceeded")
 
     def submit(self, prefix: str, prompt: list[int], max_tokens: int | None, body: SamplingFields,
                *, what: str) -> _Generation:
@@ -151,11 +203,16 @@ class _Server:
 
         try:
             self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming,
-                                     stop=generation.stops or None, seed=seed, handler=deliver, **body.sampling())
+                                     stop=generation.stops or None, seed=seed, handler=deliver, incremental=True,
+                                     **body.sampling())
         except ValueError as error:
             raise InvalidRequest(str(error), param=what if "prompt" in str(error) else None) from None
-        except RuntimeError as error:   # stopping, or stopped after an engine error
-            raise InvalidRequest(str(error), status=503, kind="server_error") from None
+        except QueueFull as error:
+            raise InvalidRequest(str(error), status=429, code="queue_full", kind="server_error",
+                                 headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RuntimeError:   # stopping, or stopped after an engine error
+            raise InvalidRequest("the server is shutting down or restarting and takes no new requests; retry.",
+                                 status=503, kind="server_error") from None
         return generation
 
     # ---- responses ------------------------------------------------------------------------------------
@@ -168,9 +225,17 @@ class _Server:
 
     @staticmethod
     def failure(output):
-        if output.status.name == "FAILED":
-            return InvalidRequest(f"generation failed: {output.error}", status=500, kind="server_error")
-        return None
+        """A FAILED output as the error the client gets (an engine failure's details stay in the log)."""
+        if output.status.name != "FAILED":
+            return None
+        reason = output.finish_reason or "engine_error"
+        status = FAILURE_STATUS.get(reason, 500)
+        if reason == "engine_error":
+            return InvalidRequest("the engine failed while running this request; the server is restarting.",
+                                  status=500, kind="server_error", code="engine_error")
+        return InvalidRequest(f"the request failed: {output.error}" if reason == "error" else output.error,
+                              status=status, kind="server_error" if status >= 500 else "invalid_request_error",
+                              code=reason)
 
     async def stream(self, generation: _Generation, *, chat: bool, include_usage: bool):
         """The server-sent events of a streaming request, ending with `data: [DONE]`."""
@@ -195,7 +260,7 @@ class _Server:
                 if (failure := self.failure(output)) is not None:
                     yield _sse(failure.body())
                     break
-                delta = text.update(output.generated_tokens, output.is_finished())
+                delta = await self.off_loop(text.update, list(generation.tokens), output.is_finished())
                 if delta:
                     yield _sse(chunk(delta))
                 if output.is_finished():
@@ -223,9 +288,23 @@ class _Server:
                              "finish_reason": _finish_reason(output)}],
                 "usage": self.usage(generation, output)}
 
-    # ---- prompts --------------------------------------------------------------------------------------
+    # ---- requests' inputs (on the text pool) -------------------------------------------------------------
+    def completion_input(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        """A completion request's body -> the request and its prompt's ids, or InvalidRequest."""
+        body = parse_request(CompletionRequest, parse_json(raw))
+        self.check_model(body)
+        self.check_sampling(body)
+        return body, self.completion_prompt(body)
+
+    def chat_input(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        body = parse_request(ChatCompletionRequest, parse_json(raw))
+        self.check_model(body)
+        self.check_sampling(body)
+        return body, self.chat_prompt(body)
+
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
+            self.check_prompt_chars(len(body.prompt), "prompt")
             return list(self.tokenizer.encode(body.prompt))
         return list(body.prompt)
 
@@ -235,17 +314,22 @@ class _Server:
             raise InvalidRequest(f"The model `{self.model_name}` has no chat template (its tokenizer_config.json "
                                  "sets no chat_template, or Transformers, which applies templates, is not "
                                  "installed); use /v1/completions with a prompt instead.", param="messages")
+        messages = [message.as_template_input() for message in body.messages]
+        self.check_prompt_chars(sum(len(message["content"]) for message in messages), "messages")
         try:
-            return list(apply([message.as_template_input() for message in body.messages]))
+            return list(apply(messages))
         except Exception as error:  # noqa: BLE001 - the template's own checks (roles, order) reject the messages
             raise InvalidRequest(f"the chat template cannot render these messages: {error}",
                                  param="messages") from None
 
 
-def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_timeout: float = DRAIN_TIMEOUT_S):
+def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_timeout: float = DRAIN_TIMEOUT_S,
+              guard: GuardSettings | None = None, max_prompt_chars: int | None = None):
     """The FastAPI app serving `manager` (started at the app's startup if it is not running; stopped at its
     shutdown, after finishing the requests it holds, up to `drain_timeout` seconds). tokenizer: a
-    `CheckpointTokenizer` (decode; encode for text prompts; apply_chat_template for chat)."""
+    `CheckpointTokenizer` (decode; encode for text prompts; apply_chat_template for chat). guard: the access
+    rules (`GuardSettings`: API key, origins, hosts, body size; default: none but the 8 MiB body limit);
+    max_prompt_chars: the longest text prompt tokenized (default: max_model_len x the longest token x 2)."""
     try:
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
@@ -254,16 +338,18 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     except ImportError as error:
         raise ImportError(f'the server needs fastapi and uvicorn: pip install "moe_jax[serve]" ({error})') from None
 
-    server = _Server(manager, tokenizer, model_name, max_model_len)
+    server = _Server(manager, tokenizer, model_name, max_model_len, max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(app):
         manager.start()
         yield
         await asyncio.to_thread(manager.stop, True, drain_timeout, drain=True)
+        server.text_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="moe_jax", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="moe_jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(AccessGuard, settings=guard or GuardSettings())
 
     class CancellingStream(StreamingResponse):
         """Cancels the generation however the response ends (the stream task can be cancelled mid-send)."""
@@ -280,7 +366,7 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
                 self.generation.close()
 
     def error_response(error: InvalidRequest):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request, error: InvalidRequest):
@@ -296,19 +382,16 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
         return JSONResponse(error_body(str(error.detail), kind=kind), status_code=error.status_code,
                             headers=getattr(error, "headers", None))
 
-    async def read_json(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InvalidRequest(f"the request body is not valid JSON: {error}") from None
+    @app.exception_handler(Exception)
+    async def _unexpected(request, error: Exception):
+        # The details go to the log, not to the client.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return JSONResponse(error_body("internal server error", kind="server_error"), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await read_json(request))
-        server.check_model(body)
-        generation = server.submit("cmpl", server.completion_prompt(body), body.max_tokens or 16, body,
-                                   what="prompt")
+        body, prompt = await server.off_loop(server.completion_input, await request.body())
+        generation = server.submit("cmpl", prompt, body.max_tokens, body, what="prompt")
         if body.stream:
             return CancellingStream(server.stream(generation, chat=False, include_usage=body.include_usage()),
                                     generation)
@@ -321,9 +404,8 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await read_json(request))
-        server.check_model(body)
-        generation = server.submit("chatcmpl", server.chat_prompt(body), body.new_tokens(), body, what="messages")
+        body, prompt = await server.off_loop(server.chat_input, await request.body())
+        generation = server.submit("chatcmpl", prompt, body.new_tokens(), body, what="messages")
         if body.stream:
             return CancellingStream(server.stream(generation, chat=True, include_usage=body.include_usage()),
                                     generation)
@@ -352,8 +434,10 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     @app.get("/health")
     async def health():
         if manager.error is not None or not manager.is_running():
-            reason = str(manager.error) if manager.error is not None else "the engine's thread is not running"
+            reason = "the engine failed" if manager.error is not None else "the engine's thread is not running"
             return JSONResponse({"status": "error", "error": reason}, status_code=503)
+        if manager.is_draining():
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

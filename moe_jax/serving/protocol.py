@@ -3,24 +3,42 @@
     CompletionRequest       POST /v1/completions          prompt (text or token ids), max_tokens (default 16)
     ChatCompletionRequest   POST /v1/chat/completions     messages, max_completion_tokens / max_tokens
 
-Sampling as OpenAI: temperature (default 1.0; 0 is greedy), top_p, seed, stop (a string or a list); top_k is
-an extension (0: off, as OpenAI has none). One choice per request: n != 1, echo, and a list of several prompts
-are refused. Fields OpenAI has and this server does not use (logprobs, presence_penalty, user, ...) are read
-and ignored, as unknown fields are.
+Sampling as OpenAI: temperature (default 1.0; 0, or below 1e-5 as vLLM, is greedy), top_p in (0, 1], seed (a
+64-bit integer), stop (a string or a list: at most 16 strings of at most 256 characters); top_k is an extension
+(0 or -1: off, as OpenAI has none; at most the vocabulary, which the server checks). Every bound is checked here,
+so nothing out of range reaches the engine. One choice per request: n != 1, best_of != 1, echo, logprobs,
+top_logprobs and a list of several prompts are refused with a 400 that says so. Fields this server does not use
+and that change nothing in the output (user, presence_penalty 0, ...) are read and ignored, as unknown fields are.
+
+`parse_json` turns a body into JSON for these models: malformed JSON, NaN / Infinity, integers of thousands of
+digits, nesting deeper than Python's recursion and text with lone UTF-16 surrogates are all 400s.
 """
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..inference.sampling import MIN_TEMPERATURE
+
+# Stop strings per request and characters per stop string (the engine scans every new token's text for them).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+INT32_MAX = (1 << 31) - 1
+# completions' max_tokens when absent or null (OpenAI's default).
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 class InvalidRequest(ValueError):
     """A request the server refuses: the HTTP status and OpenAI's error fields."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
@@ -41,24 +59,36 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None   # None: the served model
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)   # extension; 0 or -1: off
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)   # extension; 0 or -1: off
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
+    best_of: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
 
-    @field_validator("n")
+    @field_validator("n", "best_of")
     @classmethod
-    def _one_choice(cls, n):
-        if n is not None and n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns one choice per request (n=1).")
-        return n
+    def _one_choice(cls, value, info):
+        if value is not None and value != 1:
+            raise ValueError(f"{info.field_name}={value} is not supported: this server returns one choice per "
+                             "request (n=1).")
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value, info):
+        if value is not None and value is not False:
+            raise ValueError(f"{info.field_name}={value!r} is not supported: this server returns no log "
+                             "probabilities.")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -66,17 +96,23 @@ class SamplingFields(BaseModel):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not text for text in stops):
             raise ValueError("stop strings must not be empty.")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings: at most {MAX_STOP_STRINGS} are allowed.")
+        if any(len(text) > MAX_STOP_CHARS for text in stops):
+            raise ValueError(f"a stop string of {max(map(len, stops))} characters: at most {MAX_STOP_CHARS} are "
+                             "allowed.")
         return stops or None
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
     def sampling(self) -> dict:
-        """The manager's sampling keywords: temperature 0 is greedy (OpenAI's semantics, not a division by 0)."""
+        """The manager's sampling keywords: temperature 0 is greedy (OpenAI's semantics, not a division by 0), and
+        so is one below 1e-5 (vLLM's rule: dividing by it overflows, and the draw is the argmax anyway)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         top_k = max(self.top_k or 0, 0)
-        if temperature == 0:
+        if temperature < MIN_TEMPERATURE:
             return dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0)
         return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -86,8 +122,14 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool | None = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_tokens(cls, max_tokens):
+        """null is the default (OpenAI's 16), not "up to the context"."""
+        return DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
 
     @field_validator("echo")
     @classmethod
@@ -158,6 +200,30 @@ class ChatCompletionRequest(SamplingFields):
     def new_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) over max_tokens; None: up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_json(raw: bytes) -> object:
+    """The request body as JSON, or InvalidRequest (400) saying what is wrong with it."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(f"the request body is not UTF-8: {error}") from None
+    except ValueError as error:   # JSONDecodeError, NaN / Infinity, an integer of too many digits
+        raise InvalidRequest(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests too deeply.") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the request body holds text with a lone UTF-16 surrogate (e.g. \\ud800 unpaired): "
+                             "text must be valid Unicode.") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests too deeply.") from None
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:

@@ -3,8 +3,8 @@ raw HTTP for errors, metrics and disconnects), over a tiny random checkpoint wit
 chat template. The random model's bytes are often not UTF-8, so the streamed text exercises held-back
 incomplete characters.
 
-One server (uvicorn in a thread, the model on tp=2 ep=2 fsdp=2) serves most tests; one test runs the real
-command in a subprocess (one device) and stops it with SIGTERM.
+One server (uvicorn in a thread, the model on tp=2 ep=2 fsdp=2; tests/serving/live.py) serves most tests; one
+test runs the real command in a subprocess (one device) and stops it with SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,55 +33,14 @@ import jax  # noqa: E402
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 from moe_jax.serving import build_app  # noqa: E402
-from moe_jax.tokenization import CheckpointTokenizer, load_checkpoint_tokenizer, write_byte_tokenizer  # noqa: E402
+from moe_jax.tokenization import CheckpointTokenizer, load_checkpoint_tokenizer  # noqa: E402
 
-CONFIG = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-              num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=256,
-              tie_word_embeddings=False)
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-NAME = "tiny-moe"
-MAX_MODEL_LEN = 256
-SERVER_FLAGS = dict(max_slots=4, page_size=8, max_model_len=MAX_MODEL_LEN, prefill_chunk=16)
+from .live import MAX_MODEL_LEN, NAME, SERVER_FLAGS, free_socket, serving, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A random tiny Qwen3-MoE (vocabulary 256: the byte tokenizer's) with a chat template."""
-    directory = tmp_path_factory.mktemp("serve") / "tiny"
-    model = AutoModelForCausalLM.from_config(CONFIG, devices=jax.devices()[:1])
-    model.init_params(0)
-    model.params = {name: value * (8.0 if name.endswith("mlp.gate.weight") else 1.0)
-                    for name, value in model.params.items()}
-    model.save_pretrained(directory, progress=False)
-    write_byte_tokenizer(directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
-    return directory
-
-
-def free_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class Served:
-    def __init__(self, model, manager, tokenizer, port):
-        self.model, self.manager, self.tokenizer, self.port = model, manager, tokenizer, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def greedy(self, prompt_ids: list[int], new_tokens: int) -> str:
-        """What `model.generate` continues `prompt_ids` with, as text."""
-        out = self.model.generate(np.array([prompt_ids]), max_new_tokens=new_tokens)
-        return self.tokenizer.decode(out[0, len(prompt_ids):].tolist())
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {match[1]: float(match[2]) for match in re.finditer(r"^(moe_jax_\w+) (\S+)$", text, re.M)}
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +49,8 @@ def served(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, DistributedConfig(tp_size=2, ep_size=2, fsdp_size=2),
                                                  devices=jax.devices()[:4], progress=False)
     manager = model.init_continuous_batching(decode=tokenizer.decode, **SERVER_FLAGS)
-    app = build_app(manager, tokenizer, model_name=NAME, max_model_len=MAX_MODEL_LEN)
-    sock = free_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield Served(model, manager, tokenizer, sock.getsockname()[1])
-    server.should_exit = True
-    thread.join(60)
-    sock.close()
+    with serving(model, manager, tokenizer) as served:
+        yield served
     assert not manager.is_running()   # the lifespan's shutdown stopped the engine
 
 
@@ -193,7 +140,7 @@ def test_bad_requests_are_openai_errors(served):
         assert set(error) == {"message", "type", "param", "code"}
         return response.status_code, error
 
-    status, error = post("/v1/completions", content=b'{"prompt": "a", ')
+    status, error = post("/v1/completions", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
     assert status == 400 and "not valid JSON" in error["message"] and error["type"] == "invalid_request_error"
     status, error = post("/v1/completions", json={"model": "gpt-4", "prompt": "a"})
     assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
