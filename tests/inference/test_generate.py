@@ -10,7 +10,7 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import init_cache
-from moe_jax.inference.sampling import Sampling
+from moe_jax.inference.sampling import Sampling, warp
 from tests.heavy import representative
 from tests.models.test_apply import count_compilations, jit_names
 
@@ -124,6 +124,21 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(one_device):
     np.testing.assert_array_equal(first, sample(1, temperature=1.5, top_k=0))
     assert not np.array_equal(first, sample(2, temperature=1.5, top_k=0))
     np.testing.assert_array_equal(sample(3, top_k=1), expected["greedy"][:, :7 + 12])
+
+
+def test_sampled_tokens_are_draws_of_the_warped_logits_keyed_by_seed_and_step(one_device):
+    """By value: the first new token is categorical(key(seed), warp(logits)), token i after it draws with
+    fold_in(key(seed), i), each from the logits `model.apply` gives its position."""
+    model, expected = one_device("olmoe"), fixture("olmoe")
+    prompt = expected["input_ids"][:1]
+    sampling = Sampling(True, temperature=0.7, top_k=12, top_p=0.9)
+    sequence = model.generate(prompt, max_new_tokens=8, do_sample=True, seed=4, temperature=0.7, top_k=12,
+                              top_p=0.9)
+    logits = model.apply(model.params, sequence[:, :-1]).logits[0, prompt.shape[1] - 1:]
+    warped = warp(logits, sampling)
+    keys = [jax.random.key(4)] + [jax.random.fold_in(jax.random.key(4), i) for i in range(1, 8)]
+    draws = [int(jax.random.categorical(key, warped[i:i + 1], axis=-1)[0]) for i, key in enumerate(keys)]
+    assert list(sequence[0, prompt.shape[1]:]) == draws
 
 
 def test_generation_config_json_supplies_the_defaults(tmp_path):

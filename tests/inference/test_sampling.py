@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.inference import Sampling, next_tokens, warp
+from moe_jax.inference import Sampling, next_tokens, next_tokens_per_row, warp
 
 LOGITS = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
 
@@ -41,3 +41,18 @@ def test_bad_sampling_settings_are_refused():
         Sampling(True, temperature=0)
     with pytest.raises(ValueError, match=r"top_p=1.5 must be in \(0, 1\]"):
         Sampling(True, top_p=1.5)
+
+
+def test_each_row_draws_by_its_own_settings_and_key():
+    """`next_tokens_per_row` (one program for every request's settings) against each row alone: a greedy row is
+    its argmax, a sampling row categorical(its key, warp(its logits, its settings))."""
+    rows = [Sampling(False), Sampling(True, 0.7, 5, 1.0), Sampling(True, 1.3, 0, 0.8), Sampling(True, 2.0, 0, 1.0)]
+    logits = jnp.asarray(LOGITS)
+    keys = jnp.stack([jax.random.fold_in(jax.random.key(9), row) for row in range(len(rows))])
+    tokens = next_tokens_per_row(logits, keys, jnp.asarray([s.do_sample for s in rows]),
+                                 jnp.asarray([s.temperature for s in rows]), jnp.asarray([s.top_k for s in rows]),
+                                 jnp.asarray([s.top_p for s in rows]))
+    expected = [int(LOGITS[0].argmax())] + [
+        int(jax.random.categorical(keys[row], warp(logits[row:row + 1], sampling)[0]))
+        for row, sampling in enumerate(rows) if sampling.do_sample]
+    assert [int(t) for t in tokens] == expected
