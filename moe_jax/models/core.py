@@ -76,9 +76,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     input_ids = layouts.batch(jnp.asarray(input_ids, jnp.int32))
     batch, sequence = input_ids.shape
     if segment_ids is not None:
-        if cache is not None or core.layer_stack.pipeline is not None:
-            raise ValueError("packed rows (segment_ids) are a training / scoring input: not with a KV cache, nor "
-                             "through pipeline stages.")
+        if cache is not None:
+            raise ValueError("packed rows (segment_ids) are a training / scoring input: not with a KV cache.")
         segment_ids = layouts.batch(jnp.asarray(segment_ids, jnp.int32))
         attention_mask = (segment_ids > 0).astype(jnp.int32)
         if positions is None:   # each document counts from 0
@@ -98,10 +97,11 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     nested = core.layer_stack.nest(params)
     if core.layer_stack.pipeline is not None:
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
-        hidden, sums, total, cache = pipeline_hidden(family, config, core.layer_stack.pipeline, core.microbatches,
-                                                     nested, input_ids, attention_mask, positions, step, aux_sums)
-        # Each layer's routing stays in its stage: no router logits nor loads; the aux loss comes from sums.
-        router_logits, expert_load = [], None
+        hidden, sums, total, cache, expert_load = pipeline_hidden(
+            family, config, core.layer_stack.pipeline, core.microbatches, nested, input_ids, attention_mask,
+            positions, step, aux_sums)
+        # Each layer's routing stays in its stage: no router logits; the aux loss comes from sums.
+        router_logits = []
         aux_loss = (load_balancing_from_sums(*sums, config.num_experts) if aux_sums
                     else jnp.zeros((), jnp.float32))
     else:

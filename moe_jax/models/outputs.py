@@ -21,8 +21,8 @@ class ModelOutput:
     the router load-balancing loss (HF's `load_balancing_loss_func`, unscaled: multiply by
     `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`);
     statistics: dispatch counts summed over layers and devices; cache: the updated KV cache (None: no cache
-    was given); expert_load: [L, E] per sparse layer, the real tokens its router sent to each expert (None
-    through pipeline stages, where each layer's routing stays in its stage).
+    was given); expert_load: [L, E] per sparse layer, the real tokens its router sent to each expert (through
+    pipeline stages too: each stage counts its own layers; None without sparse layers).
     """
 
     logits: jax.Array | None

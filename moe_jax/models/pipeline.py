@@ -17,6 +17,7 @@ selects: their outputs, dispatch statistics and router sums never reach the resu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -64,7 +65,7 @@ def _where(keep, value, otherwise):
 def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches: int, layers: dict, x, rope,
                     token_mask, masks: dict, step: StepOptions, aux_sums: bool, caches: dict | None = None):
     """The decoder layers on x [B, S, H] through the pipeline -> (x [B, S, H], router sums or None, statistics,
-    updated caches or None).
+    updated caches or None, expert load [sparse layers, E] or None).
 
     layers: `params["model"]["layers"]` of a pipeline `LayerStack` (each group's leaves [stages * repeats *
     slots, ...], split over `pp`). rope: (cos, sin) [B, S, D]. token_mask: [B, S], 1 for the real tokens among
@@ -72,13 +73,17 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     (a sliding-window ring's own), "": the mask of every other entry. caches: cache entry key -> (keys, values)
     [rows, B, T, K, D] (`KVCache.keys` / `values`), each stage writing its rows for the microbatch it runs.
     Router sums (with `aux_sums`): (tokens per expert [E], router probabilities per expert [E], rows) over every
-    sparse layer and microbatch (`moe_jax.ops.routing.load_balancing_from_sums` gives the aux loss)."""
+    sparse layer and microbatch (`moe_jax.ops.routing.load_balancing_from_sums` gives the aux loss). Packed
+    rows (`step.segment_ids` [B, S]) travel with their microbatch: each stage attends within the documents of the
+    rows it runs. The expert load (real tokens each sparse layer sent to each expert, as `ModelOutput.expert_load`)
+    is counted where each layer runs and summed over stages once, after the loop."""
     stages, repeats, m_count = layout.stages, layout.repeats, microbatches
     work_items = m_count * repeats
     layouts = step.layouts
     inputs = layouts.constrain(microbatched(x, m_count), (None, "batch", "length", "embed"))
     masks = {key: microbatched(mask, m_count) for key, mask in masks.items()}
     token_masks = microbatched(token_mask, m_count)
+    segments = None if step.segment_ids is None else microbatched(step.segment_ids, m_count)
     ropes = jax.tree.map(lambda a: microbatched(a, m_count), rope)
     per_stage = lambda leaf: leaf.reshape(stages, repeats, -1, *leaf.shape[1:])  # noqa: E731
     stage_weights = jax.tree.map(per_stage, layers)
@@ -93,6 +98,9 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     present = [[np.asarray(kind.present, bool).reshape(stages, repeats) for kind in group.kinds]
                for group in layout.groups]
     experts = config.num_experts if aux_sums else 1
+    sparse = family.sparse_layers(config)
+    # Per stage, every layer's row (a layer's load lands in the stage that runs it): [stages, L, E].
+    load_shape = (config.num_hidden_layers, config.num_experts) if sparse else (0, 0)
     stage = partial(_stage, family, config, layout, step, aux_sums, experts, m_count)
 
     def keep_last_output(state, buffer, t):
@@ -109,7 +117,7 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         return buffer.at[:, slot].set(jnp.where(keep, state, buffer[:, slot]))
 
     def iteration(carry, t):
-        state, buffer, statistics, sums, stage_caches = carry
+        state, buffer, statistics, sums, loads, stage_caches = carry
         buffer = keep_last_output(state, buffer, t)
         stage_ids = jnp.arange(stages)
         work = t - stage_ids
@@ -121,15 +129,15 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         state = jnp.where((stage_ids == 0)[:, None, None, None], buffer[:, micro[0]], state)
         state = jnp.where(valid[:, None, None, None], state, jnp.zeros_like(state))  # bubbles compute on zeros
         state = layouts.constrain_staged(state, ("batch", "length", "embed"))
-        out, stage_statistics, stage_sums, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
+        out, stage_statistics, stage_sums, stage_loads, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
             stage_weights, state, {key: mask[micro] for key, mask in masks.items()},
-            token_masks[micro], jax.tree.map(lambda a: a[micro], ropes), repeat, micro, valid,
-            jnp.asarray(layer_numbers),
-            [[jnp.asarray(p) for p in kinds] for kinds in present], stage_caches)
+            token_masks[micro], None if segments is None else segments[micro],
+            jax.tree.map(lambda a: a[micro], ropes), repeat, micro, valid, jnp.asarray(layer_numbers),
+            [[jnp.asarray(p) for p in kinds] for kinds in present], loads, stage_caches)
         out = layouts.constrain_staged(out, ("batch", "length", "embed"))
         statistics = statistics.combine(stage_statistics)
         sums = jax.tree.map(jnp.add, sums, stage_sums)
-        return (jnp.roll(out, 1, axis=0), buffer, statistics, sums, stage_caches), None
+        return (jnp.roll(out, 1, axis=0), buffer, statistics, sums, stage_loads, stage_caches), None
 
     state = jnp.full((stages, *inputs.shape[1:]), BUBBLE_FILL, x.dtype)
     # Stage 0's buffer starts as the microbatches' embeddings (the other stages' are unused): it is stage 0's input
@@ -139,16 +147,18 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
             jnp.zeros((stages,), jnp.float32))
     carry = (layouts.constrain_staged(state, ("batch", "length", "embed")),
              layouts.constrain_staged(buffer, (None, "batch", "length", "embed")),
-             _zero_statistics((stages,)), sums, stage_caches)
+             _zero_statistics((stages,)), sums, jnp.zeros((stages, *load_shape), jnp.float32), stage_caches)
     iterations = work_items + stages - 1
-    (state, buffer, statistics, sums, stage_caches), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
+    (state, buffer, statistics, sums, loads, stage_caches), _ = jax.lax.scan(iteration, carry,
+                                                                             jnp.arange(iterations))
     buffer = keep_last_output(state, buffer, iterations)
     statistics = DispatchStatistics(statistics.dropped.sum(), statistics.padded.sum(),
                                     statistics.buffer_rows.max(), statistics.required_capacity.max())
     # The results leave stage 0 once, for the norm and head (replicated over pp).
     hidden = layouts.constrain(unmicrobatched(buffer[0]), ("batch", "length", "embed"))
     caches = None if caches is None else jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), stage_caches)
-    return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics, caches
+    expert_load = loads.sum(0)[np.asarray(sparse)] if sparse else None
+    return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics, caches, expert_load
 
 
 def _microbatch_rows(array, micro, m_count: int):
@@ -164,10 +174,14 @@ def _with_microbatch_rows(array, rows, micro, m_count: int):
 
 
 def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, aux_sums: bool, experts: int,
-           m_count: int, weights, x, masks, token_mask, rope, repeat, micro, valid, layer_numbers, present,
-           caches):
+           m_count: int, weights, x, masks, token_mask, segment_ids, rope, repeat, micro, valid, layer_numbers,
+           present, loads, caches):
     """One stage's chunk on its microbatch (under `vmap` over stages): x [mb, S, H] -> (x, statistics, sums,
-    caches). caches: key -> (keys, values) [repeats, slots, B, T, K, D] of this stage, or None."""
+    loads, caches). segment_ids: the microbatch's packed rows [mb, S], or None. loads: this stage's expert load
+    so far [L, E] (every layer's row; its own layers' rows grow). caches: key -> (keys, values) [repeats, slots,
+    B, T, K, D] of this stage, or None."""
+    if segment_ids is not None:
+        step = replace(step, segment_ids=segment_ids)
     weights = jax.tree.map(lambda leaf: leaf[repeat], weights)   # this repeat's chunk: [slots of group, ...]
     numbers = layer_numbers[repeat]
     statistics = _zero_statistics()
@@ -211,6 +225,8 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
             if layer_statistics is None:
                 continue
             counted = here & valid
+            if layer_statistics.expert_load is not None:   # [slots, E], one row per layer of the group
+                loads = loads.at[slot_numbers].add(jnp.where(counted, layer_statistics.expert_load, 0.0))
             layer_statistics = DispatchStatistics(layer_statistics.dropped.sum(), layer_statistics.padded.sum(),
                                                   layer_statistics.buffer_rows.max(),
                                                   layer_statistics.required_capacity.max())
@@ -222,14 +238,14 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
                     kept = _where(counted, slot_sums, jax.tree.map(jnp.zeros_like, slot_sums))
                     sums = jax.tree.map(jnp.add, sums, kept)
         x = result
-    return x, statistics, sums, caches
+    return x, statistics, sums, loads, caches
 
 
 def pipeline_hidden(family: Family, config, layout: PipelineLayout, microbatches: int, params: dict, input_ids,
                     attention_mask, positions, step: StepOptions, aux_sums: bool):
     """`decoder_hidden` with the layers through the pipeline: input_ids, attention_mask, positions [B, S] ->
     (hidden [B, S, H] after the final norm, router sums or None, dispatch statistics, the updated `step.cache`
-    or None). The embeddings, the final norm and the head run outside the stages, on every stage's devices (laid
+    or None, expert load [sparse layers, E] or None). The embeddings, the final norm and the head run outside the stages, on every stage's devices (laid
     out as without pp)."""
     model = params["model"]
     x, rope = embedded_inputs(family, config, model, input_ids, positions, step)
@@ -247,10 +263,10 @@ def pipeline_hidden(family: Family, config, layout: PipelineLayout, microbatches
             masks[key] = jnp.concatenate([ring, attention_mask.astype(ring.dtype)], axis=1)
             window_masks[key] = masks[key][:, -ring.shape[1]:]
         caches = {key: (cache.keys[key], cache.values[key]) for key in cache.keys}
-    x, sums, statistics, caches = pipeline_layers(family, config, layout, microbatches, model["layers"], x, rope,
-                                                  attention_mask, masks, step, aux_sums, caches)
+    x, sums, statistics, caches, expert_load = pipeline_layers(family, config, layout, microbatches, model["layers"],
+                                                               x, rope, attention_mask, masks, step, aux_sums, caches)
     if cache is not None:
         cache = KVCache(keys={key: pair[0] for key, pair in caches.items()},
                         values={key: pair[1] for key, pair in caches.items()}, key_mask=key_mask,
                         length=cache.length + input_ids.shape[1], window_masks=window_masks)
-    return rms_norm(model["norm"], x, config.rms_norm_eps), sums, statistics, cache
+    return rms_norm(model["norm"], x, config.rms_norm_eps), sums, statistics, cache, expert_load

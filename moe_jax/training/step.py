@@ -18,9 +18,8 @@ input state unchanged (an elementwise select; no `lax.cond` around collectives) 
 late and replays from the first overflowed step at a larger capacity (`moe_jax.training.loop`).
 
 Metrics (device scalars, read one step late): step, loss, ce_loss, aux_loss, grad_norm, tokens, dropped, padded
-(dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, where the layers
-route in one program (not through pipeline stages), expert_load [L, E]: the real tokens each sparse layer sent
-to each expert in this step.
+(dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, with sparse layers,
+expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step.
 """
 
 from __future__ import annotations
@@ -343,9 +342,9 @@ class TrainStep:
     @property
     def expert_load_shape(self) -> tuple[int, int] | None:
         """[L, E] of the `expert_load` metric (real tokens each sparse layer sent to each expert, summed over the
-        batch); None without sparse layers or through pipeline stages (each layer's routing stays in its stage)."""
+        batch); None without sparse layers."""
         sparse = self.model.sparse_layers()
-        if not sparse or self.model.layer_stack.pipeline is not None:
+        if not sparse:
             return None
         return len(sparse), self.model.config.num_experts
 
