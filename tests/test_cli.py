@@ -62,6 +62,28 @@ def test_the_help_describes_the_commands_and_every_flag():
     assert undocumented == []
 
 
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return subparsers.choices[name]
+
+
+def _help(name: str, flag: str) -> str:
+    return next(action.help for action in _subparser(name)._actions if flag in action.option_strings)
+
+
+def test_help_promises_only_what_runs():
+    """serve lists no pipeline flag (continuous batching does not run stages: every --pp value failed) and does
+    not limit itself to one process; train's data flags name every format they read."""
+    serve_flags = {flag for action in _subparser("serve")._actions for flag in action.option_strings}
+    assert not {flag for flag in serve_flags if flag.startswith("--pp")}
+    assert {"--tp", "--fsdp", "--ep", "--dp-replicate", "--ep-implementation"} <= serve_flags
+    assert "one process's devices" not in build_parser().format_help()
+    for suffix in (".npy", ".parquet", ".jsonl", ".array_record", ".txt"):
+        assert suffix in _help("train", "--data"), suffix
+        assert suffix in _help("train", "--eval-data"), suffix
+
+
 def test_a_one_device_layout_is_one_device(capsys):
     assert main(["layout", "--tp", "1"]) == 0
     assert capsys.readouterr().out.startswith("1 device: tp_size=1")

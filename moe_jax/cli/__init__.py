@@ -142,7 +142,8 @@ command("generate", "generate from an HF MoE checkpoint, text through its tokeni
     _job("generate", "add_generate_arguments", "run_generate")
 )
 command("serve", "serve an HF MoE checkpoint over HTTP with OpenAI's completions and chat API (continuous "
-                 "batching, streaming), on any layout of one process's devices")(
+                 "batching, streaming), on any layout without pipeline stages, in one process or several "
+                 "(moe-jax launch)")(
     _job("serve", "add_arguments", "run")
 )
 

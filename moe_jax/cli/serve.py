@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                         help="on SIGTERM / Ctrl-C, how long the running requests may go on before they are ended "
                              f"with an error event (default {SHUTDOWN_TIMEOUT_S})")
-    add_layout_flags(parser, ep_implementation=True)
+    add_layout_flags(parser, pipeline=False, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
 
 
@@ -139,9 +139,6 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
     if missing:
         raise ValueError(f'moe-jax serve needs {" and ".join(missing)}, not installed: '
                          f'pip install "moe_jax[serve]"')
-    if args.pp is not None and args.pp > 1:
-        raise ValueError(f"--pp {args.pp}: continuous batching does not run pipeline stages; serve with --tp, "
-                         "--fsdp, --ep and --dp-replicate.")
     for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows", "max_request_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--data", default=None,
                       help=".npy file of int token ids [num_sequences, seq_len], or a text corpus (.parquet, "
-                           ".jsonl, .txt: one document per line) tokenised with the --model checkpoint's tokenizer")
+                           ".jsonl, .array_record with --text-column; .txt: one document per line) tokenised with the "
+                           "--model checkpoint's tokenizer")
     data.add_argument("--text", default=None, help="text file, tokenised with the --model checkpoint's tokenizer")
     parser.add_argument("--text-column", default="text", help="the text column of a .parquet / .jsonl corpus "
                                                               "(default text)")
@@ -79,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Grain worker processes that tokenise a corpus (default 0: in this process, which won "
                              "on a 2-core machine: scripts/bench_data.py; raise it for slow tokenizers on many cores)")
     parser.add_argument("--eval-data", default=None,
-                        help="held-out data (.npy of token ids, or a text file) whose loss and perplexity join the "
-                             "metrics every --eval-every steps and after the last")
+                        help="held-out data whose loss and perplexity join the metrics every --eval-every steps "
+                             "and after the last: .npy of token ids, a corpus as --data (.parquet, .jsonl, "
+                             ".array_record, .txt; cut into rows as --data is, --pack included), or another text "
+                             "file cut into rows of --seq-len tokens")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="steps between evaluations (default: after the last step only)")
     parser.add_argument("--eval-batches", type=int, default=None,
