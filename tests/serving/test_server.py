@@ -326,3 +326,103 @@ def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else find_spec(name, *a))
     assert main(["serve", "--model", str(checkpoint)]) == 2
     assert 'pip install "moe_jax[serve]"' in capsys.readouterr().err
+
+
+# ---- hostile requests: each is refused alone, and the engine goes on -----------------------------------------------
+HOSTILE_BODIES = {
+    "a 5,000-digit integer": b'{"prompt": "hi", "max_tokens": 4, "seed": ' + b"7" * 5000 + b"}",
+    "a lone surrogate": b'{"prompt": "a\\ud800b", "max_tokens": 4}',
+    "top_k 2^31": b'{"prompt": "hi", "max_tokens": 4, "top_k": 2147483648}',
+    "top_k beyond the vocabulary": b'{"prompt": "hi", "max_tokens": 4, "top_k": 257}',
+    "NaN temperature": b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}',
+    "1,000 stop strings": json.dumps({"prompt": "hi", "stop": ["s" * 1000] * 1000}).encode(),
+    "logprobs": b'{"prompt": "hi", "logprobs": 2}',
+    "a chat message with a lone surrogate": b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+}
+
+
+def baseline(served) -> str:
+    """The suite's greedy baseline: the same text before and after every hostile request."""
+    return served.client.completions.create(model=NAME, prompt="Baseline", max_tokens=8, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_BODIES))
+def test_a_hostile_request_is_a_400_and_the_next_greedy_completion_is_unchanged(served, what):
+    before = baseline(served)
+    path = "/v1/chat/completions" if b"messages" in HOSTILE_BODIES[what] else "/v1/completions"
+    response = httpx.post(f"{served.url}{path}", content=HOSTILE_BODIES[what],
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, (what, response.text)
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    assert baseline(served) == before
+
+
+def test_a_temperature_of_1e_40_is_greedy(served):
+    expected = baseline(served)
+    response = served.client.completions.create(model=NAME, prompt="Baseline", max_tokens=8, temperature=1e-40)
+    assert response.choices[0].text == expected
+
+
+def test_a_1mb_prompt_is_refused_before_tokenizing_without_stalling_a_stream(served):
+    """The largest gap between a running stream's chunks stays under a second while 1 MB prompts arrive."""
+    arrivals: list[float] = []
+    body = {"model": NAME, "prompt": "stream on", "max_tokens": 120, "temperature": 0, "stream": True}
+    served.client.completions.create(**body | {"stream": False})   # its programs compiled: no gap but the prompts'
+
+    def stream():
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    while len(arrivals) < 3:
+        time.sleep(0.01)
+    huge = {"model": NAME, "prompt": "x" * (1 << 20), "max_tokens": 4}
+    statuses = []
+    for _ in range(3):
+        started = time.monotonic()
+        response = httpx.post(f"{served.url}/v1/completions", json=huge, timeout=30)
+        statuses.append((response.status_code, response.json()["error"]["code"], time.monotonic() - started < 1))
+    streaming.join(60)
+    assert statuses == [(400, "context_length_exceeded", True)] * 3
+    gaps = np.diff(arrivals)
+    assert len(arrivals) > 50 and gaps.max() < 1.0, gaps.max()
+
+
+def test_a_20mb_body_is_413_within_a_second(served):
+    started = time.monotonic()
+    response = httpx.post(f"{served.url}/v1/completions", content=b"x" * (20 << 20),
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert time.monotonic() - started < 1.0
+    assert baseline(served) == baseline(served)
+
+
+def test_a_request_whose_inputs_break_a_step_fails_alone(served, monkeypatch):
+    """Its slot and pages are freed, its client gets a 500 naming the failure (no exception class), the
+    requests batched with it finish with their own text, and the engine goes on."""
+    expected = baseline(served)
+    engine = served.manager.engine
+    decode_row = engine._decode_row
+
+    def poisoned(inputs, row, request):
+        if request.settings.seed == 666:
+            raise OverflowError("Python integer out of bounds for int32")
+        decode_row(inputs, row, request)
+
+    monkeypatch.setattr(engine, "_decode_row", poisoned)
+    bad = {"model": NAME, "prompt": "poison", "max_tokens": 8, "seed": 666, "temperature": 0}
+    good = {"model": NAME, "prompt": "Baseline", "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda body: httpx.post(f"{served.url}/v1/completions", json=body, timeout=60),
+                                  [bad, good, good, bad]))
+    for response in (responses[0], responses[3]):
+        error = response.json()["error"]
+        assert response.status_code == 500 and error["code"] == "error", error
+        assert "out of bounds for int32" in error["message"] and "OverflowError" not in error["message"]
+    assert [r.json()["choices"][0]["text"] for r in responses[1:3]] == [expected] * 2
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    wait_idle(served)

@@ -1,0 +1,93 @@
+"""`moe_jax.serving.protocol`: every bound is checked before a request can reach the engine, and malformed bodies
+of any kind are 400s that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from moe_jax.serving.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    parse_json,
+    parse_request,
+)
+
+
+def completion(**fields) -> CompletionRequest:
+    return parse_request(CompletionRequest, {"prompt": "a"} | fields)
+
+
+def refused(model, body: dict) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(model, body)
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),         # int() digit limit
+    (b'{"prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),
+    (b'{"prompt": "a", "temperature": NaN}', "not valid JSON"),
+    (b'{"prompt": "a", "temperature": Infinity}', "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
+    (b'{"prompt": "\xff"}', "not UTF-8"),
+    (b'{"prompt": "a", ', "not valid JSON"),
+])
+def test_malformed_bodies_are_400s_that_say_why(raw, message):
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        parse_json(raw)
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2 ** 31), ("top_k", -2), ("temperature", -0.5), ("temperature", 1e999), ("top_p", 0), ("top_p", 1.5),
+    ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("max_tokens", 0), ("n", 2), ("best_of", 3), ("logprobs", 1),
+    ("logprobs", True), ("top_logprobs", 2), ("echo", True), ("stop", [""]), ("stop", ["x"] * 17),
+    ("stop", "y" * 257),
+])
+def test_out_of_range_fields_are_refused_by_name(field, value):
+    assert refused(CompletionRequest, {"prompt": "a", field: value}).param == field
+
+
+def test_the_largest_values_in_range_are_accepted():
+    body = completion(top_k=2 ** 31 - 1, seed=2 ** 64 - 1, stop=["z" * 256] * 16, logprobs=None, best_of=1)
+    assert body.sampling()["top_k"] == 2 ** 31 - 1 and len(body.stop_strings()) == 16
+    assert completion(seed=-(2 ** 63)).seed == -(2 ** 63)
+
+
+@pytest.mark.parametrize("temperature", [0, 1e-40, 9.9e-6])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    assert completion(temperature=temperature).sampling() == dict(do_sample=False, temperature=1.0, top_k=0,
+                                                                  top_p=1.0)
+
+
+def test_sampling_fields_reach_the_manager_by_name():
+    """temperature and top_p are not swapped; top_k -1 and 0 are off."""
+    assert completion(temperature=0.7, top_p=0.3, top_k=5).sampling() == dict(do_sample=True, temperature=0.7,
+                                                                              top_k=5, top_p=0.3)
+    assert completion(temperature=1e-5, top_k=-1).sampling()["top_k"] == 0
+    assert completion().sampling() == dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+
+
+def test_max_tokens_null_is_the_default_16_not_the_context():
+    assert completion().max_tokens == 16
+    assert parse_request(CompletionRequest, json.loads('{"prompt": "a", "max_tokens": null}')).max_tokens == 16
+    assert completion(max_tokens=3).max_tokens == 3
+
+
+def test_max_completion_tokens_wins_over_max_tokens_in_chat():
+    messages = [{"role": "user", "content": "hi"}]
+    both = parse_request(ChatCompletionRequest, {"messages": messages, "max_tokens": 9, "max_completion_tokens": 4})
+    assert both.new_tokens() == 4
+    assert parse_request(ChatCompletionRequest, {"messages": messages, "max_tokens": 9}).new_tokens() == 9
+    assert parse_request(ChatCompletionRequest, {"messages": messages}).new_tokens() is None   # up to the context
+
+
+def test_a_body_that_is_not_an_object_is_refused():
+    with pytest.raises(InvalidRequest, match="must be a JSON object"):
+        parse_request(CompletionRequest, [1, 2])
