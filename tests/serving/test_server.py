@@ -307,8 +307,10 @@ def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
 def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
     from moe_jax.cli import main
 
-    assert main(["serve", "--model", str(checkpoint), "--pp", "2"]) == 2
-    assert "error: --pp 2: continuous batching does not run pipeline stages" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint), "--max-request-bytes", "0"]) == 2
+    assert "error: --max-request-bytes 0 must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint), "--queue-timeout", "-1"]) == 2
+    assert "--queue-timeout -1.0 must be a positive number of seconds" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint), "--max-model-len", "1000"]) == 2
     assert "must be in [2, 256]" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint), "--max-slots", "4", "--decode-rows", "1,8"]) == 2
