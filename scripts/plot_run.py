@@ -4,7 +4,8 @@
 
 Panels: loss (train, and eval where the run evaluated), learning rate, tokens/s per device (and MFU when the run
 had --peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse
-layer (the busiest expert's tokens over the mean, each step) and the last step's tokens per expert and layer.
+layer (the busiest expert's tokens over the mean, each step) and the last step's tokens per expert and layer; layers
+are named by their index in the model (the records' `expert_load_layers`), as TensorBoard's router_load/layer_L.
 Needs matplotlib.
 """
 
@@ -35,8 +36,18 @@ def series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
     return [step for step, _ in kept], [value for _, value in kept]
 
 
+def load_layer_names(record: dict) -> tuple[list[str], str]:
+    """(a name per expert_load row, the axis label): the model's layer index, as TensorBoard's router_load/layer_L
+    tags; records written before they carried `expert_load_layers` only give the row's position."""
+    layers = record.get("expert_load_layers")
+    if layers is not None:
+        return [str(layer) for layer in layers], "layer"
+    return [f"#{row}" for row in range(len(record["expert_load"]))], "sparse layer (position)"
+
+
 def router_load_panels(records: list[dict], balance, heat, figure) -> None:
-    """Per sparse layer, max / mean tokens per expert over the steps; the last step's loads as a heat map."""
+    """Per sparse layer, max / mean tokens per expert over the steps; the last step's loads as a heat map, a row
+    per layer named by its index in the model."""
     loaded = [r for r in records if r.get("expert_load")]
     balance.set_title("router load: busiest expert / mean, per layer")
     heat.set_title("tokens per expert (last step)")
@@ -45,14 +56,22 @@ def router_load_panels(records: list[dict], balance, heat, figure) -> None:
             axis.text(0.5, 0.5, "no expert_load in the records", ha="center", va="center", transform=axis.transAxes)
         return
     steps = [r["step"] for r in loaded]
+    names, label = load_layer_names(loaded[-1])
     ratios = [[max(layer) / max(sum(layer) / len(layer), 1e-12) for layer in r["expert_load"]] for r in loaded]
-    for layer, curve in enumerate(zip(*ratios)):
-        balance.plot(steps, curve, label=f"sparse layer {layer}")
+    for name, curve in zip(names, zip(*ratios)):
+        balance.plot(steps, curve, label=f"{label} {name}")
     if len(ratios[0]) <= 8:
         balance.legend(fontsize="small")
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
     image = heat.imshow(loaded[-1]["expert_load"], aspect="auto", interpolation="nearest")
+    # Whole rows and experts only (imshow's default ticks fall between rows), each row named by its layer.
+    heat.xaxis.set_major_locator(MaxNLocator(integer=True))
+    heat.yaxis.set_major_locator(MaxNLocator(integer=True))
+    heat.yaxis.set_major_formatter(FuncFormatter(
+        lambda row, _: names[int(row)] if float(row).is_integer() and 0 <= row < len(names) else ""))
     heat.set_xlabel("expert")
-    heat.set_ylabel("sparse layer")
+    heat.set_ylabel(label)
     figure.colorbar(image, ax=heat)
 
 

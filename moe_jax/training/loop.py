@@ -54,7 +54,8 @@ class TrainLoop:
         required_capacity, padded (dispatch buffer rows that carried nothing), replayed (its batch had
         overflowed and was run again), replays (replays so far), data_position, lr (the rate of that update)
         when `learning_rate` (the optimizer's schedule, or a constant) is given, and expert_load (per sparse
-        layer, a list of the real tokens sent to each expert) where the step reports it.
+        layer, a list of the real tokens sent to each expert) with expert_load_layers (each row's layer index in
+        the model) where the step reports it.
     evaluate(step, state) -> metrics merged into that step's record, after the steps where `should_evaluate(step)`
         (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
@@ -83,6 +84,8 @@ class TrainLoop:
         self.save = save
         self.replays = 0
         self.batch_sharding = train_step.model.batch_sharding()
+        # expert_load's rows are the sparse layers in order; records name them by the model's layer index.
+        self._sparse_layers = list(train_step.model.sparse_layers())
         # The record's lr is computed on the host's CPU: on an accelerator the schedule's op would queue behind
         # the step in flight, and reading it would wait for that step (losing the one-step overlap).
         self._host_device = jax.local_devices(backend="cpu")[0]
@@ -153,5 +156,6 @@ class TrainLoop:
             "required_capacity": float(values["required_capacity"]), "padded": int(values["padded"]),
             "replayed": entry.replayed, "replays": self.replays, "data_position": int(values["data_position"]),
             **({} if self.learning_rate is None else {"lr": self._learning_rate(int(values["step"]) - 1)}),
-            **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist()}),
+            **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist(),
+                                                       "expert_load_layers": self._sparse_layers}),
         }

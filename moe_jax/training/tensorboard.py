@@ -8,8 +8,8 @@ TensorFlow nor torch), beside the JSONL.
 Scalars are grouped as TensorBoard shows them: train/* (loss, ce_loss, aux_loss, grad_norm, lr), eval/*
 (eval_loss, eval_perplexity), throughput/* (tokens_per_s, per device, model TFLOP/s per device, mfu, packing
 efficiency) and dispatch/* (capacity, required_capacity, padded buffer rows, replays). A record with
-`expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer number when
-`sparse_layers` is given), the histogram router_load/layer_L (one bucket per expert: its x axis is the expert
+`expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer index: the record's
+`expert_load_layers`, else `sparse_layers`, else the row's position), the histogram router_load/layer_L (one bucket per expert: its x axis is the expert
 id, its height the tokens routed there) and the scalar router_load/layer_L_max_over_mean (1.0: perfectly
 balanced; E / K: every token on the same K experts).
 """
@@ -51,12 +51,12 @@ class TensorBoardWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"{group}/{name}", float(value), step)
         if record.get("expert_load") is not None:
-            self._router_load(np.asarray(record["expert_load"], np.float64), step)
+            self._router_load(np.asarray(record["expert_load"], np.float64), step, record.get("expert_load_layers"))
         self.writer.flush()
 
-    def _router_load(self, load: np.ndarray, step: int) -> None:
+    def _router_load(self, load: np.ndarray, step: int, layers=None) -> None:
         experts = np.arange(load.shape[-1], dtype=np.float64)
-        layers = self.sparse_layers if self.sparse_layers is not None else range(len(load))
+        layers = layers or (self.sparse_layers if self.sparse_layers is not None else range(len(load)))
         for layer, counts, imbalance in zip(layers, load, load_imbalance(load)):
             # One bucket per expert (edges at e + 0.5): the "histogram" of which experts the tokens chose.
             total = counts.sum()

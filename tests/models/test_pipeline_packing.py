@@ -122,3 +122,4 @@ def test_moe_jax_train_packs_a_corpus_through_stages(tmp_path):
     assert [record["step"] for record in records] == [1, 2]
     for record in records:
         assert np.asarray(record["expert_load"]).shape == (2, 8)
+        assert record["expert_load_layers"] == [1, 2]   # the fixture's layer 0 is dense

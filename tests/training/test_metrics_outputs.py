@@ -79,6 +79,7 @@ def test_tensorboard_event_files_hold_the_jsonl_metrics_and_plot_run_draws_them(
     config = json.loads((CHECKPOINT / "config.json").read_text())
     sparse = [layer for layer in range(config["num_hidden_layers"]) if layer not in config.get("mlp_only_layers", [])]
     for record in records:
+        assert record["expert_load_layers"] == sparse
         load = np.asarray(record["expert_load"])
         assert load.shape == (len(sparse), config["num_local_experts"])
         assert (load.sum(axis=1) == config["num_experts_per_tok"] * 8 * 24).all()    # every token, top-k times
@@ -101,3 +102,26 @@ def test_tensorboard_event_files_hold_the_jsonl_metrics_and_plot_run_draws_them(
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "empty.jsonl").write_text("")
     assert plot_run.main([str(tmp_path / "empty.jsonl")]) == 2
+
+
+def test_plot_run_names_heat_map_rows_by_the_model_s_layer_index_on_whole_ticks():
+    """(was: fractional y ticks, rows numbered 0..L-1 where TensorBoard says layer_1..L)"""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_run
+
+    load = [[5, 1, 0, 2], [0, 3, 3, 2], [1, 1, 4, 2]]      # 3 sparse layers after a dense layer 0, 4 experts
+    records = [{"step": step, "expert_load": load, "expert_load_layers": [1, 2, 3]} for step in (1, 2)]
+    figure, (balance, heat) = plt.subplots(1, 2)
+    plot_run.router_load_panels(records, balance, heat, figure)
+    figure.canvas.draw()
+    rows = [tick for tick in heat.get_yticks() if -0.5 <= tick <= 2.5]
+    assert rows == [0, 1, 2]
+    assert [label.get_text() for label in heat.get_yticklabels() if label.get_text()] == ["1", "2", "3"]
+    assert all(float(tick).is_integer() for tick in heat.get_xticks())
+    assert heat.get_ylabel() == "layer"
+    assert [line.get_label() for line in balance.get_lines()] == ["layer 1", "layer 2", "layer 3"]
+    plt.close(figure)
