@@ -8,6 +8,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
                                   [--decode-rows ROWS[,ROWS...]] [--prefill-rows N] [--repeats 1]
+                                  [--api-key KEY] [--baseline-tree DIR] [--skip-static]
 
 Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
 `max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
@@ -33,11 +34,18 @@ median of each repeat's ratio): this machine's figures move 10-20% between passe
 and decode programs (`moe-jax serve --no-mixed-steps`). Also printed: the decode-step ceiling of the ratio to
 static batches for these requests, at equal batch width (static batch decode steps / (generated tokens / slots)):
 continuous batching cannot beat it by scheduling alone when a step costs the same whatever rows it holds.
+
+A/B of the server itself: `--baseline-tree DIR` (another checkout, e.g. `git worktree add /tmp/base COMMIT`)
+starts that tree's `moe-jax serve` beside ours on the same checkpoint and flags, and each repeat times both on the
+same requests, alternating which goes first; printed: ours / baseline tokens/s and TTFT / ITL per repeat and their
+medians. `--api-key KEY` starts ours with the key and has the clients send it (the baseline gets it only if it
+knows the flag: pass a tree that does, or compare the cost of the checks themselves).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -134,9 +142,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(workdir: Path, requests: list[dict], args):
-    """`moe-jax serve` on a free port, healthy and warmed up (one short pass of the clients) -> (base URL, its
-    process); terminated on exit."""
+def served(workdir: Path, requests: list[dict], args, tree: Path = ROOT, api_key: str | None = None):
+    """`moe-jax serve` of checkout `tree` on a free port, healthy and warmed up (one short pass of the clients) ->
+    (base URL, its process); terminated on exit."""
     import httpx
 
     port = free_port()
@@ -149,8 +157,12 @@ def served(workdir: Path, requests: list[dict], args):
         command += ["--decode-rows", ",".join(map(str, args.decode_rows))]
     if args.prefill_rows:
         command += ["--prefill-rows", str(args.prefill_rows)]
-    log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=args.environ)
+    if api_key:
+        command += ["--api-key", api_key]
+    log_path = workdir / f"server-{'ours' if tree == ROOT else 'baseline'}.log"
+    log = open(log_path, "w")
+    # `python -m` from the tree's root imports that tree's moe_jax first, whatever is installed.
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=args.environ)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -161,10 +173,10 @@ def served(workdir: Path, requests: list[dict], args):
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: see {workdir / 'server.log'}")
+                raise RuntimeError(f"the server did not start: see {log_path}")
             time.sleep(0.5)
         # One short pass first: the server's first steps and the clients' connections warmed.
-        drive(base, requests[:args.clients], args.clients)
+        drive(base, requests[:args.clients], args.clients, api_key)
         yield base, server
     finally:
         server.terminate()
@@ -172,16 +184,17 @@ def served(workdir: Path, requests: list[dict], args):
         log.close()
 
 
-def run_ours(base: str, server: subprocess.Popen, requests: list[dict], args) -> dict:
+def run_ours(base: str, server: subprocess.Popen, requests: list[dict], args, api_key: str | None = None) -> dict:
     """One timed pass of the clients against the running server."""
     import httpx
 
-    before = step_counts(httpx.get(f"{base}/metrics", timeout=10).text)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    before = step_counts(httpx.get(f"{base}/metrics", timeout=10, headers=headers).text)
     start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
-    results = drive(base, requests, args.clients)
+    results = drive(base, requests, args.clients, api_key)
     seconds = time.perf_counter() - start
     client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
-    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    metrics = httpx.get(f"{base}/metrics", timeout=10, headers=headers).text
     steps = {kind: count - before[kind] for kind, count in step_counts(metrics).items()}
     wrong = [i for i, (r, got) in enumerate(zip(requests, results)) if got["tokens"] != r["max_tokens"]]
     if wrong:
@@ -213,7 +226,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
+def drive(base: str, requests: list[dict], clients: int, api_key: str | None = None) -> list[dict]:
     """`clients` concurrent streaming clients (asyncio and aiohttp in one thread, as vLLM's benchmark client: the
     clients share the machine with the server, so they take as little of its CPU as they can), each sending its
     next request when the last one ended -> per request: tokens, time to first token, gaps between tokens
@@ -244,7 +257,9 @@ def drive(base: str, requests: list[dict], clients: int) -> list[dict]:
     async def main() -> None:
         cursor = iter(range(len(requests)))
         connector = aiohttp.TCPConnector(limit=clients)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
+                                         headers=headers) as session:
             async def client() -> None:
                 for index in cursor:
                     await one(session, index)
@@ -344,7 +359,8 @@ class _Never:
 def ratios(rows: dict) -> dict[str, float]:
     """Ours over each other side's tokens/s."""
     ours = rows["moe_jax serve"]["tokens_per_s"]
-    return {name: ours / rows[name]["tokens_per_s"] for name in ("static generate", "transformers CB") if name in rows}
+    return {name: ours / rows[name]["tokens_per_s"] for name in ("baseline serve", "static generate", "transformers CB")
+            if name in rows}
 
 
 def median_rows(passes: list[dict]) -> dict:
@@ -405,6 +421,10 @@ def main() -> int:
     parser.add_argument("--reference-arrival", choices=("clients", "all"), default="clients",
                         help="Transformers' CB with --clients requests in flight, a new one as each finishes (our "
                              "clients' closed loop), or every request added at once (generate_batch's way)")
+    parser.add_argument("--api-key", default=None, help="start our server with this API key; the clients send it")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout whose `moe-jax serve` runs beside ours, alternated with it each repeat")
+    parser.add_argument("--skip-static", action="store_true", help="do not time static generate batches")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -435,11 +455,20 @@ def main() -> int:
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
               f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)
         passes = []
-        with served(workdir, requests, args) as (base, server):
+        with contextlib.ExitStack() as servers:
+            base, server = servers.enter_context(served(workdir, requests, args, api_key=args.api_key))
+            if args.baseline_tree is not None:
+                baseline = servers.enter_context(served(workdir, requests, args, tree=args.baseline_tree.resolve()))
             for repeat in range(args.repeats):
-                rows = {"moe_jax serve": run_ours(base, server, requests, args)}
-                rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
-                                                           str(args.max_slots), "--scan-layers", args.scan_layers)
+                rows = {}
+                if args.baseline_tree is not None and repeat % 2:   # alternate which server goes first
+                    rows["baseline serve"] = run_ours(*baseline, requests, args)
+                rows["moe_jax serve"] = run_ours(base, server, requests, args, args.api_key)
+                if args.baseline_tree is not None and not repeat % 2:
+                    rows["baseline serve"] = run_ours(*baseline, requests, args)
+                if not args.skip_static:
+                    rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
+                                                               str(args.max_slots), "--scan-layers", args.scan_layers)
                 if not args.skip_reference:
                     rows["transformers CB"] = in_fresh_process("reference", workdir, args.environ, "--clients",
                                                                str(args.clients), "--reference-arrival",
@@ -464,6 +493,12 @@ def main() -> int:
     each = [ratios(rows) for rows in passes]
     for name in each[0]:
         print(f"ours / {name}: {statistics.median(r[name] for r in each):.2f}x throughput")
+    if "baseline serve" in passes[0]:
+        for what in ("ttft", "itl"):
+            for q in ("p50", "p99"):
+                ratio = statistics.median(rows["moe_jax serve"][what][q] / rows["baseline serve"][what][q]
+                                          for rows in passes)
+                print(f"ours / baseline serve: {ratio:.3f}x {what.upper()} {q}")
     print(json.dumps([{name: {k: v for k, v in row.items() if k != "server_metrics"} for name, row in rows.items()}
                       for rows in passes]))
     return 0

@@ -1,7 +1,7 @@
 """`moe-jax serve`: an OpenAI-compatible HTTP server over continuous batching (`moe_jax.serving`).
 
     moe-jax serve --model ckpt/ --port 8000 --max-slots 16 --max-model-len 4096 --tp 2 --ep 4 --fsdp 4
-    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 32}'
+    curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" -d '{"prompt": "Hi", "max_tokens": 32}'
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
 The checkpoint is loaded on the layout the flags give (one device without them), and its engine compiles

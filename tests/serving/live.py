@@ -18,7 +18,7 @@ import uvicorn
 
 from moe_jax import AutoModelForCausalLM
 from moe_jax.serving import build_app
-from moe_jax.serving.server import draining_server_class
+from moe_jax.serving.server import draining_server_class, header_timeout_protocol
 from moe_jax.tokenization import write_byte_tokenizer
 
 CONFIG = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -70,13 +70,15 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model, manager, tokenizer, *, drain_timeout: float = 30.0, **app_options):
-    """`build_app` over `manager` served by a `DrainingServer` in a thread -> `Served`; shut down on exit."""
+def serving(model, manager, tokenizer, *, drain_timeout: float = 30.0, header_timeout: float = 10.0,
+            **app_options):
+    """`build_app` over `manager` served by a `DrainingServer` (as `moe-jax serve` runs it) in a thread ->
+    `Served`; shut down on exit."""
     app = build_app(manager, tokenizer, model_name=NAME, max_model_len=manager.engine.config.max_model_len,
                     drain_timeout=drain_timeout, **app_options)
     sock = free_socket()
-    server = draining_server_class()(uvicorn.Config(app, log_level="warning", lifespan="on"), manager,
-                                     drain_timeout=drain_timeout)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=header_timeout_protocol(header_timeout))
+    server = draining_server_class()(config, manager, drain_timeout=drain_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

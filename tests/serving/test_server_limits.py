@@ -138,6 +138,21 @@ def test_an_engine_failure_stops_the_server_with_exit_code_1(model_and_tokenizer
         assert served.server.exit_code() == 1
 
 
+def test_a_connection_that_trickles_its_headers_is_closed(model_and_tokenizer):
+    """A slow-headers client (slowloris) holds a connection only as long as the header timeout."""
+    import socket
+
+    model, tokenizer = model_and_tokenizer
+    manager = model.init_continuous_batching(decode=tokenizer.decode, **FLAGS)
+    with serving(model, manager, tokenizer, header_timeout=0.3) as served:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as client:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # never ends its headers
+            started = time.monotonic()
+            assert client.recv(1024) == b""   # closed by the server
+            assert 0.2 < time.monotonic() - started < 3
+        assert httpx.get(f"{served.url}/health").status_code == 200   # whole headers are answered
+
+
 def test_the_serve_command_drains_streams_and_a_queue_on_sigterm(tmp_path):
     """The real command: SIGTERM while two streams run and two wait; each ends with `[DONE]` (after an error event
     if it was cut or refused), and the command exits 0."""
