@@ -10,6 +10,8 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from . import verbosity as _verbosity
+
 if TYPE_CHECKING:
     from .causal_lm.auto import AutoModelForCausalLM
     from .distributed.config import DistributedConfig
@@ -24,6 +26,9 @@ _EXPORTS = {
 
 __all__ = ["AutoModelForCausalLM", "DistributedConfig", "EPImplementation", "EPImplementationInterface"]
 __version__ = "0.1.0"
+
+# Transformers (for tokenizers) announces a missing torch when imported; moe_jax needs none (`verbosity`).
+_verbosity.quiet_transformers_notice()
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ matters where the kernel's THP mode is `madvise`, the usual default; one-device 
 Tunables are read when a process starts, so the `moe-jax` command restarts itself once with the tunable added
 (`restart_with_huge_pages`); `MOE_JAX_HUGE_PAGES=0` opts out. A program that imports moe_jax sets it itself:
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py`; a model built on CPU devices in a process started
-without it says so once (`warn_without_huge_pages`).
+without it says so once when verbose (`MOE_JAX_VERBOSE=1`, `moe_jax.verbosity`; `warn_without_huge_pages`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from .verbosity import verbose
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "MOE_JAX_HUGE_PAGES"
@@ -96,10 +98,11 @@ _warned = False
 
 
 def warn_without_huge_pages() -> None:
-    """Once per process: a `UserWarning` when the process started without the tunable where it would help (a
-    Python program importing moe_jax directly; the `moe-jax` command restarts itself with it)."""
+    """Once per process, when verbose (`moe_jax.verbosity`: every user script would print it otherwise): a
+    `UserWarning` when the process started without the tunable where it would help (a Python program importing
+    moe_jax directly; the `moe-jax` command restarts itself with it)."""
     global _warned
-    if _warned:
+    if _warned or not verbose():
         return  # every model build calls this: decide once, without reading /proc again
     _warned = True
     environ = starting_environ()

@@ -93,7 +93,8 @@ def test_the_launcher_gives_every_process_the_tunable():
     assert result.stdout.count(f"tunables {TUNABLE}=1") == 2, result.stdout
 
 
-def test_a_process_started_without_it_is_told_once(monkeypatch):
+def test_a_process_started_without_it_is_told_once_when_verbose(monkeypatch):
+    monkeypatch.setenv("MOE_JAX_VERBOSE", "1")   # quiet otherwise: tests/test_verbosity.py
     monkeypatch.setattr(host_memory, "_warned", False)
     monkeypatch.setattr(host_memory, "starting_environ", lambda: {"PATH": "/usr/bin"})
     monkeypatch.setattr(host_memory, "huge_page_tunables", lambda environ: f"{TUNABLE}=1")

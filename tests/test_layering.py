@@ -36,6 +36,7 @@ LAYER_OF_PATH = {
     "moe_jax/module_tree.py": "leaf",
     "moe_jax/parameter_dtypes.py": "leaf",
     "moe_jax/host_memory.py": "leaf",
+    "moe_jax/verbosity.py": "leaf",
     "moe_jax/tokenization.py": "leaf",
     "moe_jax/ops/": "ops",
     "moe_jax/distributed/": "distributed",

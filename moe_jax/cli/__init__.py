@@ -179,8 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-jax", description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (add_arguments, _, help_text) in COMMANDS.items():
-        add_arguments(subparsers.add_parser(name, help=help_text, description=help_text))
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        add_arguments(subparser)
+        subparser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return parser
+
+
+VERBOSE_HELP = ("also show what is quiet by default: gloo's connection lines under launch, Transformers' notice "
+                "that torch is missing, the huge-pages hint (MOE_JAX_VERBOSE=1 in the environment does the same)")
 
 
 # What a bad request (flags, paths, checkpoints, layouts) raises; anything else is a bug and keeps its traceback.
@@ -203,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..distributed.runtime import handle_failure, initialize
 
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        from ..verbosity import set_verbose
+
+        set_verbose()   # this process and those it starts (moe-jax launch)
     try:
         if args.command not in NOT_JOINED_BY_MAIN:
             initialize()  # joins the job the environment names (moe-jax launch, torchrun, srun); else nothing

@@ -6,7 +6,8 @@
 Each process gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID and
 LOCAL_RANK; with --devices-per-process M it also sees M CPU devices (JAX_NUM_CPU_DEVICES and XLA's host
 device count) and, where CUDA_VISIBLE_DEVICES is set, its own M of those GPUs. Every output line is
-prefixed with `[i] `, the process index. When a process fails (non-zero exit or a signal), the others are
+prefixed with `[i] `, the process index (gloo's "[Gloo] Rank i is connected ..." lines, one per process and
+collective group, only with --verbose, which also makes the processes verbose: `moe_jax.verbosity`). When a process fails (non-zero exit or a signal), the others are
 stopped (SIGTERM, then SIGKILL after `--grace` seconds, whole process groups) and the launcher exits with
 the failed process's status, naming it and repeating its last lines. The process named is the one that
 failed first, not a peer that failed a moment later because of it (a collective whose other end vanished):
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from ..distributed.runtime import FAILURE_REPORTS
 from ..host_memory import huge_page_tunables
+from ..verbosity import VERBOSE, is_gloo_connection_line, verbose
 
 POLL_S = 0.05
 SETTLE_S = 0.3  # after a first failure, for the others close behind it (see _blame)
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     command = args.program[1:] if args.program[:1] == ["--"] else args.program
     return launch(command, args.nproc, devices_per_process=args.devices_per_process, port=args.port,
-                  grace_s=args.grace)
+                  grace_s=args.grace, verbose=verbose())
 
 
 def free_port() -> int:
@@ -109,11 +111,13 @@ class _Child:
         return f"exited with status {code}"
 
 
-def _relay(stream, out, prefix: bytes, lock: threading.Lock, last_lines: deque) -> None:
+def _relay(stream, out, prefix: bytes, lock: threading.Lock, last_lines: deque, verbose: bool = False) -> None:
     """Copy `stream` to `out` line by line, each line prefixed (whole lines only, so output never
     interleaves), keeping the last lines (as a terminal shows them: after the last carriage return) in
-    `last_lines`."""
+    `last_lines`; gloo's connection lines only when `verbose` (`moe_jax.verbosity`)."""
     for line in iter(stream.readline, b""):
+        if not verbose and is_gloo_connection_line(line):
+            continue
         line = line if line.endswith(b"\n") else line + b"\n"
         with lock:
             out.write(prefix + line)
@@ -154,10 +158,10 @@ def resolve_command(command: Sequence[str]) -> list[str]:
 
 
 def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | None = None, port: int | None = None,
-           grace_s: float = 10.0, stdout=None, stderr=None) -> int:
+           grace_s: float = 10.0, stdout=None, stderr=None, verbose: bool = False) -> int:
     """Run `command` as `nproc` processes of one job; returns 0, or the status of the process that failed
     first (128 + signal number for a signal), or 128 + the signal that stopped the launcher, after every
-    process has ended."""
+    process has ended. verbose: relay gloo's connection lines too, and make the processes verbose."""
     if not command:
         raise ValueError("moe-jax launch needs a command after `--`, e.g. moe-jax launch --nproc 2 -- moe-jax train")
     if nproc < 1:
@@ -174,6 +178,8 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
     os.close(descriptor)
     for environ in environs:
         environ[FAILURE_REPORTS] = reports
+        if verbose:
+            environ[VERBOSE] = "1"
     lock = threading.Lock()
     children: list[_Child] = []
     received: list[int] = []  # signals the launcher got
@@ -189,7 +195,7 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
         previous_handlers[signum] = signal.signal(signum, on_signal)
     try:
         for index, environ in enumerate(environs):
-            children.append(_start(command, index, environ, stdout, stderr, lock))
+            children.append(_start(command, index, environ, stdout, stderr, lock, verbose))
         failed = _wait_for_first_failure(children, received, Path(reports))
         running = [child for child in children if child is not failed and child.process.poll() is None]
         _stop(children, grace_s, spare=failed)
@@ -216,7 +222,7 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
 
 
 def _start(command: Sequence[str], index: int, environ: Mapping[str, str], stdout, stderr,
-           lock: threading.Lock) -> _Child:
+           lock: threading.Lock, verbose: bool = False) -> _Child:
     """Process `index` in its own process group (so stopping it stops what it started), its output relayed."""
     try:
         process = subprocess.Popen(resolve_command(command), env=environ, stdout=subprocess.PIPE,
@@ -225,7 +231,7 @@ def _start(command: Sequence[str], index: int, environ: Mapping[str, str], stdou
         raise OSError(f"cannot start {command[0]!r}: {error.strerror}") from None
     child = _Child(index, process)
     prefix = f"[{index}] ".encode()
-    child.readers = [threading.Thread(target=_relay, args=(stream, out, prefix, lock, child.last_lines),
+    child.readers = [threading.Thread(target=_relay, args=(stream, out, prefix, lock, child.last_lines, verbose),
                                       daemon=True)
                      for stream, out in ((process.stdout, stdout), (process.stderr, stderr))]
     for reader in child.readers:
