@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 
@@ -57,3 +58,25 @@ def local_checkpoint(path: str | os.PathLike) -> Path:
             "(pip install huggingface_hub)."
         ) from None
     return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+
+
+# Besides its weights and config.json, what a checkpoint holds for the commands that read or write text and pick
+# generation defaults (the tokenizer's own files: `tokenization.TOKENIZER_FILES` / `TOKENIZER_EXTRA_FILES`, the
+# chat template among them), and the training data settings `moe-jax train --export-hf` records.
+GENERATION_CONFIG_FILE = "generation_config.json"
+TRAINING_SETTINGS_FILE = "moe_jax_training.json"
+COMPANION_FILES = (GENERATION_CONFIG_FILE, "chat_template.json", TRAINING_SETTINGS_FILE)
+
+
+def copy_companion_files(source: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
+    """Copies checkpoint `source`'s tokenizer files, chat template, generation config and training settings into
+    `destination` byte for byte (a conversion or an export of it: the weights change form, not the rest); returns
+    the names copied."""
+    from .tokenization import copy_tokenizer_files
+
+    copied = copy_tokenizer_files(source, destination)
+    for name in COMPANION_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(destination) / name)
+            copied.append(name)
+    return copied

@@ -118,3 +118,28 @@ def test_script_requests_virtual_cpu_devices_in_a_fresh_process(hf_checkpoint, t
     assert result.returncode == 0, result.stderr[-2000:]
     assert "onto 4 cpu device(s)" in result.stdout
     assert stored_shapes(tmp_path / "orbax" / "params")["model.embed_tokens.weight"] == (128, 32)
+
+
+def test_conversions_carry_the_tokenizer_chat_template_and_generation_config_both_ways(hf_checkpoint, tmp_path,
+                                                                                       capsys):
+    """(was: HF -> orbax -> HF kept the weights and dropped the rest: `generate --prompt` found no tokenizer)"""
+    from moe_jax.tokenization import BYTE_CHAT_TEMPLATE, load_checkpoint_tokenizer, write_byte_tokenizer
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for path in hf_checkpoint.iterdir():
+        (source / path.name).write_bytes(path.read_bytes())
+    write_byte_tokenizer(source, chat_template=BYTE_CHAT_TEMPLATE)
+    (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}\n")
+    (source / "special_tokens_map.json").write_text('{"eos_token": "\\n"}')
+    (source / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.7, "top_k": 5}\n')
+    carried = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "generation_config.json"]
+    assert convert("--from", "hf", "--to", "orbax", str(source), str(tmp_path / "orbax")) == 0
+    assert f"carried {', '.join(carried)}" in capsys.readouterr().out
+    assert convert("--from", "orbax", "--to", "hf", str(tmp_path / "orbax"), str(tmp_path / "hf")) == 0
+    for name in carried:
+        assert (tmp_path / "orbax" / name).read_bytes() == (source / name).read_bytes(), name
+        assert (tmp_path / "hf" / name).read_bytes() == (source / name).read_bytes(), name
+    tokenizer = load_checkpoint_tokenizer(tmp_path / "hf", instead="-")
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"

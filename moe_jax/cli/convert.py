@@ -6,7 +6,8 @@
 
 The parameters are held on the layout given by the layout flags while they pass through (default: one
 device): sharded as they are read, never whole on one device. An orbax checkpoint written on one layout
-restores onto any other. `--dtype` casts the parameters on the way (default: the source checkpoint's dtype).
+restores onto any other. `--dtype` casts the parameters on the way (default: the source checkpoint's dtype). The
+tokenizer files, chat template and generation config travel with them, byte for byte, both ways.
 
 On a CPU-only machine a layout of N devices uses N virtual CPU devices: the job asks XLA for them before JAX
 starts (`XLA_FLAGS=--xla_force_host_platform_device_count=N`); if JAX has already started with fewer, it says so.
@@ -73,8 +74,20 @@ def convert(source_format: str, target_format: str, source, destination, distrib
     print(f"[2/2] writing the {target_format} checkpoint {destination}")
     start = time.perf_counter()
     save_model(target_format, model, destination, progress=progress)
-    print(f"      done in {time.perf_counter() - start:.1f} s")
+    carried = _carry_companion_files(source, destination)
+    print(f"      done in {time.perf_counter() - start:.1f} s"
+          + (f"; carried {', '.join(carried)}" if carried else ""))
     return destination
+
+
+def _carry_companion_files(source: Path, destination: Path) -> list[str]:
+    """The source's tokenizer, chat template and generation config, copied as they are (process 0 writes, as
+    it wrote the weights), so `generate --prompt` and `serve` work on either form."""
+    import jax
+
+    from ..checkpoint_files import copy_companion_files
+
+    return copy_companion_files(source, destination) if jax.process_index() == 0 else []
 
 
 def load_model(source_format: str, source: Path, distributed_config, devices, *, dtype: str | None = None,
