@@ -4,7 +4,10 @@
     moe-jax eval --model CKPT/ --data heldout.txt --seq-len 512 --batches 16     # text: the checkpoint's tokenizer
     moe-jax eval --model CKPT/ --data heldout.parquet --text-column text --pack  # a corpus, as `train --data`
 
-Prints one line for people and one JSON object (eval_loss, eval_perplexity, eval_tokens, batches) for
+Without --batch-size / --seq-len / --pack / --text-column, the data settings are those the training run recorded
+beside its --export-hf checkpoint (moe_jax_training.json), so the perplexity is the one its --eval-data reported;
+the first line says which settings are in force and where they came from. Then one line for people and one JSON
+object (eval_loss, eval_perplexity, eval_tokens, batches) for
 scripts. The loss is the mean cross-entropy of every predicted token (`moe_jax.training.Evaluator`: experts at
 the largest dispatch capacity, exact).
 """
@@ -15,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..checkpoint_files import TRAINING_SETTINGS_FILE
 from .layout_flags import (
     add_layout_flags,
     describe_layout,
@@ -23,6 +27,7 @@ from .layout_flags import (
     layout_given,
     pipeline_options_from_flags,
 )
+from .run_settings import eval_defaults, read_run_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True,
                         help=".npy of int token ids [rows, seq_len], a corpus (.parquet, .jsonl, .array_record, "
                              ".txt: one document per line, as train --data) or another text file")
-    parser.add_argument("--text-column", default="text", help="the text column of a corpus (default text)")
-    parser.add_argument("--pack", action="store_true", help="pack a corpus's documents into full rows")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (default 8)")
+    parser.add_argument("--text-column", default=None,
+                        help="the text column of a corpus (default: the training run's, else text)")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                        help="pack a corpus's documents into full rows, or not (default: as the training run did, "
+                             "else one document per row)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per batch (default: the training run's, else 8)")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="tokens per row (default: the .npy's row length; 512 for text)")
+                        help="tokens per row (default: the .npy's row length; for text the training run's, else "
+                             "512)")
     parser.add_argument("--batches", type=int, default=None, help="batches to evaluate (default: one pass)")
     parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call (default 512)")
     add_layout_flags(parser, ep_implementation=True)
@@ -58,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         raise FileNotFoundError(f"--model {directory}: not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
-    seq_len = args.seq_len if args.seq_len is not None or str(args.data).endswith(".npy") else 512
-    data = eval_source(args.data, config, directory, args.batch_size, seq_len, "--data", args)
+    text = not str(args.data).endswith(".npy")
+    defaults = eval_defaults(args, read_run_settings(directory), text=text)
+    args = argparse.Namespace(**{**vars(args), "batch_size": defaults.batch_size, "seq_len": defaults.seq_len,
+                                 "pack": defaults.pack, "text_column": defaults.text_column})
+    data = eval_source(args.data, config, directory, args.batch_size, args.seq_len, "--data", args)
+    print(_settings_line(defaults, data.seq_len, text, directory))
     limit = config.get("max_position_embeddings")
     if limit is not None and data.seq_len > limit:
         raise ValueError(f"rows of {data.seq_len} tokens are longer than the model's max_position_embeddings "
@@ -82,3 +96,12 @@ def run(args: argparse.Namespace) -> int:
           f"{data.seq_len}; {where})")
     print(json.dumps(result))
     return 0
+
+
+def _settings_line(defaults, seq_len: int, text: bool, directory: Path) -> str:
+    """The data settings in force, and which of them the training run recorded (`run_settings`)."""
+    rows = (f"seq len {seq_len}, {'packed' if defaults.pack else 'one document per row'}, text column "
+            f"{defaults.text_column}" if text else f"seq len {seq_len} (the .npy's rows)")
+    source = (f"; {', '.join(defaults.recorded)} as the training run recorded in {directory / TRAINING_SETTINGS_FILE}"
+              if defaults.recorded else "")
+    return f"eval settings: batch size {defaults.batch_size}, {rows}{source}"

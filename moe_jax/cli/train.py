@@ -38,6 +38,7 @@ from .layout_flags import (
     scan_layers_from_flags,
     warn_about_head_split,
 )
+from .run_settings import DECAYING, decay_steps, run_settings, schedule_change_note, write_run_settings
 
 DTYPES = ("float32", "bfloat16")
 
@@ -56,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup from 0 (default 0)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.0,
                         help="the final rate of a cosine or linear schedule over the peak (default 0)")
+    parser.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                        help="the optimizer updates a cosine or linear schedule decays over (default --steps; then "
+                             "it stays at --min-lr-ratio x --lr). A --resume with a larger --steps otherwise "
+                             "restarts the decay over the new total: pin it to the first run's length")
     parser.add_argument("--expert-lr", type=float, default=None,
                         help="a separate learning rate for the routed experts (default: --lr)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -137,6 +142,12 @@ def _check_positive(args) -> None:
                          "(.npy) are used as they are.")
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off).")
+    if args.lr_decay_steps is not None:
+        if args.lr_decay_steps < 1:
+            raise ValueError(f"--lr-decay-steps {args.lr_decay_steps} must be >= 1.")
+        if args.lr_schedule not in DECAYING:
+            raise ValueError(f"--lr-decay-steps needs a decaying --lr-schedule (cosine or linear); "
+                             f"{args.lr_schedule} does not decay.")
 
 
 def _schedules(args):
@@ -149,10 +160,11 @@ def _schedules(args):
         # Plain rates: the optimizer state keeps the structure it had before schedules existed, so train states
         # saved then still resume.
         return args.lr, args.expert_lr
+    total = decay_steps(args)
     try:
-        dense = learning_rate_schedule(args.lr_schedule, args.lr, args.steps, **options)
+        dense = learning_rate_schedule(args.lr_schedule, args.lr, total, **options)
         experts = (None if args.expert_lr is None else
-                   learning_rate_schedule(args.lr_schedule, args.expert_lr, args.steps, **options))
+                   learning_rate_schedule(args.lr_schedule, args.expert_lr, total, **options))
     except ValueError as error:
         raise ValueError(f"--lr-schedule {args.lr_schedule} --warmup-steps {args.warmup_steps} --min-lr-ratio "
                          f"{args.min_lr_ratio}: {error}") from None
@@ -267,11 +279,12 @@ def _check_output_dir(path: str | None, flag: str) -> None:
         raise FileExistsError(f"{flag} {path} exists and is not empty; pass a new directory.")
 
 
-def _copy_tokenizer(model_dir: Path | None, export_dir: str) -> list[str]:
-    """The --model checkpoint's tokenizer files, copied into the export so text commands work on it."""
-    from ..tokenization import copy_tokenizer_files
+def _copy_companions(model_dir: Path | None, export_dir: str) -> list[str]:
+    """The --model checkpoint's tokenizer files, chat template and generation config, copied into the export so
+    text commands work on it."""
+    from ..checkpoint_files import copy_companion_files
 
-    return [] if model_dir is None else copy_tokenizer_files(model_dir, export_dir)
+    return [] if model_dir is None else copy_companion_files(model_dir, export_dir)
 
 
 def _after(line: str, step: int) -> bool:
@@ -423,10 +436,11 @@ def run(args: argparse.Namespace) -> int:
     if (error := train_step.batch_size_error(args.batch_size)) is not None:
         raise ValueError(f"--batch-size {args.batch_size}: {error}")
 
-    checkpoints = None
+    settings = run_settings(args, data.seq_len)
+    checkpoints = saved_record = None
     if args.checkpoint_dir is not None:
         checkpoints = TrainCheckpoints(args.checkpoint_dir, model, train_step, save_every=args.save_every,
-                                       keep=args.keep)
+                                       keep=args.keep, run=settings)
         latest = checkpoints.latest_step()
         if latest is not None and not args.resume:
             raise FileExistsError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (latest step "
@@ -434,12 +448,15 @@ def run(args: argparse.Namespace) -> int:
         if args.resume:
             if latest is None:
                 raise FileNotFoundError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint.")
-            checkpoints.check_compatible(checkpoints.record(latest))
+            saved_record = checkpoints.record(latest)
+            checkpoints.check_compatible(saved_record)
 
     capacity_state = None
     if args.resume:
         state, capacity_state = checkpoints.restore()
         print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
+        if (note := schedule_change_note(args, saved_record.get("run"), int(state.step))) is not None:
+            print(note)
     else:
         if model_dir is not None:
             load_weights(model, model_dir, progress=not args.no_progress)
@@ -492,7 +509,10 @@ def run(args: argparse.Namespace) -> int:
     if args.export_hf is not None:
         model.params = state.params
         model.save_pretrained(args.export_hf, progress=not args.no_progress)
-        copied = _copy_tokenizer(model_dir, args.export_hf) if main_process else []
+        copied = []
+        if main_process:
+            copied = _copy_companions(model_dir, args.export_hf)
+            write_run_settings(args.export_hf, settings)   # moe-jax eval's defaults
         print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
               + (f" (with {model_dir}'s tokenizer)" if copied else ""))
     return 0

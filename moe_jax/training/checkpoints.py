@@ -8,7 +8,8 @@
 
 A checkpoint holds the state's arrays (params, optimizer state, step, rng, data position) and a JSON
 record: the model's type and config, its parameter shapes, the structure of the optimizer state, the
-layout it was saved from, and the dispatch capacity in force with its calm streak. Restoring reads every
+layout it was saved from, the dispatch capacity in force with its calm streak, and the caller's `run` settings
+(`moe-jax train`: its learning-rate schedule and data settings). Restoring reads every
 array directly into the shardings of the *current* model and optimizer (orbax reshards), so a state saved
 with tp2/fsdp4/ep4 resumes with fsdp8/ep8. Orbax writes each step into a temporary directory and renames
 it when complete, so a killed write never damages the last complete checkpoint (an unfinished one is
@@ -132,13 +133,14 @@ class TrainCheckpoints:
     """Orbax `CheckpointManager` over `directory` for one model and train step."""
 
     def __init__(self, directory, model, train_step, *, save_every: int = 1, keep: int | None = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, run: dict | None = None):
         if save_every < 1:
             raise ValueError(f"save_every={save_every} must be >= 1 (steps between checkpoints).")
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep} must be >= 1 (checkpoints kept), or None to keep all.")
         self.directory = Path(directory).absolute()
         self.model, self.train_step, self.save_every = model, train_step, save_every
+        self.run = run   # the caller's settings kept in each save's record (`moe-jax train`: schedule, data)
         # create=False: orbax makes the directory with the first step it writes, not here.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=False)
@@ -158,6 +160,7 @@ class TrainCheckpoints:
             "capacity": None if capacity_state is None else {
                 "capacity": capacity_state.capacity, "calm_calls": capacity_state.calm_calls,
                 "calm_peak": capacity_state.calm_peak},
+            **({} if self.run is None else {"run": self.run}),
         }
         record = json.loads(json.dumps(record, default=str))
         _register_exit_hook()
