@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..models.kv_cache import PagedKVCache
+from .detokenize import IncrementalDecoder
 from .paged import PageBook, init_page_pools
 from .sampling import Sampling, next_tokens_per_row
 
@@ -145,6 +146,7 @@ class Request:
     group: int | None = None
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
+    text: IncrementalDecoder | None = None   # its tokens' text so far, when it has stop strings
 
     def __post_init__(self):
         if self.output is None:
@@ -523,8 +525,15 @@ class ServingEngine:
         return StepEvent(request, [token], reason is not None, len(output.generated_tokens))
 
     def _hit_stop_string(self, request: Request) -> bool:
-        text = self.decode_text(request.output.generated_tokens)
-        return any(stop in text for stop in request.settings.stop)
+        """Whether the text of the new token ends a stop string: a few tokens decoded and the text's tail
+        scanned, whatever the output's length (this runs on the engine's thread, for every token)."""
+        if request.text is None:
+            request.text = IncrementalDecoder(self.decode_text)
+        before = len(request.text.text)
+        request.text.extend(request.output.generated_tokens)
+        longest = max(map(len, request.settings.stop))
+        tail = request.text.text[max(before - longest + 1, 0):]
+        return any(stop in tail for stop in request.settings.stop)
 
     def _finish(self, request: Request, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
         output = request.output

@@ -17,11 +17,11 @@ context cannot hold) or 404 (an unknown model), never a 500.
 
 Under hostile or heavy traffic (docs/inference.md, "Running it in production"): `AccessGuard` checks the Host,
 Origin, API key, content type and body size before a handler runs; every bound of a request is checked before it
-reaches the engine; parsing, tokenizing, chat templates and detokenizing run on a small thread pool, never on the
-event loop, so a large request does not stall other streams; a prompt longer than the context could hold in
-characters is refused before it is tokenized; beyond the manager's queue bound a request gets 429 with
-Retry-After, past its queue timeout 503; a request that fails alone gets its own error, and only an engine
-failure (its message kept in the server's log, not in response bodies) fails them all.
+reaches the engine; parsing, tokenizing and chat templates run on a small thread pool, never on the event loop,
+and streams detokenize a few tokens at a time, so a large request does not stall other streams; a prompt longer
+than the context could hold in characters is refused before it is tokenized; beyond the manager's queue bound a
+request gets 429 with Retry-After, past its queue timeout 503; a request that fails alone gets its own error,
+and only an engine failure (its message kept in the server's log, not in response bodies) fails them all.
 
 OpenAI's semantics where they differ from `generate`'s defaults: temperature 1.0 unless given (0: greedy),
 no top-k (the `top_k` extension sets one), max_tokens 16 for completions and up to the context for chat, a
@@ -57,7 +57,7 @@ from .text import TextStream, cut_at_stop
 # Seconds the lifespan's shutdown waits for the manager to finish the requests it holds.
 DRAIN_TIMEOUT_S = 30.0
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-# Threads that parse, tokenize and detokenize (off the event loop; the tokenizers library releases the GIL).
+# Threads that parse requests, tokenize prompts and render chat templates (off the event loop).
 TEXT_WORKERS = 4
 # A prompt may have at most max_model_len x the longest token's characters x this many characters (slack for
 # normalizers that fold several characters into one) before it is refused without tokenizing.
@@ -260,7 +260,7 @@ class _Server:
                 if (failure := self.failure(output)) is not None:
                     yield _sse(failure.body())
                     break
-                delta = await self.off_loop(text.update, list(generation.tokens), output.is_finished())
+                delta = text.update(generation.tokens, output.is_finished())   # a few tokens decoded: inline
                 if delta:
                     yield _sse(chunk(delta))
                 if output.is_finished():

@@ -1,9 +1,9 @@
 """Generated ids -> the text a client sees: cut before a stop string, streamed as deltas that never change.
 
-Each update decodes every id generated so far (a token's text can depend on its neighbours: merged or
-multi-byte tokens), and the delta is what is new. While streaming, two things are held back until later ids
-settle them: a trailing "\ufffd" (an incomplete UTF-8 character, completed by the next bytes) and a tail
-that could begin a stop string. Once a stop string shows up, the text ends before it (OpenAI's semantics),
+Each update decodes the last few ids (`moe_jax.inference.detokenize`: a token's text can depend on its
+neighbours, merged or multi-byte tokens), and the delta is what is new. While streaming, two things are held
+back until later ids settle them: a trailing "\ufffd" (an incomplete UTF-8 character, completed by the next
+bytes) and a tail that could begin a stop string. Once a stop string shows up, the text ends before it (OpenAI's semantics),
 so no text past a stop string is ever sent.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-REPLACEMENT = "\ufffd"
+from ..inference.detokenize import IncrementalDecoder
 
 
 def stop_index(text: str, stops: list[str]) -> int | None:
@@ -37,27 +37,31 @@ def _stop_prefix_tail(text: str, stops: list[str]) -> int:
 
 
 class TextStream:
-    """One request's text: `update(ids, finished)` -> the new text to send (possibly "")."""
+    """One request's text: `update(ids, finished)` -> the new text to send (possibly ""). Each update decodes a
+    few tokens (`IncrementalDecoder`) and scans only the text not sent yet for stop strings, so a token costs
+    the same at the end of a long output as at its start."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str] | None = None):
-        self.decode = decode
+        self.decoder = IncrementalDecoder(decode)
         self.stops = list(stops or [])
-        self.sent = ""
-
-    def visible(self, ids: list[int], finished: bool) -> str:
-        """The text that may be sent after `ids`: all of it once finished, else without what is held back."""
-        text = self.decode(list(ids))
-        index = stop_index(text, self.stops)
-        if index is not None:
-            return text[:index]
-        if finished:
-            return text
-        text = text.rstrip(REPLACEMENT)
-        return text[:len(text) - _stop_prefix_tail(text, self.stops)]
+        self.sent = 0          # characters of the decoder's text sent
+        self.stopped = False   # a stop string was found: nothing more is sent
 
     def update(self, ids: list[int], finished: bool) -> str:
-        text = self.visible(ids, finished)
-        if len(text) <= len(self.sent):
+        if self.stopped:
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        self.decoder.extend(ids, final=finished)
+        text = self.decoder.text
+        # Nothing sent ends with the start of a stop string (held back below), so a stop string starts in the
+        # unsent text.
+        unsent = text[self.sent:]
+        index = stop_index(unsent, self.stops)
+        if index is not None:
+            self.stopped = True
+            end = index
+        elif finished:
+            end = len(unsent)
+        else:
+            end = len(unsent) - _stop_prefix_tail(unsent, self.stops)
+        self.sent += end
+        return unsent[:end]

@@ -3,6 +3,9 @@ show text at or past a stop string (no server, no model: a byte-level decode of 
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from moe_jax.serving.text import TextStream, cut_at_stop
 
 
@@ -41,3 +44,29 @@ def test_a_stop_string_is_never_sent_even_across_tokens():
     # A possible start that turns out not to be one is sent when it is settled.
     assert "".join(stream(b"a STEP b", stops=["STOP"])) == "a STEP b"
     assert cut_at_stop("one two three", ["three", "two"]) == "one "
+
+
+def test_each_update_decodes_a_few_ids_whatever_the_length_so_far():
+    """A long output costs the same per token at its end as at its start (no decode of every id each time)."""
+    lengths = []
+
+    def counting_decode(ids):
+        lengths.append(len(ids))
+        return decode(ids)
+
+    data = ("long text é " * 400).encode()
+    text = TextStream(counting_decode, ["never"])
+    deltas = [text.update(list(data[:count]), finished=count == len(data)) for count in range(1, len(data) + 1)]
+    assert "".join(deltas) == data.decode()
+    assert max(lengths) <= 4   # the window: the last settled ids and the new one (a 2-byte character's bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=60), st.integers(1, 4))
+def test_streamed_text_equals_decoding_every_id_at_once(data, tokens_per_update):
+    """Random bytes (split characters, invalid bytes) delivered a few at a time add up to the whole decode."""
+    text, deltas = TextStream(decode), []
+    counts = list(range(tokens_per_update, len(data), tokens_per_update)) + [len(data)]
+    for count in counts:
+        deltas.append(text.update(data[:count], finished=count == len(data)))
+    assert "".join(deltas) == decode(data)
