@@ -10,7 +10,9 @@ Data: `--data FILE.npy` (int token ids [num_sequences, seq_len]; step i trains o
 wrapping around), `--text FILE` (tokenised with the checkpoint's tokenizer), or a synthetic stream.
 Labels are the inputs, shifted inside the loss as the reference does. Every bad request (data file,
 sequence length, batch size, checkpoint directory, layout) is refused with one `error:` line before any
-compute. The JSONL has one object per optimizer step: step, loss (of the batch, before that step's
+compute; the JSONL and TensorBoard files are opened only once the step has compiled for the first batch and the
+eval program has traced, and a run that fails later removes those that hold nothing and says what it kept
+(`train_progress`). The JSONL has one object per optimizer step: step, loss (of the batch, before that step's
 update; includes the router term when the config adds it), ce_loss, aux_loss, grad_norm, tokens_per_s,
 capacity, replayed, ...; a resume keeps each step once. A resume refuses, in one line, a checkpoint of
 another model or optimizer.
@@ -39,6 +41,7 @@ from .layout_flags import (
     warn_about_head_split,
 )
 from .run_settings import DECAYING, decay_steps, run_settings, schedule_change_note, write_run_settings
+from .train_progress import TrainProgress, stopped_early_line
 
 DTYPES = ("float32", "bfloat16")
 
@@ -312,53 +315,20 @@ def _forget_records_after(path: Path, step: int) -> None:
         temporary.replace(path)  # atomic: a kill now leaves the old file or the new one
 
 
-class _Progress:
-    """A tqdm bar with loss, tokens/s and capacity, plus the JSONL and TensorBoard writers. Each record gains
-    tokens/s per device and model TFLOP/s per device (and MFU with a peak)."""
-
-    def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool, *, devices: int = 1,
-                 flops_per_token: float | None = None, peak_tflops: float | None = None,
-                 tensorboard: str | None = None, packing_efficiency: float | None = None,
-                 sparse_layers: list[int] | None = None):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
-        self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl else None  # noqa: SIM115 (closed in close())
-        self.devices, self.flops_per_token, self.peak_tflops = devices, flops_per_token, peak_tflops
-        self.packing_efficiency = packing_efficiency
-        self.tensorboard = None
-        if tensorboard is not None:
-            from ..training.tensorboard import TensorBoardWriter
-
-            self.tensorboard = TensorBoardWriter(tensorboard, sparse_layers)
-        self.last: dict | None = None
-
-    def __call__(self, record: dict) -> None:
-        if self.packing_efficiency is not None:
-            record["packing_efficiency"] = self.packing_efficiency
-        per_device = record["tokens_per_s"] / self.devices
-        record["tokens_per_s_per_device"] = per_device
-        if self.flops_per_token is not None:
-            record["model_tflops_per_s_per_device"] = per_device * self.flops_per_token / 1e12
-            if self.peak_tflops:
-                record["mfu"] = record["model_tflops_per_s_per_device"] / self.peak_tflops
-        if self.tensorboard is not None:
-            self.tensorboard(record)
-        self.last = record
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-        extra = {} if "eval_loss" not in record else {"eval_loss": f"{record['eval_loss']:.4f}"}
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             capacity=record["capacity"], replays=record["replays"], refresh=False, **extra)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+def _close_after_failure(progress: TrainProgress, checkpoints, start: int) -> None:
+    """The writers closed after the loop failed, what holds nothing removed, and one line on stderr saying what
+    the run kept (its records, event files, checkpoints) and removed; the error itself follows."""
+    kept, removed = progress.close(failed=True)
+    if checkpoints is not None:
+        try:
+            checkpoints.close()
+            latest = checkpoints.latest_step()
+        except Exception:  # noqa: BLE001 (the loop's failure is the one to report)
+            latest = None
+        if latest is not None and latest > start:
+            kept.append(f"train-state checkpoints up to step {latest} in {checkpoints.directory}")
+    if (line := stopped_early_line(kept, removed)) is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -464,26 +434,32 @@ def run(args: argparse.Namespace) -> int:
             model.init_params(args.seed)
         state = train_step.init_state(seed=args.seed)
     start = int(state.step)
+    # Before the first file is written: the step compiled for the first batch (the program the run uses; a layout,
+    # input or model the step refuses fails here) and the eval program traced on its first batch.
+    first_batch = data.batch(int(state.data_position))
     if args.precompile:
-        compiled = train_step.precompile(state, data.batch(int(state.data_position)), progress=not args.no_progress)
+        compiled = train_step.precompile(state, first_batch, progress=not args.no_progress)
         print(f"compiled the step for capacities {list(compiled)} in {sum(compiled.values()):.1f} s")
+    else:
+        train_step.precompile(state, first_batch, [state.capacity], progress=False)
+    evaluate = should_evaluate = None
+    if eval_data is not None:
+        evaluator = Evaluator(model, loss_chunk=args.loss_chunk,
+                              compute_dtype=train_step.options.compute_dtype)
+        evaluator.check(state.params, eval_data, batches=args.eval_batches)
+        evaluate = lambda step, state: evaluator.run(state.params, eval_data, batches=args.eval_batches)  # noqa: E731
+        should_evaluate = lambda step: step == args.steps or bool(args.eval_every and step % args.eval_every == 0)  # noqa: E731
 
     # One process of a multi-process job keeps the record: every process sees the same metrics.
     main_process = jax.process_index() == 0
     if args.resume and args.metrics_jsonl is not None and main_process:
         _forget_records_after(Path(args.metrics_jsonl), start)
-    progress = _Progress(start, args.steps, args.metrics_jsonl if main_process else None,
-                         not args.no_progress and main_process, devices=len(devices),
-                         flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
-                         tensorboard=args.tensorboard if main_process else None,
-                         packing_efficiency=packing_efficiency,
-                         sparse_layers=model.sparse_layers())
-    evaluate = should_evaluate = None
-    if eval_data is not None:
-        evaluator = Evaluator(model, loss_chunk=args.loss_chunk,
-                              compute_dtype=train_step.options.compute_dtype)
-        evaluate = lambda step, state: evaluator.run(state.params, eval_data, batches=args.eval_batches)  # noqa: E731
-        should_evaluate = lambda step: step == args.steps or bool(args.eval_every and step % args.eval_every == 0)  # noqa: E731
+    progress = TrainProgress(start, args.steps, args.metrics_jsonl if main_process else None,
+                             not args.no_progress and main_process, devices=len(devices),
+                             flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
+                             tensorboard=args.tensorboard if main_process else None,
+                             packing_efficiency=packing_efficiency,
+                             sparse_layers=model.sparse_layers())
     loop = TrainLoop(
         train_step, data, on_step=progress, evaluate=evaluate,
         learning_rate=schedule if callable(schedule) else lambda step: schedule,
@@ -494,10 +470,12 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     try:
         state, capacity_state = loop.run(state, args.steps, capacity_state)
-    finally:
-        progress.close()
-        if checkpoints is not None:
-            checkpoints.close()
+    except BaseException:
+        _close_after_failure(progress, checkpoints, start)
+        raise
+    progress.close()
+    if checkpoints is not None:
+        checkpoints.close()
     seconds = time.perf_counter() - began
     steps = args.steps - start
     if progress.last is not None:

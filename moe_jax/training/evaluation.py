@@ -47,6 +47,16 @@ class Evaluator:
         ce_sum, tokens = jax.device_get(self._jit(params, batch))
         return float(ce_sum), int(tokens)
 
+    def check(self, params, data, *, batches: int | None = None) -> None:
+        """What `run` would refuse, found before a run starts: the batch count, and the eval program traced on
+        the first batch (shapes only: nothing compiles or runs)."""
+        count = batches if batches is not None else num_batches(data)
+        if count < 1:
+            raise ValueError(f"evaluation needs at least one batch, got {count}.")
+        batch = place_batch(data, 0, self.model.batch_sharding())
+        self.model.check_step(params, batch["input_ids"].shape)
+        jax.eval_shape(self._sums, params, batch)
+
     def run(self, params, data, *, batches: int | None = None, start: int = 0) -> dict[str, float]:
         """Batches start .. start + batches - 1 of `data` (default: one pass over it, when it knows its length)
         -> eval_loss, eval_perplexity, eval_tokens."""
