@@ -81,6 +81,9 @@ def test_packed_rows_through_stages_give_one_stage_s_loss_gradients_and_loads(fa
     np.testing.assert_array_equal(np.asarray(terms["expert_load"]), np.asarray(expected_terms["expert_load"]))
 
 
+# heavy: the suite's packed run through stages is the command below (its train step, records and expert_load); the
+# gradients' equality is the test above
+@pytest.mark.heavy
 def test_packed_training_through_stages_follows_one_stage_and_reports_expert_load():
     """3 AdamW steps of the train step on packed batches (2 micro-batches of accumulation, each cut into 2 pipeline
     microbatches): the losses of one stage, and every step's metrics hold each sparse layer's expert load."""
