@@ -38,6 +38,7 @@ LAYER_OF_PATH = {
     "moe_jax/host_memory.py": "leaf",
     "moe_jax/verbosity.py": "leaf",
     "moe_jax/tokenization.py": "leaf",
+    "moe_jax/chat_template.py": "leaf",   # by tokenization.py: chat templates without Transformers
     "moe_jax/ops/": "ops",
     "moe_jax/distributed/": "distributed",
     "moe_jax/nn/": "nn",
