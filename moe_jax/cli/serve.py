@@ -28,9 +28,9 @@ ended with an error event; the command exits 0 after a clean drain and 1 if the 
 restarts it).
 
 Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
-each step's inputs to the other processes, which run the same programs on their devices until it stops. --pp is
-refused (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn, jinja2) and the
-checkpoint's tokenizer; chat needs a chat template in it.
+each step's inputs to the other processes, which run the same programs on their devices until it stops. There are
+no pipeline flags (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn,
+jinja2) and the checkpoint's tokenizer; chat needs a chat template in it.
 """
 
 from __future__ import annotations
