@@ -97,6 +97,23 @@ def test_the_launcher_and_the_command_list_start_without_importing_jax():
         moe_jax.AutoModel  # noqa: B018
 
 
+def test_subpackages_are_attributes_imported_on_first_access():
+    # As `import jax; jax.distributed.initialize()`: `import moe_jax` alone imports no JAX, and each subpackage
+    # is imported when it is first named.
+    script = ("import sys; import moe_jax; print('jax' in sys.modules); moe_jax.distributed.initialize; "
+              "moe_jax.DistributedConfig; print('jax' in sys.modules); "
+              "moe_jax.training.make_train_step; moe_jax.inference; moe_jax.nnx; moe_jax.serving; "
+              "print('jax' in sys.modules, 'moe_jax.nnx' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["False", "False", "True True"]
+    import moe_jax
+
+    assert {"distributed", "training", "inference", "nnx", "serving"} <= set(dir(moe_jax))
+    with pytest.raises(AttributeError, match="no attribute 'distributd'"):
+        moe_jax.distributd  # noqa: B018
+
+
 def test_device_environment_of_a_process():
     environ = process_environ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=x",
                                "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 1, 2, 1234, 4)
