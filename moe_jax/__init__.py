@@ -28,7 +28,7 @@ _EXPORTS = {
 
 # Subpackages and modules that `moe_jax.<name>` imports on first access.
 _SUBMODULES = frozenset({
-    "causal_lm", "chat_template", "checkpoint_files", "cli", "distributed", "host_memory",
+    "causal_lm", "chat_template", "checkpoint_files", "cli", "distributed", "host_devices", "host_memory",
     "inference", "models", "module_tree", "nn", "nnx", "ops", "parameter_dtypes", "pretrained", "reporting",
     "serving", "tokenization", "training", "verbosity",
 })

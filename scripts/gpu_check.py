@@ -54,7 +54,7 @@ from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
 from moe_jax.training.throughput import train_flops_per_token  # noqa: E402
-from scripts.timing import median_seconds  # noqa: E402
+from scripts.bench.timing import median_seconds  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_jax.cli.demo import DEMO_CONFIG, ensure_virtual_cpu_devices  # noqa: E402  (imports no JAX)
+from moe_jax.cli.demo import DEMO_CONFIG  # noqa: E402  (imports no JAX)
+from moe_jax.host_devices import use_cpu_devices  # noqa: E402  (imports no JAX)
 
-ensure_virtual_cpu_devices(8)
+use_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

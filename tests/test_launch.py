@@ -262,3 +262,18 @@ def test_a_missing_command_is_refused():
     assert result.returncode == 2 and "needs a command after `--`" in result.stderr
     result = launch("--nproc", "2", "--", "no-such-program-here")
     assert result.returncode == 2 and "cannot start 'no-such-program-here'" in result.stderr
+
+
+def test_use_cpu_devices_keeps_the_users_count_unless_told_to_override(monkeypatch):
+    from moe_jax.host_devices import use_cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=x")
+    use_cpu_devices(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=4"
+    use_cpu_devices(8)   # the count already there (the user's) stays
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=4"
+    use_cpu_devices(2, override=True)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=2"
+    monkeypatch.delenv("XLA_FLAGS")
+    use_cpu_devices(3)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"

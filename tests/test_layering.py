@@ -36,6 +36,7 @@ LAYER_OF_PATH = {
     "moe_jax/module_tree.py": "leaf",
     "moe_jax/parameter_dtypes.py": "leaf",
     "moe_jax/host_memory.py": "leaf",
+    "moe_jax/host_devices.py": "leaf",   # virtual CPU devices, for the demo, the layout flags and scripts
     "moe_jax/verbosity.py": "leaf",
     "moe_jax/tokenization.py": "leaf",
     "moe_jax/chat_template.py": "leaf",   # by tokenization.py: chat templates without Transformers

@@ -7,7 +7,7 @@
     3. the plan, every parameter's sharding and the device layout are printed
     4. a forward pass runs on the mesh and is compared with the same checkpoint on one device
 
-On a CPU-only machine the 8 devices are virtual CPU devices (`--xla_force_host_platform_device_count=8`).
+On a CPU-only machine the 8 devices are virtual CPU devices (`moe_jax.host_devices.use_cpu_devices(8)`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..host_devices import use_cpu_devices
+
 DEMO_CONFIG = dict(
     model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -24,13 +26,6 @@ DEMO_CONFIG = dict(
     tie_word_embeddings=False,
 )
 DEMO_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
-
-
-def ensure_virtual_cpu_devices(count: int = 8) -> None:
-    """Ask XLA for `count` host devices (only affects the CPU platform; must run before JAX starts)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def demo_devices(count: int = 8):
@@ -70,7 +65,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     Raises ValueError when JAX has fewer than 8 devices and FileExistsError when `output_dir` exists and is
     not empty, before anything is written.
     """
-    ensure_virtual_cpu_devices()
+    use_cpu_devices(8)
     import numpy as np
 
     from .. import AutoModelForCausalLM, DistributedConfig

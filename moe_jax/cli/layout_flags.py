@@ -91,9 +91,9 @@ def layout_devices(count: int, command: str) -> list:
     """The first `count` devices of the default platform in rank order; on CPU, virtual devices are requested
     first. A multi-process job uses every device of the job."""
     if count > 1:
-        from .demo import ensure_virtual_cpu_devices
+        from ..host_devices import use_cpu_devices
 
-        ensure_virtual_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
+        use_cpu_devices(count)  # takes effect only if JAX has not started its CPU backend yet
     import jax
 
     from ..distributed.runtime import job_devices

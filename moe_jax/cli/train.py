@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "within each document); default: one document per row, padded")
     parser.add_argument("--data-workers", type=int, default=0,
                         help="Grain worker processes that tokenise a corpus (default 0: in this process, which won "
-                             "on a 2-core machine: scripts/bench_data.py; raise it for slow tokenizers on many cores)")
+                             "on a 2-core machine: scripts/bench/bench_data.py; raise it for slow tokenizers on many cores)")
     parser.add_argument("--eval-data", default=None,
                         help="held-out data whose loss and perplexity join the metrics every --eval-every steps "
                              "and after the last: .npy of token ids, a corpus as --data (.parquet, .jsonl, "

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 
 from ..ops.varying import vary_over
 
-# The ladder's first capacity: buffers 1.25x the balanced share (scripts/bench_moe_layer.py reports the
+# The ladder's first capacity: buffers 1.25x the balanced share (scripts/bench/bench_moe_layer.py reports the
 # padding it costs).
 DEFAULT_FIRST_CAPACITY = 1.25
 # Buffer rows are rounded up to this many (sublane-friendly tiles).

@@ -43,7 +43,7 @@ def _gpu_default() -> str:
     return "tokamax" if tokamax_available() else "tiled"
 
 
-# Platform -> chooser. CPU numbers from scripts/bench_grouped_matmul.py on the
+# Platform -> chooser. CPU numbers from scripts/bench/bench_grouped_matmul.py on the
 # project's 2-core AMD EPYC (XLA:CPU, fp32, M=4096, 2026-11-29; full table in
 # docs/benchmarks.md), forward time over a dense [M,H]x[H,O] matmul of the same
 # FLOPs, median of paired ratios (best-of ratio in parentheses):

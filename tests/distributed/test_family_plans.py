@@ -1,7 +1,7 @@
 """Every family's plans equal the reference's, on the tiny models of the parity tests.
 
 `tests/fixtures/reference_plans.json` ("family_plan_cases", recorded from transformers 5.23 by
-scripts/make_reference_fixtures.py) holds, per family, the composed `tp_plan` / `ep_plan` / `fsdp_plan` and
+scripts/fixtures/make_reference_fixtures.py) holds, per family, the composed `tp_plan` / `ep_plan` / `fsdp_plan` and
 the plans `_resolve_parallel_plans` returns (composition, precedence and wildcard expansion to concrete
 module and parameter names, in order) on a few layouts, or the reference's error. A TP style swapped in a
 family's plan (`rowwise` <-> `colwise` on one projection) gives correct logits on every layout, since our
@@ -72,7 +72,7 @@ def fixture_script():
     transformers = pytest.importorskip("transformers")
     if transformers.__version__ != FIXTURE["transformers_version"]:
         pytest.skip(f"fixture recorded with transformers {FIXTURE['transformers_version']}")
-    script = Path(__file__).resolve().parents[2] / "scripts" / "make_reference_fixtures.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fixtures" / "make_reference_fixtures.py"
     spec = importlib.util.spec_from_file_location("make_reference_fixtures", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

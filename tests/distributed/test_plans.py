@@ -1,5 +1,5 @@
 """Plan composition, overrides, errors, precedence and expansion match the reference (fixture recorded
-from transformers 5.23 by scripts/make_reference_fixtures.py)."""
+from transformers 5.23 by scripts/fixtures/make_reference_fixtures.py)."""
 
 import logging
 import warnings
@@ -171,7 +171,7 @@ def test_fixture_is_current_with_installed_transformers():
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "make_reference_fixtures.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fixtures" / "make_reference_fixtures.py"
     spec = importlib.util.spec_from_file_location("make_reference_fixtures", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,7 +1,7 @@
 """The tiny Qwen3-MoE of the plan fixtures, as the real model class (abstract: no devices, no params).
 
 `tests/fixtures/reference_plans.json` records the same tiny model built by transformers
-(scripts/make_reference_fixtures.py), so plan tests compare our composition with the reference's.
+(scripts/fixtures/make_reference_fixtures.py), so plan tests compare our composition with the reference's.
 """
 
 from __future__ import annotations

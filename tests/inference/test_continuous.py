@@ -59,7 +59,7 @@ def run_staggered(engine: ServingEngine, prompts, settings: RequestSettings, sta
 
 
 # One family per attention kind (RoPE + per-head norms, sinks + sliding windows, latent pages, chunks + NoPE);
-# every family on one device and five layouts: scripts/check_serving_layouts.py (39 cases).
+# every family on one device and five layouts: scripts/checks/check_serving_layouts.py (39 cases).
 ATTENTION_KIND_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text")
 
 
@@ -108,7 +108,7 @@ def test_a_prompt_fills_several_rows_of_one_step_and_the_next_prompt_the_rest():
 
 
 # One 8-device layout here (4 data-parallel groups, each its own pool; latent pages; token dispatch); every family on
-# a representative layout of each mesh shape, or the whole grid: scripts/check_serving_layouts.py.
+# a representative layout of each mesh shape, or the whole grid: scripts/checks/check_serving_layouts.py.
 @pytest.mark.parametrize("model_type,layout", [("deepseek_v3", dict(tp_size=2, fsdp_size=4, ep_size=4))])
 def test_greedy_tokens_equal_transformers_on_8_devices(model_type, layout):
     prompts, greedy, _ = fixture_prompts(model_type)

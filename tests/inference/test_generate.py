@@ -17,7 +17,7 @@ from tests.models.test_apply import count_compilations, jit_names
 from .hf_generation import FAMILIES, FIXTURES, MODELS, NEW_TOKENS, hf_generate
 
 # tp = ep (the masked all_reduce path under auto) and tp < ep (token dispatch); every layout x
-# implementation, FSDP alone included: scripts/check_generate_layouts.py.
+# implementation, FSDP alone included: scripts/checks/check_generate_layouts.py.
 LAYOUTS = {
     "tp2_ep2_fsdp4": dict(tp_size=2, ep_size=2, fsdp_size=4),
     "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),
@@ -46,7 +46,7 @@ def one_device():
     return get
 
 
-# In the suite: one family per attention kind (the others: heavy, and scripts/check_generate_layouts.py).
+# In the suite: one family per attention kind (the others: heavy, and scripts/checks/check_generate_layouts.py).
 @pytest.mark.parametrize("model_type", representative(
     FAMILIES, suite=("qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text")))
 def test_greedy_tokens_equal_transformers_and_stop_at_eos(one_device, model_type):

@@ -7,7 +7,7 @@ import numpy as np
 
 # Logits parity with PyTorch in fp32. The observed max |ours - PyTorch| is 0.9e-7 to 1.5e-7 (fp32 rounding) for
 # every family on one device and every legal 8-device layout x ep_implementation (`python
-# scripts/check_all_layouts.py` prints the worst); 1e-5 leaves room for another summation order and still
+# scripts/checks/check_all_layouts.py` prints the worst); 1e-5 leaves room for another summation order and still
 # fails a 1% change to Qwen2-MoE's routed experts (~4e-5, test_fixture_parity.py).
 LOGITS_ATOL = 1e-5
 
@@ -129,7 +129,7 @@ def fixture_inputs(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def fixture_arrays(model) -> dict[str, np.ndarray]:
     """What `reference.npz` holds for the HF `model`: its inputs, logits [8, 12, V] and unscaled router aux
-    loss (scripts/make_model_fixtures.py writes it; test_fixture_drift.py recomputes it)."""
+    loss (scripts/fixtures/make_model_fixtures.py writes it; test_fixture_drift.py recomputes it)."""
     import torch
 
     input_ids, attention_mask = fixture_inputs(model.config.vocab_size)

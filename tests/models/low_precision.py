@@ -1,7 +1,7 @@
 """Every family in bf16 / fp16, forward and one train step, judged by what PyTorch's own low-precision run achieves.
 
 The bar for a forward pass: `tests/fixtures/models/<family>/reference_low_precision.npz` holds PyTorch's logits with
-the committed checkpoint loaded in bf16 and in fp16 (scripts/make_model_fixtures.py); their distance to PyTorch's
+the committed checkpoint loaded in bf16 and in fp16 (scripts/fixtures/make_model_fixtures.py); their distance to PyTorch's
 fp32 logits (`reference.npz`) is what the reference's own run achieves. Ours, on any layout, must land as close to
 those fp32 logits: root-mean-square error within RMS_FACTOR of PyTorch's, and every token's largest error within
 MAX_FACTOR of PyTorch's largest, but one token (one token's worst logit is a noisy statistic: measured on one device,
@@ -12,7 +12,7 @@ is still bounded, by FLIP_FACTOR.
 
 A train step: one SGD step on the fixture's inputs with the router loss on, at the largest dispatch capacity (no
 replay), compared with the same step on one device in fp32 (`train_step_metrics`). Used by
-tests/models/test_low_precision.py (a representative set) and scripts/check_dtype_grid.py (every layout).
+tests/models/test_low_precision.py (a representative set) and scripts/checks/check_dtype_grid.py (every layout).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def train_step_result(model_type: str, layout: dict | None, dtype: str, learning
 
 
 # A train step on a layout against the one-device fp32 step: in fp32 the same numbers up to summation order;
-# in bf16/fp16 within the rounding of a low-precision forward and backward (measured by scripts/check_dtype_grid.py,
+# in bf16/fp16 within the rounding of a low-precision forward and backward (measured by scripts/checks/check_dtype_grid.py,
 # docs/benchmarks.md).
 STEP_TOLERANCE = {"float32": dict(loss=1e-5, grad_norm=1e-4, params=1e-5),
                   "bfloat16": dict(loss=1e-2, grad_norm=3e-2, params=None),

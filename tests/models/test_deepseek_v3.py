@@ -1,6 +1,6 @@
 """DeepSeek-V3: config, declared tree and resolved plans equal HF's; interleaved RoPE and the MLA cache equal
 straightforward references; logits and gradients equal PyTorch's; the router bias is a frozen float32 buffer.
-Sharded layouts: tests/models/test_fixture_parity.py and scripts/check_all_layouts.py; FP8 hub weights and
+Sharded layouts: tests/models/test_fixture_parity.py and scripts/checks/check_all_layouts.py; FP8 hub weights and
 the skipped MTP layer: tests/converters/test_fp8.py."""
 
 

@@ -2,7 +2,7 @@
 
 test_fixture_parity.py trusts `tests/fixtures/models/<model_type>/reference.npz` without torch; here (CI
 installs torch) each one is recomputed from the checkpoint beside it with `fixture_arrays`, the function
-scripts/make_model_fixtures.py wrote it with, so a checkpoint or logits file changed alone shows up.
+scripts/fixtures/make_model_fixtures.py wrote it with, so a checkpoint or logits file changed alone shows up.
 """
 
 import numpy as np

@@ -1,7 +1,7 @@
 """Logits and router loss of every family equal PyTorch's, from committed fixtures (no torch needed).
 
 `tests/fixtures/models/<model_type>/` holds a tiny random checkpoint saved by transformers and the
-logits PyTorch computed for it (scripts/make_model_fixtures.py). Each is loaded with `from_pretrained`
+logits PyTorch computed for it (scripts/fixtures/make_model_fixtures.py). Each is loaded with `from_pretrained`
 onto the layouts below and compared on real (non-padding) tokens.
 """
 
@@ -75,7 +75,7 @@ def logits_difference(output, reference) -> float:
 
 
 def check_against_fixture(model_type: str, layout: dict | None, **model_kwargs) -> float:
-    """Asserts parity on `layout`; returns the max abs logits difference (scripts/check_all_layouts.py
+    """Asserts parity on `layout`; returns the max abs logits difference (scripts/checks/check_all_layouts.py
     reports the worst)."""
     output, reference = fixture_output(model_type, layout, **model_kwargs)
     difference = logits_difference(output, reference)
@@ -110,7 +110,7 @@ SUITE_CASES = [(family, REPRESENTATIVE_LAYOUTS[i % len(REPRESENTATIVE_LAYOUTS)] 
                          ids=[f"{family}-{_layout_id(layout)}" for family, layout in SUITE_CASES])
 def test_logits_match_pytorch_fixture(model_type, layout):
     """Every family on a representative set of layouts; the whole grid (every legal layout x
-    ep_implementation, unrolled and scanned) is `python scripts/check_all_layouts.py`, run before a release
+    ep_implementation, unrolled and scanned) is `python scripts/checks/check_all_layouts.py`, run before a release
     (its last figures are in docs/benchmarks.md)."""
     check_against_fixture(model_type, layout)
 

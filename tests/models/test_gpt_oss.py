@@ -1,6 +1,6 @@
 """gpt-oss: config, declared tree and resolved plans equal HF's; its router, experts and sink attention
 equal straightforward references; logits equal PyTorch's (sinks, alternating sliding/full layers, YaRN,
-biases). Sharded layouts: tests/models/test_fixture_parity.py and scripts/check_all_layouts.py."""
+biases). Sharded layouts: tests/models/test_fixture_parity.py and scripts/checks/check_all_layouts.py."""
 
 
 import jax

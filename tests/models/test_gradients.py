@@ -15,13 +15,13 @@ from .hf_reference import TINY_QWEN3_MOE
 
 # (layout, layer options): unrolled and scanned layers; remat on two. HSDP replicas and the all_reduce
 # experts: the training curve (tests/training/test_loss_curves.py) and every layout's curve
-# (scripts/check_training_layouts.py).
+# (scripts/checks/check_training_layouts.py).
 CASES = [
     (dict(tp_size=2, fsdp_size=4, ep_size=4), dict(scan_layers=True, remat="full")),
     (dict(fsdp_size=8, ep_size=8), dict(scan_layers=True, remat="dots_saveable")),
 ]
 # Unrolled layers and tp without EP get their gradients checked through the training curves
-# (tests/training/test_loss_curves.py; every layout: scripts/check_training_layouts.py).
+# (tests/training/test_loss_curves.py; every layout: scripts/checks/check_training_layouts.py).
 
 
 def loss_and_grads(model, params, input_ids, targets):

@@ -24,7 +24,7 @@ from moe_jax.module_tree import unflatten
 from .hf_reference import TINY_QWEN2_MOE, TINY_QWEN3_MOE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-# The whole grid, scanned, is `python scripts/check_all_layouts.py --scan-layers`.
+# The whole grid, scanned, is `python scripts/checks/check_all_layouts.py --scan-layers`.
 LAYOUTS = [dict(tp_size=2, fsdp_size=4, ep_size=4)]
 
 
@@ -73,7 +73,7 @@ def test_stack_and_unstack_are_inverse_and_init_does_not_depend_on_scanning():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()))
-# OLMoE's scanned grid: `python scripts/check_all_layouts.py olmoe --scan-layers true` (docs/benchmarks.md).
+# OLMoE's scanned grid: `python scripts/checks/check_all_layouts.py olmoe --scan-layers true` (docs/benchmarks.md).
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_scanned_logits_match_pytorch_fixture(model_type, layout):
     directory = FIXTURES / model_type

@@ -1,7 +1,7 @@
 """Llama 4 (text): config, declared tree and resolved plans equal HF's, `ep_size > 1` raises the reference's
 error; complex-pair RoPE, chunked masks, the temperature and the pre-scaled experts equal straightforward
 references; logits and gradients equal PyTorch's with the experts split by TP. Other layouts:
-tests/models/test_fixture_parity.py and scripts/check_all_layouts.py; generation: tests/inference."""
+tests/models/test_fixture_parity.py and scripts/checks/check_all_layouts.py; generation: tests/inference."""
 
 
 import jax

@@ -4,7 +4,7 @@ device and under each EP implementation; a low-precision train step matches the 
 Mixtral's and DeepSeek-V3's routing weights are fp32 even for bf16 hidden states, so their EP combine once returned
 fp32 and failed the EP output contract at the first forward; the other families' are in the hidden dtype.
 The bar and the tolerances are in tests/models/low_precision.py; every family x dtype x legal 8-device layout is
-`python scripts/check_dtype_grid.py` (docs/benchmarks.md).
+`python scripts/checks/check_dtype_grid.py` (docs/benchmarks.md).
 """
 
 import pytest

@@ -25,7 +25,7 @@ from .hf_reference import (
 # Live comparisons with PyTorch on one device and one mixed layout; the other layouts are compared with
 # committed PyTorch logits in test_fixture_parity.py (no torch needed there).
 # Live against torch on one device; sharded layouts are compared with the committed reference fixtures
-# (tests/models/test_fixture_parity.py) and, every layout, by scripts/check_all_layouts.py.
+# (tests/models/test_fixture_parity.py) and, every layout, by scripts/checks/check_all_layouts.py.
 LAYOUTS = [None]
 PLAN_LAYOUTS = [dict(tp_size=2), dict(tp_size=2, fsdp_size=4, ep_size=4)]
 

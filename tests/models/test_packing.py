@@ -61,7 +61,7 @@ def assert_each_document(model, docs, logits_alone, rtol: float) -> None:
 
 # One family per attention kind: full (Qwen3-MoE), sliding window with sinks (gpt-oss), chunked with NoPE layers
 # (Llama 4), latent (DeepSeek-V3); the suite runs the latent one (its own cache and positions path; the other
-# kinds' packed logits meet Transformers' in the test below). Every family: scripts/check_packing.py.
+# kinds' packed logits meet Transformers' in the test below). Every family: scripts/checks/check_packing.py.
 ATTENTION_KIND_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3")
 
 

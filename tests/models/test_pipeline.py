@@ -2,7 +2,7 @@
 gradients and training curve, with TP, FSDP, HSDP and each ep_implementation; bubbles are inert; greedy
 generation (each stage's KV cache) gives one device's tokens; loading reads only a stage's own layers; export is
 unchanged. The suite runs a representative case of each; every family's case here runs with --heavy
-(scripts/run_heavy_tests.sh), and the whole grid of pp layouts is `python scripts/check_pipeline_layouts.py`."""
+(scripts/run_heavy_tests.sh), and the whole grid of pp layouts is `python scripts/checks/check_pipeline_layouts.py`."""
 
 import math
 
@@ -35,7 +35,7 @@ def _devices(layout: dict) -> list:
 
 
 # Each family on one pp layout (with the layouts rotating through TP, FSDP + token dispatch, HSDP, all_reduce
-# and a circular schedule); all 7 families x every legal pp layout: scripts/check_pipeline_layouts.py.
+# and a circular schedule); all 7 families x every legal pp layout: scripts/checks/check_pipeline_layouts.py.
 FIXTURE_CASES = [
     ("qwen3_moe", dict(pp_size=2, fsdp_size=2, ep_size=2), dict(pipeline_microbatches=4)),
     ("qwen2_moe", dict(pp_size=2, tp_size=2, fsdp_size=2), {}),
@@ -219,7 +219,7 @@ def greedy_tokens(family: str, layout: dict, **options) -> tuple[np.ndarray, np.
 ], suite=("gpt_oss-pp2",), ids=["gpt_oss-pp2", "deepseek_v3-pp2-tp2-fsdp2-m1"]))
 def test_greedy_generation_through_stages_equals_one_device(family, layout, options):
     """Prefill and decode with each stage's KV cache rows: the same tokens as one device (all 7 families:
-    scripts/check_pipeline_layouts.py)."""
+    scripts/checks/check_pipeline_layouts.py)."""
     staged, one = greedy_tokens(family, layout, **options)
     np.testing.assert_array_equal(staged, one)
 

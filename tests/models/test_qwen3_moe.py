@@ -11,7 +11,7 @@ from .hf_reference import LOGITS_ATOL, TINY_QWEN3_MOE, hf_logits, hf_state_dict,
 # Live comparisons with PyTorch on one device and one mixed layout; the other layouts are compared with
 # committed PyTorch logits in test_fixture_parity.py (no torch needed there).
 # Live against torch on one device; sharded layouts are compared with the committed reference fixtures
-# (tests/models/test_fixture_parity.py) and, every layout, by scripts/check_all_layouts.py.
+# (tests/models/test_fixture_parity.py) and, every layout, by scripts/checks/check_all_layouts.py.
 LAYOUTS = [None]
 
 

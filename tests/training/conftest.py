@@ -16,7 +16,7 @@ from moe_jax.training import make_train_step
 from .hf_training import CHECKPOINT, CONFIG_CHANGES, CURVE, SETUP, training_batches
 
 # A representative set: one device; token dispatch with tp, fsdp and ep; HSDP replicas with the masked
-# all-reduce path. scripts/check_training_layouts.py runs every legal 8-device layout x ep_implementation.
+# all-reduce path. scripts/checks/check_training_layouts.py runs every legal 8-device layout x ep_implementation.
 LAYOUTS = {
     "one_device": None,
     "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4),

@@ -1,6 +1,6 @@
 """The reference's training run for the loss-curve fixture: a tiny HF Qwen3-MoE trained with torch AdamW.
 
-`scripts/make_training_fixtures.py` records it in tests/fixtures/training/; the `reference` tests rerun it
+`scripts/fixtures/make_training_fixtures.py` records it in tests/fixtures/training/; the `reference` tests rerun it
 live. Import `reference_training` only where torch is installed.
 """
 

@@ -25,7 +25,7 @@ def train_curve(train_step, data=None, until_step=SETUP["steps"], schedule=None)
 
 
 # The all_reduce + HSDP curve (heavy) shares its experts path with the bf16 train step of
-# tests/models/test_low_precision.py; every layout: scripts/check_training_layouts.py.
+# tests/models/test_low_precision.py; every layout: scripts/checks/check_training_layouts.py.
 @pytest.mark.parametrize("layout", representative(list(LAYOUTS), suite=("one_device", "tp2_fsdp4_ep4")))
 def test_ten_adamw_steps_follow_the_reference_curve(trainers, reference_curve, layout):
     _, train_step = trainers(layout)

@@ -38,7 +38,7 @@ Schedules = tuple[tuple[TileVisits, int], ...]   # (visits, rows per window)
 # Tile rows follow the average group size M / E, rounded down to a power of two
 # and kept within these bounds. A tile near the average group size wastes at most
 # about one group's worth of rows per expert, while the dots stay as large as the
-# split allows. scripts/bench_grouped_matmul.py (docs/benchmarks.md; 2-core CPU,
+# split allows. scripts/bench/bench_grouped_matmul.py (docs/benchmarks.md; 2-core CPU,
 # fp32, M=4096), forward time over a dense matmul of the same FLOPs:
 #   E=8   (avg 512) balanced: R=128 1.23x, R=256 1.13x, R=512 1.07x
 #   E=8   (avg 512) skewed:   R=128 1.34x, R=256 1.28x, R=512 1.39x
