@@ -301,7 +301,7 @@ KEY_MAPS: dict[str, KeyMap] = {
 
 
 # Families whose table depends on their config: model_type -> (the model's config object -> KeyMap). Here,
-# not on the model classes, so models/ never imports converters/ (issue 25's import layers).
+# not on the model classes, so models/ never imports converters/ (the import layers of tests/test_layering.py).
 CONFIG_KEY_MAPS: dict[str, Callable[[Any], KeyMap]] = {
     # The FP8 block of quantization_config; the MTP layers after the config's last layer skipped.
     "deepseek_v3": lambda config: deepseek_v3_key_map(

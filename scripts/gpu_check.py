@@ -1,4 +1,4 @@
-"""The GPU check (issue 14, item 4): correctness against the CPU, MoE-layer TFLOP/s and MFU at Qwen3-30B-A3B
+"""The GPU check: correctness against the CPU, MoE-layer TFLOP/s and MFU at Qwen3-30B-A3B
 shapes per grouped-matmul backend, and a reduced-depth Qwen3-30B-A3B train step's tokens/s and MFU.
 
     scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~5 minutes
@@ -11,15 +11,15 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
   2. MoE layer at Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, moe intermediate 768, bf16; --tokens
      routed tokens): forward and forward+backward per backend, TFLOP/s of the expert matmuls and MFU against
      --peak-tflops (H200 bf16 dense: 989), and the tiled scan at tiles 128, 512 and 1024 besides its default;
-  3. attention (issue 26, item 2): causal GQA at Qwen3-30B-A3B's head shapes (32 heads over 4, head dim 128,
+  3. attention: causal GQA at Qwen3-30B-A3B's head shapes (32 heads over 4, head dim 128,
      bf16, batch --batch x --seq): jax.nn.dot_product_attention with implementation "cudnn" and "xla" (on a CPU:
      "xla" and moe_jax's query blocks), forward and forward+backward, against torch's scaled_dot_product_attention
      on the same inputs where torch is importable;
   4. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
      compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second);
-  5. serving (issue 28): continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
+  5. serving: continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
      new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s.
-Not run on a GPU yet (no session has been lent one). `--small` runs on any machine: on this project's CPU
+`--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
 of scripts/fetch_gpu_wheels.sh, with tokamax importable (device and CPU results agreed exactly both times).
 """

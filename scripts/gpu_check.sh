@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 14): run on the lent machine through the device tool, e.g.
+# The prepared GPU check: run on the lent machine through the device tool, e.g.
 #   run(command="bash scripts/gpu_check.sh $OUT", carry=[".whl"], timeout_s=540)
 # It uses what that machine has installed (jax with CUDA, flax, optax, orbax, chex, safetensors) plus the wheels
 # scripts/fetch_gpu_wheels.sh downloaded here into .whl/ (tokamax; without .whl/ the tokamax rows are absent);

@@ -1,4 +1,4 @@
-"""The import layers of moe_jax and converters (issue 25): a module imports from its own layer and the layers
+"""The import layers of moe_jax and converters: a module imports from its own layer and the layers
 below it, never from a layer above, nor from another layer of the same rank.
 
 Every module is read with `ast`, not imported (no JAX): every `import` and `from ... import`, the ones inside
@@ -56,7 +56,7 @@ LAYER_OF_PATH = {
     "moe_jax/cli/": "entry",  # the commands, the launcher, the demo
 }
 
-# Upward imports tolerated for now (none since the facade split of issue 25); this list may only shrink (an
+# Upward imports tolerated for now (none since the facade split); this list may only shrink (an
 # entry that no longer occurs fails).
 KNOWN_UPWARD_IMPORTS: set[tuple[str, str]] = set()
 

@@ -14,8 +14,8 @@ group and its quarters down to 1), each for every page-table width the engine us
 With --warmup (the default) all of them compile before the port accepts connections, so no client waits for a
 compilation; the startup line lists them (bench_serve's 16 slots: 24 programs, about a minute on a 2-core CPU;
 --decode-rows 16 halves that). JAX's persistent compilation cache makes later starts quick:
-`JAX_COMPILATION_CACHE_DIR=~/.cache/jax moe-jax serve ...` (the same start: 60-69 s the first time, 18 s the
-next). Memory: --num-pages pages of --page-size tokens of keys and values per layer
+`JAX_COMPILATION_CACHE_DIR=~/.cache/jax moe-jax serve ...` (a later start reads the programs back instead of
+compiling them). Memory: --num-pages pages of --page-size tokens of keys and values per layer
 (default: every slot at --max-model-len).
 
 In production (docs/inference.md): --api-key (or MOE_JAX_API_KEY) requires `Authorization: Bearer KEY` on every

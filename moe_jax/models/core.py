@@ -121,7 +121,6 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     # The logits stay where the head's dot computes them: split over tp where tp splits the head's vocab rows,
     # colwise_gather_output included. A global jax.Array is whole to whoever reads it (np.asarray, an op inside
     # jit gathers what it needs); gathering [B, S, V] onto every device made XLA gather the weight instead and
-    # run the whole dot on each (bench_vs_reference's tp4/ep4 forward 151 ms; the dot split, then the logits
-    # gathered 139 ms; left split 108 ms).
+    # run the whole dot on each: slower on tp layouts (docs/benchmarks.md, "Against the reference").
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "head_rows"))
     return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load)

@@ -31,9 +31,9 @@ LAYERS_PREFIX = "model.layers"
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # "auto" scans when the model has at least this many layers. A scanned layer copies its slice of every stacked
 # expert weight out of the stack (the slice feeds the grouped matmul's loop, so XLA materialises it) and writes
-# its gradients back into stacked buffers: unrolled train steps measured 7-13% faster at 4, 8, 12 and 16 layers
-# (docs/benchmarks.md, session 17), while the unrolled compile grows by about a second a layer (16 layers: 15-17 s
-# against 6 s scanned). From 16 layers the scan's constant compile time wins.
+# its gradients back into stacked buffers: unrolled train steps are faster at every depth measured, while the
+# unrolled compile grows with each layer and the scanned one does not (docs/benchmarks.md, "Train-step choices"
+# and "Compile time"). From 16 layers the scan's constant compile time wins.
 AUTO_SCAN_MIN_LAYERS = 16
 
 

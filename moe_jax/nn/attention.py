@@ -240,8 +240,8 @@ def grouped_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: 
     Numerics of `jax.nn.dot_product_attention`'s XLA path: logits in float32 (or wider), masked logits
     -0.7 * float32 max (a query that sees no key gets equal weights on every key), softmax in float32, the weights
     cast to the keys' dtype for the value sum. That path takes each query head against its own key/value copy
-    (a vmap over G whose layouts XLA:CPU transposes: a serving decode program of 16 rows against 256 cached keys
-    ran 16.9 ms with it against 13.2 ms with this, docs/benchmarks.md, session 19).
+    (a vmap over G whose layouts XLA:CPU transposes: a serving decode program is slower with it than with this;
+    docs/benchmarks.md, "Attention").
     """
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
@@ -260,7 +260,7 @@ def grouped_masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: 
                                 (*logits.shape[:-1], 1))
         weights = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     # Summed into [B, K, G, S, D] (the dot's natural layout) and transposed after: asking the einsum for
-    # [B, S, K, G, D] directly made XLA:CPU transpose the gathered values instead (a 16-row decode layer 1.6 -> 0.7 ms).
+    # [B, S, K, G, D] directly made XLA:CPU transpose the gathered values instead (twice the time of a decode layer).
     out = jnp.einsum("bkgst,btkd->bkgsd", weights.astype(k.dtype), v)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
 

@@ -14,10 +14,9 @@ Numerics are `jax.nn.dot_product_attention`'s XLA path: logits in float32 (or wi
 key at all (a left-padding row) gets what that path gives it, equal weights on every key of the sequence: the
 mean of the values (HF's eager attention does the same).
 
-Measured (2-core CPU, one layer's attention, B = 8, 8 query heads over 4 KV heads; docs/benchmarks.md, session
-18): S = 128, D = 32 forward 4.3 -> 1.9 ms, forward + backward 12.4 -> 4.7 ms against `jax.nn.dot_product_attention`;
-S = 256, D = 64 28 -> 13 ms and 71 -> 39 ms. 32-row blocks measured best or level at both (16-row 1.7 / 5.1 ms
-and 19 / 48 ms, 64-row 3.0 / 6.3 ms and 15 / 41 ms).
+On CPU this takes about half the time of `jax.nn.dot_product_attention` for one layer's forward and forward +
+backward, and 32-row blocks measured best or level against 16- and 64-row ones (docs/benchmarks.md,
+"Attention").
 """
 
 from __future__ import annotations

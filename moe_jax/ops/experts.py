@@ -119,11 +119,9 @@ def swiglu_experts(
 # A few tokens' experts are gathered (each (token, choice) pair's weights, `_gathered_swiglu`) while those weights
 # take at most this many bytes; past it the tile loop is as fast or faster: it copies one expert at a time, which
 # its dots then read from cache, where the gathered experts spill to memory, and it copies an expert chosen twice
-# once. Forward, `/tmp` micros on the 2-core EPYC (docs/benchmarks.md, session 22), gathered bytes -> gather / loop
-# time: one token, 16 experts top-4 H = I = 256 (3 MB) 0.41-0.63x, 128 top-8 H 512 I 256 (13 MB) 0.45-0.55x, 8 top-2
-# H = I = 1024 (25 MB) 0.60-0.74x, H = I = 2048 (101 MB) 1.02-1.04x, 64 top-8 H 2048 I 512 (101 MB) 1.50x; several
-# tokens, 16 experts H = I = 256: 4 tokens (13 MB) 0.57x, 6 (19 MB) 0.72x, 8 (25 MB) 1.07x; 32 top-4 H = I = 512, 2
-# tokens (25 MB) 1.06x, 4 (50 MB) 1.60x; 8 top-2 H = I = 1024, 2 tokens (50 MB) 1.53x.
+# once. Measured on CPU (forward, gathered bytes against gather / loop time): the gather wins below about 20 MB
+# of gathered weights and loses from about 25 MB, whatever the expert count and sizes (docs/benchmarks.md,
+# "Grouped matmul").
 GATHERED_EXPERTS_MAX_BYTES = 24 << 20
 # ... and while there are at most this many pairs (a decode step's, not a prompt's: 16 experts at H = I = 256, the
 # gather was 0.72x the loop's time at 24 pairs, 1.07x at 32).
@@ -143,8 +141,8 @@ def _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: 
     """`swiglu_experts` for a few tokens (decoding): each (token, choice) pair's expert weights gathered and applied
     as M batched products, no sort and no tile loop. hidden: [N, H]; expert_ids, weights: [N, K] -> [N, H].
 
-    What it saves is the loop's per-expert and per-visit work (one token's experts, forward: 16 experts top-4
-    0.51 -> 0.21 ms, 128 top-8 1.31 -> 0.68 ms); what it pays is reading every pair's weights, an expert chosen
+    What it saves is the loop's per-expert and per-visit work (one token's experts: about half the forward's
+    time); what it pays is reading every pair's weights, an expert chosen
     twice twice (`gathers_experts` keeps it to few bytes). Dtypes as the tiled path's: h and the activation in
     result_type(hidden, gate_up), the down projection in result_type(that, down), dots summed in the accumulation
     dtype, the weighted sum over K in at least fp32."""

@@ -43,19 +43,10 @@ def _gpu_default() -> str:
     return "tokamax" if tokamax_available() else "tiled"
 
 
-# Platform -> chooser. CPU numbers from scripts/bench/bench_grouped_matmul.py on the
-# project's 2-core AMD EPYC (XLA:CPU, fp32, M=4096, 2026-11-29; full table in
-# docs/benchmarks.md), forward time over a dense [M,H]x[H,O] matmul of the same
-# FLOPs, median of paired ratios (best-of ratio in parentheses):
-#                                  tiled (default tile)   ragged_dot
-#   E=8,   H=1024, O=2048 balanced   1.13x (1.16x)          7.3x (8.7x)
-#   E=8,   H=1024, O=2048 skewed     1.28x (1.35x)          6.8x (9.9x)
-#   E=32,  H=512,  O=1024 balanced   1.15x (1.46x)           29x (48x)
-#   E=32,  H=512,  O=1024 skewed     2.23x (2.42x)           27x (53x)
-#   E=128, H=512,  O=768  skewed     5.5x  (5.8x)           116x (215x)
-# Forward+backward ratios are in the same range (tiled 1.3x-6.6x, ragged_dot
-# 7.5x-144x). ragged_dot on CPU costs E times the FLOPs (see xla_ragged_dot.py),
-# so CPU uses "tiled". GPU and TPU were not measured: an upstream XLA:GPU
+# Platform -> chooser. On CPU (scripts/bench/bench_grouped_matmul.py; docs/benchmarks.md,
+# "Grouped matmul") the tiled loop stays within a small factor of a dense matmul of the
+# same FLOPs, while ragged_dot costs E times the FLOPs (see xla_ragged_dot.py), so CPU
+# uses "tiled". GPU and TPU were not measured: an upstream XLA:GPU
 # ragged_dot is a dense matmul over all experts (the same E-fold waste), so GPU
 # prefers tokamax's grouped kernels and otherwise the tiled scan, which does only
 # the real rows' FLOPs at one kernel launch per tile. TPU keeps ragged_dot, which

@@ -96,8 +96,7 @@ def clip_by_global_norm(grads, max_norm: float | None):
     as `torch.nn.utils.clip_grad_norm_`: scale by min(1, max_norm / (norm + 1e-6))."""
     norm = optax.tree.norm(grads)
     # Without the barrier XLA shares the norm's g * g with AdamW's second-moment update by writing g * g out,
-    # a full-size buffer per parameter read back twice (bench_vs_reference's model: AdamW + norm 28 -> 19 ms;
-    # docs/benchmarks.md, session 25).
+    # a full-size buffer per parameter read back twice (docs/benchmarks.md, "Train-step choices").
     grads, norm = jax.lax.optimization_barrier((grads, norm))
     if max_norm is None:
         return grads, norm

@@ -394,7 +394,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-slots", type=int, default=None,
                         help="the server's slots and the static batches' width (default: --clients, a server sized "
-                             "for the requests in flight; before 2026-12-03 the default was 8)")
+                             "for the requests in flight)")
     parser.add_argument("--prompt", type=parse_range, default=(16, 256), help="prompt lengths, LOW-HIGH")
     parser.add_argument("--output", type=parse_range, default=(16, 128), help="output lengths, LOW-HIGH")
     parser.add_argument("--output-distribution", choices=OUTPUT_DISTRIBUTIONS, default="uniform",

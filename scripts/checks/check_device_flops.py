@@ -7,7 +7,7 @@ train step (AdamW; dispatch buffers at the capacity ladder's largest rung) once 
 cost analysis of one device's program: FLOPs and bytes accessed, and the FLOPs of all devices together against
 the one-device program's. A layout that splits its work
 shows the same ratio as the others; one that repeats work on every device stands out (the LM head run whole on
-each tp device, issue 26: tp4/ep4 forward 2.74x against fsdp4/ep4's 1.34x, 1.37x once fixed).
+each tp device showed as a tp4/ep4 forward ratio twice fsdp4/ep4's).
 
 XLA counts a loop's body once, whatever its trip count (the experts' tile loop, a scanned run of layers): the
 ratios of split layouts are above 1.0 by what each device's copy of those bodies adds, the same for every layout

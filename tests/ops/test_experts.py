@@ -232,7 +232,7 @@ def test_a_few_tokens_keep_the_dtypes():
 
 def test_gathering_is_kept_to_a_few_tokens_and_few_bytes():
     """Past `GATHERED_EXPERTS_MAX_PAIRS` pairs or `GATHERED_EXPERTS_MAX_BYTES` of gathered weights the tokens go
-    through the tile loop, which is as fast or faster there (docs/benchmarks.md, session 22); the suite's other
+    through the tile loop, which is as fast or faster there (docs/benchmarks.md, "Grouped matmul"); the suite's other
     tests (19 tokens x top-2) run the loop."""
     from moe_jax.ops.experts import GATHERED_EXPERTS_MAX_BYTES, GATHERED_EXPERTS_MAX_PAIRS, gathers_experts
 

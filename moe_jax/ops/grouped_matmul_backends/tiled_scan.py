@@ -38,22 +38,14 @@ Schedules = tuple[tuple[TileVisits, int], ...]   # (visits, rows per window)
 # Tile rows follow the average group size M / E, rounded down to a power of two
 # and kept within these bounds. A tile near the average group size wastes at most
 # about one group's worth of rows per expert, while the dots stay as large as the
-# split allows. scripts/bench/bench_grouped_matmul.py (docs/benchmarks.md; 2-core CPU,
-# fp32, M=4096), forward time over a dense matmul of the same FLOPs:
-#   E=8   (avg 512) balanced: R=128 1.23x, R=256 1.13x, R=512 1.07x
-#   E=8   (avg 512) skewed:   R=128 1.34x, R=256 1.28x, R=512 1.39x
-#   E=32  (avg 128) balanced: R=64 1.23x-2.2x, R=128 1.15x-1.5x, R=256 2.4x
-#   E=32  (avg 128) skewed:   R=64 2.9x, R=128 2.2x, R=256 2.6x
-#   E=128 (avg 32)  balanced: R=32 3.8x, R=64 4.9x, R=128 5.8x, R=256 8.6x
-#   E=128 (avg 32)  skewed:   R=32 3.3x-5.5x, R=64 3.3x-5.1x, R=128 4.8x-5.1x (two runs)
-# 512 wins only for perfectly balanced groups, hence the cap of 256. 16-row tiles
-# lost to 32 in an exploratory run (E=128 balanced: 3.5x against 2.4x), hence the floor.
+# split allows. scripts/bench/bench_grouped_matmul.py (docs/benchmarks.md, "Grouped matmul")
+# times each tile size against a dense matmul of the same FLOPs for 8, 32 and 128 experts:
+# 512-row tiles win only for perfectly balanced groups, hence the cap of 256; 16-row tiles
+# lost to 32, hence the floor.
 # Calls whose groups average under SMALL_GROUP_ROWS rows (decoding: a few tokens x top-k
 # over many experts) take SMALL_TILE_ROWS instead: a 32-row window there computes mostly
-# masked rows. Measured (16 experts top-4, H = I = 256, SwiGLU experts of one layer, best
-# of 3; docs/benchmarks.md, session 15), 32-row tiles over the small ones: average group
-# 2 rows 4.56 / 2.80 ms, 8 rows 4.46 / 3.81 ms, 16 rows (tile 16) 4.85 / 4.77 ms, 24 rows
-# (tile 16) 4.99 / 6.06 ms: small tiles only below 16 rows a group.
+# masked rows. Measured on one layer's SwiGLU experts (docs/benchmarks.md, "Grouped
+# matmul"): small tiles win below 16 rows a group and lose above, hence the threshold.
 MIN_TILE_ROWS = 32
 MAX_TILE_ROWS = 256
 SMALL_GROUP_ROWS = 16
@@ -117,10 +109,9 @@ def add_expert_grad(grad_w: jax.Array, chunk_grad: jax.Array, expert: jax.Array)
 def default_remainder_rows(tile_rows: int) -> int | None:
     """The tile of each group's last rows (None: one level): a quarter of the tile, from 64-row tiles.
 
-    Isolated forward + backward against one level (realistic top-4 routing; docs/benchmarks.md, session 17):
-    256-row tiles 1.68x -> 1.27x dense (32 experts, H 512 -> 1024), 64-row tiles 1.94-2.24x -> 1.67-1.70x
-    (64 experts, 256 -> 512) and 3.31x -> 3.02x (128 experts, 256 -> 256); 32-row tiles with 8-row remainders
-    gained less (2.80x -> 2.60x, one shape) and are left at one level."""
+    Isolated forward + backward against one level (realistic top-4 routing), two levels are closer to a dense
+    matmul for 64- and 256-row tiles; 32-row tiles with 8-row remainders gained less and are left at one level
+    (docs/benchmarks.md, "Train-step choices")."""
     return tile_rows // 4 if tile_rows >= 64 else None
 
 

@@ -16,12 +16,10 @@ VJP; weight gradients sum per expert in the accumulation dtype, as the tiled gro
 
 The loops run expert by expert, each over that expert's visits (the schedule lists them in expert order): an
 expert's two weights are read out of the [E, ...] stacks once, not once per visit, and its weight gradients sum
-in a loop carry written once (`ab_train_step.py`, against one loop over all visits: train step 464 -> 438 ms,
-fsdp4/ep4 478 -> 454 ms, forward level).
+in a loop carry written once (a faster train step than one loop over all visits, forward level).
 
-Against the chained loops (`python scripts/bench/ab_train_step.py fused-swiglu [--forward]`, docs/benchmarks.md, 2-core
-CPU): bench_vs_reference's model forward 129 -> 118 ms and train step 456 -> 447 ms on one device, 436 -> 414 ms on
-fsdp4/ep4; its large size forward and train step 6% faster. The backward gains least on two cores: the chain's
+Against the chained loops (`python scripts/bench/ab_train_step.py fused-swiglu [--forward]`; docs/benchmarks.md,
+"Train-step choices") the forward and the train step are faster on one device and on fsdp4/ep4. The backward gains least on two cores: the chain's
 input-gradient and weight-gradient loops are independent and XLA:CPU runs them side by side, this loop's dots
 one after another.
 """
