@@ -6,7 +6,7 @@ faults in and zeroes on first touch, about 94 thousand page faults per step ther
 step's CPU time spent in the kernel. glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35) makes malloc ask
 for transparent huge pages on such blocks (`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 500x fewer faults), which
 matters where the kernel's THP mode is `madvise`, the usual default; one-device train steps ran 25-30% faster
-(docs/benchmarks.md, "Huge pages for XLA:CPU's buffers").
+(docs/benchmarks.md, "Host memory: huge pages").
 
 Tunables are read when a process starts, so the `moe-jax` command restarts itself once with the tunable added
 (`restart_with_huge_pages`); `MOE_JAX_HUGE_PAGES=0` opts out. A program that imports moe_jax sets it itself:

@@ -16,8 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", ".yaml", ".json", ".jinja", ""}
 # Data, not prose: recorded fixtures (generated text, configs, logits); and this file, whose patterns name labels.
-SKIPPED = ("tests/fixtures/", "tests/test_repository.py",
-           "docs/benchmarks.md")   # the work log being rewritten as a report
+SKIPPED = ("tests/fixtures/", "tests/test_repository.py")
 
 WORK_LOG_LABEL = re.compile(r"\b(?:[Ss]ession|[Ii]ssues?)[ -]\d+")
 ISO_DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
@@ -105,3 +104,20 @@ def test_no_measured_timings_in_library_comments():
 ])
 def test_the_timing_pattern_tells_measurements_from_settings(text, flagged):
     assert quotes_a_measured_time(text) == flagged
+
+
+def test_the_benchmark_report_is_a_report_and_its_sections_are_the_ones_cited():
+    """docs/benchmarks.md stays a current report (history is in git), and every `docs/benchmarks.md, "Topic"`
+    pointer in code, tests and docs names one of its sections."""
+    report = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert len(report.splitlines()) <= 600
+    sections = {line.lstrip("#").strip() for line in report.splitlines() if line.startswith("## ")}
+    cited = re.compile(r'benchmarks\.md[,;]?\s+"([^"]+)"')
+    missing = []
+    for name in tracked_text_files():
+        text = (ROOT / name).read_text(encoding="utf-8", errors="replace")
+        # A pointer may wrap: join the comment markers and line breaks out of the way.
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)
+        missing += [f"{name}: {topic!r}" for topic in cited.findall(flat) if topic not in sections]
+    assert not missing, f"pointers to sections docs/benchmarks.md does not have ({sorted(sections)}):\n" + \
+        "\n".join(missing)

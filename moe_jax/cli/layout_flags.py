@@ -40,7 +40,7 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
 
 # --scan-layers value -> the model's `scan_layers` option
 SCAN_CHOICES = {"auto": "auto", "true": True, "false": False}
-# What --scan-layers means for the commands that decode (docs/benchmarks.md, "Decoding with unrolled layers"):
+# What --scan-layers means for the commands that decode (docs/benchmarks.md, "Compile time"):
 # their "auto" is unrolled, as MaxText / JetStream serve from unscanned parameters.
 DECODE_SCAN_HELP = ("run identical layers as one scan over stacked parameters (auto, the default here: unrolled; "
                     "a scanned decode step copies each layer's stacked expert weights, unrolled ones ran 1.2-1.6x "
