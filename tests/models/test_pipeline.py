@@ -124,13 +124,14 @@ def test_training_curve_through_stages_matches_one_stage(one_stage):
 
 
 def test_router_jitter_through_stages_equals_one_device():
-    """Per-layer randomness follows the layer's own number: Mixtral's training jitter (4 layers, 2 a stage) draws
-    with fold_in(rng, layer), so stage 1's layers 2-3 must not reuse stage 0's keys. One microbatch, so every
+    """Per-layer randomness follows the layer's own number: Mixtral's training jitter draws with
+    fold_in(rng, layer), so the layers of stages 1-3 (one a stage) must not reuse stage 0's key. Four stages, so
+    the hand-over from each stage to the next is not also the one to the previous. One microbatch, so every
     layer's draw has one device's shape."""
     config = {**TINY_MIXTRAL, "num_hidden_layers": 4, "router_jitter_noise": 0.5}
     one = MixtralForCausalLM(config, devices=jax.devices()[:1])
     one.init_params(seed=2)
-    staged = MixtralForCausalLM(config, DistributedConfig(pp_size=2), devices=jax.devices()[:2],
+    staged = MixtralForCausalLM(config, DistributedConfig(pp_size=4), devices=jax.devices()[:4],
                                 pipeline_microbatches=1)
     staged.set_params(one.hf_params())
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6)).astype(np.int32)
