@@ -107,8 +107,8 @@ def test_the_timing_pattern_tells_measurements_from_settings(text, flagged):
 
 
 def test_the_benchmark_report_is_a_report_and_its_sections_are_the_ones_cited():
-    """docs/benchmarks.md stays a current report (history is in git), and every `docs/benchmarks.md, "Topic"`
-    pointer in code, tests and docs names one of its sections."""
+    """docs/benchmarks.md stays a current report (history is in git), and every pointer to one of its sections
+    by name (the report's path, a comma, the section's name in double quotes) names a section it has."""
     report = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert len(report.splitlines()) <= 600
     sections = {line.lstrip("#").strip() for line in report.splitlines() if line.startswith("## ")}
@@ -121,3 +121,11 @@ def test_the_benchmark_report_is_a_report_and_its_sections_are_the_ones_cited():
         missing += [f"{name}: {topic!r}" for topic in cited.findall(flat) if topic not in sections]
     assert not missing, f"pointers to sections docs/benchmarks.md does not have ({sorted(sections)}):\n" + \
         "\n".join(missing)
+
+
+def test_the_readme_is_a_front_page():
+    """README.md stays a user's front page (what, install, the two commands, examples, links); details live in
+    the guides under docs/."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 180
+    assert "moe-jax demo" in readme and "python -m pytest tests -q -n 2 --dist loadfile" in readme

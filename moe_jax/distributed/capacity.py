@@ -21,7 +21,7 @@ call; `replay_until_exact` runs a call and replays it until it dropped nothing (
 the NNX face, which replay later or leave the replay to their caller, use `settle` directly.
 
 (An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
-collectives, so overflow is handled between calls; see docs/design.md, "Capacity".)
+collectives, so overflow is handled between calls; see docs/design.md, "Expert parallelism".)
 
 Glossary (one meaning per name, everywhere in moe_jax):
 

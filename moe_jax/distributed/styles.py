@@ -19,7 +19,7 @@ PyTorch placements in JAX terms (`Shard(d)` = mesh axes at position d of the Par
 
 `packed_colwise`/`packed_rowwise`: the reference keeps `[gate_t ; up_t]` on device t (a strided shard);
 a `jax.Array` cannot describe a strided shard, so we split the fused dimension contiguously and let XLA
-bring matching gate/up rows together (see docs/design.md, "packed styles").
+bring matching gate/up rows together (see docs/design.md, "Parameter shardings").
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from moe_jax import DistributedConfig
 from .tiny_qwen3_moe import FIXTURE
 
 CONFIG_CASES = FIXTURE["config_cases"]
-# The reference's two pipeline refusals that moe_jax lifts (docs/design.md "Divergences"): it runs
+# The reference's two pipeline refusals that moe_jax lifts (docs/design.md "DistributedConfig"): it runs
 # FSDP / HSDP and token dispatch together with pipeline stages.
 LIFTED_REFUSALS = ("ValueError: Combining FSDP with pipeline parallelism is not supported yet.",
                    "ValueError: Combining token dispatch with pipeline parallelism is not supported/tested yet.")

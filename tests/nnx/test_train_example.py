@@ -1,4 +1,4 @@
-"""scripts/nnx_train_example.py, the README's NNX loop, runs end to end: it trains, replays what overflowed,
+"""scripts/nnx_train_example.py, the NNX loop of docs/training.md, runs end to end: it trains, replays what overflowed,
 and writes an orbax NNX state that restores and an HF checkpoint that loads."""
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ def test_an_interrupted_write_leaves_the_last_complete_checkpoint(trainers, tmp_
                      jax.device_get(getattr(state, field)))
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-# What the README's training snippet leaves to the reader: a model and a data source.
+ROOT = Path(__file__).resolve().parents[2]
+TRAINING_GUIDE = ROOT / "docs" / "training.md"
+# What docs/training.md's loop snippet leaves to the reader: a model and a data source.
 SNIPPET_PRELUDE = """
 import jax
 from moe_jax import AutoModelForCausalLM
@@ -93,9 +94,9 @@ TrainCheckpoints("late/", model, train_step).save(5, state, capacity)
 """
 
 
-def readme_training_snippet() -> str:
-    """The README's python block that trains with TrainCheckpoints, shortened to 4 steps saved every 2."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def guide_training_snippet() -> str:
+    """docs/training.md's python block that trains with TrainCheckpoints, shortened to 4 steps saved every 2."""
+    blocks = re.findall(r"```python\n(.*?)```", TRAINING_GUIDE.read_text(), flags=re.S)
     snippet = next(block for block in blocks if "TrainCheckpoints(" in block)
     assert "until_step=1000" in snippet and "save_every=100" in snippet
     return snippet.replace("until_step=1000", "until_step=4").replace("save_every=100", "save_every=2")
@@ -108,13 +109,13 @@ def complete_steps(directory: Path) -> list[int]:
     return [int(name) for name in names]
 
 
-def test_the_readme_snippet_run_as_a_script_leaves_complete_checkpoints(tmp_path):
+def test_the_guide_snippet_run_as_a_script_leaves_complete_checkpoints(tmp_path):
     """The last checkpoint of a script that ends right after training is complete (was: left as
     `4.orbax-checkpoint-tmp`, with orbax's "cannot schedule new futures" traceback at exit, exit code 0),
     and so is a save the script never waits for."""
     script = tmp_path / "train.py"
-    script.write_text(SNIPPET_PRELUDE + readme_training_snippet() + SNIPPET_EPILOGUE)
-    environment = {**os.environ, "PYTHONPATH": str(README.parent)}
+    script.write_text(SNIPPET_PRELUDE + guide_training_snippet() + SNIPPET_EPILOGUE)
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,0 +1,82 @@
+"""The code blocks README.md and docs/*.md mark runnable run as written, on the committed tiny checkpoint.
+
+A block is runnable when the line before its ```python fence is `<!-- runnable -->`: it runs here as a script in a
+fresh process and an empty directory, on 8 virtual CPU devices, with the placeholder `path/to/checkpoint` read as
+the committed tiny Qwen3-MoE. `<!-- runnable: tests/PATH.py -->` says another test runs it (with inputs of its
+own); that test must exist and name the document.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CHECKPOINT_PLACEHOLDER = "path/to/checkpoint"
+CHECKPOINT = ROOT / "tests" / "fixtures" / "models" / "qwen3_moe"
+BLOCK = re.compile(r"^<!-- runnable(?:: (?P<runner>\S+))? -->\n```python\n(?P<code>.*?)^```", re.S | re.M)
+PRELUDE = "from moe_jax.host_devices import use_cpu_devices\nuse_cpu_devices(8)\n"
+
+
+def runnable_blocks() -> list[tuple[str, int, str | None, str]]:
+    """(document, block number, the test that runs it or None, code) of every block marked runnable."""
+    blocks = []
+    for document in DOCUMENTS:
+        for number, match in enumerate(BLOCK.finditer(document.read_text(encoding="utf-8")), 1):
+            blocks.append((str(document.relative_to(ROOT)), number, match["runner"], match["code"]))
+    return blocks
+
+
+BLOCKS = runnable_blocks()
+
+
+def test_every_guide_has_runnable_examples():
+    documents = {document for document, *_ in BLOCKS}
+    assert {"README.md", "docs/parallelism.md", "docs/training.md", "docs/inference.md",
+            "docs/checkpoints.md"} <= documents, documents
+
+
+def test_a_marker_names_the_block_that_follows():
+    """A marker not directly above a ```python fence would silently mark nothing."""
+    for document in DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        assert text.count("<!-- runnable") == len(BLOCK.findall(text)), document
+
+
+@pytest.mark.parametrize(("document", "number", "runner", "code"), BLOCKS,
+                         ids=[f"{document}-{number}" for document, number, *_ in BLOCKS])
+def test_runnable_block(document, number, runner, code, tmp_path):
+    if runner is not None:
+        runner_text = (ROOT / runner).read_text(encoding="utf-8")
+        assert document in runner_text, f"{runner} does not read {document}"
+        return
+    script = tmp_path / "example.py"
+    script.write_text(PRELUDE + code.replace(CHECKPOINT_PLACEHOLDER, str(CHECKPOINT)))
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env=environment)
+    assert result.returncode == 0, f"{document}, runnable block {number}:\n{result.stderr[-3000:]}"
+
+
+def test_pointers_to_a_guides_section_name_a_section_it_has():
+    """`docs/NAME.md, "Section"` (or `docs/NAME.md "Section"`) anywhere in the docs, code or tests names a
+    heading of that document."""
+    pointer = re.compile(r'(docs/[\w-]+\.md),?\s+"([^"]+)"')
+    headings = {}
+    for document in DOCUMENTS:
+        lines = document.read_text(encoding="utf-8").splitlines()
+        headings[str(document.relative_to(ROOT))] = {line.lstrip("#").strip() for line in lines if line.startswith("#")}
+    files = [*DOCUMENTS, *ROOT.glob("moe_jax/**/*.py"), *ROOT.glob("converters/**/*.py"), *ROOT.glob("tests/**/*.py"),
+             *ROOT.glob("scripts/**/*.py")]
+    missing = []
+    for path in files:
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text(encoding="utf-8", errors="replace"))
+        missing += [f"{path.relative_to(ROOT)}: {target} {section!r}" for target, section in pointer.findall(flat)
+                    if target in headings and section not in headings[target]]
+    assert not missing, "\n".join(missing)
