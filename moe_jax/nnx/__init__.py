@@ -1,4 +1,5 @@
-"""A Flax NNX face for moe_jax models: `nnx.Module`s whose `nnx.Param`s are the sharded parameters.
+"""A Flax NNX face for moe_jax models: `nnx.Module` objects whose `nnx.Param` variables are the sharded
+parameters::
 
     from flax import nnx
     import moe_jax.nnx

@@ -26,7 +26,7 @@ class AutoModelForCausalLM:
                     capacity: float | None = None, deterministic: bool = True, compute_dtype=None,
                     **kwargs) -> MoeCausalLM:
         """A randomly initialised model (HF's initialisation), each parameter created in its sharding.
-        Under `nnx.eval_shape` nothing is allocated: the variables hold `ShapeDtypeStruct`s with their
+        Under `nnx.eval_shape` nothing is allocated: the variables hold `ShapeDtypeStruct` values with their
         shardings (a restore target)."""
         engine = EngineAuto.from_config(config, distributed_config, **kwargs)
         engine.init_params(seed)

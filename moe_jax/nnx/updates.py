@@ -16,7 +16,7 @@ def update_unless_dropped(optimizer: nnx.Optimizer, model: MoeCausalLM, grads) -
     """`optimizer.update(model, grads)` inside a jitted step, undone (an elementwise select, no host read)
     when the model's last call dropped (token, expert) pairs: those gradients are not the model's. Returns
     whether the update was applied (bool scalar). The loop then calls `model.update_capacity()`, which
-    raises the capacity and says to run the step again:
+    raises the capacity and says to run the step again::
 
         applied = train_step(model, optimizer, batch)      # nnx.jit; uses update_unless_dropped
         while model.update_capacity():                     # the step dropped pairs: replay it

@@ -65,7 +65,7 @@ def parameter_sharding_of(path, leaf, parameters: dict[str, NamedSharding], shap
 
 def train_state_shardings(model, optimizer: optax.GradientTransformation, capacity: float | None = None,
                           *, memory_kind: str | None = None) -> TrainState:
-    """A `TrainState` of `NamedSharding`s: parameters as the plans lay them out, optimizer state like its
+    """A `TrainState` of `NamedSharding` values: parameters as the plans lay them out, optimizer state like its
     parameters, scalars replicated. memory_kind: where parameters and optimizer state live ("pinned_host"
     for CPU offload; None: the device)."""
     parameters = model.storage_shardings()
