@@ -18,7 +18,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", "
 # Data, not prose: recorded fixtures (generated text, configs, logits); and this file, whose patterns name labels.
 SKIPPED = ("tests/fixtures/", "tests/test_repository.py")
 
-WORK_LOG_LABEL = re.compile(r"\b(?:[Ss]ession|[Ii]ssues?)[ -]\d+")
+WORK_LOG_LABEL = re.compile(r"\b(?:[Ss]ession|[Ii]ssues?)[ -]\d+|\b(?:this|last|next|earlier|previous) session\b")
 ISO_DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
 # A measured time: milli- or microseconds; a range of seconds or minutes ("60-69 s"); seconds next to a
 # comparison ("28 -> 19 s", "15 s against 6 s"). Timeouts a comment explains ("up to 5 minutes", "10 s here")
