@@ -5,7 +5,7 @@ bench_vs_reference's model), and glibc serves blocks that large with a fresh `mm
 faults in and zeroes on first touch, about 94 thousand page faults per step there, a quarter to a third of the
 step's CPU time spent in the kernel. glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35) makes malloc ask
 for transparent huge pages on such blocks (`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 500x fewer faults), which
-matters where the kernel's THP mode is `madvise`, the usual default; one-device train steps ran 25-30% faster
+matters where the kernel's THP mode is `madvise`, the usual default; one-device train steps run markedly faster with it
 (docs/benchmarks.md, "Host memory: huge pages").
 
 Tunables are read when a process starts, so the `moe-jax` command restarts itself once with the tunable added
@@ -110,7 +110,7 @@ def warn_without_huge_pages() -> None:
         return
     warnings.warn(
         "This process started without glibc's huge-page tunable, so XLA:CPU faults in every step's buffers 4 KiB "
-        "at a time (train steps ran 25-30% slower in moe_jax's benchmarks). Start Python with "
+        "at a time (train steps run markedly slower: docs/benchmarks.md, \"Host memory: huge pages\"). Start Python with "
         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (the moe-jax command does so itself); MOE_JAX_HUGE_PAGES=0 "
         "silences this.", UserWarning, stacklevel=3,
     )

@@ -14,7 +14,7 @@ Differentiation uses a custom VJP with the same schedule:
   dx = the same loop with w contracted over O instead of H,
   dw[e] = sum over e's chunks of g_chunk^T @ x_chunk, accumulated in fp32 or wider.
 Letting JAX differentiate the scan instead saves every window as a residual; in
-prototype runs on the 2-core CPU it was up to 18x slower than this VJP, never faster.
+prototype runs on CPU it was much slower than this VJP, never faster.
 
 Under `vmap` (pipeline stages run as one vmapped program) a loop with a per-stage
 trip count runs the longest one for every stage, the others' extra steps masked.

@@ -8,9 +8,8 @@ weight is used as stored: no transposed copy of w is made.
 Cost depends on the platform's lowering of ragged_dot (jax 0.10.2):
 - XLA:CPU uses jax's generic rule (`_ragged_dot_general_impl`): x is expanded to
   an [E, M, H] masked copy and contracted over experts too, i.e. E times the
-  FLOPs of the grouped matmul; measured 7x-10x (E=8), 27x-53x (E=32) and
-  116x-215x (E=128) slower than a dense dot of the same FLOPs, see
-  docs/benchmarks.md.
+  FLOPs of the grouped matmul, slower than a dense dot of the same FLOPs by
+  a factor that grows with E (docs/benchmarks.md, "Grouped matmul").
 - GPU emits chlo.ragged_dot, which upstream XLA:GPU rewrites into a dense
   matmul (same E-fold waste; not measured here). jax's opt-in flag
   `jax_ragged_dot_use_gpu_pallas_triton_lowering` swaps in a Pallas Triton kernel.
