@@ -26,6 +26,8 @@ DEMO_CONFIG = dict(
     tie_word_embeddings=False,
 )
 DEMO_LAYOUT = dict(tp_size=2, fsdp_size=4, ep_size=4)
+# The same helper under the name user scripts import from here (`moe_jax.host_devices.use_cpu_devices`).
+ensure_virtual_cpu_devices = use_cpu_devices
 
 
 def demo_devices(count: int = 8):
