@@ -2,19 +2,20 @@
 """Mutation check: plant plausible slips, one at a time, in a copy of the repository and run the tests that cover
 the slipped module there. A slip the tests pass is a survivor: a behaviour no test pins.
 
-    python scripts/checks/mutation.py                          # every slip (about 40 minutes on 2 cores)
+    python scripts/checks/mutation.py                          # every slip
     python scripts/checks/mutation.py --module inference       # moe_jax/inference/* only (a name or its prefix)
     python scripts/checks/mutation.py --module training.evaluation --module distributed
     python scripts/checks/mutation.py --list                   # the slips and their tests; runs nothing
     python scripts/checks/mutation.py -j 2                     # two copies, two slips at a time
 
-Run it before resolving an issue that touches these modules (it is not part of CI). The working tree is never
-modified: each worker copies the repository (without .git and .venv) to a temporary directory and plants, runs
-and restores there, with that copy first on PYTHONPATH (checked before anything runs). Each test file first runs
-once unmodified (`--no-baseline` skips that): a slip whose tests already fail cannot be judged and is reported as
-an error, as is a slip whose original text is not found exactly once (the code moved: update the entry). pytest
-runs with -x -q and tests/conftest.py's own environment (8 virtual CPU devices, heavy tests
-deselected); a run past `--timeout` counts as caught (the suite would hang on it) and is marked so.
+Run it before resolving an issue that touches these modules (it is not part of CI; its figures and run time:
+docs/benchmarks.md, "Correctness grids"). The working tree is never modified: each worker copies the repository
+(without .git and .venv) to a temporary directory and plants, runs and restores there, with that copy first on
+PYTHONPATH (checked before anything runs). Each test file first runs once unmodified (`--no-baseline` skips that):
+a slip whose tests already fail cannot be judged and is reported as an error, as is a slip whose original text is
+not found exactly once (the code moved: update the entry). pytest runs with -x -q and tests/conftest.py's own
+environment (8 virtual CPU devices, heavy tests deselected); a run past `--timeout` counts as caught (the suite
+would hang on it) and is marked so.
 
 Each entry: the module, a one-line description, the edits (file, exact original text, replacement) and the test
 files to run, most specific first (with -x the first failure ends the run). Add a slip for each behaviour a new
