@@ -67,7 +67,7 @@ def module_path(module: str) -> str:
 
 # The test files each module's slips run (most specific first).
 TESTS = {
-    "serving.protocol": ("tests/serving/test_server.py",),
+    "serving.protocol": ("tests/serving/test_protocol.py", "tests/serving/test_server.py"),
     "inference.continuous": ("tests/inference/test_continuous.py",),
     "inference.paged": ("tests/inference/test_paged.py", "tests/inference/test_continuous.py"),
     "inference.sampling": ("tests/inference/test_sampling.py", "tests/inference/test_continuous.py",
