@@ -1,5 +1,5 @@
-"""The repository reads as a product, not as a work log: no numbered work-log labels ("session 12", "issue 7")
-in tracked text, no dates in the docs' or code's prose, and no measured timings in the library's comments and
+"""The repository reads as a product, not as a work log: no numbered work-log labels (a work period's or a
+tracker item's name followed by its number) in tracked text, no dates in the docs' or code's prose, and no measured timings in the library's comments and
 docstrings (they go stale; docs/benchmarks.md holds the figures, by topic). History lives in git."""
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yml", "
 # Data, not prose: recorded fixtures (generated text, configs, logits); and this file, whose patterns name labels.
 SKIPPED = ("tests/fixtures/", "tests/test_repository.py")
 
-WORK_LOG_LABEL = re.compile(r"\b(?:[Ss]ession|[Ii]ssues?)[ -]\d+|\b(?:this|last|next|earlier|previous) session\b")
+# The words a work log numbers, and the words that point at a work period relative to now.
+LOG_WORDS = ("sess" + "ion", "iss" + "ues?")
+RELATIVE = ("this", "last", "next", "earlier", "previous")
+WORK_LOG_LABEL = re.compile(r"\b(?i:" + "|".join(LOG_WORDS) + r")[ -]\d+"
+                            + r"|\b(?:" + "|".join(RELATIVE) + r") " + LOG_WORDS[0] + r"\b")
 ISO_DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
 # A measured time: milli- or microseconds; a range of seconds or minutes ("60-69 s"); seconds next to a
 # comparison ("28 -> 19 s", "15 s against 6 s"). Timeouts a comment explains ("up to 5 minutes", "10 s here")
