@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -93,3 +96,27 @@ def serving(model, manager, tokenizer, *, drain_timeout: float = 30.0, header_ti
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_command(checkpoint, *flags: str):
+    """`moe-jax serve --model checkpoint --port 0 FLAGS` in a subprocess -> (process, its stderr lines up to and
+    including the "serving ..." line); killed if still running on exit, or after 180 s (reading its lines must
+    not hang the suite)."""
+    command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(checkpoint), "--port", "0", *flags]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    watchdog = threading.Timer(180, process.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        yield process, lines
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +32,7 @@ from moe_jax import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 from moe_jax.serving import build_app  # noqa: E402
 from moe_jax.tokenization import CheckpointTokenizer, load_checkpoint_tokenizer  # noqa: E402
 
-from .live import MAX_MODEL_LEN, NAME, SERVER_FLAGS, free_socket, serving, write_checkpoint  # noqa: E402
+from .live import MAX_MODEL_LEN, NAME, SERVER_FLAGS, free_socket, serve_command, serving, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -272,18 +269,8 @@ def test_200_requests_with_10_percent_of_clients_leaving_mid_stream(served):
 
 
 def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
-    command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(checkpoint), "--port", "0",
-               "--max-slots", "2", "--page-size", "16", "--max-model-len", "32", "--prefill-chunk", "16",
-               "--log-level", "warning"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
-    watchdog = threading.Timer(180, process.kill)   # reading its lines must not hang the suite
-    watchdog.start()
-    try:
-        lines = []
-        for line in process.stderr:
-            lines.append(line)
-            if line.startswith("serving "):
-                break
+    with serve_command(checkpoint, "--max-slots", "2", "--page-size", "16", "--max-model-len", "32",
+                       "--prefill-chunk", "16", "--log-level", "warning") as (process, lines):
         started = lines[-1] if lines else ""
         assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
         assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "4 pages of 16 tokens" in started
@@ -296,12 +283,6 @@ def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
         assert process.wait(60) == 0
         # Stopped after the engine drained (the warm-up requests count too).
         assert re.search(r"stopped: \d+ requests finished", process.stderr.read())
-    finally:
-        watchdog.cancel()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stderr.close()
 
 
 def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):

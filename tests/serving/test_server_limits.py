@@ -6,7 +6,8 @@ overlap on any machine."""
 from __future__ import annotations
 
 import json
-import threading
+import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ import jax  # noqa: E402
 from moe_jax import AutoModelForCausalLM  # noqa: E402
 from moe_jax.tokenization import load_checkpoint_tokenizer  # noqa: E402
 
-from .live import NAME, serving, write_checkpoint  # noqa: E402
+from .live import NAME, serve_command, serving, write_checkpoint  # noqa: E402
 
 FLAGS = dict(max_slots=2, page_size=8, max_model_len=64, prefill_chunk=16)
 STEP_S = 0.02
@@ -156,24 +157,10 @@ def test_a_connection_that_trickles_its_headers_is_closed(model_and_tokenizer):
 def test_the_serve_command_drains_streams_and_a_queue_on_sigterm(tmp_path):
     """The real command: SIGTERM while two streams run and two wait; each ends with `[DONE]` (after an error event
     if it was cut or refused), and the command exits 0."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-
-    directory = write_checkpoint(tmp_path / "tiny")
-    command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(directory), "--port", "0",
-               "--max-slots", "2", "--page-size", "16", "--max-model-len", "256", "--prefill-chunk", "16",
-               "--log-level", "warning", "--drain-timeout", "0.3", "--decode-rows", "2"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=os.environ | {"JAX_PLATFORMS": "cpu"})
-    watchdog = threading.Timer(180, process.kill)
-    watchdog.start()
-    try:
-        for line in process.stderr:
-            if line.startswith("serving "):
-                break
-        url = re.search(r"(http://\S+)/v1", line).group(1)
+    flags = ("--max-slots", "2", "--page-size", "16", "--max-model-len", "256", "--prefill-chunk", "16",
+             "--log-level", "warning", "--drain-timeout", "0.3", "--decode-rows", "2")
+    with serve_command(write_checkpoint(tmp_path / "tiny"), *flags) as (process, lines):
+        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(stream_events, url, {"model": "tiny", "prompt": f"p{i}", "max_tokens": 250})
                        for i in range(4)]
@@ -183,9 +170,3 @@ def test_the_serve_command_drains_streams_and_a_queue_on_sigterm(tmp_path):
         assert process.wait(60) == 0
         assert all(events[-1] == "[DONE]" for events in results)
         assert re.search(r"stopped: \d+ requests finished", process.stderr.read())
-    finally:
-        watchdog.cancel()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stderr.close()
