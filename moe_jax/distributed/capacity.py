@@ -13,12 +13,21 @@ buffers hold everything a device sends (nothing can overflow there):
 
 Every call reports, in `DispatchStatistics`, how many pairs it `dropped` at the capacity in force and the
 `required_capacity`: the lowest ladder capacity whose buffers would have held its busiest peer. The
-caller keeps the capacity as its own state and moves it with a `CapacitySchedule`: straight up to the
-required capacity after an overflow (that call must then be recomputed: its output lacks the dropped
-pairs), and one step down after `patience` calls in a row that all fitted the lower capacity, so one
-skewed batch does not pin the largest buffers forever. `CapacitySchedule.settle` is that decision after one
-call; `replay_until_exact` runs a call and replays it until it dropped nothing (`forward`); `TrainLoop` and
-the NNX face, which replay later or leave the replay to their caller, use `settle` directly.
+caller keeps its capacity in a `CapacityTracker` and moves it by the model's `CapacitySchedule`: straight up
+to the required capacity after an overflow (that call must then be recomputed: its output lacks the dropped
+pairs), and one step down after `patience` calls in a row that all fitted the lower capacity, so one skewed
+batch does not pin the largest buffers forever.
+
+The capacity is an argument all the way down, never a global: the caller passes it to `model.apply(capacity=)`
+(static: one compilation per rung), the step hands it to each experts module (`ShardedExperts.__call__`), which
+passes it, with this device's experts function, to its EP implementation's `__call__`; the implementation sizes
+its buffers by it (`CapacityBuffers.buffer_rows(pairs, capacity)`).
+
+    caller           CapacityTracker   forward (`model.forward_capacity`), TrainLoop, the NNX face
+      | capacity (static argument of the jitted step)
+    step_math -> decoder layer -> ShardedExperts(..., capacity=) -> EP implementation(..., capacity=)
+      | DispatchStatistics (dropped, required_capacity), summed over devices and layers
+    caller           tracker.settle / observe / run_exact: the next capacity, and whether to replay
 
 (An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
 collectives, so overflow is handled between calls; see docs/design.md, "Expert parallelism".)
@@ -32,15 +41,15 @@ Glossary (one meaning per name, everywhere in moe_jax):
     capacity_factor    a fixed multiple for buffers that drop on purpose (not dropless; never moves)
     pairs              the (token, expert) pairs one device routes: rows * top_k
     buffer_rows        rows of one dispatch buffer (per peer for all_to_all, per device for all_reduce): the
-                       function of (capacity, pairs, ep), `CapacityBuffers.buffer_rows(pairs)` at an
-                       implementation's capacity in force, and in `DispatchStatistics` a call's largest one
+                       function of (capacity, pairs, ep), and in `DispatchStatistics` a call's largest one
     busiest_rows       the rows a call's fullest buffer needed (more than `buffer_rows`: pairs dropped)
     dropped            pairs a call did not compute because a buffer was full (> 0: replay the call)
     required_capacity  the lowest ladder capacity whose buffers hold a call's busiest buffer
     CapacitySchedule   the ladder and how the capacity moves along it (`patience`): one per model,
                        `model.capacity_schedule`, the same object its EP implementations size buffers by
-    CapacityState      one caller's capacity and calm streak: `model.forward_capacity[inference]`, the
-                       `capacity_state` of `TrainLoop.run` and checkpoints, the NNX module's `capacity_streak`
+    CapacityTracker    the one holder of a caller's capacity: its `state`, moved by its schedule
+    CapacityState      a tracker's state as a value (capacity, calm streak): what checkpoints save and
+                       `TrainLoop.run` takes and returns
     calm_calls         calls in a row that fitted the rung below the capacity; `calm_peak`: the largest
                        capacity they required
     replay             running a call again, at the capacity it required (routing is deterministic, so it
@@ -160,9 +169,8 @@ jax.tree_util.register_pytree_node(
 
 @dataclass(frozen=True)
 class CapacityState:
-    """The caller's dispatch capacity and its calm streak (calls in a row that fitted the lower capacity,
-    and the largest capacity they required). The one state class: `forward`, `TrainLoop`, checkpoints and
-    the NNX face all hold one."""
+    """A caller's dispatch capacity and its calm streak (calls in a row that fitted the lower capacity, and
+    the largest capacity they required), as a value: a `CapacityTracker`'s `state`, what checkpoints save."""
 
     capacity: float
     calm_calls: int = 0
@@ -175,15 +183,12 @@ class CapacitySchedule:
     `patience` calm calls. A model makes one (`model.capacity_schedule`) and passes it to its EP
     implementations, whose `required_capacity` is a rung of this ladder.
 
-        schedule = model.capacity_schedule
-        state = schedule.start()
-        out = model.apply(params, ids, capacity=state.capacity)
-        dropped, required = jax.device_get((out.statistics.dropped, out.statistics.required_capacity))
-        state, replay = schedule.settle(state, state.capacity, int(dropped), float(required))
-        if replay:                                                  # out lacks dropped pairs
-            out = model.apply(params, ids, capacity=state.capacity)
+        tracker = CapacityTracker(model.capacity_schedule)         # at the ladder's first rung
+        out = model.apply(params, ids, capacity=tracker.capacity)
+        if tracker.observe(out.statistics, ran_at=tracker.capacity):   # out dropped pairs: replay it
+            out = model.apply(params, ids, capacity=tracker.capacity)
 
-    (`replay_until_exact` is that loop.)
+    (`CapacityTracker.run_exact` is that loop; `settle` is the pure decision it moves by.)
     """
 
     ladder: tuple[float, ...]
@@ -285,3 +290,47 @@ def replay_until_exact(call: Callable[[float | None], Any], schedule: CapacitySc
         capacity = state.capacity
         output = call(capacity)
         recomputed += 1
+
+
+class CapacityTracker:
+    """One caller's dispatch capacity: the one place it is kept, moved along `schedule`'s ladder.
+
+    `state`: where it starts (default the ladder's first rung); `dispatches=False`: the caller runs without
+    dispatch buffers (ep 1), its `state` and `capacity` are None. Holders: `forward`
+    (`model.forward_capacity[inference]`), `TrainLoop.run` (which takes and returns its `state`, as checkpoints
+    save it) and the NNX face (`MoeCausalLM.capacity_tracker`). Host bookkeeping only: nothing here is traced.
+    """
+
+    def __init__(self, schedule: CapacitySchedule, state: CapacityState | None = None, *, dispatches: bool = True):
+        self.schedule = schedule
+        self.state: CapacityState | None = None if not dispatches else state if state is not None else schedule.start()
+
+    @property
+    def capacity(self) -> float | None:
+        """The capacity the next call runs at."""
+        return None if self.state is None else self.state.capacity
+
+    def restart(self, capacity: float) -> None:
+        """Run at `capacity` (a rung of the ladder) from the next call on, with no calm streak."""
+        self.state = CapacityState(self.schedule.check(capacity))
+
+    def settle(self, ran_at: float | None, dropped: int, required: float) -> bool:
+        """After one call made at `ran_at` that dropped `dropped` pairs and required `required`: move the
+        state (`CapacitySchedule.settle`) and return whether that call must be replayed."""
+        self.state, replay = self.schedule.settle(self.state, ran_at, dropped, required)
+        return replay
+
+    def observe(self, statistics: DispatchStatistics, ran_at: float | None) -> bool:
+        """`settle` by a call's statistics: one host read of two scalars (dropped, required_capacity)."""
+        dropped, required = jax.device_get((statistics.dropped, statistics.required_capacity))
+        return self.settle(ran_at, int(dropped), float(required))
+
+    def run_exact(self, call: Callable[[float | None], Any], *, dispatched: tuple[Any, float | None] | None = None,
+                  statistics: Callable[[Any], DispatchStatistics] = attrgetter("statistics")) -> Replayed:
+        """`replay_until_exact` from this tracker's state, which it then holds."""
+        replayed = replay_until_exact(call, self.schedule, self.state, dispatched=dispatched, statistics=statistics)
+        self.state = replayed.state
+        return replayed
+
+    def __repr__(self) -> str:
+        return f"CapacityTracker({self.state}, ladder={list(self.schedule.ladder)})"

@@ -1,17 +1,24 @@
 """Expert parallelism: how tokens reach the experts a device owns, inside `shard_map`.
 
 An `EPImplementation` is built once per experts module (`ShardedExperts`, when the model is built) with the
-experts' local forward and the device groups, and serves every call and trace after that; called on the
-batch this device holds with GLOBAL expert ids, it returns the weighted expert output for those tokens.
-Implementations are chosen by `DistributedConfig.ep_implementation` from `EPImplementationInterface`, which
-users extend:
+device groups, and serves every call and trace after that. Called on the batch this device holds with GLOBAL
+expert ids, it returns the weighted expert output for those tokens; each call hands it, as arguments, this
+device's experts function bound to the call's weights (`experts_forward`) and the dispatch capacity in
+force (`capacity`), so an implementation keeps no per-call state. Implementations are chosen by
+`DistributedConfig.ep_implementation` from `EPImplementationInterface`, which users extend:
 
     class MyEP(EPImplementation):
-        def __call__(self, hidden_states, top_k_index, top_k_weights):
+        def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward, capacity=None):
             ...  # bring this device's experts the rows routed to them
-            return self.experts_forward(tokens, local_expert_ids, weights)  # [T, H]
+            return experts_forward(tokens, local_expert_ids, weights)   # [T, H]
 
     EPImplementationInterface.register("my_ep", MyEP)
+
+`__call__` may take any of the keywords `experts_forward`, `capacity` and `inference` (the MoE block's mode,
+for implementations that pick a path per call, as `auto` does): it receives those it names. The reference's
+form, `__call__(self, hidden_states, top_k_index, top_k_weights)` calling `self.experts_forward(...)`, works
+too: such a class is built again for each call being traced, with that call's experts as `experts_forward`
+(and the call's capacity as its `capacity` option when it takes capacity options).
 
 Registered:
     "all_to_all"  token dispatch: each TP rank of a batch sends a disjoint slice of its rows to the devices
@@ -22,7 +29,7 @@ Registered:
     "auto"        all_reduce at inference when the ep group shares one batch, all_to_all otherwise.
     "deepgemm_megamoe"  DeepGEMM's fused kernel: CUDA/PyTorch only, raises here.
 
-Dispatch in static shapes. Buffers hold a fixed number of rows set by the *capacity* in force (see
+Dispatch in static shapes. Buffers hold a fixed number of rows set by the *capacity* of the call (see
 `moe_jax.distributed.capacity`), so a layer's shapes never depend on the routing. Dropless (the default,
 `capacity_factor=None`): the caller passes a capacity from the model's ladder (`CapacitySchedule`: 1.25, 1.5,
 2, 3, 4, 6, ... up to ep, where nothing can overflow) with each call; a call whose busiest buffer overflowed
@@ -33,9 +40,8 @@ purpose (their output is 0) and counted.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,49 +52,30 @@ from ..ops.accumulation import accumulating_einsum, accumulation_dtype
 from ..ops.permute import invert_permutation, take_rows
 from .capacity import CapacitySchedule, DispatchStatistics, buffer_rows, required_capacity
 
+# This device's experts, bound to their weights: (tokens [N, H], local expert ids [N, K], weights [N, K]) ->
+# [N, H]; the sentinel id `num_local_experts` contributes nothing. One per activation kind in
+# `moe_jax.ops.experts` (`swiglu_experts`, ...), bound by `ShardedExperts` for each call.
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
-
-@dataclass(frozen=True)
-class _Call:
-    """What an implementation built once needs of the call it serves (set by `ShardedExperts` while it
-    traces the call): this device's experts bound to their traced weights, and the capacity in force."""
-
-    experts_forward: ExpertsForward
-    capacity: float
+# The keywords an implementation's `__call__` may take, passed when it names them.
+CALL_KEYWORDS = ("experts_forward", "capacity", "inference")
 
 
-_CALL: ContextVar[_Call | None] = ContextVar("moe_jax_ep_call", default=None)
+def call_keywords(implementation_class: type) -> frozenset[str]:
+    """Which of `CALL_KEYWORDS` the class's `__call__` takes (all of them with `**kwargs`)."""
+    parameters = inspect.signature(implementation_class.__call__).parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return frozenset(CALL_KEYWORDS)
+    return frozenset(name for name in CALL_KEYWORDS if name in {parameter.name for parameter in parameters})
 
 
-@contextmanager
-def serving_call(experts_forward: ExpertsForward, capacity: float):
-    """Within the block, `CALL_EXPERTS` runs `experts_forward` and `CapacityBuffers` size buffers by
-    `capacity` (a context variable: per thread, and an implementation holds no per-call state)."""
-    token = _CALL.set(_Call(experts_forward, capacity))
-    try:
-        yield
-    finally:
-        _CALL.reset(token)
+def _experts_outside_a_call(*_args, **_kwargs):
+    raise RuntimeError(
+        "This EP implementation was built without experts: `experts_forward` is passed to each call "
+        "(`__call__(..., experts_forward=...)`), as `ShardedExperts` does; a reference-style implementation "
+        "using `self.experts_forward` runs only inside a `ShardedExperts` call, which builds it with that "
+        "call's experts.")
 
-
-class _CallExperts:
-    """The `experts_forward` `ShardedExperts` builds its implementation with: the experts of the call being
-    traced (`serving_call`), so one implementation serves every call with that call's weights."""
-
-    def __call__(self, tokens, expert_ids, weights):
-        """tokens: [N, H]; expert_ids, weights: [N, K] local ids -> [N, H]."""
-        call = _CALL.get()
-        if call is None:
-            raise RuntimeError("experts_forward of a ShardedExperts implementation was called outside a "
-                               "ShardedExperts call: it runs the weights of the call being traced.")
-        return call.experts_forward(tokens, expert_ids, weights)
-
-    def __repr__(self) -> str:
-        return "CALL_EXPERTS"
-
-
-CALL_EXPERTS = _CallExperts()
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -112,17 +99,17 @@ class ExpertGroups:
 class EPImplementation:
     """Base class: built once per experts module; called inside `shard_map` on this device's batch.
 
-    `experts_forward(tokens [N, H], local_expert_ids [N, K], weights [N, K]) -> [N, H]` runs this device's
-    experts; the sentinel id `num_local_experts` contributes nothing. Under `ShardedExperts` it is
-    `CALL_EXPERTS`, the experts of the call in progress: keep no per-call state on the implementation.
+    `__call__(hidden_states, top_k_index, top_k_weights, *, experts_forward, capacity, inference)` (any of
+    the keywords; see the module docstring). `experts_forward` given to the constructor is what a
+    reference-style `__call__` uses as `self.experts_forward` (`ShardedExperts` builds such a class per call
+    with the call's experts); an implementation built once is given none and keeps no per-call state.
     """
 
     needs_shared_batch: ClassVar[bool] = False
-    # Implementations that pick a path per call (auto) take `inference=` in `__call__`.
-    uses_inference_flag: ClassVar[bool] = False
 
-    def __init__(self, experts_forward: ExpertsForward, num_local_experts: int, groups: ExpertGroups, **options):
-        self.experts_forward = experts_forward
+    def __init__(self, experts_forward: ExpertsForward | None, num_local_experts: int, groups: ExpertGroups,
+                 **options):
+        self.experts_forward = experts_forward if experts_forward is not None else _experts_outside_a_call
         self.num_local_experts = num_local_experts
         self.groups = groups
         self.shares_batch = groups.shares_batch
@@ -133,7 +120,8 @@ class EPImplementation:
             )
         self.options = options
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
+                 capacity: float | None = None, inference: bool = False):
         raise NotImplementedError(f"{type(self).__name__} must implement __call__")
 
     def ep_rank(self) -> jax.Array:
@@ -151,8 +139,8 @@ class CapacityBuffers:
 
     Options: `schedule` (the model's `CapacitySchedule`; default the one for this ep size): the ladder the
     `required_capacity` statistic names; `capacity` (float, default the ladder's largest, which never drops):
-    the dropless capacity outside a `ShardedExperts` call (inside one, the call's); `capacity_factor`
-    (float | None): when set, buffers of that size and overflow dropped on purpose.
+    the dropless capacity of a call that passes none; `capacity_factor` (float | None): when set, buffers
+    of that size and overflow dropped on purpose.
     """
 
     accepts_capacity_options: ClassVar[bool] = True
@@ -163,18 +151,14 @@ class CapacityBuffers:
         self.schedule = schedule if schedule is not None else CapacitySchedule.for_ep(self.groups.ep_size)
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0.")
-        self._built_capacity = self.schedule.largest if capacity is None else capacity
+        self.capacity = self.schedule.largest if capacity is None else capacity
         self.capacity_factor = capacity_factor
 
-    @property
-    def capacity(self) -> float:
-        """The dropless capacity in force: the `ShardedExperts` call's being traced, else the built one."""
-        call = _CALL.get()
-        return self._built_capacity if call is None else call.capacity
-
-    def buffer_rows(self, pairs: int) -> int:
-        """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device."""
-        factor = self.capacity if self.capacity_factor is None else self.capacity_factor
+    def buffer_rows(self, pairs: int, capacity: float | None = None) -> int:
+        """Buffer rows (per peer, or per device for all_reduce) for `pairs` pairs held by one device, at the
+        call's dropless `capacity` (None: `self.capacity`), or at `capacity_factor` when that is set."""
+        dropless = self.capacity if capacity is None else capacity
+        factor = dropless if self.capacity_factor is None else self.capacity_factor
         return buffer_rows(factor, pairs, self.groups.ep_size)
 
     def statistics(self, routed, kept, total_rows: int, busiest_rows, pairs: int) -> DispatchStatistics:
@@ -199,8 +183,11 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         super().__init__(experts_forward, num_local_experts, groups, **options)
         self._init_capacity(capacity, capacity_factor, schedule)
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats)."""
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
+                 capacity: float | None = None):
+        """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats).
+        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's."""
+        experts_forward = experts_forward or self.experts_forward
         groups = self.groups
         rows, top_k = top_k_index.shape
         slice_rows = tp_row_slice(rows, groups.tp_size)
@@ -218,7 +205,7 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         peer_counts = jnp.bincount(sorted_expert // num_local, length=groups.ep_size + 1)[: groups.ep_size]
         peer_starts = jnp.cumsum(peer_counts) - peer_counts
 
-        peer_rows = self.buffer_rows(pairs)
+        peer_rows = self.buffer_rows(pairs, capacity)
         slot = jnp.arange(peer_rows)
         slot_valid = slot[None, :] < peer_counts[:, None]  # [ep, C]
         position = jnp.where(slot_valid, peer_starts[:, None] + slot[None, :], pairs)  # [ep, C]
@@ -233,9 +220,7 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         local_id = jnp.where(slot_valid, sorted_expert[jnp.minimum(position, pairs - 1)] % num_local, num_local)
         received = jax.lax.all_to_all(send_tokens, groups.ep_axes, 0, 0, tiled=True)
         received_ids = jax.lax.all_to_all(local_id.reshape(-1), groups.ep_axes, 0, 0, tiled=True)
-        expert_out = self.experts_forward(
-            received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype)
-        )
+        expert_out = experts_forward(received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype))
         returned = jax.lax.all_to_all(expert_out, groups.ep_axes, 0, 0, tiled=True)
         # Pairs past the buffer were not sent (dropped): their rows read zeros.
         pair_output = take_rows(returned.astype(hidden.dtype), pair_slot, slot_pair)  # [pairs, H], (row, k) order
@@ -290,8 +275,11 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         super().__init__(experts_forward, num_local_experts, groups, **options)
         self._init_capacity(capacity, capacity_factor, schedule)
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats)."""
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
+                 capacity: float | None = None):
+        """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats).
+        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's."""
+        experts_forward = experts_forward or self.experts_forward
         rows, top_k = top_k_index.shape
         pairs = rows * top_k
         if pairs == 0:
@@ -300,7 +288,7 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         index = top_k_index.reshape(pairs)
         mine = (index // num_local) == self.ep_rank()  # [S]
         slot_of_pair = jnp.cumsum(mine) - 1
-        slots = self.buffer_rows(pairs)
+        slots = self.buffer_rows(pairs, capacity)
         kept = mine & (slot_of_pair < slots)
         # pair -> slot (pairs not kept here hold the out-of-range marker `slots`)
         pair_slot = jnp.where(kept, slot_of_pair, slots)
@@ -312,7 +300,7 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         pair = jnp.minimum(slot_pair, pairs - 1)
         tokens = take_rows(hidden_states, jnp.where(slot_valid, pair // top_k, rows), pair_slot)  # [C, H]
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
-        expert_out = self.experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
+        expert_out = experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
         # The combine: routing weights applied and summed over k in at least fp32 (other devices' pairs read
         # zeros here), then over the ep group, rounded once to the hidden dtype at the end. One [T, H] gather per
         # choice k, added in k order: no [T * K, H] buffer (the batch is the whole ep group's).
@@ -333,7 +321,6 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
 class AutoEP(EPImplementation):
     """all_reduce at inference when the ep group shares a batch; all_to_all otherwise (training always)."""
 
-    uses_inference_flag = True
     accepts_capacity_options = True
 
     def __init__(self, experts_forward, num_local_experts, groups, **options):
@@ -344,8 +331,10 @@ class AutoEP(EPImplementation):
     def choose(self, inference: bool) -> EPImplementation:
         return self.all_reduce if (inference and self.all_reduce is not None) else self.all_to_all
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights, *, inference: bool = False):
-        return self.choose(inference)(hidden_states, top_k_index, top_k_weights)
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
+                 capacity: float | None = None, inference: bool = False):
+        return self.choose(inference)(hidden_states, top_k_index, top_k_weights, experts_forward=experts_forward,
+                                      capacity=capacity)
 
 
 class DeepGemmMegaMoeEP(EPImplementation):
@@ -423,13 +412,14 @@ def check_registered(name: str, implementations: EPImplementationInterface | Non
 
 def build_ep_implementation(
     name: str,
-    experts_forward: ExpertsForward,
+    experts_forward: ExpertsForward | None,
     num_local_experts: int,
     groups: ExpertGroups,
     interface: EPImplementationInterface | None = None,
     **options,
 ) -> EPImplementation:
-    """Look `name` up and build the implementation (the reference's `install_forward` checks)."""
+    """Look `name` up and build the implementation (the reference's `install_forward` checks).
+    experts_forward: None for an implementation that takes it per call (`call_keywords`)."""
     implementations = interface if interface is not None else EPImplementationInterface()
     check_registered(name, implementations)
     implementation_class = implementations[name]

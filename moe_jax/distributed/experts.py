@@ -11,8 +11,10 @@ Three ways, decided by the plans (never by model code):
 
     experts_forward(tokens [N, H], expert_ids [N, K], weights [N, K], **local_params) -> [N, H]
 
-is the experts module's math (e.g. `moe_jax.ops.experts.swiglu_experts`); ids are local and the sentinel
-`num_local_experts` contributes nothing.
+is the experts module's math, one function per activation kind (`moe_jax.ops.experts.swiglu_experts`, ...);
+ids are local and the sentinel `num_local_experts` contributes nothing. Three names run experts: that
+function, this sharded experts module, and the EP implementation it hands each call's bound function and
+capacity to (`moe_jax.distributed.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from ..ops.accumulation import is_master
 from ..ops.varying import vary_like
 from .capacity import CapacitySchedule, DispatchStatistics
 from .expert_parallel import (
-    CALL_EXPERTS,
     EPImplementation,
     ExpertGroups,
+    ExpertsForward,
     build_ep_implementation,
-    serving_call,
+    call_keywords,
 )
 from .mesh import STAGE_MESH_AXES, DeviceLayout, check_experts_divisible, spec_entry
 
@@ -70,8 +72,10 @@ class ShardedExperts:
     ladder the EP implementation's `required_capacity` names. `ep_options` go to the EP implementation
     (`capacity_factor`, or a user implementation's own options). In "ep" mode the implementation is built
     here, once (unknown names and bad options fail at construction), and kept as `implementation`: each
-    call binds this device's expert weights and its capacity around it (`serving_call`), so a new trace
-    (another capacity, `jax.grad`, an outer `jit`) builds nothing.
+    call passes it this device's experts bound to their weights and the call's capacity as arguments, so a
+    new trace (another capacity, `jax.grad`, an outer `jit`) builds nothing. A reference-style
+    implementation (no `experts_forward` keyword) is built again for each call traced, with that call's
+    experts (`_reference_style_call`).
     """
 
     def __init__(
@@ -81,7 +85,7 @@ class ShardedExperts:
         layout: DeviceLayout,
         mode: str,
         num_experts: int,
-        experts_forward: Callable,
+        experts_forward: Callable[..., jax.Array],
         ep_implementation: str = "auto",
         intermediate_dims: dict[str, int | str] | None = None,
         schedule: CapacitySchedule | None = None,
@@ -99,13 +103,15 @@ class ShardedExperts:
             all_axes=STAGE_MESH_AXES,
         )
         self.schedule = schedule if schedule is not None else CapacitySchedule.for_ep(layout.ep_size)
+        self.ep_options = ep_options
         self.implementation: EPImplementation | None = None
         if mode == EP_DISPATCH:
             check_experts_divisible(num_experts, layout.ep_size)
             self.implementation = build_ep_implementation(
-                ep_implementation, CALL_EXPERTS, num_experts // layout.ep_size, self.groups,
-                schedule=self.schedule, **ep_options,
+                ep_implementation, None, num_experts // layout.ep_size, self.groups, schedule=self.schedule,
+                **ep_options,
             )
+            self.call_keywords = call_keywords(type(self.implementation))
 
     # Sharding of the inputs of the shard_map body.
     def _batch_spec(self) -> P:
@@ -177,11 +183,10 @@ class ShardedExperts:
     def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
         if self.mode == EP_DISPATCH:
             implementation = self.implementation
-            with serving_call(experts_forward, capacity):
-                if getattr(implementation, "uses_inference_flag", False):
-                    result = implementation(hidden, index, weights, inference=inference)
-                else:
-                    result = implementation(hidden, index, weights)
+            arguments = {"experts_forward": experts_forward, "capacity": capacity, "inference": inference}
+            if "experts_forward" not in self.call_keywords:
+                implementation = self._reference_style_call(experts_forward, capacity)
+            result = implementation(hidden, index, weights, **{name: arguments[name] for name in self.call_keywords})
             output, statistics = result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
             # Implementations can be user classes (EPImplementationInterface): check the contract when traced.
             contract = (f"EP implementation {type(implementation).__name__} must return this device's tokens' "
@@ -193,3 +198,12 @@ class ShardedExperts:
         if self.mode == TENSOR_PARALLEL:
             output = jax.lax.psum(output, self.layout.tp_axes)
         return output, DispatchStatistics.zeros()
+
+    def _reference_style_call(self, experts_forward: ExpertsForward, capacity: float) -> EPImplementation:
+        """A reference-style implementation (`__call__(hidden_states, top_k_index, top_k_weights)` using
+        `self.experts_forward`) built for the call being traced: its experts are this call's, and so is its
+        `capacity` option when it takes capacity options."""
+        return build_ep_implementation(
+            self.ep_implementation, experts_forward, self.num_experts // self.layout.ep_size, self.groups,
+            schedule=self.schedule, **(self.ep_options | {"capacity": capacity}),
+        )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
@@ -34,14 +33,14 @@ from .step_options import StepOptions
 class ModelCore:
     """What `step_math` needs of one built model besides parameters and inputs.
 
-    experts: sparse layer -> its experts module, `(tokens [N, H], ids [N, K], weights [N, K], params, *,
+    sharded_experts: sparse layer -> its experts module, `(tokens [N, H], ids [N, K], weights [N, K], params, *,
     inference, capacity) -> (out [N, H], statistics)` (a `distributed.experts.ShardedExperts`).
     dispatches: the layout dispatches tokens (ep > 1), so the capacity is a static argument of the step."""
 
     family: Family
     config: Any
     layer_stack: LayerStack
-    experts: Mapping[int, Any]
+    sharded_experts: Mapping[int, Any]
     layouts: ActivationLayouts
     remat: str = "none"
     dispatches: bool = False
@@ -89,10 +88,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
     positions = layouts.batch(jnp.asarray(positions, jnp.int32))
     step = StepOptions(
-        run_experts={layer: partial(experts, inference=inference, capacity=capacity)
-                     for layer, experts in core.experts.items()},
-        inference=inference, rng=rng, remat=core.remat, layouts=layouts, compute_dtype=compute_dtype, cache=cache,
-        segment_ids=segment_ids,
+        sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
+        layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids,
     )
     nested = core.layer_stack.nest(params)
     if core.layer_stack.pipeline is not None:

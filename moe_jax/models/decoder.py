@@ -76,7 +76,7 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
     feed_forward = weights[family.feed_forward_module]
     if family.is_sparse(config, layer):
         out, router_logits, statistics = family.moe_block(
-            config, feed_forward, h, _counting_load(step.run_experts[layer], attention_mask, config.num_experts),
+            config, feed_forward, h, _counting_load(step.layer_experts(layer), attention_mask, config.num_experts),
             inference=step.inference,
             rng=step.layer_rng(layer_index), constrain=layouts.constrain,
             route=layouts.token_local(partial(family.route, config)),
@@ -87,10 +87,10 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
     return x, router_logits, statistics, layer_cache
 
 
-def _counting_load(run_experts, attention_mask, num_experts: int):
-    """`run_experts` whose statistics also carry the layer's `expert_load` over the real tokens."""
+def _counting_load(layer_experts, attention_mask, num_experts: int):
+    """`layer_experts` whose statistics also carry the layer's `expert_load` over the real tokens."""
     def run(tokens, top_k_index, top_k_weights, params):
-        output, statistics = run_experts(tokens, top_k_index, top_k_weights, params)
+        output, statistics = layer_experts(tokens, top_k_index, top_k_weights, params)
         mask = attention_mask.reshape(-1)
         real = mask if mask.shape[0] == tokens.shape[0] else jnp.ones(tokens.shape[:1], jnp.int32)
         return output, statistics.with_expert_load(expert_load(top_k_index, real, num_experts))

@@ -173,7 +173,7 @@ def route(config: DeepseekV3Config, router_logits, correction_bias):
     )
 
 
-def moe_block(config: DeepseekV3Config, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain,
+def moe_block(config: DeepseekV3Config, weights: dict, hidden, sharded_experts, *, inference: bool, rng, constrain,
               route):
     """Routed experts plus the shared experts: hidden [B, S, H] -> [B, S, H]."""
     batch, sequence, width = hidden.shape
@@ -184,7 +184,7 @@ def moe_block(config: DeepseekV3Config, weights: dict, hidden, run_experts, *, i
                                      tokens.astype(jnp.float32)), ("tokens", "experts"))
     bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
     top_k_weights, top_k_index = route(router_logits, bias)
-    routed, statistics = run_experts(tokens, top_k_index, top_k_weights, weights["experts"])
+    routed, statistics = sharded_experts(tokens, top_k_index, top_k_weights, weights["experts"])
     routed = routed.astype(hidden.dtype).reshape(batch, sequence, width)
     shared = mlp(weights["shared_experts"], hidden, config.hidden_act, constrain=constrain)
     return routed + shared, router_logits, statistics

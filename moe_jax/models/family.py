@@ -13,8 +13,9 @@ RoPE attention, softmax router, SwiGLU experts [E, 2I, H] / [E, H, I]).
 
 Signatures of the functions (config first; see the defaults below):
     route(config, router_logits [N, E], *extra) -> (weights [N, K], expert ids [N, K])
-    experts(config, backend) -> experts_forward(tokens [N, H], expert_ids [N, K], weights [N, K], **params)
-    moe_block(config, weights, hidden [B, S, H], run_experts, *, inference, rng, constrain, route)
+    experts_forward(config, backend) -> this family's experts function, one per activation kind:
+        (tokens [N, H], expert_ids [N, K], weights [N, K], **params) -> [N, H]   (`ops.experts`)
+    moe_block(config, weights, hidden [B, S, H], sharded_experts, *, inference, rng, constrain, route)
         -> (output [B, S, H], router_logits [B*S, E], statistics)
     self_attention(config, weights, h [B, S, H], options, rope, attention_mask, step, layer_kv)
         -> (output [B, S, H], the layer's stored cache arrays, or None without a cache)
@@ -119,9 +120,9 @@ def swiglu(config, backend: str | None) -> Callable:
     return partial(swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
 
 
-def routed_experts_block(config, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain, route):
+def plain_moe_block(config, weights: dict, hidden, sharded_experts, *, inference: bool, rng, constrain, route):
     """The plain MoE block: router `gate`, then the experts (`nn.moe.sparse_moe_block`)."""
-    return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain)
+    return sparse_moe_block(weights, hidden, route=route, sharded_experts=sharded_experts, constrain=constrain)
 
 
 def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attention_mask, step, layer_kv):
@@ -165,8 +166,8 @@ class Family:
     feed_forward_module: str = "mlp"  # the layer's feed-forward module (Llama 4: "feed_forward")
     dense_activation_module: str = "act_fn"  # the dense MLP's activation module (Llama 4: "activation_fn")
     # Math.
-    experts: Callable = swiglu
-    moe_block: Callable = routed_experts_block
+    experts_forward: Callable = swiglu
+    moe_block: Callable = plain_moe_block
     self_attention: Callable = rope_attention
     attention_options: Callable[[Any, int], dict] = lambda config, layer: {}
     cache_heads: Callable = kv_cache_heads

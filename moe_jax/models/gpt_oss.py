@@ -100,7 +100,7 @@ def declare_sparse_mlp(tree: ModuleTree, config: GptOssConfig, intermediate: int
         tree.param("down_proj_bias", (config.num_experts, config.hidden_size), init="zeros")
 
 
-def experts(config: GptOssConfig, backend: str | None):
+def experts_forward(config: GptOssConfig, backend: str | None):
     return partial(biased_clamped_swiglu_experts, alpha=config.swiglu_alpha, limit=config.swiglu_limit,
                    backend=backend)
 
@@ -115,8 +115,8 @@ def route(config: GptOssConfig, router_logits):
     return top_k_softmax(router_logits, config.num_experts_per_tok)
 
 
-def moe_block(config: GptOssConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
-    return sparse_moe_block(weights, hidden, route=route, run_experts=run_experts, constrain=constrain,
+def moe_block(config: GptOssConfig, weights, hidden, sharded_experts, *, inference, rng, constrain, route):
+    return sparse_moe_block(weights, hidden, route=route, sharded_experts=sharded_experts, constrain=constrain,
                             router="router")
 
 
@@ -137,7 +137,7 @@ FAMILY = register_family(Family(
     declare_attention=declare_sink_attention,
     declare_sparse_mlp=declare_sparse_mlp,
     experts_intermediate_size=lambda config: config.intermediate_size,
-    experts=experts,
+    experts_forward=experts_forward,
     moe_block=moe_block,
     attention_options=attention_options,
 ))

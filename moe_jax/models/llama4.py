@@ -133,7 +133,7 @@ def attention_options(config: Llama4TextConfig, layer: int) -> dict:
     return {"rope": config.uses_rope(layer), "attention_chunk_size": config.attention_chunk_size if chunked else None}
 
 
-def experts(config: Llama4TextConfig, backend: str | None):
+def experts_forward(config: Llama4TextConfig, backend: str | None):
     return partial(prescaled_swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
 
 
@@ -181,10 +181,10 @@ def route(config: Llama4TextConfig, router_logits):
     return top_k_sigmoid(router_logits, config.num_experts_per_tok)
 
 
-def moe_block(config: Llama4TextConfig, weights: dict, hidden, run_experts, *, inference: bool, rng, constrain,
+def moe_block(config: Llama4TextConfig, weights: dict, hidden, sharded_experts, *, inference: bool, rng, constrain,
               route):
     """The shared expert plus the chosen experts on pre-scaled inputs: hidden [B, S, H] -> [B, S, H]."""
-    routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, run_experts=run_experts,
+    routed, logits, statistics = sparse_moe_block(weights, hidden, route=route, sharded_experts=sharded_experts,
                                                   constrain=constrain, router="router")
     shared = mlp(weights["shared_expert"], hidden, config.hidden_act, constrain=constrain)
     return shared + routed, logits, statistics
@@ -226,7 +226,7 @@ FAMILY = register_family(Family(
     dense_intermediate_size=lambda config: config.intermediate_size_mlp,
     feed_forward_module="feed_forward",
     dense_activation_module="activation_fn",
-    experts=experts,
+    experts_forward=experts_forward,
     moe_block=moe_block,
     self_attention=self_attention,
     attention_options=attention_options,

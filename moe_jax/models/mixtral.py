@@ -20,7 +20,7 @@ import jax
 
 from ..ops.routing import mixtral_top_k
 from .config import HFConfigMixin
-from .family import Family, register_family, routed_experts_block
+from .family import Family, plain_moe_block, register_family
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def route(config: MixtralConfig, router_logits):
     return mixtral_top_k(router_logits, config.num_experts_per_tok)
 
 
-def moe_block(config: MixtralConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
+def moe_block(config: MixtralConfig, weights, hidden, sharded_experts, *, inference, rng, constrain, route):
     """Router jitter in training (needs `rng`, this layer's key: `fold_in(rng, layer)`), then the block:
     hidden [B, S, H] -> [B, S, H]."""
     noise = config.router_jitter_noise
@@ -96,7 +96,7 @@ def moe_block(config: MixtralConfig, weights, hidden, run_experts, *, inference,
                 "inference=True (no jitter, as HF's eval mode), or set router_jitter_noise=0."
             )
         hidden = router_jitter(hidden, rng, noise)
-    return routed_experts_block(config, weights, hidden, run_experts, inference=inference, rng=rng,
+    return plain_moe_block(config, weights, hidden, sharded_experts, inference=inference, rng=rng,
                                 constrain=constrain, route=route)
 
 

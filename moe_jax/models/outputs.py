@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from ..distributed.capacity import DispatchStatistics, replay_until_exact
+from ..distributed.capacity import DispatchStatistics
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DroplessOutput:
     _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load")
 
     def __init__(self, model, call: Callable[..., ModelOutput], inference: bool, batch: int):
-        # model: the `MoeForCausalLM` whose `forward` made it (its schedule and forward capacities move).
+        # model: the `MoeForCausalLM` whose `forward` made it (its forward capacity tracker moves).
         self._model, self._call, self._inference, self._batch = model, call, inference, batch
         self.capacity = model.forward_capacity[inference].capacity
         self._output = call(capacity=self.capacity)
@@ -69,11 +69,8 @@ class DroplessOutput:
             self.recomputed += 1  # counted before a check can raise
             return self._call(capacity=capacity)
 
-        # The schedule's state as it is now (another call may have moved it since this one was dispatched).
-        replayed = replay_until_exact(replay, model.capacity_schedule,
-                                      model.forward_capacity[self._inference],
-                                      dispatched=(self._output, self.capacity))
-        model.forward_capacity[self._inference] = replayed.state
+        # The tracker's state as it is now (another call may have moved it since this one was dispatched).
+        replayed = model.forward_capacity[self._inference].run_exact(replay, dispatched=(self._output, self.capacity))
         self.capacity = replayed.capacity
         return replayed.output
 

@@ -25,8 +25,8 @@ from .config import HFConfigMixin
 from .family import (
     Family,
     declare_dense_mlp,
+    plain_moe_block,
     register_family,
-    routed_experts_block,
     router_then_experts,
     sparse_step_layers,
 )
@@ -127,9 +127,9 @@ def declare_sparse_mlp(tree: ModuleTree, config: Qwen2MoeConfig, intermediate: i
     tree.linear("shared_expert_gate", 1, config.hidden_size)
 
 
-def moe_block(config: Qwen2MoeConfig, weights, hidden, run_experts, *, inference, rng, constrain, route):
+def moe_block(config: Qwen2MoeConfig, weights, hidden, sharded_experts, *, inference, rng, constrain, route):
     """Routed experts plus the gated shared expert: hidden [B, S, H] -> [B, S, H]."""
-    out, logits, statistics = routed_experts_block(config, weights, hidden, run_experts, inference=inference,
+    out, logits, statistics = plain_moe_block(config, weights, hidden, sharded_experts, inference=inference,
                                                    rng=rng, constrain=constrain, route=route)
     shared = shared_expert_output(weights, hidden, partial(mlp, act=config.hidden_act))
     return out + shared, logits, statistics

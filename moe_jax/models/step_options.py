@@ -3,8 +3,9 @@ remat policies a layer can run under."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -24,11 +25,13 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 class StepOptions:
     """What the family's `forward_math` needs besides parameters and inputs, for one traced step.
 
-    run_experts: per sparse layer, `(tokens [N, H], top_k_index, top_k_weights, experts_params) -> (out,
-    statistics)`; layouts: activation sharding constraints from the plans; remat: a `REMAT_POLICIES` name.
+    sharded_experts: per sparse layer, its experts module (`distributed.experts.ShardedExperts`); capacity: the
+    dispatch capacity they run at (None: the largest, or no dispatch buffers); layouts: activation sharding
+    constraints from the plans; remat: a `REMAT_POLICIES` name.
     """
 
-    run_experts: dict[int, Callable]
+    sharded_experts: Mapping[int, Callable]
+    capacity: float | None
     inference: bool
     rng: jax.Array | None
     remat: str
@@ -36,6 +39,11 @@ class StepOptions:
     compute_dtype: jnp.dtype | None = None
     cache: Any = None
     segment_ids: jax.Array | None = None   # [B, S] packed rows' document ids (0: padding), or None
+
+    def layer_experts(self, layer: int) -> Callable:
+        """Layer `layer`'s experts module bound to this step's mode and capacity:
+        `(tokens [N, H], top_k_index [N, K], top_k_weights [N, K], experts_params) -> (out [N, H], statistics)`."""
+        return partial(self.sharded_experts[layer], inference=self.inference, capacity=self.capacity)
 
     def layer_rng(self, layer) -> jax.Array | None:
         """This layer's key (`fold_in(rng, layer)`; `layer` may be traced inside a scan)."""

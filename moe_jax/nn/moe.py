@@ -2,10 +2,10 @@
 
     logits = x @ gate.weight.T                 [N, E]
     weights, index = route(logits)             [N, K], [N, K]   (moe_jax.ops.routing)
-    out, statistics = run_experts(x, index, weights, experts_params)   (a ShardedExperts call on a mesh,
+    out, statistics = sharded_experts(x, index, weights, experts_params)   (a ShardedExperts call on a mesh,
                                                                         or any callable with its contract)
 
-`run_experts` decides nothing here about devices: the model builds it from the resolved plans.
+`sharded_experts` decides nothing here about devices: the model builds it from the resolved plans.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def sparse_moe_block(
     hidden_states: jax.Array,
     *,
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
-    run_experts: Callable,
+    sharded_experts: Callable,
     constrain: Constrain = no_constraint,
     router: str = "gate",
 ):
@@ -34,7 +34,7 @@ def sparse_moe_block(
     tokens = hidden_states.reshape(batch * sequence, hidden)
     router_logits = constrain(linear(params[router], tokens), ("tokens", "experts"))
     top_k_weights, top_k_index = route(router_logits)
-    output, statistics = run_experts(tokens, top_k_index, top_k_weights, params["experts"])
+    output, statistics = sharded_experts(tokens, top_k_index, top_k_weights, params["experts"])
     return output.astype(hidden_states.dtype).reshape(batch, sequence, hidden), router_logits, statistics
 
 

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..causal_lm.model import MoeForCausalLM
-from ..distributed.capacity import CapacityState, DispatchStatistics
+from ..distributed.capacity import CapacityState, CapacityTracker, DispatchStatistics
 from ..models.step_checks import check_params
 from ..module_tree import unflatten
 from ..training.loss import (
@@ -44,17 +44,8 @@ from ..training.optimizers import buffer_storage_names
 from .variables import Buffer, DispatchStats
 
 # Attributes of the module itself; a parameter tree may not start with one of these names.
-_OWN_ATTRIBUTES = frozenset({"engine", "capacity", "capacity_streak", "_capacity_book", "deterministic",
+_OWN_ATTRIBUTES = frozenset({"engine", "capacity", "capacity_streak", "capacity_tracker", "deterministic",
                              "compute_dtype", "dispatch_statistics", "storage_names"})
-
-
-class _HostBook:
-    """Host bookkeeping kept beside the module's static attributes, compared by identity: what it holds can
-    change without changing the module's graph definition (a changed static attribute recompiles an `nnx.jit`
-    step). `state`: the `CapacityState` of the capacity in force, with its calm streak."""
-
-    def __init__(self, state: CapacityState | None):
-        self.state = state
 
 
 def partition_names(spec, ndim: int) -> tuple:
@@ -105,7 +96,11 @@ class MoeCausalLM(nnx.Module):
         # Static: each capacity is its own compilation, as in the pure API.
         self.capacity = (None if engine.layout.ep_size == 1 else
                          schedule.largest if capacity is None else schedule.check(capacity))
-        self._capacity_book = _HostBook(None if self.capacity is None else CapacityState(self.capacity))
+        # Host bookkeeping, compared by identity (its calm streak moves without changing the module's graph
+        # definition, which a changed static attribute does: that recompiles an `nnx.jit` step).
+        self.capacity_tracker = CapacityTracker(
+            schedule, None if self.capacity is None else CapacityState(self.capacity),
+            dispatches=self.capacity is not None)
         self.deterministic = deterministic
         mixed = engine.distributed_config.fsdp_mixed_precision
         self.compute_dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else (
@@ -135,32 +130,28 @@ class MoeCausalLM(nnx.Module):
         return self.engine.config
 
     # ---- dispatch capacity ---------------------------------------------------------------------------
-    # `capacity` (a static attribute): the dispatch capacity of the next call (None: no dispatch buffers,
-    # ep 1); `_capacity_book.state`: the same capacity with the schedule's calm streak (host only).
+    # `capacity_tracker` holds the capacity (`moe_jax.distributed.capacity.CapacityTracker`); `capacity` is
+    # its static copy, the compilation key of the next call (None: no dispatch buffers, ep 1).
     @property
     def capacity_streak(self) -> CapacityState | None:
-        """The schedule's state: the capacity in force and its calm streak (`calm_calls`, `calm_peak`)."""
-        return self._capacity_book.state
+        """The tracker's state: the capacity in force and its calm streak (`calm_calls`, `calm_peak`)."""
+        return self.capacity_tracker.state
 
     def set_capacity(self, capacity: float) -> None:
         """Use `capacity` (a value of `engine.capacity_schedule.ladder`) from the next call on."""
         if self.capacity is not None:
-            self.capacity = self.engine.capacity_schedule.check(capacity)
-            self._capacity_book = _HostBook(CapacityState(self.capacity))
+            self.capacity_tracker.restart(capacity)
+            self.capacity = self.capacity_tracker.capacity
 
     def update_capacity(self) -> bool:
         """Read the last call's statistics on the host (one read: dropped pairs and required capacity) and
-        move the capacity by `engine.capacity_schedule.settle`: straight up after an overflow, one rung down
+        move the capacity by its tracker (`CapacityTracker.observe`): straight up after an overflow, one rung down
         after a calm streak. Returns whether the last call dropped pairs: its results lack them and it must
         be run again (at the raised capacity). Call it outside the jitted step, when convenient."""
         if self.capacity is None:
             return False
-        statistics = self.dispatch_statistics.get_value()
-        dropped, required = jax.device_get((statistics.dropped, statistics.required_capacity))
-        state, replay = self.engine.capacity_schedule.settle(self._capacity_book.state, self.capacity,
-                                                             int(dropped), float(required))
-        self.capacity = state.capacity
-        self._capacity_book.state = state
+        replay = self.capacity_tracker.observe(self.dispatch_statistics.get_value(), ran_at=self.capacity)
+        self.capacity = self.capacity_tracker.capacity
         return replay
 
     # ---- the step ------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..distributed.capacity import CapacitySchedule, CapacityState
+from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
 from .data import place_batch
 from .state import TrainState
 
@@ -93,8 +93,10 @@ class TrainLoop:
     def run(self, state: TrainState, until_step: int, capacity_state: CapacityState | None = None
             ) -> tuple[TrainState, CapacityState | None]:
         """Train until `state.step == until_step`; returns the final state and capacity state."""
-        if state.capacity is not None and capacity_state is None:
+        # The run's capacity: `state.capacity` is the step's static copy of it (its compilation key).
+        if capacity_state is None and state.capacity is not None:
             capacity_state = CapacityState(state.capacity)
+        tracker = CapacityTracker(self.schedule, capacity_state, dispatches=capacity_state is not None)
         step, next_index = (int(v) for v in jax.device_get((state.step, state.data_position)))
         pending: deque[_InFlight] = deque()
         replay_until = -1          # batches up to this index are replays
@@ -117,10 +119,10 @@ class TrainLoop:
                 # It dropped pairs, or a step before it did (the sticky flag): replay from its batch, at least
                 # a rung up.
                 dropped = max(int(values["dropped"]), 1)
-                capacity_state, _ = self.schedule.settle(capacity_state, entry.capacity, dropped, required)
+                tracker.settle(entry.capacity, dropped, required)
                 self.replays += 1
                 skipping = jax.device_put(jnp.zeros((), jnp.bool_), state.skipping.sharding)
-                state = state.replace(capacity=capacity_state.capacity, skipping=skipping)
+                state = state.replace(capacity=tracker.capacity, skipping=skipping)
                 replay_until = max(replay_until, next_index - 1)
                 next_index = entry.data_index
                 pending.clear()
@@ -129,19 +131,19 @@ class TrainLoop:
             now = time.perf_counter()
             record = self._record(values, entry, now - last_confirmation)
             last_confirmation = now
-            if capacity_state is not None:
-                capacity_state, _ = self.schedule.settle(capacity_state, entry.capacity, 0, required)
-                if capacity_state.capacity != state.capacity:
-                    state = state.replace(capacity=capacity_state.capacity)
+            if tracker.state is not None:
+                tracker.settle(entry.capacity, 0, required)
+                if tracker.capacity != state.capacity:
+                    state = state.replace(capacity=tracker.capacity)
             if self.evaluate is not None and self.should_evaluate(step) and not pending:
                 record.update(self.evaluate(step, state))
                 last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
             self.on_step(record)
             if self.save is not None and self.should_save(step) and not pending:
-                self.save(step, state, capacity_state)
+                self.save(step, state, tracker.state)
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
-        return state, capacity_state
+        return state, tracker.state
 
     def _learning_rate(self, update: int) -> float:
         with jax.default_device(self._host_device):

@@ -13,7 +13,6 @@ in it moves activations; any other moves weights.
 import json
 import re
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -54,9 +53,8 @@ def layer_collectives(layout: dict, *, inference: bool = True) -> Counter:
 
     def one_layer(params, x):
         step = StepOptions(
-            run_experts={layer: partial(experts, inference=inference, capacity=None)
-                         for layer, experts in model.sharded_experts.items()},
-            inference=inference, rng=None, remat="none", layouts=model.activation_layouts,
+            sharded_experts=model.sharded_experts, capacity=None, inference=inference, rng=None, remat="none",
+            layouts=model.activation_layouts,
         )
         inverse_frequencies, scaling = rope_inverse_frequencies(rope_parameters_from_config(model.config.to_dict()))
         positions = jnp.broadcast_to(jnp.arange(SEQUENCE)[None], (BATCH, SEQUENCE))

@@ -9,6 +9,7 @@ import pytest
 from moe_jax.distributed.capacity import (
     CapacitySchedule,
     CapacityState,
+    CapacityTracker,
     DispatchStatistics,
     buffer_rows,
     capacity_ladder,
@@ -138,3 +139,28 @@ def test_settle_climbs_at_least_a_rung_and_refuses_a_drop_at_the_largest_capacit
     with pytest.raises(RuntimeError, match="dropped at the largest capacity"):
         replay_until_exact(always_drops, schedule, schedule.start())
     assert always_drops.ran_at == [1.25, 8.0]
+
+
+def test_a_tracker_holds_the_state_its_schedule_moves():
+    schedule = CapacitySchedule.for_ep(8, patience=2)
+    tracker = CapacityTracker(schedule)
+    assert tracker.capacity == 1.25 and tracker.state == CapacityState(1.25)
+    # An overflow: replay, at what the call required; the same decision as the schedule's.
+    assert tracker.settle(1.25, 7, 3.0) is True and tracker.state == CapacityState(3.0)
+    assert tracker.observe(Needs(1.25)(3.0).statistics, ran_at=3.0) is False
+    assert tracker.state == CapacityState(3.0, 1, 1.25)
+    replayed = tracker.run_exact(Needs(1.25))
+    assert replayed.recomputed == 0 and tracker.state == CapacityState(2.0)   # patience 2: one rung down
+    tracker.restart(4.0)
+    assert tracker.state == CapacityState(4.0)
+    with pytest.raises(ValueError, match=r"capacity=5.0 is not on the dispatch capacity ladder"):
+        tracker.restart(5.0)
+    resumed = CapacityTracker(schedule, CapacityState(3.0, 1, 2.0))
+    assert resumed.capacity == 3.0 and resumed.state.calm_calls == 1
+
+
+def test_a_tracker_without_dispatch_buffers_holds_no_capacity_and_refuses_a_drop():
+    tracker = CapacityTracker(CapacitySchedule.for_ep(1), dispatches=False)
+    assert tracker.state is None and tracker.capacity is None
+    with pytest.raises(RuntimeError, match="dropped at the largest capacity"):
+        tracker.settle(None, 1, 1.0)

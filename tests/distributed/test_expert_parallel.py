@@ -331,8 +331,9 @@ def test_deepgemm_megamoe_says_it_is_cuda_pytorch_only():
 
 
 class MaskingEP(EPImplementation):
-    """The reference doc's `MyEP` idea in JAX: gather the group's rows, run local experts on all of them
-    (other devices' experts masked), and sum each device's rows back to it."""
+    """The reference doc's `MyEP` idea in JAX, written against the reference's interface (`__call__` with
+    three arguments, `self.experts_forward`): gather the group's rows, run local experts on all of them (other
+    devices' experts masked), and sum each device's rows back to it."""
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         axes = self.groups.ep_axes
@@ -354,6 +355,43 @@ def test_user_registered_implementation_runs_end_to_end():
         assert_matches_reference((1, 8, 8, 1), "masking_example", 16, "random")
     finally:
         del EPImplementationInterface._global_mapping["masking_example"]
+
+
+class KeywordMaskingEP(EPImplementation):
+    """MaskingEP written against the keyword interface: the call's experts and capacity come as arguments
+    (it records the capacities it was called with), and it is built once for every trace."""
+
+    built = 0
+    capacities: list = []
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        KeywordMaskingEP.built += 1
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward, capacity=None):
+        KeywordMaskingEP.capacities.append(capacity)
+        axes = self.groups.ep_axes
+        everyone, index, weights = (jax.lax.all_gather(array, axes, tiled=True)
+                                    for array in (hidden_states, top_k_index, top_k_weights))
+        num_local = self.num_local_experts
+        mine = (index // num_local) == self.ep_rank()
+        local_out = experts_forward(everyone, jnp.where(mine, index % num_local, num_local),
+                                    jnp.where(mine, weights, 0.0))
+        return jax.lax.psum_scatter(local_out, axes, tiled=True)
+
+
+def test_a_user_implementation_taking_the_experts_and_capacity_as_arguments_is_built_once():
+    EPImplementationInterface.register("keyword_masking_example", KeywordMaskingEP)
+    KeywordMaskingEP.built, KeywordMaskingEP.capacities = 0, []
+    try:
+        assert_matches_reference((1, 8, 8, 1), "keyword_masking_example", 16, "random")
+        _, run = sharded_runner((1, 8, 8, 1), "keyword_masking_example", capacity=3.0)
+        jax.eval_shape(run, *make_inputs(16, "random")[:4])
+        assert KeywordMaskingEP.built == 2 and KeywordMaskingEP.capacities[-1] == 3.0   # one per runner
+        with pytest.raises(RuntimeError, match=r"`experts_forward` is passed to each call"):
+            KeywordMaskingEP(None, 1, ExpertGroups(("ep",), ("tp",), 8, 1, MESH_AXES)).experts_forward()
+    finally:
+        del EPImplementationInterface._global_mapping["keyword_masking_example"]
 
 
 class HalfWidthEP(EPImplementation):
