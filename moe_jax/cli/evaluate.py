@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed.mesh import DeviceLayout
     from ..training.data import data_shard
     from ..training.evaluation import Evaluator, num_batches
-    from .train import eval_source
+    from .train_data import eval_source
 
     for flag in ("batch_size", "batches", "loss_chunk", "seq_len"):
         value = getattr(args, flag)

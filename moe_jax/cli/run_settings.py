@@ -103,3 +103,24 @@ def eval_defaults(args: argparse.Namespace, settings: dict | None, *, text: bool
     pack = pick("pack", "pack", False, applies=text)
     text_column = pick("text_column", "text_column", "text", applies=text)
     return EvalDefaults(batch_size, seq_len, pack, text_column, tuple(taken))
+
+
+def learning_rate_schedules(args: argparse.Namespace):
+    """The learning-rate schedules of the dense parameters and, with --expert-lr, of the experts (errors here are
+    the flags' own, raised before anything starts)."""
+    from ..training.schedules import learning_rate_schedule
+
+    options = dict(warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio)
+    if args.lr_schedule == "constant" and not args.warmup_steps and not args.min_lr_ratio:
+        # Plain rates: the optimizer state keeps the structure it had before schedules existed, so train states
+        # saved then still resume.
+        return args.lr, args.expert_lr
+    total = decay_steps(args)
+    try:
+        dense = learning_rate_schedule(args.lr_schedule, args.lr, total, **options)
+        experts = (None if args.expert_lr is None else
+                   learning_rate_schedule(args.lr_schedule, args.expert_lr, total, **options))
+    except ValueError as error:
+        raise ValueError(f"--lr-schedule {args.lr_schedule} --warmup-steps {args.warmup_steps} --min-lr-ratio "
+                         f"{args.min_lr_ratio}: {error}") from None
+    return dense, experts

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .layout_flags import (
     add_layout_flags,
@@ -40,8 +38,15 @@ from .layout_flags import (
     scan_layers_from_flags,
     warn_about_head_split,
 )
-from .run_settings import DECAYING, decay_steps, run_settings, schedule_change_note, write_run_settings
-from .train_progress import TrainProgress, stopped_early_line
+from .run_settings import (
+    DECAYING,
+    learning_rate_schedules,
+    run_settings,
+    schedule_change_note,
+    write_run_settings,
+)
+from .train_data import check_sequence, eval_source, training_source
+from .train_progress import TrainProgress, close_after_failure, forget_records_after
 
 DTYPES = ("float32", "bfloat16")
 
@@ -153,27 +158,6 @@ def _check_positive(args) -> None:
                              f"{args.lr_schedule} does not decay.")
 
 
-def _schedules(args):
-    """The learning-rate schedules of the dense parameters and, with --expert-lr, of the experts (errors here are
-    the flags' own, raised before anything starts)."""
-    from ..training.schedules import learning_rate_schedule
-
-    options = dict(warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio)
-    if args.lr_schedule == "constant" and not args.warmup_steps and not args.min_lr_ratio:
-        # Plain rates: the optimizer state keeps the structure it had before schedules existed, so train states
-        # saved then still resume.
-        return args.lr, args.expert_lr
-    total = decay_steps(args)
-    try:
-        dense = learning_rate_schedule(args.lr_schedule, args.lr, total, **options)
-        experts = (None if args.expert_lr is None else
-                   learning_rate_schedule(args.lr_schedule, args.expert_lr, total, **options))
-    except ValueError as error:
-        raise ValueError(f"--lr-schedule {args.lr_schedule} --warmup-steps {args.warmup_steps} --min-lr-ratio "
-                         f"{args.min_lr_ratio}: {error}") from None
-    return dense, experts
-
-
 def _model_config(args) -> tuple[dict, Path | None]:
     from ..checkpoint_files import read_config
     from .demo import DEMO_CONFIG
@@ -184,97 +168,6 @@ def _model_config(args) -> tuple[dict, Path | None]:
     if not directory.is_dir():
         raise FileNotFoundError(f"--model {directory}: not a checkpoint directory.")
     return read_config(directory), directory
-
-
-def _data_source(args, config: dict, model_dir: Path | None):
-    """The training batches: token rows, a synthetic stream, or a text corpus checked here and read once the batch
-    layout names this process's share (`_PendingCorpus.load`)."""
-    from ..training.corpus import TEXT_FORMATS
-    from ..training.data import SyntheticTokens, TokenRows
-
-    if args.data is not None and Path(args.data).suffix.lower() in TEXT_FORMATS:
-        return _PendingCorpus(args.data, args, config, model_dir, args.batch_size, args.seq_len or 512, "--data")
-    if args.data is not None:
-        data = TokenRows.from_file(args.data, args.batch_size, args.seq_len)
-    elif args.text is not None:
-        data = TokenRows.from_text(args.text, model_dir, args.batch_size, args.seq_len or 64)
-    else:
-        return SyntheticTokens(config["vocab_size"], args.batch_size, args.seq_len or 64, args.seed)
-    data.check_vocabulary(config["vocab_size"])
-    return data
-
-
-@dataclass
-class _PendingCorpus:
-    """A text corpus (`moe_jax.training.corpus`) checked before the job starts (file, format, column, tokenizer);
-    `load(share)` reads and tokenises this process's share. Its errors name the flag."""
-
-    path: str
-    args: argparse.Namespace
-    config: dict
-    model_dir: Path | None
-    batch_size: int
-    seq_len: int
-    flag: str
-
-    def __post_init__(self):
-        from ..tokenization import load_checkpoint_tokenizer
-        from ..training.corpus import check_corpus
-
-        if self.model_dir is None:
-            raise ValueError(f"{self.flag} {self.path} is text: it needs the checkpoint's tokenizer (pass --model), "
-                             "or give token ids as a .npy.")
-        with _naming(self.flag):
-            check_corpus(self.path, getattr(self.args, "text_column", "text"))
-            load_checkpoint_tokenizer(self.model_dir, instead="give token ids with --data FILE.npy")
-
-    def load(self, share=None):
-        from ..training.corpus import Corpus
-
-        args = self.args
-        with _naming(self.flag):
-            corpus = Corpus.from_file(self.path, self.model_dir, batch_size=self.batch_size, seq_len=self.seq_len,
-                                      text_column=getattr(args, "text_column", "text"),
-                                      pack=getattr(args, "pack", False), seed=getattr(args, "seed", 0),
-                                      workers=getattr(args, "data_workers", 0), share=share)
-            corpus.check_vocabulary(self.config["vocab_size"])
-        return corpus
-
-
-@contextmanager
-def _naming(flag: str):
-    """Errors of a data file, prefixed with the flag that named it."""
-    try:
-        yield
-    except (ValueError, OSError) as error:
-        raise type(error)(f"{flag} {error}") from None
-
-
-def eval_source(path, config: dict, model_dir: Path | None, batch_size: int, seq_len: int, flag: str, args=None):
-    """Held-out data at the training batch shape: a .npy of token ids, a corpus (.parquet / .jsonl / .txt /
-    .array_record, as --data; returned pending with `args`, to `load(share)`), or another text file cut into rows
-    through the checkpoint's tokenizer."""
-    from ..training.corpus import TEXT_FORMATS
-    from ..training.data import TokenRows
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file.")
-    if path.suffix == ".npy":
-        data = TokenRows.from_file(path, batch_size, seq_len)
-    elif path.suffix.lower() in TEXT_FORMATS and args is not None:
-        return _PendingCorpus(str(path), args, config, model_dir, batch_size, seq_len, flag)
-    else:
-        data = TokenRows.from_text(path, model_dir, batch_size, seq_len)
-    data.check_vocabulary(config["vocab_size"])
-    return data
-
-
-def _check_sequence(seq_len: int, config: dict) -> None:
-    limit = config.get("max_position_embeddings")
-    if limit is not None and seq_len > limit:
-        raise ValueError(f"sequences of {seq_len} tokens are longer than the model's max_position_embeddings "
-                         f"({limit}); use --seq-len {limit} or less.")
 
 
 def _check_output_dir(path: str | None, flag: str) -> None:
@@ -290,54 +183,67 @@ def _copy_companions(model_dir: Path | None, export_dir: str) -> list[str]:
     return [] if model_dir is None else copy_companion_files(model_dir, export_dir)
 
 
-def _after(line: str, step: int) -> bool:
-    """Whether a JSONL line is the record of a step after `step`, or the torn last line of a killed write."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return not line.endswith("\n")
-    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
-
-
-def _forget_records_after(path: Path, step: int) -> None:
-    """Before a resume from `step`: drops the records of later steps from the metrics JSONL. The interrupted
-    run trained past its last checkpoint; the resumed run trains those steps again and writes their records,
-    so each step is in the file once, from the run the state continues."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if not _after(line, step)]
-    if kept and not kept[-1].endswith("\n"):
-        kept[-1] += "\n"  # the next record starts on a line of its own
-    if kept != lines:
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        temporary.replace(path)  # atomic: a kill now leaves the old file or the new one
-
-
-def _close_after_failure(progress: TrainProgress, checkpoints, start: int) -> None:
-    """The writers closed after the loop failed, what holds nothing removed, and one line on stderr saying what
-    the run kept (its records, event files, checkpoints) and removed; the error itself follows."""
-    kept, removed = progress.close(failed=True)
-    if checkpoints is not None:
-        try:
-            checkpoints.close()
-            latest = checkpoints.latest_step()
-        except Exception:  # noqa: BLE001 (the loop's failure is the one to report)
-            latest = None
-        if latest is not None and latest > start:
-            kept.append(f"train-state checkpoints up to step {latest} in {checkpoints.directory}")
-    if (line := stopped_early_line(kept, removed)) is not None:
-        print(line, file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax train` (a bad request raises before any compute; `cli.main` prints it)."""
+    request = _checked_request(args)
+    from ..distributed.runtime import initialize
+
+    initialize()  # only now: a request refused above ends this process before any peer waits on it
+    from ..training.loop import TrainLoop
+
+    model, devices = _build_model(args, request.config)
+    data, eval_data, packing_efficiency = _read_shares(args, model, request.data, request.eval_data)
+    train_step = _build_train_step(args, model, request.schedules)
+    settings = run_settings(args, data.seq_len)
+    checkpoints, saved_record = _open_checkpoints(args, model, train_step, settings)
+    state, capacity_state = _starting_state(args, model, train_step, checkpoints, saved_record, request.model_dir)
+    start = int(state.step)
+    # Before the first file is written: the step compiled for the first batch (the program the run uses; a layout,
+    # input or model the step refuses fails here) and the eval program traced on its first batch.
+    _compile_first_step(args, train_step, state, data)
+    evaluate, should_evaluate = _evaluation(args, model, train_step, state, eval_data)
+    progress = _open_progress(args, model, devices, data, start, packing_efficiency)
+    loop = TrainLoop(
+        train_step, data, on_step=progress, evaluate=evaluate,
+        learning_rate=request.schedules[0] if callable(request.schedules[0]) else lambda step: request.schedules[0],
+        should_evaluate=should_evaluate,
+        should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
+        save=checkpoints.save if checkpoints is not None else None,
+    )
+    began = time.perf_counter()
+    try:
+        state, capacity_state = loop.run(state, args.steps, capacity_state)
+    except BaseException:
+        close_after_failure(progress, checkpoints, start)
+        raise
+    progress.close()
+    if checkpoints is not None:
+        checkpoints.close()
+    _print_summary(progress, loop, data, start, args.steps, time.perf_counter() - began, capacity_state)
+    if args.export_hf is not None:
+        _export(args, model, state, request.model_dir, settings)
+    return 0
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the flags asked for, checked before any compute: the model's config and directory, the data, the
+    learning-rate schedules (dense, experts)."""
+
+    config: dict
+    model_dir: Path | None
+    data: Any
+    eval_data: Any
+    schedules: tuple
+
+
+def _checked_request(args) -> _Request:
+    """Every flag, file and directory checked; nothing started yet."""
     _check_positive(args)
-    schedule, expert_schedule = _schedules(args)
+    schedules = learning_rate_schedules(args)
     config, model_dir = _model_config(args)
-    data = _data_source(args, config, model_dir)
-    _check_sequence(data.seq_len, config)
+    data = training_source(args, config, model_dir)
+    check_sequence(data.seq_len, config)
     eval_data = (None if args.eval_data is None else
                  eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data", args))
     _check_output_dir(args.export_hf, "--export-hf")
@@ -349,23 +255,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--peak-tflops {args.peak_tflops} must be > 0.")
     if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
         raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
-    from ..distributed.runtime import initialize
+    return _Request(config, model_dir, data, eval_data, schedules)
 
-    initialize()  # only now: a request refused above ends this process before any peer waits on it
 
+def _build_model(args, config: dict):
+    """(the model on the flags' layout, its devices); says which devices it trains on."""
     import jax
 
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..distributed.mesh import DeviceLayout
-    from ..pretrained import load_weights
     from ..reporting.picture import count_text
-    from ..training.checkpoints import TrainCheckpoints
-    from ..training.data import corpus_packing_efficiency, data_shard
-    from ..training.evaluation import Evaluator
-    from ..training.loop import TrainLoop
-    from ..training.optimizers import build_optimizer
-    from ..training.step import make_train_step
-    from ..training.throughput import train_flops_per_token
 
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     if distributed_config is None and jax.process_count() > 1:
@@ -389,8 +288,18 @@ def run(args: argparse.Namespace) -> int:
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
     warn_about_head_split(model)
-    share = None   # every row of the data (arrays are read whole)
-    if hasattr(data, "load") or hasattr(eval_data, "load"):   # corpora: each process reads its share
+    return model, devices
+
+
+def _read_shares(args, model, data, eval_data):
+    """(data, eval data, the corpus's packing efficiency or None): corpora read now, each process its share of
+    every batch (arrays are read whole)."""
+    import jax
+
+    from ..training.data import corpus_packing_efficiency, data_shard
+
+    share = None
+    if hasattr(data, "load") or hasattr(eval_data, "load"):
         share = data_shard((args.batch_size, data.seq_len), model.batch_sharding())
         data = data.load(share) if hasattr(data, "load") else data
         eval_data = eval_data.load(share) if hasattr(eval_data, "load") else eval_data
@@ -399,98 +308,126 @@ def run(args: argparse.Namespace) -> int:
                   f"({len(share.rows)} of the {args.batch_size} rows of each batch)")
     packing_efficiency = (corpus_packing_efficiency(data, share) if hasattr(data, "packing_efficiency")
                           else None)
+    return data, eval_data, packing_efficiency
+
+
+def _build_train_step(args, model, schedules):
+    from ..training.optimizers import build_optimizer
+    from ..training.step import make_train_step
+
+    schedule, expert_schedule = schedules
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
                                  mixed_precision=args.mixed_precision or None)
     if (error := train_step.batch_size_error(args.batch_size)) is not None:
         raise ValueError(f"--batch-size {args.batch_size}: {error}")
+    return train_step
 
-    settings = run_settings(args, data.seq_len)
-    checkpoints = saved_record = None
-    if args.checkpoint_dir is not None:
-        checkpoints = TrainCheckpoints(args.checkpoint_dir, model, train_step, save_every=args.save_every,
-                                       keep=args.keep, run=settings)
-        latest = checkpoints.latest_step()
-        if latest is not None and not args.resume:
-            raise FileExistsError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (latest step "
-                                  f"{latest}); pass --resume to continue from it, or a new directory.")
-        if args.resume:
-            if latest is None:
-                raise FileNotFoundError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint.")
-            saved_record = checkpoints.record(latest)
-            checkpoints.check_compatible(saved_record)
 
-    capacity_state = None
+def _open_checkpoints(args, model, train_step, settings):
+    """(the checkpoint manager or None, the record of the checkpoint to resume or None)."""
+    from ..training.checkpoints import TrainCheckpoints
+
+    if args.checkpoint_dir is None:
+        return None, None
+    checkpoints = TrainCheckpoints(args.checkpoint_dir, model, train_step, save_every=args.save_every,
+                                   keep=args.keep, run=settings)
+    latest = checkpoints.latest_step()
+    if latest is not None and not args.resume:
+        raise FileExistsError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (latest step "
+                              f"{latest}); pass --resume to continue from it, or a new directory.")
+    saved_record = None
+    if args.resume:
+        if latest is None:
+            raise FileNotFoundError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint.")
+        saved_record = checkpoints.record(latest)
+        checkpoints.check_compatible(saved_record)
+    return checkpoints, saved_record
+
+
+def _starting_state(args, model, train_step, checkpoints, saved_record, model_dir):
+    """(train state, capacity state): the resumed checkpoint's, or fresh from the weights or a seed."""
+    from ..pretrained import load_weights
+
     if args.resume:
         state, capacity_state = checkpoints.restore()
         print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
         if (note := schedule_change_note(args, saved_record.get("run"), int(state.step))) is not None:
             print(note)
+        return state, capacity_state
+    if model_dir is not None:
+        load_weights(model, model_dir, progress=not args.no_progress)
     else:
-        if model_dir is not None:
-            load_weights(model, model_dir, progress=not args.no_progress)
-        else:
-            model.init_params(args.seed)
-        state = train_step.init_state(seed=args.seed)
-    start = int(state.step)
-    # Before the first file is written: the step compiled for the first batch (the program the run uses; a layout,
-    # input or model the step refuses fails here) and the eval program traced on its first batch.
+        model.init_params(args.seed)
+    return train_step.init_state(seed=args.seed), None
+
+
+def _compile_first_step(args, train_step, state, data) -> None:
     first_batch = data.batch(int(state.data_position))
     if args.precompile:
         compiled = train_step.precompile(state, first_batch, progress=not args.no_progress)
         print(f"compiled the step for capacities {list(compiled)} in {sum(compiled.values()):.1f} s")
     else:
         train_step.precompile(state, first_batch, [state.capacity], progress=False)
-    evaluate = should_evaluate = None
-    if eval_data is not None:
-        evaluator = Evaluator(model, loss_chunk=args.loss_chunk,
-                              compute_dtype=train_step.options.compute_dtype)
-        evaluator.check(state.params, eval_data, batches=args.eval_batches)
-        evaluate = lambda step, state: evaluator.run(state.params, eval_data, batches=args.eval_batches)  # noqa: E731
-        should_evaluate = lambda step: step == args.steps or bool(args.eval_every and step % args.eval_every == 0)  # noqa: E731
 
-    # One process of a multi-process job keeps the record: every process sees the same metrics.
+
+def _evaluation(args, model, train_step, state, eval_data):
+    """(evaluate, should_evaluate) for the loop, or (None, None) without --eval-data; the eval program is
+    traced on its first batch here."""
+    from ..training.evaluation import Evaluator
+
+    if eval_data is None:
+        return None, None
+    evaluator = Evaluator(model, loss_chunk=args.loss_chunk, compute_dtype=train_step.options.compute_dtype)
+    evaluator.check(state.params, eval_data, batches=args.eval_batches)
+
+    def evaluate(step, state):
+        return evaluator.run(state.params, eval_data, batches=args.eval_batches)
+
+    def should_evaluate(step):
+        return step == args.steps or bool(args.eval_every and step % args.eval_every == 0)
+
+    return evaluate, should_evaluate
+
+
+def _open_progress(args, model, devices, data, start: int, packing_efficiency) -> TrainProgress:
+    """The bar and the metric writers. One process of a multi-process job keeps the record: every process sees
+    the same metrics."""
+    import jax
+
+    from ..training.throughput import train_flops_per_token
+
     main_process = jax.process_index() == 0
     if args.resume and args.metrics_jsonl is not None and main_process:
-        _forget_records_after(Path(args.metrics_jsonl), start)
-    progress = TrainProgress(start, args.steps, args.metrics_jsonl if main_process else None,
-                             not args.no_progress and main_process, devices=len(devices),
-                             flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
-                             tensorboard=args.tensorboard if main_process else None,
-                             packing_efficiency=packing_efficiency,
-                             sparse_layers=model.sparse_layers())
-    loop = TrainLoop(
-        train_step, data, on_step=progress, evaluate=evaluate,
-        learning_rate=schedule if callable(schedule) else lambda step: schedule,
-        should_evaluate=should_evaluate,
-        should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
-        save=checkpoints.save if checkpoints is not None else None,
-    )
-    began = time.perf_counter()
-    try:
-        state, capacity_state = loop.run(state, args.steps, capacity_state)
-    except BaseException:
-        _close_after_failure(progress, checkpoints, start)
-        raise
-    progress.close()
-    if checkpoints is not None:
-        checkpoints.close()
-    seconds = time.perf_counter() - began
-    steps = args.steps - start
-    if progress.last is not None:
-        print(f"trained steps {start + 1}-{args.steps} in {seconds:.1f} s: final loss {progress.last['loss']:.4f}, "
-              f"{steps * data.batch_size * data.seq_len / seconds:.0f} tokens/s overall, "
-              f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}"
-              + (f"; eval loss {progress.last['eval_loss']:.4f}, perplexity {progress.last['eval_perplexity']:.2f}"
-                 if "eval_loss" in progress.last else ""))
-    if args.export_hf is not None:
-        model.params = state.params
-        model.save_pretrained(args.export_hf, progress=not args.no_progress)
-        copied = []
-        if main_process:
-            copied = _copy_companions(model_dir, args.export_hf)
-            write_run_settings(args.export_hf, settings)   # moe-jax eval's defaults
-        print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
-              + (f" (with {model_dir}'s tokenizer)" if copied else ""))
-    return 0
+        forget_records_after(Path(args.metrics_jsonl), start)
+    return TrainProgress(start, args.steps, args.metrics_jsonl if main_process else None,
+                         not args.no_progress and main_process, devices=len(devices),
+                         flops_per_token=train_flops_per_token(model, data.seq_len), peak_tflops=args.peak_tflops,
+                         tensorboard=args.tensorboard if main_process else None,
+                         packing_efficiency=packing_efficiency, sparse_layers=model.sparse_layers())
+
+
+def _print_summary(progress, loop, data, start: int, end: int, seconds: float, capacity_state) -> None:
+    if progress.last is None:
+        return
+    print(f"trained steps {start + 1}-{end} in {seconds:.1f} s: final loss {progress.last['loss']:.4f}, "
+          f"{(end - start) * data.batch_size * data.seq_len / seconds:.0f} tokens/s overall, "
+          f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}"
+          + (f"; eval loss {progress.last['eval_loss']:.4f}, perplexity {progress.last['eval_perplexity']:.2f}"
+             if "eval_loss" in progress.last else ""))
+
+
+def _export(args, model, state, model_dir, settings) -> None:
+    """The trained weights as an HF checkpoint, with the --model checkpoint's tokenizer and the run's settings
+    (`moe-jax eval`'s defaults)."""
+    import jax
+
+    model.params = state.params
+    model.save_pretrained(args.export_hf, progress=not args.no_progress)
+    copied = []
+    if jax.process_index() == 0:
+        copied = _copy_companions(model_dir, args.export_hf)
+        write_run_settings(args.export_hf, settings)
+    print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
+          + (f" (with {model_dir}'s tokenizer)" if copied else ""))

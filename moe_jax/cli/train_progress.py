@@ -7,7 +7,8 @@
 
 They are opened only after every check that can be made before a step runs, so a refused request writes nothing.
 A run that fails later removes what it created and holds nothing (an empty JSONL, event files without a scalar,
-the directory made for them) and keeps the rest, saying which.
+the directory made for them) and keeps the rest, saying which (`close_after_failure`). A resume first drops
+the records of steps after its checkpoint (`forget_records_after`), so each step is in the JSONL once.
 """
 
 from __future__ import annotations
@@ -103,3 +104,44 @@ def stopped_early_line(kept: list[str], removed: list[str]) -> str | None:
 
 def _files(directory: Path | None) -> set[Path]:
     return set() if directory is None or not directory.is_dir() else {p for p in directory.rglob("*") if p.is_file()}
+
+
+def _after(line: str, step: int) -> bool:
+    """Whether a JSONL line is the record of a step after `step`, or the torn last line of a killed write."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return not line.endswith("\n")
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+
+
+def forget_records_after(path: Path, step: int) -> None:
+    """Before a resume from `step`: drops the records of later steps from the metrics JSONL. The interrupted
+    run trained past its last checkpoint; the resumed run trains those steps again and writes their records,
+    so each step is in the file once, from the run the state continues."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not _after(line, step)]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"  # the next record starts on a line of its own
+    if kept != lines:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        temporary.replace(path)  # atomic: a kill now leaves the old file or the new one
+
+
+def close_after_failure(progress: TrainProgress, checkpoints, start: int) -> None:
+    """The writers closed after the loop failed, what holds nothing removed, and one line on stderr saying what
+    the run kept (its records, event files, checkpoints) and removed; the error itself follows."""
+    kept, removed = progress.close(failed=True)
+    if checkpoints is not None:
+        try:
+            checkpoints.close()
+            latest = checkpoints.latest_step()
+        except Exception:  # noqa: BLE001 (the loop's failure is the one to report)
+            latest = None
+        if latest is not None and latest > start:
+            kept.append(f"train-state checkpoints up to step {latest} in {checkpoints.directory}")
+    if (line := stopped_early_line(kept, removed)) is not None:
+        print(line, file=sys.stderr, flush=True)
