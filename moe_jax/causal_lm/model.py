@@ -27,22 +27,17 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ..distributed.activations import UNCONSTRAINED, ActivationLayouts, LogicalAxisRules
-from ..distributed.capacity import CapacitySchedule
+from ..distributed.capacity import CapacitySchedule, CapacityTracker
 from ..distributed.config import DistributedConfig
 from ..distributed.experts import ShardedExperts, experts_mode
-from ..distributed.mesh import PP, DeviceLayout, build_mesh
+from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..host_memory import warn_without_huge_pages
-from ..inference.batch import generate_batch
-from ..inference.continuous import ContinuousBatchingConfig, ServingEngine
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
-from ..inference.manager import ContinuousBatchingManager
 from ..models.core import ModelCore, model_axis_rules, step_math
 from ..models.decoder import declare_tree, head_logits
 from ..models.family import Family
@@ -54,16 +49,11 @@ from ..models.step_options import REMAT_POLICIES
 from ..module_tree import ModuleTree
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
-
-INITIALIZERS: dict[str, Callable] = {
-    "normal": lambda key, shape, dtype, std: std * jax.random.normal(key, shape, dtype),
-    "zeros": lambda key, shape, dtype, std: jnp.zeros(shape, dtype),
-    "ones": lambda key, shape, dtype, std: jnp.ones(shape, dtype),
-}
+from .generation import GenerationMixin
+from .parameters import ParameterStorage
 
 
-
-class MoeForCausalLM(PlannedModel):
+class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
     """The causal LM of one family (`family`, a `moe_jax.models.family.Family`): each family's class
     (`moe_jax.causal_lm.families`) sets only that attribute."""
 
@@ -140,7 +130,7 @@ class MoeForCausalLM(PlannedModel):
         self.capacity_schedule = CapacitySchedule.for_ep(self.layout.ep_size)
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.core = ModelCore(family=family, config=config, layer_stack=self.layer_stack,
-                              experts=self.sharded_experts, layouts=self.activation_layouts, remat=remat,
+                              sharded_experts=self.sharded_experts, layouts=self.activation_layouts, remat=remat,
                               dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
@@ -148,7 +138,7 @@ class MoeForCausalLM(PlannedModel):
         self.generation_config = GenerationConfig.from_values(self.config.raw)  # from_pretrained: the checkpoint's
         self._generator: Generator | None = None
         # `forward`'s capacity per mode (inference / training), moved by `capacity_schedule`.
-        self.forward_capacity = {True: self.capacity_schedule.start(), False: self.capacity_schedule.start()}
+        self.forward_capacity = {inference: CapacityTracker(self.capacity_schedule) for inference in (True, False)}
 
     @property
     def config(self):
@@ -169,7 +159,7 @@ class MoeForCausalLM(PlannedModel):
         self._check_same_structure(config)
         self._config = config
         self.sharded_experts = {} if self.mesh is None else self._build_sharded_experts()
-        self.core = dataclasses.replace(self.core, config=config, experts=self.sharded_experts)
+        self.core = dataclasses.replace(self.core, config=config, sharded_experts=self.sharded_experts)
         self._apply_jit = self._new_apply_jit()
         self._generator = None
         self._batch_engine = None
@@ -210,6 +200,8 @@ class MoeForCausalLM(PlannedModel):
                 f"The capacity ladder is fixed when the model is built ({list(built.ladder)}); a new "
                 f"schedule may change its patience only, not the ladder {list(schedule.ladder)}.")
         self._capacity_schedule = schedule
+        for tracker in getattr(self, "forward_capacity", {}).values():
+            tracker.schedule = schedule
 
     # ---- the family's structure, for this config ---------------------------------------------------
     def sparse_layers(self) -> list[int]:
@@ -226,7 +218,7 @@ class MoeForCausalLM(PlannedModel):
     @property
     def experts_forward(self) -> Callable:
         """`experts_forward(tokens, expert_ids, weights, **experts_params) -> [N, H]` of this family."""
-        return self.family.experts(self.config, self.experts_backend)
+        return self.family.experts_forward(self.config, self.experts_backend)
 
     @property
     def logical_axis_rules(self) -> LogicalAxisRules:
@@ -259,92 +251,6 @@ class MoeForCausalLM(PlannedModel):
         prefix = f"model.layers.{layer}."
         specs = tuple(str(layout.spec) for name, layout in self.param_layouts.items() if name.startswith(prefix))
         return self.family.layer_signature(self.config, layer), specs
-
-    def named_shardings(self) -> dict[str, NamedSharding]:
-        """HF name -> NamedSharding of every parameter (one layer each, as checkpoints hold them)."""
-        return {name: NamedSharding(self.mesh, layout.spec) for name, layout in self.param_layouts.items()}
-
-    def storage_shardings(self) -> dict[str, NamedSharding]:
-        """Storage name -> NamedSharding of `model.params` (a scanned run: its layers' spec behind an
-        unsharded layer axis)."""
-        shardings = {}
-        stage_axis = PP if self.layer_stack.pipeline is not None else None  # pipeline rows: stage by stage
-        for storage in self.layer_stack.members:
-            spec = self.param_layouts[self.layer_stack.first_member(storage)].spec
-            if self.layer_stack.is_stacked(storage):
-                spec = P(stage_axis, *spec)
-            shardings[storage] = NamedSharding(self.mesh, spec)
-        return shardings
-
-    def param_dtype(self, name: str) -> jnp.dtype:
-        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers."""
-        spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.first_member(name)]
-        return jnp.dtype(jnp.float32) if spec.buffer else self.dtype
-
-    def storage_dtypes(self) -> dict[str, jnp.dtype]:
-        """Storage name -> dtype of `model.params` (`param_dtype`)."""
-        return {storage: self.param_dtype(storage) for storage in self.layer_stack.members}
-
-    def storage_shapes(self) -> dict[str, tuple[int, ...]]:
-        specs = dict(self.module_tree.named_parameters())
-        stack = self.layer_stack
-        return {storage: ((len(names),) if stack.is_stacked(storage) else ()) + specs[stack.first_member(storage)].shape
-                for storage, names in stack.members.items()}
-
-    def batch_sharding(self) -> NamedSharding:
-        axes = self.layout.batch_axes
-        return NamedSharding(self.mesh, P(axes if axes else None, None))
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Number of distinct batches (the batch dimension is split into this many groups)."""
-        return self.distributed_config.dp_size
-
-    # ---- parameters ----------------------------------------------------------------------------------
-    def init_params(self, seed: int = 0) -> dict:
-        """Random parameters (HF's initialisation: normal(0, initializer_range), norms 1), each created
-        directly in its sharding: nothing is materialised whole on one device. The values of each HF
-        parameter do not depend on `scan_layers`."""
-        self._require_mesh("init_params")
-        specs = dict(self.module_tree.named_parameters())
-        std = getattr(self.config, "initializer_range", 0.02)
-
-        def create(key):
-            params = {}
-            for index, (name, spec) in enumerate(specs.items()):
-                params[name] = INITIALIZERS[spec.init](jax.random.fold_in(key, index), spec.shape,
-                                                       self.param_dtype(name), std)
-            return self.layer_stack.stack(params)
-
-        self.params = jax.jit(create, out_shardings=self.storage_shardings())(jax.random.key(seed))
-        return self.params
-
-    def set_params(self, params: Mapping[str, Any]) -> None:
-        """Use `params` (flat HF names, one array per layer, as checkpoints hold them), placing each in its
-        sharding and stacking scanned runs; names and shapes must match."""
-        self._require_mesh("set_params")
-        specs = dict(self.module_tree.named_parameters())
-        missing, unexpected = specs.keys() - params.keys(), params.keys() - specs.keys()
-        wrong_shape = [f"{n}: {tuple(params[n].shape)} != {specs[n].shape}" for n in specs.keys() & params.keys()
-                       if tuple(params[n].shape) != specs[n].shape]
-        if missing or unexpected or wrong_shape:
-            raise ValueError(
-                f"Parameters do not match {type(self).__name__}: missing {sorted(missing)}, unexpected "
-                f"{sorted(unexpected)}, wrong shapes {wrong_shape}. set_params takes HF names, one array per layer "
-                "(model.hf_params() gives them)."
-            )
-        shardings = self.named_shardings()
-        placed = {name: jax.device_put(jnp.asarray(params[name], self.param_dtype(name)), shardings[name])
-                  for name in specs}
-        self.params = jax.jit(self.layer_stack.stack, out_shardings=self.storage_shardings())(placed)
-
-    def hf_params(self, params: Mapping[str, Any] | None = None) -> Mapping[str, jax.Array]:
-        """`params` (default `model.params`) under HF names, one array per layer, in declaration order;
-        stacked layers are sliced lazily, one at a time, when looked up."""
-        params = self.params if params is None else params
-        if params is None:
-            raise ValueError(NO_PARAMS)
-        return self.layer_stack.unstack(params)
 
     def _require_mesh(self, what: str) -> None:
         if self.mesh is None:
@@ -463,62 +369,6 @@ class MoeForCausalLM(PlannedModel):
         call = partial(self.apply, params, input_ids, attention_mask=attention_mask, positions=positions,
                        rng=rng, inference=inference, return_hidden=return_hidden)
         return DroplessOutput(self, call, inference, batch)
-
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
-                 max_length: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 pad_token_id: int | None = None, seed: int = 0, params: Mapping | None = None, streamer=None):
-        """Transformers' `generate` (greedy or sampling): input_ids [B, S] left-padded, attention_mask [B, S]
-        -> numpy [B, S + n], the prompts followed by the new tokens (after a row's EOS: `pad_token_id`).
-
-        Unset arguments come from `self.generation_config` (the checkpoint's generation_config.json, else
-        config.json's special tokens, else Transformers' defaults: max_length 20, greedy). `seed` fixes
-        sampling; `streamer(step, ids [B])` sees each step's new ids as they arrive. Details and timings:
-        `moe_jax.inference.Generator`."""
-        config = self.generation_config.updated(
-            max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        )
-        return self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
-                                       on_tokens=streamer).sequences
-
-    def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
-                       continuous_batching_config=None, *, progress_bar: bool = False, params=None, **kwargs):
-        """Transformers' `generate_batch`: prompts (token-id lists, no padding) through continuous batching ->
-        {request id: GenerationOutput} in input order (`moe_jax.inference.batch`)."""
-        return generate_batch(self, inputs, generation_config, continuous_batching_config,
-                              progress_bar=progress_bar, params=params, **kwargs)
-
-    def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
-                                 continuous_batching_config=None, *, params=None, decode=None,
-                                 max_queued: int | None = None, queue_timeout: float | None = None,
-                                 **config_fields):
-        """A `ContinuousBatchingManager` (Transformers' verbs: start, add_request, get_result,
-        request_id_iter, cancel_request, stop) over this model; config_fields: `ContinuousBatchingConfig`'s
-        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows); max_queued and
-        queue_timeout bound the requests waiting for a slot (`ContinuousBatchingManager`)."""
-        config = continuous_batching_config or ContinuousBatchingConfig(**config_fields)
-        return ContinuousBatchingManager(self, generation_config, config, params=params, decode=decode,
-                                         max_queued=max_queued, queue_timeout=queue_timeout)
-
-    def continuous_batching_engine(self, config, *, params=None):
-        """The `ServingEngine` for `config` (kept, with its compiled programs and page pools, for the next call
-        with the same config; one at a time)."""
-        self._require_mesh("generate_batch")
-        engine = getattr(self, "_batch_engine", None)
-        if engine is None or engine.config != config or engine.has_work():
-            self._batch_engine = None   # the old pools are freed before the new ones are made
-            engine = self._batch_engine = ServingEngine(self, config)
-        engine.params = self.params if params is None else params
-        return engine
-
-    @property
-    def generator(self) -> Generator:
-        """This model's prefill / decode programs (compiled on first use, kept for the next call)."""
-        if self._generator is None:
-            self._require_mesh("generate")
-            self._generator = Generator(self)
-        return self._generator
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:
         """input_ids: [B, S] -> logits [B, S, V]."""
