@@ -7,12 +7,13 @@ functions and under `TYPE_CHECKING` included (a lazy import is still a dependenc
     rank 0  leaf         small modules that import nothing from moe_jax or converters
     rank 1  ops          array ops: routing, permute, grouped matmul, accumulation, experts math
     rank 2  distributed  DistributedConfig, mesh, plans, styles, sharding, capacity, the EP layer, runtime
-    rank 3  nn           layers: linear, attention, norms, rotary, mlp, moe, precision
-    rank 4  models       the model core: families (data + free functions), decoder, step, layer stack, KV cache
-    rank 5  converters | inference | training   (siblings: none of the three imports another)
-    rank 6  facade       causal_lm (the HF-shaped model classes, auto), pretrained, nnx, reporting, serving,
+    rank 3  kv_cache     the KV cache: the cache pytrees, each layer's view, making / placing, the page book
+    rank 4  nn           layers: linear, attention, norms, rotary, mlp, moe, precision
+    rank 5  models       the model core: families (data + free functions), decoder, step, layer stack
+    rank 6  converters | inference | training   (siblings: none of the three imports another)
+    rank 7  facade       causal_lm (the HF-shaped model classes, auto), pretrained, nnx, reporting, serving,
                          __init__
-    rank 7  entry        the command line and its jobs
+    rank 8  entry        the command line and its jobs
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe_jax", "converters")
 
-RANK = {"leaf": 0, "ops": 1, "distributed": 2, "nn": 3, "models": 4,
-        "converters": 5, "inference": 5, "training": 5, "facade": 6, "entry": 7}
+RANK = {"leaf": 0, "ops": 1, "distributed": 2, "kv_cache": 3, "nn": 4, "models": 5,
+        "converters": 6, "inference": 6, "training": 6, "facade": 7, "entry": 8}
 
 # Path prefix -> layer; the longest matching prefix wins. A directory ends with "/". Top-level modules are
 # listed one by one, so a new one (or a new subpackage) fails `test_every_module_has_a_layer` until placed.
@@ -42,6 +43,7 @@ LAYER_OF_PATH = {
     "moe_jax/chat_template.py": "leaf",   # by tokenization.py: chat templates without Transformers
     "moe_jax/ops/": "ops",
     "moe_jax/distributed/": "distributed",
+    "moe_jax/kv_cache/": "kv_cache",
     "moe_jax/nn/": "nn",
     "moe_jax/models/": "models",
     "converters/": "converters",
@@ -183,7 +185,39 @@ def test_a_planted_upward_import_is_caught():
     found = upward_imports("moe_jax/ops/planted.py", PLANTED, paths)
     assert [describe(*entry) for entry in found] == [
         "moe_jax/ops/planted.py:9: moe_jax.ops.planted (ops, rank 1) imports moe_jax.models.core "
-        "(models, rank 4)"
+        "(models, rank 5)"
     ]
     sibling = upward_imports("moe_jax/training/planted.py", "import converters.key_maps\n", paths)
     assert [(item.imported, layer) for item, _, layer in sibling] == [("converters.key_maps", "converters")]
+
+
+# What the facade's service packages may reach: `serving/` talks to the engine through the manager's interface
+# only (with the host-side helpers the manager's outputs need: sampling bounds, incremental detokenizing), never
+# to models, training or the engine's programs; `reporting/` reads the distributed layer's plans and layouts.
+ALLOWED_IMPORTS = {
+    "moe_jax/serving/": ("moe_jax.serving", "moe_jax.inference.manager", "moe_jax.inference.sampling",
+                         "moe_jax.inference.detokenize", "moe_jax.tokenization", "moe_jax.chat_template"),
+    "moe_jax/reporting/": ("moe_jax.reporting", "moe_jax.distributed"),
+}
+
+
+def test_serving_and_reporting_import_only_their_interfaces():
+    paths = module_paths()
+    outside = []
+    for prefix, allowed in ALLOWED_IMPORTS.items():
+        for path in (path for path in paths.values() if path.startswith(prefix)):
+            outside += [f"{item.path}:{item.line}: {item.imported}"
+                        for item in imports_of(path, (ROOT / path).read_text(encoding="utf-8"), set(paths))
+                        if not any(item.imported == name or item.imported.startswith(name + ".")
+                                   for name in allowed)]
+    assert not outside, "imports outside the package's interface:\n" + "\n".join(outside)
+
+
+def test_the_model_layers_pass_state_as_arguments_not_context_variables():
+    """No `ContextVar` (or `contextvars`) below the facade: what a call needs (its capacity, its experts) is
+    an argument, so a trace depends on nothing but its inputs."""
+    found = [f"{path}:{number}" for path in module_paths().values()
+             if path.startswith(("moe_jax/distributed/", "moe_jax/nn/", "moe_jax/models/", "moe_jax/ops/"))
+             for number, line in enumerate((ROOT / path).read_text(encoding="utf-8").splitlines(), 1)
+             if "ContextVar" in line or "contextvars" in line]
+    assert not found, f"context variables in the model layers: {found}"

@@ -1,8 +1,9 @@
-"""Inference: the KV cache, next-token rules, `generate` (prefill + decode steps, cache donated) and continuous
-batching over a paged cache (`ServingEngine`, `ContinuousBatchingManager`, `generate_batch`)."""
+"""Inference: next-token rules, `generate` (prefill + decode steps, cache donated) and continuous
+batching over a paged cache (`ServingEngine`, `ContinuousBatchingManager`, `generate_batch`). The cache itself is
+`moe_jax.kv_cache`'s; its public names are exported here too."""
 
+from ..kv_cache import KVCache, PageBook, bucket_length, cache_shardings, init_cache, init_page_pools
 from .batch import generate_batch
-from .cache import KVCache, bucket_length, cache_shardings, init_cache
 from .continuous import (
     ContinuousBatchingConfig,
     GenerationOutput,
@@ -15,7 +16,6 @@ from .continuous import (
 from .generate import GenerationResult, GenerationTimings, Generator, prompt_positions
 from .generation_config import GenerationConfig
 from .manager import ContinuousBatchingManager
-from .paged import PageBook, init_page_pools
 from .sampling import Sampling, next_tokens, next_tokens_per_row, warp, warp_per_row
 
 __all__ = [

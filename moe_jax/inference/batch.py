@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from .cache import bucket_length
+from ..kv_cache import bucket_length
 from .continuous import ContinuousBatchingConfig, GenerationOutput, Request
 from .generation_config import GenerationConfig
 from .manager import request_settings

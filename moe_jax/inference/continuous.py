@@ -14,7 +14,7 @@ request never waits for memory. Each engine step runs one program:
              data-parallel group (the waiting prompts' next tokens, a prompt taking as many rows as it fills) and
              one token for every decoding slot, as one batch of flat tokens
              [G * (prefill_rows * prefill_chunk) + max_slots, 1]: the projections and experts read their weights
-             once for both, and attention runs per kind of sequence (`nn.kv_store.SegmentedPagedKV`)
+             once for both, and attention runs per kind of sequence (`kv_cache.SegmentedPagedKV`)
     decode   [rows, 1]: one token for every decoding slot, packed into the fewest rows of `decode_rows` that
              hold them (per data-parallel group; idle rows store nothing): a step with few requests left does not
              pay for every slot's row (the long tail of a batch of long and short outputs)
@@ -56,9 +56,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
-from ..models.kv_cache import PagedKVCache
+from ..kv_cache import PageBook, PagedKVCache, init_page_pools
 from .detokenize import IncrementalDecoder
-from .paged import PageBook, init_page_pools
 from .sampling import Sampling, next_tokens_per_row
 
 # What process 0 sends first for each step of a led multi-process job: which program, then its inputs' shape.

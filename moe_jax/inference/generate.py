@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.host_arrays import host_to_global
-from .cache import bucket_length, init_cache
+from ..kv_cache import bucket_length, init_cache
 from .generation_config import GenerationConfig
 from .sampling import Sampling, next_tokens
 

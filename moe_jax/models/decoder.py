@@ -61,7 +61,7 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
 
     `layer` is static (options, experts module: the same for every layer of a scanned run); `layer_index` is the
     layer's number, traced inside a scan (per-layer randomness). With a cache, `layer_cache` is the stored
-    (keys, values) and `kv_view(layer_cache, cache_row)` makes this layer's storage (`nn.kv_store`) from them,
+    (keys, values) and `kv_view(layer_cache, cache_row)` makes this layer's storage (`moe_jax.kv_cache`) from them,
     which also says what each query sees; the arrays come back with the new tokens stored (None without a
     cache)."""
     layouts = step.layouts

@@ -128,7 +128,7 @@ def plain_moe_block(config, weights: dict, hidden, sharded_experts, *, inference
 def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attention_mask, step, layer_kv):
     """RoPE attention (`nn.attention`): h [B, S, H] (normed) -> (output [B, S, H], the layer's cache arrays with
     the new tokens stored, or None without a cache). `options`: the family's `attention_options` for the layer;
-    `layer_kv`: the layer's cache storage (`nn.kv_store`), whose mask replaces `attention_mask`."""
+    `layer_kv`: the layer's cache storage (`moe_jax.kv_cache`), whose mask replaces `attention_mask`."""
     cos, sin = rope
     options = dict(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
                    head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, constrain=step.layouts.constrain,

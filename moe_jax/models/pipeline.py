@@ -26,12 +26,11 @@ import numpy as np
 
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.mesh import PP
-from ..nn.kv_store import ContiguousKV, RingKV
+from ..kv_cache import ContiguousKV, KVCache, RingKV
 from ..nn.norms import rms_norm
 from ..ops.routing import load_balancing_sums
 from .decoder import decoder_layer, embedded_inputs
 from .family import Family
-from .kv_cache import KVCache
 from .pipeline_layout import PipelineLayout
 from .step_options import REMAT_POLICIES, StepOptions
 

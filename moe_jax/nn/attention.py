@@ -485,7 +485,7 @@ def cached_attention(
     prompt joining a continuous batch).
 
     hidden: [B, S, H]; cos, sin: [B, S, D] at the new tokens' positions
-    layer_kv: the layer's storage (`nn.kv_store`): it stores the new keys and values and runs the attention core
+    layer_kv: the layer's storage (`moe_jax.kv_cache`): it stores the new keys and values and runs the attention core
         over the keys each query sees
     -> (out [B, S, H], the layer's stored arrays with the new tokens)
 

@@ -118,7 +118,7 @@ def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, 
                             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`latent_attention` for S new tokens against a cache (prefill into an empty cache, decode, or a prompt chunk).
 
-    layer_kv: the layer's storage of (latents [.., 1, C], rotated keys [.., 1, R]) (`kv_store`): it stores the new
+    layer_kv: the layer's storage of (latents [.., 1, C], rotated keys [.., 1, R]) (`moe_jax.kv_cache`): it stores the new
         pair and runs the attention core (the stored pairs expanded to keys and values) over those each query sees
     -> (out [B, S, H], the stored arrays with the new tokens)
     """

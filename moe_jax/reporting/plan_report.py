@@ -119,7 +119,7 @@ def head_split_note(model) -> str | None:
     partitioner then moves data to give attention whole heads (measured on a one-layer Qwen3-MoE with 2 KV
     heads: 27 collectives per forward at tp=8, all-to-alls and collective-permutes among them, against 4 at
     tp=2), and the KV cache, whose heads cannot be split over tp, holds every KV head on each TP
-    device (inference/cache.py)."""
+    device (kv_cache/contiguous.py)."""
     tp_size = model.distributed_config.tp_size
     kv_heads = getattr(model.config, "num_key_value_heads", None)
     k_proj = next((layout for name, layout in model.param_layouts.items()

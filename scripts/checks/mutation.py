@@ -69,7 +69,7 @@ def module_path(module: str) -> str:
 TESTS = {
     "serving.protocol": ("tests/serving/test_protocol.py", "tests/serving/test_server.py"),
     "inference.continuous": ("tests/inference/test_continuous.py",),
-    "inference.paged": ("tests/inference/test_paged.py", "tests/inference/test_continuous.py"),
+    "kv_cache.paged": ("tests/kv_cache/test_paged.py", "tests/inference/test_continuous.py"),
     "inference.sampling": ("tests/inference/test_sampling.py", "tests/inference/test_continuous.py",
                            "tests/inference/test_generate.py"),
     "inference.generate": ("tests/inference/test_generate.py",),
@@ -135,16 +135,16 @@ SLIPS: list[Slip] = [
          "self.book.release(request.group, request.pages[1:])", "a finished request keeps its first page"),
 
     # ---- inference: the page book --------------------------------------------------------------------------------
-    slip("inference.paged", "if count > len(free):", "if count >= len(free):",
+    slip("kv_cache.paged", "if count > len(free):", "if count >= len(free):",
          "a request needing exactly the free pages waits"),
-    slip("inference.paged", "return -(-tokens // self.page_size)", "return tokens // self.page_size",
+    slip("kv_cache.paged", "return -(-tokens // self.page_size)", "return tokens // self.page_size",
          "pages for a request by floor division"),
-    slip("inference.paged", "self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]",
+    slip("kv_cache.paged", "self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]",
          "self._free = [list(range(pages_per_group - 1, -1, -1))] * groups",
          "every data-parallel group shares one free list"),
-    slip("inference.paged", "if len(free) + len(pages) > self.pages_per_group or set(pages) & set(free):",
+    slip("kv_cache.paged", "if len(free) + len(pages) > self.pages_per_group or set(pages) & set(free):",
          "if len(free) + len(pages) > self.pages_per_group:", "a page released twice goes unnoticed"),
-    slip("inference.paged", "* jnp.dtype(dtype or model.dtype).itemsize", "* 2",
+    slip("kv_cache.paged", "* jnp.dtype(dtype or model.dtype).itemsize", "* 2",
          "pool bytes assume 2-byte entries"),
 
     # ---- inference: next-token rules -----------------------------------------------------------------------------

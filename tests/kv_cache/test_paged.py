@@ -8,9 +8,8 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM
 from moe_jax.inference import PageBook, init_page_pools
-from moe_jax.inference.paged import pool_bytes
-
-from .hf_generation import MODELS
+from moe_jax.kv_cache import pool_bytes
+from tests.inference.hf_generation import MODELS
 
 
 def test_a_request_takes_whole_pages():

@@ -1,4 +1,4 @@
-"""The KV storages of `nn.kv_store`: a step of flat tokens from sequences of several lengths
+"""The KV storages of `moe_jax.kv_cache`: a step of flat tokens from sequences of several lengths
 (`SegmentedPagedKV`) stores and attends exactly as separate `PagedKV` steps of each kind of sequence."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.kv_cache import PagedKV, SegmentedPagedKV, segment_token_index, segment_tokens
 from moe_jax.nn.attention import attend
-from moe_jax.nn.kv_store import PagedKV, SegmentedPagedKV, segment_token_index, segment_tokens
 
 GROUPS, PAGES, PAGE, HEADS, KV_HEADS, DIM, WIDTH = 2, 12, 4, 4, 2, 8, 3
 

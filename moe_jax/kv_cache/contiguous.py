@@ -15,8 +15,8 @@ one scalar, and a left-padded prompt's padding is masked by `key_mask`, not skip
 
 A sliding-window run whose window is shorter than the cache keeps only its window: a ring of the last
 `sliding_window - 1` tokens in order (each step appends and drops the oldest), with its own mask in
-`window_masks` (what a query sees besides itself and the other new tokens). The `KVCache` pytree itself is
-defined in `moe_jax.models.kv_cache` and exported here.
+`window_masks` (what a query sees besides itself and the other new tokens). The `KVCache` pytree is
+`caches.py`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.mesh import PP, spec_entry
-from ..models.kv_cache import KVCache  # with the decoder that fills it (models sit below inference)
+from .caches import KVCache
 
 # Cache lengths are rounded up to a multiple of this (or to a power of two below it), so generations of
 # nearby lengths share one compilation.

@@ -1,10 +1,10 @@
-"""The KV cache's pytree: what the decoder's attention reads and writes, keyed by the model's layer runs.
+"""The whole model's cache pytrees, keyed by the model's layer runs, and the step that writes them.
 
 Storage follows the layer runs (`moe_jax.models.layer_stack`): run "1-47" holds keys/values [L, B, T, K, D]
 for its L layers (what a layer stores per token is the model's `cache_heads()`), so a scanned run carries its
 cache through the same scan. A sliding-window run shorter than the cache keeps a ring of its window, with
-its own mask in `window_masks`. Making, sizing and placing a cache is `moe_jax.inference.cache`'s
-(`init_cache`); the structure lives here, with the decoder that fills it.
+its own mask in `window_masks`. `begin(attention_mask)` gives the step's `CacheStep`, whose `view` makes each
+layer's storage (`layer_views`); making, sizing and placing the arrays is `contiguous.py`'s and `paged.py`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ..nn.kv_store import ContiguousKV, PagedKV, RingKV, SegmentedPagedKV, segment_token_index, segment_tokens
+from .layer_views import ContiguousKV, PagedKV, RingKV, SegmentedPagedKV, segment_token_index, segment_tokens
 
 
 @dataclass
@@ -74,12 +74,12 @@ class PagedKVCache:
     keys, values: run key -> [G, L, pages, P, K, D], G data-parallel groups, each with its own pool (a row of group
     g reads and writes only pool g); page_table: [B, M] each row's pages in order (indices into its group's pool;
     rows g*B/G .. (g+1)*B/G - 1 are group g's); lengths: [B] int32 tokens each row holds. Which pages a row owns is
-    the host's bookkeeping (`moe_jax.inference.paged`); a step only reads the table. Sliding-window layers keep
+    the host's bookkeeping (`PageBook`); a step only reads the table. Sliding-window layers keep
     every page (their window is a mask).
 
     segments: None for a step of input_ids [B, S] (row b of the step is sequence b); or, for a step of flat tokens
     input_ids [G * Ng, 1] drawn from sequences of several lengths, ((sequences, tokens each), ...) of one group
-    (`nn.kv_store.SegmentedPagedKV`), with page_table and lengths per sequence [G * Q, ...]."""
+    (`SegmentedPagedKV`), with page_table and lengths per sequence [G * Q, ...]."""
 
     keys: dict[str, jax.Array]
     values: dict[str, jax.Array]
@@ -143,7 +143,7 @@ jax.tree_util.register_dataclass(
 @dataclass(frozen=True)
 class CacheStep:
     """One step's use of a cache. arrays(run key): the run's stored (keys, values) [L, ...]; view(run key): makes
-    layer `layer`'s `nn.kv_store` storage from the run's whole (keys, values) [L, ...] (they ride through the
+    layer `layer`'s storage (`layer_views`) from the run's whole (keys, values) [L, ...] (they ride through the
     layer scan whole, updated in place); finish(stored): the cache after the step, from every run's arrays."""
 
     arrays: Callable[[str], tuple]

@@ -9,8 +9,7 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import bucket_length, init_cache, prompt_positions
-
-from .hf_generation import MODELS
+from tests.inference.hf_generation import MODELS
 
 
 def test_lengths_are_bucketed():
