@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.mesh import DeviceLayout
-from ..nn.attention import segment_starts
+from ..nn.attention_core import segment_starts
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits
 from .family import Family

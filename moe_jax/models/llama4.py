@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
-from ..nn.attention import attend, project_qkv, segment_starts
+from ..nn.attention import project_qkv
+from ..nn.attention_core import attend, segment_starts
 from ..nn.linear import linear
 from ..nn.mlp import mlp
 from ..nn.moe import sparse_moe_block

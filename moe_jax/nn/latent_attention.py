@@ -11,7 +11,7 @@ HF's does, the compressed pair (normed latent [B, T, 1, C], rotated shared key [
 are expanded from the whole cache at each step, as the reference does (the "absorbed" form that attends in
 the latent space is a decode optimisation not made here).
 
-The attention core is `attention.attend` (masks, fused kernels); when Dv differs from Dn + R the values are
+The attention core is `attention_core.attend` (masks, fused kernels); when Dv differs from Dn + R the values are
 zero-padded to the key width and the output cut back, which leaves the result unchanged.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .attention import attend
+from .attention_core import attend
 from .linear import Constrain, linear, no_constraint
 from .norms import rms_norm
 from .rotary import rotate_heads
@@ -103,7 +103,7 @@ def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: ja
 
     params: HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`,
     `kv_a_layernorm`, `kv_b_proj`, `o_proj`); hidden: [B, S, H]; cos, sin: [B, S, R]; attention_mask: [B, S]
-    padding mask (1 = real token); segment_ids: [B, S] packed rows' document ids (`attention.attend`) -> [B, S, H]
+    padding mask (1 = real token); segment_ids: [B, S] packed rows' document ids (`attention_core.attend`) -> [B, S, H]
     """
     batch, seq, _ = hidden.shape
     q = latent_query(params, hidden, dims, cos, sin, constrain)

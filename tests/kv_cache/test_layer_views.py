@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.kv_cache import PagedKV, SegmentedPagedKV, segment_token_index, segment_tokens
-from moe_jax.nn.attention import attend
+from moe_jax.nn.attention_core import attend
 
 GROUPS, PAGES, PAGE, HEADS, KV_HEADS, DIM, WIDTH = 2, 12, 4, 4, 2, 8, 3
 

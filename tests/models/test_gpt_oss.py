@@ -11,7 +11,7 @@ import pytest
 from moe_jax import DistributedConfig
 from moe_jax.causal_lm import MODEL_CLASSES, GptOssForCausalLM
 from moe_jax.models import GptOssConfig
-from moe_jax.nn.attention import attend
+from moe_jax.nn.attention_core import attend
 from moe_jax.ops.experts import biased_clamped_swiglu_experts
 from moe_jax.ops.routing import top_k_softmax
 

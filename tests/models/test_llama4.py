@@ -12,7 +12,7 @@ import pytest
 from moe_jax import DistributedConfig
 from moe_jax.causal_lm import MODEL_CLASSES, Llama4ForCausalLM
 from moe_jax.models import Llama4TextConfig, llama4
-from moe_jax.nn.attention import visibility_mask
+from moe_jax.nn.attention_core import visibility_mask
 from moe_jax.nn.rotary import rotate_pairs
 from moe_jax.ops.experts import prescaled_swiglu_experts
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from nn_reference import max_abs_diff, params_of, randomize_, to_jax
 
-from moe_jax.nn.attention import attend, attention, visibility_mask
+from moe_jax.nn.attention import attention
+from moe_jax.nn.attention_core import attend, visibility_mask
 from moe_jax.nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, rotary_cos_sin
 
 HF_PREFIX = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "olmoe": "Olmoe", "mixtral": "Mixtral"}

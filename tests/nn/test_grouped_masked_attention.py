@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.nn.attention as attention_module
-from moe_jax.nn.attention import attend, grouped_masked_attention, visibility_mask
+import moe_jax.nn.attention_core as attention_module
+from moe_jax.nn.attention_core import attend, grouped_masked_attention, visibility_mask
 
 
 def _qkv(queries, keys, heads, kv_heads, dim=8, batch=3, dtype=jnp.float32, seed=0):

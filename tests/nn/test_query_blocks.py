@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.nn.attention as attention_module
-from moe_jax.nn.attention import attend
+import moe_jax.nn.attention_core as attention_module
+from moe_jax.nn.attention_core import attend
 from moe_jax.nn.query_blocks import MAX_BLOCKS, MIN_BLOCK_ROWS, causal_block_attention, query_block_rows
 
 
