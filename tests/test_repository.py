@@ -133,3 +133,15 @@ def test_the_readme_is_a_front_page():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 180
     assert "moe-jax demo" in readme and "python -m pytest tests -q -n 2 --dist loadfile" in readme
+
+
+# A library module longer than this holds more than one job: split it by job (docs/design.md, "How the code is
+# laid out").
+MAX_MODULE_LINES = 450
+
+
+def test_no_library_module_is_over_the_line_limit():
+    lengths = {file.relative_to(ROOT).as_posix(): len(file.read_text(encoding="utf-8").splitlines())
+               for package in ("moe_jax", "converters") for file in sorted((ROOT / package).rglob("*.py"))}
+    long = {path: lines for path, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -1,0 +1,139 @@
+"""What continuous batching is asked and answers: a request, its settings and status, its output so far, one
+step's event for it, and the engine's configuration: host data, no device arrays."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from .detokenize import IncrementalDecoder
+from .sampling import Sampling
+
+
+class RequestStatus(IntEnum):
+    """Transformers' request lifecycle (`transformers.generation.continuous_batching.RequestStatus`)."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """One request's generation settings. eos_token_id: ids that end it (kept in its tokens, as Transformers);
+    stop: strings that end it (needs the engine's `decode`); seed: its sampling stream (tokens are drawn by
+    `fold_in(key(seed), index)`, so a request's draws do not depend on what else is batched)."""
+
+    max_new_tokens: int = 20
+    eos_token_id: tuple[int, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1.")
+        Sampling(self.do_sample, self.temperature, self.top_k, self.top_p)   # its checks and error texts
+
+
+@dataclass
+class GenerationOutput:
+    """A request's result so far, as Transformers' `GenerationOutput`: prompt_ids, generated_tokens, status, error,
+    created_time, lifespan (started, finished) and one timestamp per token (perf_counter seconds).
+    finish_reason: "stop" (EOS or a stop string), "length" (max_new_tokens or the context), "cancelled" or None;
+    a FAILED output's is "error" (its own inputs failed: `error` says why), "engine_error" (a step's program
+    failed and the engine stopped), "queue_timeout" (it waited
+    longer than the manager's queue timeout) or "shutdown" (the manager stopped before it finished).
+    offset: the index of `generated_tokens[0]` among the request's tokens (an incremental output carries only
+    the tokens new since the previous one; 0 otherwise)."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    timestamps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return self.timestamps[0] - self.created_time if self.timestamps else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return list(np.diff(self.timestamps)) if len(self.timestamps) > 1 else []
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it (`output` is what callers see)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    settings: RequestSettings = field(default_factory=RequestSettings)
+    output: GenerationOutput = None
+    # The engine's bookkeeping.
+    slot: int | None = None
+    group: int | None = None
+    pages: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    text: IncrementalDecoder | None = None   # its tokens' text so far, when it has stop strings
+
+    def __post_init__(self):
+        if self.output is None:
+            self.output = GenerationOutput(self.request_id, list(self.prompt_ids))
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingConfig:
+    """max_slots: requests decoded together (the decode program's rows; a multiple of the data-parallel size);
+    page_size: tokens per page; max_model_len: the longest prompt + generation a slot holds; num_pages: pages in
+    all pools together (default: every slot at max_model_len, so only slots limit admission); prefill_chunk:
+    prompt tokens per row of a prefill step; prefill_rows: rows of a prefill step per data-parallel group (a
+    prompt takes as many as its remaining tokens fill, the next prompt the rows after it: many short rows waste
+    less on a prompt's last piece);
+    mixed_steps: a step that prefills also decodes, in one program (the weights read once), rather than running a
+    prefill program and then a decode program;
+    decode_rows: the rows per data-parallel group a decode program may have (a step runs the fewest that hold its
+    decoding requests; every one is compiled at each page width); None: max_slots / groups and its quarters,
+    sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups."""
+
+    max_slots: int = 8
+    page_size: int = 16
+    max_model_len: int = 512
+    num_pages: int | None = None
+    prefill_chunk: int = 128
+    prefill_rows: int = 1
+    mixed_steps: bool = True
+    decode_rows: tuple[int, ...] | None = None
+
+    @property
+    def pages_per_slot(self) -> int:
+        """The pages one slot's page table holds: max_model_len tokens, the last page part-filled."""
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclass
+class StepEvent:
+    """What one request got from one engine step: its new tokens, whether it finished, and how many tokens it had
+    then (a request can get two events in one step: its prompt's last chunk, then a decode)."""
+
+    request: Request
+    new_tokens: list[int]
+    finished: bool
+    generated: int = 0

@@ -1,0 +1,155 @@
+"""The engine's compiled step programs: the page pools, one jitted step per (kind, shape, page width), compiled on
+first use or all at once, and run on a step's host inputs.
+
+    programs = StepPrograms(model, params, config, groups=G, pages_per_group=N)
+    tokens = programs.run("decode", inputs)        # inputs: `step_inputs.host_inputs` filled by the scheduler
+
+Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (prompt rows + slots per group),
+chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
+per kind of sequence (`kv_cache.SegmentedPagedKV`). Every program samples each row by its own settings and
+returns the new ids [rows] (replicated: what the host reads) and the pools, donated and updated in place. Experts
+run at the largest dispatch capacity (`capacity=None`), which never drops a pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..distributed.host_arrays import host_to_global
+from ..distributed.mesh import spec_entry
+from ..kv_cache import PagedKVCache, init_page_pools
+from . import lead_follow
+from .requests import ContinuousBatchingConfig
+from .sampling import next_tokens_per_row
+from .step_inputs import host_inputs, packed, packed_width, unpacked
+
+
+class StepPrograms:
+    """The device side of `ServingEngine`: pools, programs, and running them (with followers when leading)."""
+
+    def __init__(self, model, params, config: ContinuousBatchingConfig, *, groups: int, pages_per_group: int):
+        self.model, self.params, self.config, self.groups = model, params, config, groups
+        self.pages_per_slot = config.pages_per_slot
+        self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size)
+        self._programs: dict[tuple, Callable] = {}
+        self.compilations = 0
+        mesh, axes = model.mesh, model.layout.batch_axes
+        self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
+        self._replicated = NamedSharding(mesh, P())
+        self.leading = False   # process 0 sends each step's inputs to the others (`lead_follow`)
+
+    def page_width(self, tokens: int) -> int:
+        """The page-table width a step whose rows hold at most `tokens` tokens runs with: the pages they need,
+        rounded up to a power of two (at most `pages_per_slot`), so attention reads what the longest row needs
+        and a few widths cover every step."""
+        needed = -(-tokens // self.config.page_size)
+        return min(1 << max(needed - 1, 0).bit_length(), self.pages_per_slot)
+
+    @property
+    def page_widths(self) -> list[int]:
+        """Every width `page_width` can give: each program kind and shape is compiled at these."""
+        return sorted({self.page_width(tokens) for tokens in range(1, self.pages_per_slot * self.config.page_size
+                                                                   + 1, self.config.page_size)})
+
+    def compile(self, name: str, rows: int, tokens: int, width: int) -> None:
+        """Compile program `name` for `rows` rows of `tokens` tokens at page width `width` (if not yet)."""
+        self._program(name, self._placed(*packed(host_inputs(rows, tokens, self.pages_per_slot), width)), tokens)
+
+    @property
+    def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
+        """The programs compiled so far: (name, [rows, tokens], page-table width)."""
+        return sorted(self._programs)
+
+    def run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Pack the host inputs, run the program (compiled on first use), keep the pools, read the new ids [rows]."""
+        width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
+        ints, floats = packed(inputs, width)
+        tokens = inputs["ids"].shape[1]
+        if self.leading:
+            lead_follow.send_step(name, ints, floats, tokens)
+        return self.execute(name, ints, floats, tokens)
+
+    def execute(self, name: str, ints: np.ndarray, floats: np.ndarray, tokens: int) -> np.ndarray:
+        """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
+        placed = self._placed(ints, floats)
+        program = self._program(name, placed, tokens)
+        new_ids, self.keys, self.values = program(self.params, self.keys, self.values, *placed)
+        return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+
+    def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
+
+    def _program(self, name: str, placed: tuple[jax.Array, jax.Array], tokens: int) -> Callable:
+        rows = placed[0].shape[0]
+        key = (name, (rows, tokens), packed_width(placed[0].shape[1], tokens))
+        program = self._programs.get(key)
+        if program is None:
+            prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
+            program = jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
+                              donate_argnums=(1, 2)).lower(self.params, self.keys, self.values, *placed).compile()
+            self._programs[key] = program
+            self.compilations += 1
+        return program
+
+    # ---- the step's math (traced) ----------------------------------------------------------------------------
+    def _step_math(self, params, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
+        """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
+        new tokens stored). prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots'
+        one token each, run as flat tokens."""
+        inputs = unpacked(ints, floats, tokens)
+        mask = inputs["mask"]
+        last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
+        if prompt_rows is not None:
+            segments = self._segments(tokens, prompt_rows)
+            cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
+                                 lengths=inputs["lengths"], segments=segments)
+            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
+                                       attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
+                                       capacity=None, inference=True, return_hidden=True)
+            hidden = self._sampled_tokens(out.hidden_states, last, segments)
+        else:
+            cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
+                                 lengths=inputs["lengths"])
+            out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
+                                       inference=True, return_hidden=True)
+            hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
+        logits = self.model.head_logits(self.model.layer_stack.nest(params), hidden)[:, 0]
+        logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
+        keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
+            inputs["seeds"], inputs["counters"])
+        # The warpers sort every row's logits: only when some row samples (a greedy batch skips them).
+        new_ids = jax.lax.cond(
+            jnp.any(inputs["do_sample"]),
+            lambda: next_tokens_per_row(logits, keys_per_row, inputs["do_sample"], inputs["temperature"],
+                                        inputs["top_k"], inputs["top_p"]),
+            lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
+        new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
+        return new_ids, out.cache.keys, out.cache.values
+
+    def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:
+        """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""
+        return (prompt_rows, tokens), (self.config.max_slots // self.groups, 1)
+
+    def _flat_tokens(self, rows: jax.Array, tokens: int, prompt_rows: int) -> jax.Array:
+        """rows: [G * Q, C] a mixed step's rows -> [G * Ng, 1] its tokens: each group's prompt rows whole, then
+        its slots' first column."""
+        grouped = rows.reshape(self.groups, -1, tokens)
+        prompts = grouped[:, :prompt_rows].reshape(self.groups, -1)
+        return jnp.concatenate([prompts, grouped[:, prompt_rows:, 0]], axis=1).reshape(-1, 1)
+
+    def _sampled_tokens(self, hidden: jax.Array, last: jax.Array, segments) -> jax.Array:
+        """hidden: [G * Ng, 1, H] a mixed step's flat tokens; last: [G * Q] each row's last real token in its row
+        -> [G * Q, 1, H] the hidden state each row samples from."""
+        (prompts, chunk), (slots, _) = segments
+        last = last.reshape(self.groups, -1)
+        where = jnp.concatenate([jnp.arange(prompts) * chunk + last[:, :prompts],
+                                 jnp.broadcast_to(prompts * chunk + jnp.arange(slots), (self.groups, slots))], axis=1)
+        grouped = hidden.reshape(self.groups, -1, hidden.shape[-1])
+        return jnp.take_along_axis(grouped, where[..., None], axis=1).reshape(-1, 1, hidden.shape[-1])
