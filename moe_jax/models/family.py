@@ -23,6 +23,7 @@ Signatures of the functions (config first; see the defaults below):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -187,6 +188,28 @@ class Family:
         equal signatures (and parameter layouts) share one scan."""
         return self.is_sparse(config, layer), tuple(sorted(self.attention_options(config, layer).items()))
 
+    @property
+    def experts(self) -> Callable:
+        """Deprecated name of `experts_forward`."""
+        warnings.warn("Family.experts is now Family.experts_forward; the old name will be removed.",
+                      DeprecationWarning, stacklevel=2)
+        return self.experts_forward
+
+
+def _family_init_taking_old_names(init: Callable) -> Callable:
+    """Family(experts=...) (the field's former name) still builds a family, with a DeprecationWarning."""
+
+    def __init__(self, *args, experts: Callable | None = None, **kwargs):
+        if experts is not None:
+            warnings.warn("Family(experts=...) is now Family(experts_forward=...); the old name will be removed.",
+                          DeprecationWarning, stacklevel=2)
+            kwargs.setdefault("experts_forward", experts)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Family.__init__ = _family_init_taking_old_names(Family.__init__)
 
 FAMILIES: dict[str, Family] = {}
 
