@@ -4,7 +4,7 @@
                                                               # accelerate); needed by this script only
     python scripts/bench/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
                                          [--size default|large] [--huge-pages on|off] [--warm-up N] [--repeats 1]
-                                         [--interleave ROUNDS]
+                                         [--interleave ROUNDS] [--baseline-tree DIR]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
 each layout the forward tokens/s and the train-step tokens/s (AdamW, fp32, same global batch) of
@@ -26,6 +26,10 @@ figures on stderr).
 `--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
 runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
 does (moe_jax/host_memory.py); `off` runs both without it. The header says which.
+
+`--baseline-tree DIR` (with `--interleave`): an A/B of two moe_jax checkouts instead, e.g. before and after a
+refactor (`git worktree add /tmp/base COMMIT`): the "ref" columns are this script's moe_jax side run from DIR (its
+own script and package), alternated with this tree's; the ratio is this tree / DIR, and no logits are compared.
 """
 
 from __future__ import annotations
@@ -303,15 +307,21 @@ def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
 
 
 def worker_command(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
-                   base_environ: dict | None, warm_up: int | None, serve: bool) -> tuple[list[str], dict]:
-    """-> (the command line, its environment) of one side's worker process."""
-    arguments = [__file__, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
+                   base_environ: dict | None, warm_up: int | None, serve: bool,
+                   baseline_tree: Path | None = None) -> tuple[list[str], dict]:
+    """-> (the command line, its environment) of one side's worker process. With `baseline_tree`, the reference
+    side is our side run from that checkout."""
+    script = __file__
+    if side == "reference" and baseline_tree is not None:
+        side, script = "ours", str(baseline_tree / "scripts" / "bench" / Path(__file__).name)
+    arguments = [script, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
                  implementation, "--steps", str(steps)]
     if side == "ours" and warm_up is not None:
         arguments += ["--warm-up", str(warm_up)]
     if serve:
         arguments.append("--serve")
     environ = dict(base_environ or os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    environ["PYTHONPATH"] = str(Path(script).resolve().parents[2])   # that checkout's moe_jax, not the installed one
     layout = LAYOUTS[layout_name]
     devices = 1 if layout is None else layout.get("tp_size", 1) * layout.get("fsdp_size", 1)
     if side == "reference" and layout is not None:
@@ -338,14 +348,14 @@ class ServingWorker:
     seconds per call back on its stdout (stderr to a log file in the work directory)."""
 
     def __init__(self, side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
-                 environ: dict, warm_up: int | None):
+                 environ: dict, warm_up: int | None, baseline_tree: Path | None = None):
         self.side = side
         fifo = workdir / f"commands_{side}"
         if fifo.exists():
             fifo.unlink()
         os.mkfifo(fifo)
         command, environ = worker_command(side, workdir, layout_name, implementation, steps, environ, warm_up,
-                                          serve=True)
+                                          serve=True, baseline_tree=baseline_tree)
         self.log = workdir / f"{side}_{layout_name}_{implementation}.log"
         self.process = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
                                         stderr=self.log.open("w"), text=True)
@@ -380,10 +390,12 @@ PAUSE_S = 0.5
 
 
 def interleaved_row(workdir: Path, layout_name: str, implementation: str, steps: int, environ: dict,
-                    warm_up: int | None, rounds: int, tokens: int) -> tuple[dict, dict, dict]:
+                    warm_up: int | None, rounds: int, tokens: int,
+                    baseline_tree: Path | None = None) -> tuple[dict, dict, dict]:
     """Both sides alive at once, their timed blocks alternating (the side that goes first alternates too) ->
     (reference, ours: {kind: median seconds per call}, {kind: median over rounds of ours / reference})."""
-    workers = {side: ServingWorker(side, workdir, layout_name, implementation, steps, environ, warm_up)
+    workers = {side: ServingWorker(side, workdir, layout_name, implementation, steps, environ, warm_up,
+                                   baseline_tree)
                for side in ("reference", "ours")}
     times = {side: {"forward": [], "train": []} for side in workers}
     try:
@@ -427,6 +439,9 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="both sides with glibc's hugetlb tunable (where it applies) or both without")
+    parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                        help="with --interleave: A/B against the moe_jax of another checkout (its side in the 'ref' "
+                             "columns) instead of the reference")
     parser.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rate-worker", default=None, help=argparse.SUPPRESS)
@@ -447,6 +462,10 @@ def main() -> int:
         parser.error(f"--repeats {args.repeats} must be >= 1.")
     if args.interleave < 0 or (args.interleave and args.repeats > 1):
         parser.error(f"--interleave {args.interleave}: a number of rounds >= 1 (0: off), without --repeats.")
+    if args.baseline_tree is not None and (not args.interleave or not (
+            args.baseline_tree / "scripts" / "bench" / Path(__file__).name).is_file()):
+        parser.error(f"--baseline-tree {args.baseline_tree}: needs --interleave and a moe_jax checkout with "
+                     f"scripts/bench/{Path(__file__).name}.")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moe_jax_vs_reference_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -458,7 +477,7 @@ def main() -> int:
     names = args.layouts.split(",")
     if unknown := sorted(set(names) - set(LAYOUTS)):
         parser.error(f"--layouts names {unknown}; choose from {', '.join(LAYOUTS)}")
-    if "single" not in names:  # the one-process reference is every row's logits baseline
+    if "single" not in names and args.baseline_tree is None:  # the one-process reference: every row's logits baseline
         names.insert(0, "single")
     for name in names:
         for implementation in implementations(LAYOUTS[name]):
@@ -467,7 +486,9 @@ def main() -> int:
             runs = {"reference": [], "ours": []}
             if args.interleave:
                 reference_s, ours_s, ratios = interleaved_row(workdir, name, implementation, args.steps, environ,
-                                                              args.warm_up, args.interleave, tokens)
+                                                              args.warm_up, args.interleave, tokens,
+                                                              args.baseline_tree.resolve() if args.baseline_tree
+                                                              else None)
                 runs = {"reference": [{f"{kind}_s": seconds for kind, seconds in reference_s.items()}],
                         "ours": [{f"{kind}_s": seconds for kind, seconds in ours_s.items()}]}
             for repeat in range(0 if args.interleave else args.repeats):
@@ -480,9 +501,12 @@ def main() -> int:
                         for side, times in runs.items()) + " tokens/s", file=sys.stderr, flush=True)
             reference, ours = ({key: float(np.median([run[key] for run in runs[side]])) for key in ("forward_s", "train_s")}
                                for side in ("reference", "ours"))
-            baseline = np.load(workdir / "logits_reference_single_-.npy")
-            differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
-                                               - baseline))) for side in ("reference", "ours")]
+            if args.baseline_tree is None:
+                baseline = np.load(workdir / "logits_reference_single_-.npy")
+                differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
+                                                   - baseline))) for side in ("reference", "ours")]
+            else:   # both sides write our logits file: nothing to compare
+                differences = [float("nan"), float("nan")]
             if not args.interleave:
                 ratios = {kind: reference[f"{kind}_s"] / ours[f"{kind}_s"] for kind in ("forward", "train")}
             rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
@@ -499,6 +523,8 @@ def main() -> int:
     repeats = (f"; medians of {args.repeats} alternating runs per side" if args.repeats > 1 else
                f"; {args.interleave} interleaved rounds of {args.steps} calls, tokens/s medians per side, ratios "
                "the medians of the rounds' ratios" if args.interleave else "")
+    if args.baseline_tree is not None:
+        print(f"A/B: 'ref' columns = moe_jax from {args.baseline_tree}; 'ours' = this tree; ratio = this / that")
     print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}{repeats}; "
           "tokens/s (higher is better); max |logits - 1-process reference|")
     print(f"dense matmul rate {rate / 1e9:.0f} GFLOP/s -> train-step ceiling {ceiling:.0f} tokens/s; 'ceil': the "
