@@ -29,6 +29,9 @@ its buffers by it (`CapacityBuffers.buffer_rows(pairs, capacity)`).
       | DispatchStatistics (dropped, required_capacity), summed over devices and layers
     caller           tracker.settle / observe / run_exact: the next capacity, and whether to replay
 
+`generate` and the serving engine pass `capacity=None` (the largest rung, which never drops): they hold no
+tracker and read no statistics.
+
 (An in-graph alternative, extra dispatch rounds under `lax.cond`, deadlocked XLA:CPU's in-process
 collectives, so overflow is handled between calls; see docs/design.md, "Expert parallelism".)
 
