@@ -306,14 +306,26 @@ def host_memory_environ(environ: dict, huge_pages: bool) -> tuple[dict, str]:
     return environ, f"GLIBC_TUNABLES={value}" if value else "GLIBC_TUNABLES unset"
 
 
+def baseline_workdir(workdir: Path) -> Path:
+    """The work directory of the baseline checkout's worker (`--baseline-tree`): the same checkpoint and batch, its
+    own command FIFO and logits (it runs as the "ours" side of its script)."""
+    own = workdir / "baseline"
+    own.mkdir(exist_ok=True)
+    for name in ("checkpoint", "ids.npy"):
+        if not (own / name).exists():
+            (own / name).symlink_to(workdir / name)
+    return own
+
+
 def worker_command(side: str, workdir: Path, layout_name: str, implementation: str, steps: int,
                    base_environ: dict | None, warm_up: int | None, serve: bool,
                    baseline_tree: Path | None = None) -> tuple[list[str], dict]:
     """-> (the command line, its environment) of one side's worker process. With `baseline_tree`, the reference
-    side is our side run from that checkout."""
+    side is our side run from that checkout, in `baseline_workdir`."""
     script = __file__
     if side == "reference" and baseline_tree is not None:
         side, script = "ours", str(baseline_tree / "scripts" / "bench" / Path(__file__).name)
+        workdir = baseline_workdir(workdir)
     arguments = [script, f"--{side}-worker", str(workdir), "--layout", layout_name, "--implementation",
                  implementation, "--steps", str(steps)]
     if side == "ours" and warm_up is not None:
@@ -351,6 +363,8 @@ class ServingWorker:
                  environ: dict, warm_up: int | None, baseline_tree: Path | None = None):
         self.side = side
         fifo = workdir / f"commands_{side}"
+        if side == "reference" and baseline_tree is not None:
+            fifo = baseline_workdir(workdir) / "commands_ours"
         if fifo.exists():
             fifo.unlink()
         os.mkfifo(fifo)
@@ -505,8 +519,10 @@ def main() -> int:
                 baseline = np.load(workdir / "logits_reference_single_-.npy")
                 differences = [float(np.max(np.abs(np.load(workdir / f"logits_{side}_{name}_{implementation}.npy")
                                                    - baseline))) for side in ("reference", "ours")]
-            else:   # both sides write our logits file: nothing to compare
-                differences = [float("nan"), float("nan")]
+            else:   # the two checkouts' logits against each other (in the 'diff ours' column)
+                logits = f"logits_ours_{name}_{implementation}.npy"
+                differences = [float("nan"), float(np.max(np.abs(np.load(workdir / logits)
+                                                                 - np.load(baseline_workdir(workdir) / logits))))]
             if not args.interleave:
                 ratios = {kind: reference[f"{kind}_s"] / ours[f"{kind}_s"] for kind in ("forward", "train")}
             rows.append((name, implementation, tokens / reference["forward_s"], tokens / ours["forward_s"],
@@ -524,7 +540,8 @@ def main() -> int:
                f"; {args.interleave} interleaved rounds of {args.steps} calls, tokens/s medians per side, ratios "
                "the medians of the rounds' ratios" if args.interleave else "")
     if args.baseline_tree is not None:
-        print(f"A/B: 'ref' columns = moe_jax from {args.baseline_tree}; 'ours' = this tree; ratio = this / that")
+        print(f"A/B: 'ref' columns = moe_jax from {args.baseline_tree}; 'ours' = this tree; ratio = this / that; "
+              "'diff ours' = max |this tree's logits - that one's|")
     print(f"size {args.size}, batch {args.batch} x {args.seq} tokens, both sides with {host_memory}{repeats}; "
           "tokens/s (higher is better); max |logits - 1-process reference|")
     print(f"dense matmul rate {rate / 1e9:.0f} GFLOP/s -> train-step ceiling {ceiling:.0f} tokens/s; 'ceil': the "
