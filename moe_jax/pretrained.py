@@ -29,20 +29,34 @@ def checkpoint_dtype(config: dict):
 
 
 def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, progress: bool = True,
-                    **model_kwargs):
+                    dequantize: bool = True, **model_kwargs):
     """Build a `model_class` on the mesh of `distributed_config` and load `path` directly into its shardings
     (`AutoModelForCausalLM.from_pretrained` picks the class from config.json).
 
     dtype: parameter dtype, "float32", "bfloat16" or "float16" ("float64" with jax_enable_x64 on); default:
         the checkpoint's, from config.json. Checked before anything is read.
+    dequantize: a quantised checkpoint's weights (config.json's `quantization_config`: MXFP4, FP8) are decoded
+        to `dtype` at load (True, Transformers' default), or kept in their format on the devices and decoded
+        inside the step (False; `model.kept_quantization`): the quantised bytes, inference only.
     """
     dtype = parameter_dtype(dtype) if dtype is not None else None
     directory = local_checkpoint(path)
     config = read_config(directory)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
+    if not dequantize:
+        model_kwargs["kept_quantization"] = quantization_method(config, directory)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     return load_weights(model, directory, progress=progress)
+
+
+def quantization_method(config: dict, directory) -> str:
+    """config.json's `quantization_config.quant_method`, or a ValueError for a checkpoint that is not quantised."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is None:
+        raise ValueError(f"dequantize=False keeps a quantised checkpoint's weights quantised, but {directory} has no "
+                         "quantization_config in its config.json; load it without dequantize=False.")
+    return method
 
 
 def load_weights(model, path, *, progress: bool = True):
@@ -69,9 +83,10 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard
 
 def saved_config(model) -> dict:
     """The config.json written with the model's weights: its dtype set, no `distributed_config` (as
-    transformers' `_remove_keys_not_serialized`), and no `quantization_config`: quantised hub weights (MXFP4,
-    FP8) were dequantised on load and are written dequantised."""
+    transformers' `_remove_keys_not_serialized`), and no `quantization_config` unless the weights were kept
+    quantised (`dequantize=False`): otherwise they were dequantised on load and are written dequantised."""
     config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
     config.pop("distributed_config", None)
-    config.pop("quantization_config", None)
+    if getattr(model, "kept_quantization", None) is None:
+        config.pop("quantization_config", None)
     return config

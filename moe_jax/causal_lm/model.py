@@ -40,7 +40,7 @@ from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
 from ..models.core import ModelCore, model_axis_rules, step_math
 from ..models.decoder import declare_tree, head_logits
-from ..models.family import Family
+from ..models.family import Family, kept_quantized_family
 from ..models.layer_stack import LayerStack, resolve_scan_option
 from ..models.outputs import DroplessOutput, ModelOutput
 from ..models.pipeline_layout import check_pipeline_options
@@ -74,7 +74,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
                  scan_layers: bool | str | None = "auto", remat: str = "none",
                  pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
-                 pipeline_repeats: int = 1):
+                 pipeline_repeats: int = 1, kept_quantization: str | None = None):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
         scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
@@ -83,7 +83,10 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
         With `pp_size > 1` (`moe_jax.models.pipeline`): pipeline_microbatches: M, how many microbatches a batch
             is cut into (default pp_size); pipeline_schedule: "gpipe" (the reference's split of the layers) or
             "circular" (pipeline_repeats chunks of layers per stage, needs M >= pp_size); the three are options
-            of this library, outside `DistributedConfig`, so a reference config means the same here."""
+            of this library, outside `DistributedConfig`, so a reference config means the same here.
+        kept_quantization: a checkpoint's `quant_method` ("mxfp4") whose weights stay in that format on the
+            devices (`from_pretrained(..., dequantize=False)` sets it): the family's kept-quantised declaration
+            (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
@@ -93,6 +96,9 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
         self.config = config
         self.dtype = parameter_dtype(dtype)
         self.remat = remat
+        self.kept_quantization = kept_quantization
+        if kept_quantization is not None:
+            self.family = kept_quantized_family(self.model_type, kept_quantization)
         family = self.family
         self.module_tree: ModuleTree = declare_tree(family, config)
         if getattr(config, "tie_word_embeddings", False):

@@ -42,9 +42,13 @@ class ParameterStorage:
         return shardings
 
     def param_dtype(self, name: str) -> jnp.dtype:
-        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers."""
+        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers, its declared
+        integer dtype for quantised codes (kept-quantised weights)."""
         spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.first_member(name)]
-        return jnp.dtype(jnp.float32) if spec.buffer else self.dtype
+        if spec.buffer:
+            return jnp.dtype(jnp.float32)
+        declared = jnp.dtype(spec.dtype)
+        return declared if not jnp.issubdtype(declared, jnp.floating) else self.dtype
 
     def storage_dtypes(self) -> dict[str, jnp.dtype]:
         """Storage name -> dtype of `model.params` (`param_dtype`)."""

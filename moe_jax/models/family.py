@@ -218,3 +218,23 @@ def register_family(family: Family) -> Family:
     """Make a family known by its HF `model_type` (the facade builds its model class from it)."""
     FAMILIES[family.model_type] = family
     return family
+
+
+# (model_type, quant_method) -> the family whose checkpoint weights stay in that quantised format on the devices
+# (declared under the hub's names, e.g. `gate_up_proj_blocks` / `_scales`, and decoded inside the step).
+KEPT_QUANTIZED_FAMILIES: dict[tuple[str, str], Family] = {}
+
+
+def register_kept_quantized(method: str, family: Family) -> Family:
+    KEPT_QUANTIZED_FAMILIES[(family.model_type, method)] = family
+    return family
+
+
+def kept_quantized_family(model_type: str, method: str) -> Family:
+    """The family of `model_type` that keeps `method` (a `quantization_config.quant_method`) weights quantised."""
+    family = KEPT_QUANTIZED_FAMILIES.get((model_type, method))
+    if family is None:
+        kept = ", ".join(f"{kind} ({name})" for kind, name in sorted(KEPT_QUANTIZED_FAMILIES)) or "none"
+        raise ValueError(f"{model_type} weights in {method!r} cannot be kept quantised yet (kept quantised: {kept}); "
+                         "load with dequantize=True to hold them dequantised.")
+    return family

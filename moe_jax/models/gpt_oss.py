@@ -14,6 +14,7 @@ experts are replicated under TP), an EP plan that shards both expert biases with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
@@ -21,9 +22,16 @@ from typing import ClassVar
 from ..module_tree import ModuleTree
 from ..nn.moe import sparse_moe_block
 from ..ops.experts import biased_clamped_swiglu_experts
+from ..ops.quantized import VALUES_PER_BLOCK, MXFP4Experts
 from ..ops.routing import top_k_softmax
 from .config import HFConfigMixin
-from .family import ROPE_ATTENTION_OUTPUT_AXES, Family, declare_attention, register_family
+from .family import (
+    ROPE_ATTENTION_OUTPUT_AXES,
+    Family,
+    declare_attention,
+    register_family,
+    register_kept_quantized,
+)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -140,4 +148,50 @@ FAMILY = register_family(Family(
     experts_forward=experts_forward,
     moe_block=moe_block,
     attention_options=attention_options,
+))
+
+
+# ---- kept MXFP4: the released checkpoints' expert weights on the devices as they are stored ----------------------
+def declare_mxfp4_sparse_mlp(tree: ModuleTree, config: GptOssConfig, intermediate: int) -> None:
+    """The router, then the experts as the hub's MXFP4 checkpoints hold them (HF's `Mxfp4GptOssExperts`):
+    gate_up_proj_blocks [E, 2I, H / 32, 16] and _scales [E, 2I, H / 32] (uint8), down_proj_blocks [E, H, I / 32,
+    16] and _scales [E, H, I / 32], the biases as in the dense layout."""
+    experts, hidden = config.num_experts, config.hidden_size
+    for name, size in (("hidden_size", hidden), ("intermediate_size", intermediate)):
+        if size % VALUES_PER_BLOCK:
+            raise ValueError(f"MXFP4 experts need {name} ({size}) divisible by {VALUES_PER_BLOCK} (one scale per "
+                             "32 values).")
+    with tree.module("router"):
+        tree.param("weight", (experts, hidden))
+        tree.param("bias", (experts,))
+    with tree.module("experts"):
+        for proj, rows, columns in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
+            groups = columns // VALUES_PER_BLOCK
+            tree.param(f"{proj}_blocks", (experts, rows, groups, VALUES_PER_BLOCK // 2), dtype="uint8", init="zeros")
+            tree.param(f"{proj}_scales", (experts, rows, groups), dtype="uint8", init="zeros")
+            tree.param(f"{proj}_bias", (experts, rows), init="zeros")
+
+
+def mxfp4_experts(hidden, expert_ids, weights, *, gate_up_proj_blocks, gate_up_proj_scales, gate_up_proj_bias,
+                  down_proj_blocks, down_proj_scales, down_proj_bias, alpha: float, limit: float,
+                  backend: str | None):
+    """gpt-oss's experts on kept MXFP4 weights: decoded one expert at a time inside the grouped matmul."""
+    gate_up = MXFP4Experts.checked(gate_up_proj_blocks, gate_up_proj_scales, hidden.dtype)
+    down = MXFP4Experts.checked(down_proj_blocks, down_proj_scales, hidden.dtype)
+    return biased_clamped_swiglu_experts(hidden, expert_ids, weights, gate_up, gate_up_proj_bias, down,
+                                         down_proj_bias, alpha=alpha, limit=limit, backend=backend)
+
+
+def mxfp4_experts_forward(config: GptOssConfig, backend: str | None):
+    return partial(mxfp4_experts, alpha=config.swiglu_alpha, limit=config.swiglu_limit, backend=backend)
+
+
+MXFP4_FAMILY = register_kept_quantized("mxfp4", dataclasses.replace(
+    FAMILY,
+    # The blocks and scales are split with their experts, as the dense weights they stand for.
+    ep_plan={**{rule: style for rule, style in FAMILY.ep_plan.items() if not rule.endswith("_proj")},
+             **{f"layers.*.mlp.experts.{proj}_{part}": "grouped_gemm"
+                for proj in ("gate_up_proj", "down_proj") for part in ("blocks", "scales")}},
+    declare_sparse_mlp=declare_mxfp4_sparse_mlp,
+    experts_forward=mxfp4_experts_forward,
 ))

@@ -35,7 +35,10 @@ def accumulating_einsum(subscripts: str, *operands: jax.Array) -> jax.Array:
 
 
 def is_master(parameter: jax.Array, activations: jax.Array) -> bool:
-    """True when `parameter` is stored wider than `activations` (it is cast at use, its gradient is not)."""
+    """True when `parameter` is stored wider than `activations` (it is cast at use, its gradient is not). Integer
+    parameters (quantised codes, `ops.quantized`) never are: they are decoded, not cast."""
+    if not jnp.issubdtype(parameter.dtype, jnp.floating):
+        return False
     return jnp.finfo(parameter.dtype).bits > jnp.finfo(activations.dtype).bits
 
 

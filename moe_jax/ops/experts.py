@@ -31,6 +31,7 @@ from .grouped_matmul import grouped_matmul
 from .grouped_matmul_backends.tiled_swiglu import gated
 from .grouped_swiglu import grouped_swiglu
 from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
+from .quantized import is_quantized
 from .varying import vary_like
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -63,13 +64,19 @@ def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj
         )
 
 
-def _varying_together(*operands: jax.Array) -> list[jax.Array]:
-    """The operands, each marked as varying over every mesh axis any of them varies over.
+def _varying_together(*operands):
+    """The operands (arrays, or quantised stand-ins: every leaf), each marked as varying over every mesh axis any
+    of them varies over.
 
     Inside shard_map the custom-VJP ops of the experts need operands that vary over the same mesh axes; marking
     them lets JAX sum the gradients of replicated operands (the transpose of the mark is a psum). A no-op
     outside shard_map."""
-    return [vary_like(operand, *operands) for operand in operands]
+    return [jax.tree.map(lambda leaf: vary_like(leaf, *operands), operand) for operand in operands]
+
+
+def _out_in(weight):
+    """An [E, in, out] experts weight as grouped_matmul's [E, out, in]; a quantised one is stored that way."""
+    return weight if is_quantized(weight) else jnp.swapaxes(weight, 1, 2)
 
 
 def swiglu_experts(
@@ -196,20 +203,24 @@ def biased_clamped_swiglu_experts(
     hidden: [N, H]
     expert_ids: [N, K] int, local ids in [0, E]; E means "not mine"
     weights: [N, K] routing weights
-    gate_up_proj: [E, H, 2I]  ([in, out] per expert, gate/up interleaved on the last dim)
+    gate_up_proj: [E, H, 2I]  ([in, out] per expert, gate/up interleaved on the last dim), or kept quantised
+        (`ops.quantized.MXFP4Experts`, stored [E, 2I, H] as the hub's blocks are)
     gate_up_proj_bias: [E, 2I]
-    down_proj: [E, I, H]
+    down_proj: [E, I, H], or kept quantised ([E, H, I])
     down_proj_bias: [E, H]
     returns [N, H] in hidden's dtype:
         out[n] = sum_k w[n, k] * ((clamped_swiglu(x[n] @ gate_up[e] + b[e]) @ down[e]) + db[e])
     """
-    num_experts, hidden_size, two_i = gate_up_proj.shape
+    # grouped_matmul takes HF's usual [E, out, in]; gpt-oss stores [E, in, out] (its quantised blocks: [E, out, in]).
+    gate_up_proj, down_proj = _out_in(gate_up_proj), _out_in(down_proj)
+    num_experts, two_i, hidden_size = gate_up_proj.shape
     if (hidden.ndim != 2 or hidden.shape[1] != hidden_size or two_i % 2
-            or down_proj.shape != (num_experts, two_i // 2, hidden_size)
+            or down_proj.shape != (num_experts, hidden_size, two_i // 2)
             or gate_up_proj_bias.shape != (num_experts, two_i) or down_proj_bias.shape != (num_experts, hidden_size)):
         raise ValueError(
-            f"gpt-oss experts need hidden [N, H], gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj "
-            f"[E, I, H], down_proj_bias [E, H]; got {hidden.shape}, {gate_up_proj.shape}, "
+            f"gpt-oss experts need hidden [N, H], gate_up_proj [E, 2I, H], gate_up_proj_bias [E, 2I], down_proj "
+            f"[E, H, I], down_proj_bias [E, H] (out, in; HF stores the dense ones transposed); got {hidden.shape}, "
+            f"{gate_up_proj.shape}, "
             f"{gate_up_proj_bias.shape}, {down_proj.shape}, {down_proj_bias.shape}."
         )
     top_k = expert_ids.shape[1]
@@ -220,11 +231,10 @@ def biased_clamped_swiglu_experts(
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
     # Expert of each sorted row; E for the sentinel rows past sum(group_sizes), which get no bias.
     row_expert = count_at_most(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0], dtype=jnp.int32))
-    # grouped_matmul takes HF's usual [E, out, in]; gpt-oss stores [E, in, out].
-    gate_up = grouped_matmul(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), group_sizes, backend=backend)
+    gate_up = grouped_matmul(x_sorted, gate_up_proj, group_sizes, backend=backend)
     gate_up = gate_up + _bias_rows(gate_up_proj_bias, row_expert)
     gated = clamped_swiglu(gate_up, alpha, limit)
-    y_sorted = grouped_matmul(gated, jnp.swapaxes(down_proj, 1, 2), group_sizes, backend=backend)
+    y_sorted = grouped_matmul(gated, down_proj, group_sizes, backend=backend)
     y_sorted = y_sorted + _bias_rows(down_proj_bias, row_expert)
 
     mine = expert_ids < num_experts

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from .grouped_matmul_backends.tiled_scan import tiled_grouped_matmul
 from .grouped_matmul_backends.tokamax_kernel import tokamax_available, tokamax_grouped_matmul
 from .grouped_matmul_backends.xla_ragged_dot import ragged_dot_grouped_matmul
+from .quantized import is_quantized
 
 GroupedMatmulBackend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -26,6 +27,9 @@ GROUPED_MATMUL_BACKENDS: dict[str, GroupedMatmulBackend] = {
     "tiled": tiled_grouped_matmul,
     "tokamax": tokamax_grouped_matmul,
 }
+# Backends that take a quantised weight (`ops.quantized`) and dequantise one expert at a time; the others get the
+# whole dequantised weight.
+QUANTIZED_WEIGHT_BACKENDS = {"tiled"}
 
 
 def register_grouped_matmul_backend(name: str, fn: GroupedMatmulBackend) -> None:
@@ -107,7 +111,7 @@ def grouped_matmul(
     """Rows of x, sorted by group, each multiplied by its group's weight.
 
     x: [M, H] rows sorted by group: group e owns the next group_sizes[e] rows
-    w: [E, O, H]
+    w: [E, O, H], or a quantised stand-in (`ops.quantized.MXFP4Experts`)
     group_sizes: [E] int32 with sum(group_sizes) <= M
     returns [M, O] in the promoted dtype of x and w:
         out[m] = w[e] @ x[m] for m in group e, and 0 for rows past sum(group_sizes)
@@ -121,7 +125,10 @@ def grouped_matmul(
     # Backends get one dtype: ragged_dot rejects mixed operands, and this keeps
     # every backend's result dtype the same.
     dtype = jnp.result_type(x.dtype, w.dtype)
-    out = fn(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
+    w = w.astype(dtype)
+    if is_quantized(w) and name not in QUANTIZED_WEIGHT_BACKENDS:
+        w = w.dequantized()   # this backend takes a dense [E, O, H]: every local expert dequantised at once
+    out = fn(x.astype(dtype), w, group_sizes.astype(jnp.int32))
     # A registered backend is outside code: hold it to the contract at trace time (free at run time).
     contract = f"grouped_matmul backend {name!r} must return [M, O] = {(x.shape[0], w.shape[1])} in {dtype}"
     chex.assert_shape(out, (x.shape[0], w.shape[1]), custom_message=contract)

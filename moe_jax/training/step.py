@@ -383,6 +383,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     if mixed_precision and model.dtype != jnp.float32:
         raise ValueError(f"mixed precision keeps float32 master parameters, but the model holds {model.dtype}; "
                          "build it with dtype=float32.")
+    if getattr(model, "kept_quantization", None) is not None:
+        raise ValueError(f"the model keeps its {model.kept_quantization} weights quantised, which cannot be trained; "
+                         "load it with dequantize=True (the default) to train every weight.")
     options = TrainStepOptions(grad_accum=grad_accum, grad_clip=grad_clip, loss_chunk=loss_chunk,
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
                                check_overflow=check_overflow, offload=offload,

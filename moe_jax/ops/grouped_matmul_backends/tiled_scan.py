@@ -27,9 +27,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..accumulation import accumulation_dtype
+from ..quantized import expert_weight, is_quantized
 from ..varying import vary_like
 from .tile_plan import TileVisits, chunk_mask, over_live_visits, plan_tile_schedules
 
@@ -139,8 +141,7 @@ def _visit_rows(out, lhs, w, visits: TileVisits, rows_per_window: int, contract:
 
     def visit(out, v: TileVisits):
         window = lax.dynamic_slice_in_dim(lhs, v.window_start, rows_per_window, axis=0)
-        expert_weight = lax.dynamic_index_in_dim(w, v.expert, axis=0, keepdims=False)
-        product = window_times_weight(window, expert_weight, contract, out_dtype)
+        product = window_times_weight(window, expert_weight(w, v.expert), contract, out_dtype)
         return set_chunk_rows(out, product, v, rows_per_window)
 
     return over_live_visits(visit, out, visits)
@@ -187,6 +188,8 @@ def _tiled_bwd(tile_rows, remainder_rows, residuals, grad_out):
     x, w, group_sizes = residuals
     schedules = plan_tile_schedules(group_sizes, x.shape[0], tile_rows, remainder_rows)
     grad_x = _rows_times_expert_weights(grad_out, w, schedules, "out_features")
+    if is_quantized(w):   # kept-quantised weights are frozen: only the rows' gradient flows (adapters train)
+        return grad_x.astype(x.dtype), jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), w), None
     grad_w = _expert_weight_grads(x, grad_out, schedules, w.shape[0])
     return grad_x.astype(x.dtype), grad_w.astype(w.dtype), None
 
@@ -201,7 +204,7 @@ def tiled_grouped_matmul(
     """Grouped x @ w[e].T, one R-row tile at a time.
 
     x: [M, H] rows sorted by group
-    w: [E, O, H]
+    w: [E, O, H], or a quantised stand-in (`ops.quantized`): each visit dequantises only its expert
     group_sizes: [E] int32
     returns [M, O]; rows past sum(group_sizes) are 0
 

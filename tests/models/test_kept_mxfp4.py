@@ -1,0 +1,119 @@
+"""gpt-oss with its MXFP4 expert weights kept quantised on the devices (`from_pretrained(..., dequantize=False)`):
+the dequantise-at-load model's logits and tokens, the quantised bytes per device, and the hub files back
+byte for byte."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.causal_lm import GptOssForCausalLM
+from moe_jax.inference import ContinuousBatchingConfig
+from moe_jax.training import make_train_step
+from tests.converters.test_mxfp4 import CONFIG, PROJECTIONS, random_mxfp4
+
+QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+LAYOUTS = {"one_device": None, "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
+           "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4)}
+IDS = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (8, 12)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def hub_checkpoint(tmp_path_factory):
+    """A tiny gpt-oss checkpoint as the hub ships gpt-oss: MXFP4 experts and a quantization_config."""
+    directory = tmp_path_factory.mktemp("kept_mxfp4") / "gpt_oss"
+    model = GptOssForCausalLM(CONFIG, devices=jax.devices()[:1])
+    model.init_params(seed=0)
+    model.save_pretrained(directory, progress=False)
+    tensors = load_file(directory / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for proj, (rows, values) in PROJECTIONS.items():
+            key = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[key]
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = random_mxfp4(rng, CONFIG["num_local_experts"],
+                                                                              rows, values)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}))
+    return directory
+
+
+def load(directory, layout, **kwargs):
+    config = None if layout is None else DistributedConfig(**layout)
+    devices = jax.devices()[:1] if layout is None else None
+    return AutoModelForCausalLM.from_pretrained(directory, config, progress=False, devices=devices, **kwargs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_kept_weights_give_the_dequantised_models_logits(hub_checkpoint, layout):
+    kept = load(hub_checkpoint, LAYOUTS[layout], dequantize=False)
+    dequantised = load(hub_checkpoint, LAYOUTS[layout])
+    np.testing.assert_allclose(np.asarray(kept(IDS)), np.asarray(dequantised(IDS)), rtol=0, atol=1e-5)
+
+
+def test_each_device_holds_its_experts_blocks_and_scales_only(hub_checkpoint):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    hub = load_file(hub_checkpoint / "model.safetensors")
+    params = kept.hf_params()
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in params)
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for proj in PROJECTIONS:
+            for part in ("blocks", "scales"):
+                name = f"model.layers.{layer}.mlp.experts.{proj}_{part}"
+                array = params[name]
+                assert array.dtype == np.uint8
+                shards = array.addressable_shards
+                # One expert per device (8 experts over ep=8): its bytes, no more.
+                assert {shard.data.nbytes for shard in shards} == {hub[name].nbytes // 8}
+                for shard in shards:
+                    np.testing.assert_array_equal(np.asarray(shard.data), hub[name][shard.index])
+
+
+def test_save_pretrained_writes_the_hub_files_back_byte_for_byte(hub_checkpoint, tmp_path):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    kept.save_pretrained(tmp_path / "export", progress=False)
+    original, exported = load_file(hub_checkpoint / "model.safetensors"), load_file(tmp_path / "export" /
+                                                                                    "model.safetensors")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and exported[key].tobytes() == tensor.tobytes(), key
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["quantization_config"] == QUANTIZATION_CONFIG
+    # ... and it loads kept again.
+    again = load(tmp_path / "export", None, dequantize=False)
+    np.testing.assert_array_equal(np.asarray(again(IDS)), np.asarray(load(hub_checkpoint, None,
+                                                                         dequantize=False)(IDS)))
+
+
+def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkpoint):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    dequantised = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"])
+    prompts = IDS[:2, :6]
+    np.testing.assert_array_equal(kept.generate(prompts, max_new_tokens=6, do_sample=False),
+                                  dequantised.generate(prompts, max_new_tokens=6, do_sample=False))
+    batching = ContinuousBatchingConfig(max_slots=8, page_size=4, max_model_len=32)
+    tokens = [[output.generated_tokens for output in model.generate_batch(
+        [list(map(int, row)) for row in prompts], continuous_batching_config=batching, max_new_tokens=6).values()]
+        for model in (kept, dequantised)]
+    assert tokens[0] == tokens[1] and all(len(row) == 6 for row in tokens[0])
+
+
+def test_kept_weights_are_refused_where_they_cannot_work(hub_checkpoint):
+    kept = load(hub_checkpoint, None, dequantize=False)
+    with pytest.raises(ValueError, match="cannot be trained; load it with dequantize=True"):
+        make_train_step(kept, optax.sgd(0.1))
+    from tests.models.test_fixture_parity import FIXTURES
+
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        load(FIXTURES / "gpt_oss", None, dequantize=False)
+    config = json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text())
+    with pytest.raises(ValueError, match="deepseek_v3 weights in 'fp8' cannot be kept quantised yet .* gpt_oss"):
+        AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1], kept_quantization="fp8")
