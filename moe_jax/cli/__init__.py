@@ -12,8 +12,10 @@ import sys
 from collections.abc import Callable
 
 from .layout_flags import (
+    add_dequantize_flag,
     add_layout_flags,
     distributed_config_from_flags,
+    kept_quantization_from_flags,
     layout_devices,
     pipeline_options_from_flags,
 )
@@ -53,6 +55,10 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
                         help="with --train: the optimizer whose state is counted (default adamw)")
+    add_dequantize_flag(parser)
+    parser.add_argument("--dtype", default="float32",
+                        help="the parameters' dtype to count bytes in: float32 (default), bfloat16 or float16 "
+                             "(quantised codes count as stored)")
 
 
 def _train_memory_text(model, optimizer_name: str) -> str:
@@ -67,21 +73,23 @@ def _train_memory_text(model, optimizer_name: str) -> str:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from ..causal_lm.auto import AutoModelForCausalLM
+    from ..checkpoint_files import read_config
     from ..reporting.plan_report import plan_report
 
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
     distributed_config = distributed_config_from_flags(args)
+    kept = kept_quantization_from_flags(args, read_config(args.model))
     if not args.train:
-        model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True,
-                                                 **pipeline_options_from_flags(args))
+        model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True, dtype=args.dtype,
+                                                 kept_quantization=kept, **pipeline_options_from_flags(args))
         print(plan_report(model))
         return 0
     from ..distributed.mesh import DeviceLayout
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "plan")
-    model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices,
-                                             **pipeline_options_from_flags(args))
+    model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices, dtype=args.dtype,
+                                             kept_quantization=kept, **pipeline_options_from_flags(args))
     print(plan_report(model))
     print()
     print(_train_memory_text(model, args.optimizer or "adamw"))

@@ -19,7 +19,13 @@ import argparse
 import time
 from pathlib import Path
 
-from .layout_flags import add_layout_flags, describe_layout, distributed_config_from_flags, layout_devices
+from .layout_flags import (
+    add_dequantize_flag,
+    add_layout_flags,
+    describe_layout,
+    distributed_config_from_flags,
+    layout_devices,
+)
 
 FORMATS = ("hf", "orbax")
 
@@ -34,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Checked by parameter_dtype (not argparse choices), so the flag and the Python API give the same error.
     parser.add_argument("--dtype", default=None,
                         help="parameter dtype to write: float32, bfloat16 or float16 (default: the source's)")
+    add_dequantize_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -41,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax convert` (a bad request or checkpoint raises; `cli.main` prints it)."""
     distributed_config = distributed_config_from_flags(args)
     convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
-            dtype=args.dtype, progress=not args.no_progress)
+            dtype=args.dtype, progress=not args.no_progress, dequantize=args.dequantize)
     return 0
 
 
 def convert(source_format: str, target_format: str, source, destination, distributed_config=None, *,
-            dtype: str | None = None, progress: bool = True) -> Path:
+            dtype: str | None = None, progress: bool = True, dequantize: bool = True) -> Path:
     """Read `source` in `source_format` onto the layout of `distributed_config`, write `destination` in
     `target_format`. Returns `destination` as a Path."""
     from ..distributed.config import DistributedConfig
@@ -67,7 +74,8 @@ def convert(source_format: str, target_format: str, source, destination, distrib
     print(f"[1/2] reading the {source_format} checkpoint {source} onto {len(devices)} {devices[0].platform} "
           f"device(s) ({describe_layout(distributed_config)})")
     start = time.perf_counter()
-    model = load_model(source_format, source, distributed_config, devices, dtype=dtype, progress=progress)
+    model = load_model(source_format, source, distributed_config, devices, dtype=dtype, progress=progress,
+                       dequantize=dequantize)
     print(f"      {len(model.hf_params())} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
           f"{model.dtype.name}, in {time.perf_counter() - start:.1f} s")
 
@@ -91,19 +99,20 @@ def _carry_companion_files(source: Path, destination: Path) -> list[str]:
 
 
 def load_model(source_format: str, source: Path, distributed_config, devices, *, dtype: str | None = None,
-               progress: bool = True):
+               progress: bool = True, dequantize: bool = True):
     """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
     from converters.orbax_params import read_orbax_config, restore_orbax_params
 
     from ..causal_lm.auto import AutoModelForCausalLM
-    from ..pretrained import checkpoint_dtype
+    from ..pretrained import checkpoint_dtype, quantization_method
 
     if source_format == "hf":
         return AutoModelForCausalLM.from_pretrained(source, distributed_config, devices=devices, dtype=dtype,
-                                                    progress=progress)
+                                                    progress=progress, dequantize=dequantize)
     config = read_orbax_config(source)
+    kept = None if dequantize else quantization_method(config, source)
     model = AutoModelForCausalLM.from_config(config, distributed_config, devices=devices,
-                                             dtype=dtype or checkpoint_dtype(config))
+                                             dtype=dtype or checkpoint_dtype(config), kept_quantization=kept)
     model.set_params(restore_orbax_params(source, model))
     return model
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 from .layout_flags import (
     DECODE_SCAN_HELP,
+    add_dequantize_flag,
     add_layout_flags,
     add_scan_layers_flag,
     describe_layout,
@@ -61,6 +62,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_layout_flags(parser, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
+    add_dequantize_flag(parser)
 
 
 # One prompt as token ids: integers separated by commas (spaces allowed around them).
@@ -151,7 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
-                                                 **pipeline_options_from_flags(args))
+                                                 dequantize=args.dequantize, **pipeline_options_from_flags(args))
     warn_about_head_split(model)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
           file=sys.stderr)

@@ -4,6 +4,7 @@
     config = distributed_config_from_flags(args)    # DistributedConfig(tp_size=args.tp, ...)
     options = pipeline_options_from_flags(args)     # pipeline_microbatches=args.pp_microbatches, ... (model kwargs)
     add_scan_layers_flag(parser); scan_layers_from_flags(args)   # --scan-layers auto|true|false -> scan_layers
+    add_dequantize_flag(parser); args.dequantize                 # --no-dequantize: from_pretrained(dequantize=False)
 
 Kept free of JAX imports so `moe-jax --help` stays fast.
 """
@@ -51,6 +52,25 @@ TRAIN_SCAN_HELP = "run identical layers as one scan over stacked parameters (aut
 
 def add_scan_layers_flag(parser: argparse.ArgumentParser, help_text: str = TRAIN_SCAN_HELP) -> None:
     parser.add_argument("--scan-layers", choices=tuple(SCAN_CHOICES), default="auto", help=help_text)
+
+
+DEQUANTIZE_HELP = ("--no-dequantize keeps a quantised checkpoint's weights (gpt-oss's MXFP4 experts) in their "
+                   "format on the devices, decoded inside each step: the quantised bytes, inference only; "
+                   "--dequantize (default) decodes them at load")
+
+
+def add_dequantize_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True, help=DEQUANTIZE_HELP)
+
+
+def kept_quantization_from_flags(args: argparse.Namespace, config: dict) -> str | None:
+    """The model's `kept_quantization` for a model built from `config` alone (no weights read): its
+    quantization_config's method under --no-dequantize, else None."""
+    if getattr(args, "dequantize", True):
+        return None
+    from ..pretrained import quantization_method
+
+    return quantization_method(config, args.model)
 
 
 def decode_scan_layers(choice: str):

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from .layout_flags import (
     DECODE_SCAN_HELP,
+    add_dequantize_flag,
     add_layout_flags,
     add_scan_layers_flag,
     describe_layout,
@@ -114,6 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"with an error event (default {SHUTDOWN_TIMEOUT_S})")
     add_layout_flags(parser, pipeline=False, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
+    add_dequantize_flag(parser)
 
 
 def parse_origins(text: str) -> tuple[str, ...]:
@@ -243,7 +245,8 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
     from ..inference.continuous import ServingEngine
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
-                                                 scan_layers=scan_layers_from_flags(args, decoding=True))
+                                                 scan_layers=scan_layers_from_flags(args, decoding=True),
+                                                 dequantize=args.dequantize)
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
         engine.compile_all()
@@ -276,7 +279,8 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     from .layout_flags import warn_about_head_split
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
-                                                 scan_layers=scan_layers_from_flags(args, decoding=True))
+                                                 scan_layers=scan_layers_from_flags(args, decoding=True),
+                                                 dequantize=args.dequantize)
     warn_about_head_split(model)
     generation = GenerationConfig.for_checkpoint(directory, config)
     max_queued = (args.max_queued_requests if args.max_queued_requests is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.plans import replace_layer_number_by_wildcard
@@ -25,8 +26,7 @@ def pipeline_stages_text(model) -> str:
     stack = model.layer_stack
     layout = stack.pipeline
     ranks = np.arange(model.layout.num_devices).reshape(model.layout.mesh_shape)
-    itemsize = np.dtype(model.dtype).itemsize
-    shared = sum(math.prod(sharding.local_shape) * itemsize for name, sharding in model.param_layouts.items()
+    shared = sum(_local_bytes(model, name) for name in model.param_layouts
                  if not name.startswith("model.layers."))   # embeddings, final norm, head: on every stage
     lines = [f"pipeline: {layout.stages} stages, {layout.schedule}"
              + (f" x {layout.repeats} repeats" if layout.repeats > 1 else "")
@@ -40,8 +40,7 @@ def pipeline_stages_text(model) -> str:
         for storage, members in stack.members.items():
             if stack.is_stacked(storage):
                 rows_per_stage = len(members) // layout.stages
-                per_row = model.param_layouts[stack.first_member(storage)].local_shape
-                stage_bytes += rows_per_stage * math.prod(per_row) * itemsize
+                stage_bytes += rows_per_stage * _local_bytes(model, stack.first_member(storage))
         layers = layout.stage_layers(stage)
         rows.append((str(stage), _layers_text([str(layer) for layer in layers]).removeprefix("layers "),
                      ",".join(str(rank) for rank in ranks[stage].flat), _bytes_text(stage_bytes)))
@@ -52,6 +51,24 @@ def pipeline_stages_text(model) -> str:
         lines.append(f"  ({zero_rows} parameter rows are zeros: slots where a stage's layer differs in structure "
                      "or an uneven split leaves a stage short; one program runs every stage)")
     return "\n".join(lines)
+
+
+def _local_bytes(model, name: str) -> int:
+    """Bytes of parameter `name` on one device: its shard in the dtype it is held in (quantised codes: theirs)."""
+    return math.prod(model.param_layouts[name].local_shape) * np.dtype(model.param_dtype(name)).itemsize
+
+
+def parameter_bytes_text(model) -> str:
+    """One device's parameter bytes (the busiest device's: every shard is the same size), with the part held
+    quantised when the model keeps quantised weights."""
+    total = sum(_local_bytes(model, name) for name in model.param_layouts)
+    text = f"parameter bytes per device: {_bytes_text(total)}"
+    kept = getattr(model, "kept_quantization", None)
+    if kept is not None:
+        codes = sum(_local_bytes(model, name) for name in model.param_layouts
+                    if not jnp.issubdtype(model.param_dtype(name), jnp.floating))
+        text += f" ({_bytes_text(codes)} of them {kept} codes and scales, kept quantised)"
+    return text
 
 
 def _bytes_text(count: int) -> str:
@@ -103,6 +120,8 @@ def plan_report(model, num_experts: int | None = None) -> str:
     lines.append("")
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.append("")
+    if getattr(model, "layer_stack", None) is None or model.layer_stack.pipeline is None:
+        lines.append(parameter_bytes_text(model))
     lines.append(_layer_runs_text(model))
     if (note := head_split_note(model)) is not None:
         lines.append(f"note: {note}")

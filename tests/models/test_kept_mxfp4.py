@@ -117,3 +117,37 @@ def test_kept_weights_are_refused_where_they_cannot_work(hub_checkpoint):
     config = json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text())
     with pytest.raises(ValueError, match="deepseek_v3 weights in 'fp8' cannot be kept quantised yet .* gpt_oss"):
         AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1], kept_quantization="fp8")
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_convert_keeps_the_hub_format_through_orbax(hub_checkpoint, tmp_path):
+    from moe_jax.cli import main
+
+    arguments = ["--no-dequantize", "--no-progress"]
+    assert main(["convert", "--from", "hf", "--to", "orbax", str(hub_checkpoint), str(tmp_path / "orbax"),
+                 *arguments]) == 0
+    assert main(["convert", "--from", "orbax", "--to", "hf", str(tmp_path / "orbax"), str(tmp_path / "hf"),
+                 *arguments]) == 0
+    original, converted = load_file(hub_checkpoint / "model.safetensors"), load_file(tmp_path / "hf" /
+                                                                                     "model.safetensors")
+    assert converted.keys() == original.keys()
+    assert all(converted[key].tobytes() == tensor.tobytes() for key, tensor in original.items())
+
+
+def test_plan_counts_gpt_oss_120b_kept_mxfp4_within_one_80_gib_device(capsys):
+    """The released gpt-oss-120b (config of the hub's checkpoint): MXFP4 experts fit one 80 GiB device, bf16 do
+    not."""
+    from moe_jax.cli import main
+    from tests.models.test_fixture_parity import FIXTURES
+
+    config = FIXTURES.parent / "configs" / "gpt_oss_120b.json"
+    gib = {}
+    for flag in ("--no-dequantize", "--dequantize"):
+        assert main(["plan", "--model", str(config), "--dtype", "bfloat16", flag]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parameter bytes"))
+        gib[flag] = float(line.split(":")[1].split()[0])
+    assert gib["--no-dequantize"] < 80 < gib["--dequantize"]
+    # Hand count: 36 layers x 128 experts x (gate_up 5760 x 2880 + down 2880 x 2880) values at 4.25 bits (a byte
+    # of scale per 32 values) plus the rest in bf16.
+    values = 36 * 128 * (5760 * 2880 + 2880 * 2880)
+    assert abs(gib["--no-dequantize"] - gib["--dequantize"] + values * (2 - 4.25 / 8) / 2**30) < 0.2
