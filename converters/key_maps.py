@@ -309,9 +309,38 @@ CONFIG_KEY_MAPS: dict[str, Callable[[Any], KeyMap]] = {
 }
 
 
-def checkpoint_key_map(model_type: str, config: Any) -> KeyMap:
+def deepseek_v3_kept_fp8_key_map(num_hidden_layers: int, mtp_layers: int) -> KeyMap:
+    """DeepSeek-V3 with its FP8 weights kept (`dequantize=False`): the codes and their `weight_scale_inv` both ways
+    under their hub names; the routed experts' per-expert codes and scales stacked and gate/up joined, as the
+    plain layout's weights are."""
+    experts = "model.layers.{layer}.mlp.experts"
+    scale_rules = (
+        KeyRule(param=f"{experts}.gate_up_proj_scale_inv",
+                hub=(f"{experts}.{{expert}}.gate_proj.weight_scale_inv", f"{experts}.{{expert}}.up_proj.weight_scale_inv"),
+                transforms=(StackExperts(), ConcatGateUp())),
+        KeyRule(param=f"{experts}.down_proj_scale_inv", hub=(f"{experts}.{{expert}}.down_proj.weight_scale_inv",),
+                transforms=(StackExperts(),)),
+    )
+    ignored = tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(mtp_layers))
+    return KeyMap("deepseek_v3", QWEN2_MOE.rules + scale_rules, ignored=ignored)
+
+
+# (model_type, quant_method) -> the table of a model that keeps that checkpoint's weights quantised
+# (`from_pretrained(..., dequantize=False)`); absent: the family's usual table (gpt-oss's MXFP4 tensors are
+# parameters under their own names there).
+KEPT_KEY_MAPS: dict[tuple[str, str], Callable[[Any], KeyMap]] = {
+    ("deepseek_v3", "fp8"): lambda config: deepseek_v3_kept_fp8_key_map(config.num_hidden_layers,
+                                                                         config.num_nextn_predict_layers),
+}
+
+
+def checkpoint_key_map(model_type: str, config: Any, kept_quantization: str | None = None) -> KeyMap:
     """How a model of `model_type` with `config` (its config object) maps its parameters to hub keys: the
-    family's config-built table (`CONFIG_KEY_MAPS`), else its fixed one (`KEY_MAPS`)."""
+    kept-quantised table when it keeps `kept_quantization` weights (`KEPT_KEY_MAPS`), the family's config-built
+    table (`CONFIG_KEY_MAPS`), else its fixed one (`KEY_MAPS`)."""
+    kept = KEPT_KEY_MAPS.get((model_type, kept_quantization))
+    if kept is not None:
+        return kept(config)
     build = CONFIG_KEY_MAPS.get(model_type)
     return build(config) if build is not None else key_map_for(model_type)
 

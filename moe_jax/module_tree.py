@@ -36,6 +36,9 @@ class ParamSpec:
     # A persistent torch buffer (in the state dict, not a Parameter): never trained, never sharded, kept in
     # float32 whatever the model's dtype (DeepSeek-V3's `e_score_correction_bias`).
     buffer: bool = False
+    # Held in `dtype` whatever the model's: a kept-quantised checkpoint's codes and scales, stored as the hub stores
+    # them (`from_pretrained(..., dequantize=False)`).
+    keep_dtype: bool = False
 
 
 @dataclass
@@ -67,8 +70,9 @@ class ModuleTree:
         with self.module(name):
             pass
 
-    def param(self, name: str, shape: tuple[int, ...], dtype: str = "float32", init: str = "normal") -> None:
-        self._add(name, ParamSpec(tuple(int(d) for d in shape), dtype, init))
+    def param(self, name: str, shape: tuple[int, ...], dtype: str = "float32", init: str = "normal", *,
+              keep_dtype: bool = False) -> None:
+        self._add(name, ParamSpec(tuple(int(d) for d in shape), dtype, init, keep_dtype=keep_dtype))
 
     def buffer(self, name: str, shape: tuple[int, ...], init: str = "zeros") -> None:
         """A persistent buffer: checkpointed like a parameter, but frozen, replicated and float32."""

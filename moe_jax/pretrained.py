@@ -62,7 +62,7 @@ def quantization_method(config: dict, directory) -> str:
 def load_weights(model, path, *, progress: bool = True):
     """Read the HF checkpoint at `path` into `model.params`, in the model's shardings and dtype."""
     model.params = load_params(local_checkpoint(path), model.module_tree,
-                               checkpoint_key_map(model.model_type, model.config),
+                               checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None)),
                                model.storage_shardings(), dtype=model.storage_dtypes(), progress=progress,
                                layer_stack=model.layer_stack)
     return model
@@ -77,7 +77,8 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
     config = saved_config(model)
     json.dumps(config)
-    return save_params(model.hf_params(params), checkpoint_key_map(model.model_type, model.config), out_dir,
+    key_map = checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None))
+    return save_params(model.hf_params(params), key_map, out_dir,
                        config=config, max_shard_bytes=max_shard_bytes, progress=progress)
 
 

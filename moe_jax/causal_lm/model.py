@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from ..distributed.activations import UNCONSTRAINED, ActivationLayouts, LogicalAxisRules
 from ..distributed.capacity import CapacitySchedule, CapacityTracker
 from ..distributed.config import DistributedConfig
-from ..distributed.experts import ShardedExperts, experts_mode
+from ..distributed.experts import TENSOR_PARALLEL, ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
@@ -279,7 +279,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
     # ---- the step ------------------------------------------------------------------------------------
     def _build_sharded_experts(self) -> dict[int, ShardedExperts]:
         """One experts module per sparse layer, its mode read from the resolved plans."""
-        return {
+        experts = {
             layer: ShardedExperts(
                 mesh=self.mesh, layout=self.layout,
                 mode=experts_mode(f"model.layers.{layer}.{self.family.feed_forward_module}.experts",
@@ -290,6 +290,12 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
             )
             for layer in self.sparse_layers()
         }
+        if self.kept_quantization is not None and any(module.mode == TENSOR_PARALLEL for module in experts.values()):
+            # The codes' blocks would be split inside a device's expert rows while their scales are not.
+            raise ValueError(f"kept-quantised ({self.kept_quantization}) experts run whole on their devices: with "
+                             f"tp_size={self.distributed_config.tp_size} and ep_size=1 tensor parallelism would split "
+                             "them; set ep_size (e.g. ep_size=tp_size) or load with dequantize=True.")
+        return experts
 
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,

@@ -42,13 +42,12 @@ class ParameterStorage:
         return shardings
 
     def param_dtype(self, name: str) -> jnp.dtype:
-        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers, its declared
-        integer dtype for quantised codes (kept-quantised weights)."""
+        """The dtype parameter (or storage) `name` is held in: the model's, float32 for buffers, the declared one
+        for kept-quantised codes and scales (`ParamSpec.keep_dtype`)."""
         spec = self.module_tree.params.get(name) or self.module_tree.params[self.layer_stack.first_member(name)]
         if spec.buffer:
             return jnp.dtype(jnp.float32)
-        declared = jnp.dtype(spec.dtype)
-        return declared if not jnp.issubdtype(declared, jnp.floating) else self.dtype
+        return jnp.dtype(spec.dtype) if spec.keep_dtype else self.dtype
 
     def storage_dtypes(self) -> dict[str, jnp.dtype]:
         """Storage name -> dtype of `model.params` (`param_dtype`)."""

@@ -52,6 +52,8 @@ def declare_tree(family: Family, config) -> ModuleTree:
     with tree.module("lm_head"):
         if not c.tie_word_embeddings:
             tree.param("weight", (c.vocab_size, c.hidden_size))
+    if family.declare_storage is not None:
+        family.declare_storage(tree, c)
     return tree
 
 

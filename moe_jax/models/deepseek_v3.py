@@ -19,20 +19,25 @@ layout) and carry the multi-token-prediction layer(s) after the last decoder lay
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import ClassVar
 
 import jax.numpy as jnp
 
-from ..module_tree import ModuleTree
+from ..module_tree import ModuleTree, ParamSpec
+from ..nn.activations import get_activation
 from ..nn.latent_attention import LatentDims, cached_latent_attention, latent_attention
 from ..nn.linear import linear
 from ..nn.mlp import mlp
 from ..nn.rotary import rope_parameters_from_config
+from ..ops.experts import swiglu_experts
+from ..ops.quantized import FP8Experts
 from ..ops.routing import group_limited_sigmoid_top_k
 from .config import HFConfigMixin
-from .family import Family, declare_dense_mlp, declare_experts, register_family
+from .family import Family, declare_dense_mlp, declare_experts, register_family, register_kept_quantized
 
 # quantization_config's default weight_block_size (converters.fp8.DEFAULT_BLOCK; models import no converters).
 FP8_BLOCK = (128, 128)
@@ -225,4 +230,54 @@ FAMILY = register_family(Family(
     cache_heads=cache_heads,
     moe_block=moe_block,
     has_router_aux_loss=False,  # balanced by the router's bias instead; the reference reports none
+))
+
+
+# ---- kept FP8: the released checkpoints' block-quantised weights on the devices as they are stored --------------
+KEPT_FP8_EXPERTS = ("gate_up_proj", "down_proj")
+
+
+def declare_fp8_storage(tree: ModuleTree, config: DeepseekV3Config) -> None:
+    """Every linear weight of the layers but the router's (`mlp.gate`), and the routed experts' weights, as the
+    hub's FP8 checkpoints hold them: float8_e4m3fn codes under the weight's name plus float32 block multipliers
+    (`{weight}_scale_inv`: [ceil(O / bR), ceil(I / bC)] per matrix, [E, ...] for the experts)."""
+    rows_block, columns_block = config.weight_block_size
+    grid = lambda rows, columns: (-(-rows // rows_block), -(-columns // columns_block))  # noqa: E731
+    stored: dict[str, ParamSpec] = {}
+    for name, spec in tree.params.items():
+        linear_weight = (name.startswith("model.layers.") and name.endswith(".weight") and len(spec.shape) == 2
+                         and not name.endswith(".mlp.gate.weight"))
+        expert_weight = name.rpartition(".")[2] in KEPT_FP8_EXPERTS and ".mlp.experts." in name
+        if not (linear_weight or expert_weight):
+            stored[name] = spec
+            continue
+        *experts, rows, columns = spec.shape
+        if name.endswith("gate_up_proj") and (rows // 2) % rows_block:
+            raise ValueError(f"kept FP8 experts need the intermediate size ({rows // 2}) to be a multiple of the "
+                             f"block's {rows_block} rows (gate and up are stored as separate blocks); load with "
+                             "dequantize=True.")
+        stored[name] = ParamSpec(spec.shape, "float8_e4m3fn", "zeros", keep_dtype=True)
+        stored[f"{name}_scale_inv"] = ParamSpec((*experts, *grid(rows, columns)), "float32", "ones", keep_dtype=True)
+    tree.params = stored
+
+
+def fp8_swiglu_experts(hidden, expert_ids, weights, *, gate_up_proj, gate_up_proj_scale_inv, down_proj,
+                       down_proj_scale_inv, act, backend):
+    """SwiGLU experts on kept FP8 weights: decoded one expert at a time inside the grouped matmul."""
+    return swiglu_experts(hidden, expert_ids, weights,
+                          FP8Experts.checked(gate_up_proj, gate_up_proj_scale_inv, hidden.dtype),
+                          FP8Experts.checked(down_proj, down_proj_scale_inv, hidden.dtype), act=act, backend=backend)
+
+
+def fp8_experts_forward(config: DeepseekV3Config, backend: str | None):
+    return partial(fp8_swiglu_experts, act=get_activation(config.hidden_act), backend=backend)
+
+
+FP8_FAMILY = register_kept_quantized("fp8", dataclasses.replace(
+    FAMILY,
+    # The scales are split with their experts, as the codes; a linear's scales follow its module's TP rule.
+    ep_plan={**FAMILY.ep_plan, **{f"layers.*.mlp.experts.{proj}_scale_inv": "grouped_gemm"
+                                  for proj in KEPT_FP8_EXPERTS}},
+    declare_storage=declare_fp8_storage,
+    experts_forward=fp8_experts_forward,
 ))

@@ -179,6 +179,9 @@ class Family:
     # Which dim of each expert weight tensor parallelism splits (`ShardedExperts.intermediate_dims`; None: the
     # [E, 2I, H] / [E, H, I] layout).
     experts_intermediate_dims: Mapping[str, int | str] | None = None
+    # A kept-quantised twin's rewrite of the declared parameters into the checkpoint's stored form (codes and
+    # scales under the hub's names), run last by `declare_tree`; None for every plain family.
+    declare_storage: Callable | None = None  # (tree, config)
 
     def sparse_layers(self, config) -> list[int]:
         return [layer for layer in range(config.num_hidden_layers) if self.is_sparse(config, layer)]

@@ -167,8 +167,9 @@ def declare_mxfp4_sparse_mlp(tree: ModuleTree, config: GptOssConfig, intermediat
     with tree.module("experts"):
         for proj, rows, columns in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
             groups = columns // VALUES_PER_BLOCK
-            tree.param(f"{proj}_blocks", (experts, rows, groups, VALUES_PER_BLOCK // 2), dtype="uint8", init="zeros")
-            tree.param(f"{proj}_scales", (experts, rows, groups), dtype="uint8", init="zeros")
+            tree.param(f"{proj}_blocks", (experts, rows, groups, VALUES_PER_BLOCK // 2), dtype="uint8", init="zeros",
+                       keep_dtype=True)
+            tree.param(f"{proj}_scales", (experts, rows, groups), dtype="uint8", init="zeros", keep_dtype=True)
             tree.param(f"{proj}_bias", (experts, rows), init="zeros")
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.accumulation import accumulating_einsum
+from ..ops.quantized import linear_weight
 from .precision import add_with_master, is_master, project_with_master
 
 # (activation, one logical axis name per dim, e.g. ("batch", "length", "heads")) -> the activation laid out as
@@ -35,7 +36,7 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
 
     A bf16/fp16 projection sums in fp32 and rounds once (`_project_summing_wide`).
     """
-    weight = params["weight"]
+    weight = linear_weight(params, x.dtype)   # kept FP8 codes are decoded here, where they are used
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: input feature size {x.shape[-1]} does not match weight shape {tuple(weight.shape)} "

@@ -139,6 +139,8 @@ def gathers_experts(num_tokens: int, top_k: int, gate_up_proj: jax.Array, down_p
     """Whether `swiglu_experts` runs `num_tokens` tokens by gathering each pair's expert weights (at most
     `GATHERED_EXPERTS_MAX_PAIRS` pairs and `GATHERED_EXPERTS_MAX_BYTES`) instead of sorting them through the tile
     loop."""
+    if is_quantized(gate_up_proj) or is_quantized(down_proj):
+        return False   # kept-quantised weights are decoded in the tile loop, one expert per visit
     pairs = num_tokens * top_k
     expert_bytes = sum(math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize for w in (gate_up_proj, down_proj))
     return pairs <= GATHERED_EXPERTS_MAX_PAIRS and pairs * expert_bytes <= GATHERED_EXPERTS_MAX_BYTES

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .grouped_matmul import backend_name, check_grouped_operands, grouped_matmul
 from .grouped_matmul_backends.tiled_swiglu import gated, tiled_swiglu_mlp
+from .quantized import is_quantized
 
 Activation = Callable[[jax.Array], jax.Array]
 # fn(x [M, H], gate_up [E, 2I, H], down [E, H, I], group_sizes [E] int32, *, act) -> [M, H]
@@ -49,7 +50,8 @@ def grouped_swiglu(
         )
     name = backend_name(backend)
     fused = FUSED_SWIGLU_BACKENDS.get(name)
-    if fused is not None:
+    if fused is not None and not (is_quantized(gate_up) or is_quantized(down)):   # kept weights: chained, decoded
+        # one expert per visit by the grouped matmul
         return fused(x, gate_up, down, group_sizes.astype(jnp.int32), act=act)
     gate_up_rows = grouped_matmul(x, gate_up, group_sizes, backend=name)
     return grouped_matmul(gated(gate_up_rows, act), down, group_sizes, backend=name)

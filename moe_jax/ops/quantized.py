@@ -1,4 +1,5 @@
-"""Expert weights kept in a checkpoint's quantised format, dequantised one expert at a time inside the step.
+"""Weights kept in a checkpoint's quantised format, dequantised inside the step: experts one at a time (the tiled
+grouped matmul decodes only the expert a visit reads), a linear layer's weight where it is used.
 
 MXFP4 (gpt-oss's hub format; OCP microscaling FP4): each weight row is split into blocks of 32 values stored as
 16 bytes of FP4 (e2m1) codes, low nibble first, and one uint8 power-of-two scale per block:
@@ -11,6 +12,14 @@ Every value is a 2-bit-mantissa number times a power of two, so float32 and bflo
 dequantised product equals the dequantise-at-load model's. `MXFP4Experts` stands in for the dense [E, O, H] weight
 in `grouped_matmul`: the tiled backend reads one expert's [O, H] from it per visit (`expert_weight`), so no
 dequantised copy of all the experts is ever live; other backends get `dequantized()` (the whole [E, O, H]).
+
+FP8 (DeepSeek-V3's hub format, Transformers' FineGrainedFP8): float8_e4m3fn codes and one float32 multiplier per
+bR x bC block, `weight_scale_inv [ceil(O / bR), ceil(H / bC)]`:
+
+    w[o, h] = float32(codes[o, h]) * scale_inv[o // bR, h // bC]
+
+one float32 product, as the loader's dequantisation (converters/fp8.py), so the values are bit-identical. The
+block is the smallest power of two that gives the scale grid (DeepSeek's 128; a partial last block allowed).
 """
 
 from __future__ import annotations
@@ -82,7 +91,66 @@ class MXFP4Experts:
 
 jax.tree_util.register_dataclass(MXFP4Experts, data_fields=["blocks", "scales"], meta_fields=["dtype"])
 
-QUANTIZED_EXPERTS = (MXFP4Experts,)
+def fp8_block(size: int, scale_size: int) -> int:
+    """The block along a dimension of `size` values with `scale_size` scales: the smallest power of two b with
+    ceil(size / b) == scale_size (a ValueError when there is none)."""
+    block = 1 << max(-(-size // max(scale_size, 1)) - 1, 0).bit_length()
+    if scale_size < 1 or -(-size // block) != scale_size:
+        raise ValueError(f"{scale_size} FP8 scales cannot cover {size} values in power-of-two blocks; kept FP8 needs "
+                         "a power-of-two weight_block_size (DeepSeek's is [128, 128]).")
+    return block
+
+
+def dequantize_fp8(codes: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
+    """codes: [..., O, H] float8; scale_inv: [..., ceil(O / bR), ceil(H / bC)] -> [..., O, H] in `dtype`."""
+    rows, columns = codes.shape[-2:]
+    row_block, column_block = fp8_block(rows, scale_inv.shape[-2]), fp8_block(columns, scale_inv.shape[-1])
+    scale = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), row_block, axis=-2)[..., :rows, :],
+                       column_block, axis=-1)[..., :columns]
+    return (codes.astype(jnp.float32) * scale).astype(dtype)
+
+
+@dataclass(frozen=True)
+class FP8Experts:
+    """Experts' weights [E, O, H] as float8 codes [E, O, H] and block multipliers [E, ceil(O / bR), ceil(H / bC)];
+    `dtype`: what they dequantise to."""
+
+    codes: jax.Array
+    scale_inv: jax.Array
+    dtype: jnp.dtype = jnp.dtype(jnp.float32)
+
+    @classmethod
+    def checked(cls, codes: jax.Array, scale_inv: jax.Array, dtype=jnp.float32) -> FP8Experts:
+        if codes.ndim != 3 or scale_inv.ndim != 3 or codes.dtype.itemsize != 1 or scale_inv.shape[0] != codes.shape[0]:
+            raise ValueError(f"FP8 experts need float8 codes [E, O, H] and scales [E, O / bR, H / bC]; got "
+                             f"{codes.dtype}{list(codes.shape)} and {scale_inv.dtype}{list(scale_inv.shape)}.")
+        fp8_block(codes.shape[1], scale_inv.shape[1])
+        fp8_block(codes.shape[2], scale_inv.shape[2])
+        return cls(codes, scale_inv, jnp.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def astype(self, dtype) -> FP8Experts:
+        return FP8Experts(self.codes, self.scale_inv, jnp.dtype(dtype))
+
+    def expert_weight(self, expert: jax.Array) -> jax.Array:
+        codes = jax.lax.dynamic_index_in_dim(self.codes, expert, axis=0, keepdims=False)
+        scale_inv = jax.lax.dynamic_index_in_dim(self.scale_inv, expert, axis=0, keepdims=False)
+        return dequantize_fp8(codes, scale_inv, self.dtype)
+
+    def dequantized(self) -> jax.Array:
+        return dequantize_fp8(self.codes, self.scale_inv, self.dtype)
+
+
+jax.tree_util.register_dataclass(FP8Experts, data_fields=["codes", "scale_inv"], meta_fields=["dtype"])
+
+QUANTIZED_EXPERTS = (MXFP4Experts, FP8Experts)
 
 
 def is_quantized(weight) -> bool:
@@ -94,3 +162,10 @@ def expert_weight(w, expert: jax.Array) -> jax.Array:
     if is_quantized(w):
         return w.expert_weight(expert)
     return jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False)
+
+
+def linear_weight(params, dtype) -> jax.Array:
+    """A linear layer's weight [O, I] as it is applied: `params["weight"]`, or its FP8 codes decoded by
+    `params["weight_scale_inv"]` (a kept-quantised checkpoint) in `dtype`."""
+    scale_inv = params.get("weight_scale_inv")
+    return params["weight"] if scale_inv is None else dequantize_fp8(params["weight"], scale_inv, dtype)

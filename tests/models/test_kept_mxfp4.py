@@ -10,16 +10,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
-from moe_jax.causal_lm import GptOssForCausalLM
 from moe_jax.inference import ContinuousBatchingConfig
 from moe_jax.training import make_train_step
-from tests.converters.test_mxfp4 import CONFIG, PROJECTIONS, random_mxfp4
+from tests.converters.test_mxfp4 import CONFIG, PROJECTIONS
+from tests.models.mxfp4_checkpoints import QUANTIZATION_CONFIG, write_mxfp4_checkpoint
 
-QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 LAYOUTS = {"one_device": None, "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
            "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4)}
 IDS = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (8, 12)).astype(np.int32)
@@ -27,23 +25,7 @@ IDS = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (8, 12)).astype
 
 @pytest.fixture(scope="module")
 def hub_checkpoint(tmp_path_factory):
-    """A tiny gpt-oss checkpoint as the hub ships gpt-oss: MXFP4 experts and a quantization_config."""
-    directory = tmp_path_factory.mktemp("kept_mxfp4") / "gpt_oss"
-    model = GptOssForCausalLM(CONFIG, devices=jax.devices()[:1])
-    model.init_params(seed=0)
-    model.save_pretrained(directory, progress=False)
-    tensors = load_file(directory / "model.safetensors")
-    rng = np.random.default_rng(0)
-    for layer in range(CONFIG["num_hidden_layers"]):
-        for proj, (rows, values) in PROJECTIONS.items():
-            key = f"model.layers.{layer}.mlp.experts.{proj}"
-            del tensors[key]
-            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = random_mxfp4(rng, CONFIG["num_local_experts"],
-                                                                              rows, values)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}))
-    return directory
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("kept_mxfp4") / "gpt_oss")
 
 
 def load(directory, layout, **kwargs):
@@ -114,8 +96,9 @@ def test_kept_weights_are_refused_where_they_cannot_work(hub_checkpoint):
 
     with pytest.raises(ValueError, match="has no quantization_config"):
         load(FIXTURES / "gpt_oss", None, dequantize=False)
-    config = json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text())
-    with pytest.raises(ValueError, match="deepseek_v3 weights in 'fp8' cannot be kept quantised yet .* gpt_oss"):
+    config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"qwen3_moe weights in 'fp8' cannot be kept quantised yet \(kept quantised: "
+                                         r"deepseek_v3 \(fp8\), gpt_oss \(mxfp4\)\)"):
         AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1], kept_quantization="fp8")
 
 

@@ -1,0 +1,96 @@
+"""DeepSeek-V3 with its FP8 block-quantised weights kept on the devices (`from_pretrained(..., dequantize=False)`):
+every quantised linear (latent attention, dense and shared MLPs) and the routed experts as float8 codes plus
+block scales, decoded inside the step. The dequantise-at-load model's logits and tokens, a byte per code on each
+device, and the hub tensors back byte for byte."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.inference import ContinuousBatchingConfig
+from tests.converters.fp8_checkpoints import write_fp8_checkpoint
+from tests.models.test_fixture_parity import FIXTURES
+
+BLOCK = (8, 8)   # the fixture's intermediate sizes are multiples of 8: gate and up keep whole blocks
+LAYOUTS = {"one_device": None, "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
+           "tp2_fsdp4_ep4": dict(tp_size=2, fsdp_size=4, ep_size=4), "pp2_fsdp4_ep4": dict(pp_size=2, fsdp_size=4,
+                                                                                            ep_size=4)}
+IDS = np.random.default_rng(1).integers(0, 64, (8, 12)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def hub_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kept_fp8") / "deepseek_v3"
+    write_fp8_checkpoint(FIXTURES / "deepseek_v3", directory, BLOCK)
+    return directory
+
+
+def load(directory, layout, **kwargs):
+    config = None if layout is None else DistributedConfig(**layout)
+    devices = jax.devices()[:1] if layout is None else None
+    return AutoModelForCausalLM.from_pretrained(directory, config, progress=False, devices=devices, **kwargs)
+
+
+def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
+    """A safetensors file's tensors as (dtype name, shape, bytes), read without a framework (float8 included)."""
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    body = data[8 + size:]
+    return {key: (entry["dtype"], entry["shape"], body[entry["data_offsets"][0]:entry["data_offsets"][1]])
+            for key, entry in header.items() if key != "__metadata__"}
+
+
+# The suite runs two layouts (the linears split over tp there); the pipeline layout is exercised by
+# scripts/checks/check_kept_quantized.py with the rest of the grid.
+@pytest.mark.parametrize("layout", ["one_device", "tp2_fsdp4_ep4"])
+def test_kept_weights_give_the_dequantised_models_logits(hub_checkpoint, layout):
+    kept = load(hub_checkpoint, LAYOUTS[layout], dequantize=False)
+    dequantised = load(hub_checkpoint, LAYOUTS[layout])
+    np.testing.assert_allclose(np.asarray(kept(IDS)), np.asarray(dequantised(IDS)), rtol=0, atol=1e-5)
+
+
+def test_codes_stay_a_byte_each_with_their_block_scales(hub_checkpoint):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    params = kept.hf_params()
+    for name in ("model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                 "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"):
+        assert params[name].dtype == ml_dtypes.float8_e4m3fn, name
+        assert params[f"{name}_scale_inv"].dtype == np.float32
+    assert params["model.layers.1.mlp.gate.weight"].dtype == np.float32            # the router is not quantised
+    experts = params["model.layers.1.mlp.experts.gate_up_proj"]
+    assert {shard.data.shape[0] for shard in experts.addressable_shards} == {1}    # one expert per device
+    assert experts.addressable_shards[0].data.nbytes == experts.nbytes // 8
+
+
+def test_save_pretrained_writes_the_hub_files_back_byte_for_byte(hub_checkpoint, tmp_path):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    kept.save_pretrained(tmp_path / "export", progress=False)
+    assert raw_tensors(tmp_path / "export" / "model.safetensors") == raw_tensors(hub_checkpoint / "model.safetensors")
+    saved = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "fp8" and saved["weight_block_size"] == list(BLOCK)
+
+
+def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkpoint):
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    dequantised = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"])
+    prompts = IDS[:2, :6]
+    np.testing.assert_array_equal(kept.generate(prompts, max_new_tokens=6, do_sample=False),
+                                  dequantised.generate(prompts, max_new_tokens=6, do_sample=False))
+    batching = ContinuousBatchingConfig(max_slots=8, page_size=4, max_model_len=32)
+    tokens = [[output.generated_tokens for output in model.generate_batch(
+        [list(map(int, row)) for row in prompts], continuous_batching_config=batching, max_new_tokens=6).values()]
+        for model in (kept, dequantised)]
+    assert tokens[0] == tokens[1]
+
+
+def test_tensor_parallel_experts_are_refused_with_the_way_out(hub_checkpoint):
+    with pytest.raises(ValueError, match="set ep_size .* or load with dequantize=True"):
+        load(hub_checkpoint, dict(tp_size=2, fsdp_size=4), dequantize=False)
