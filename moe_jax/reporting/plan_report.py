@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.plans import replace_layer_number_by_wildcard
@@ -65,8 +64,7 @@ def parameter_bytes_text(model) -> str:
     text = f"parameter bytes per device: {_bytes_text(total)}"
     kept = getattr(model, "kept_quantization", None)
     if kept is not None:
-        codes = sum(_local_bytes(model, name) for name in model.param_layouts
-                    if not jnp.issubdtype(model.param_dtype(name), jnp.floating))
+        codes = sum(_local_bytes(model, name) for name, spec in model.module_tree.params.items() if spec.keep_dtype)
         text += f" ({_bytes_text(codes)} of them {kept} codes and scales, kept quantised)"
     return text
 
