@@ -179,8 +179,8 @@ def moe_block(config: DeepseekV3Config, weights: dict, hidden, sharded_experts, 
     batch, sequence, width = hidden.shape
     tokens = hidden.reshape(batch * sequence, width)
     gate = weights["gate"]
-    # The reference's router runs in float32 whatever the model's dtype.
-    router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
+    # The reference's router runs in float32 whatever the model's dtype (a LoRA adapter on it included).
+    router_logits = constrain(linear({**gate, "weight": gate["weight"].astype(jnp.float32)},
                                      tokens.astype(jnp.float32)), ("tokens", "experts"))
     bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
     top_k_weights, top_k_index = route(router_logits, bias)

@@ -179,6 +179,9 @@ class Family:
     # Which dim of each expert weight tensor parallelism splits (`ShardedExperts.intermediate_dims`; None: the
     # [E, 2I, H] / [E, H, I] layout).
     experts_intermediate_dims: Mapping[str, int | str] | None = None
+    # HF marks the experts' fused weights as [E, in, out] (`use_experts_implementation(is_transposed=True)`,
+    # gpt-oss): PEFT's target_parameters then read their in / out features the other way round.
+    experts_transposed: bool = False
 
     def sparse_layers(self, config) -> list[int]:
         return [layer for layer in range(config.num_hidden_layers) if self.is_sparse(config, layer)]

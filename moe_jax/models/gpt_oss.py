@@ -138,6 +138,7 @@ FAMILY = register_family(Family(
     declare_sparse_mlp=declare_sparse_mlp,
     experts_intermediate_size=lambda config: config.intermediate_size,
     experts_forward=experts_forward,
+    experts_transposed=True,
     moe_block=moe_block,
     attention_options=attention_options,
 ))
