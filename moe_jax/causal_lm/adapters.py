@@ -20,6 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from ..lora import AdapterLayout, LoraConfig, read_adapter_config, read_adapter_tensors, save_adapter_files
 from ..models.step_checks import NO_PARAMS
 
@@ -56,10 +59,13 @@ class AdapterMixin:
         return save_adapter_files(directory, layout, adapter)
 
     def set_adapter_params(self, adapter: Mapping[str, Any]) -> None:
-        """Use `adapter` (the storage layout of `model.adapter`, e.g. a train state's) as the model's adapter."""
+        """Use `adapter` (the storage layout of `model.adapter`, e.g. a train state's; numpy or jax arrays) as the
+        model's adapter, each array placed in its sharding."""
         layout = self._require_adapter("set_adapter_params")
         layout.check(adapter)
-        self.adapter = dict(adapter)
+        shardings = layout.storage_shardings()
+        self.adapter = {name: jax.device_put(jnp.asarray(adapter[name], layout.dtype), shardings[name])
+                        for name in layout.storage_names}
 
     def merged_params(self, params: Mapping[str, Any] | None = None,
                       adapter: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -79,9 +79,8 @@ class LoraConfig:
                              "(True: A kaiming-uniform, B zeros). Load an adapter made with another init instead.")
         settings = {"use_dora": self.use_dora, "bias": self.bias, **self.unsupported}
         for name, value in settings.items():
-            off, message = UNSUPPORTED_FIELDS[name]
-            if value != off and value not in (None, {}, [], False):
-                raise ValueError(f"{message} (got {name}={value!r}).")
+            if _is_set(name, value):
+                raise ValueError(f"{UNSUPPORTED_FIELDS[name][1]} (got {name}={value!r}).")
         object.__setattr__(self, "target_modules", _names(self.target_modules, "target_modules", regex=True))
         object.__setattr__(self, "target_parameters", _names(self.target_parameters, "target_parameters"))
         if not self.target_modules and not self.target_parameters:
@@ -115,12 +114,17 @@ class LoraConfig:
             warnings.warn(f"{source}: lora_dropout={values['lora_dropout']} is not applied (moe_jax has no LoRA "
                           "dropout); inference is unaffected.", UserWarning, stacklevel=2)
         unsupported = {name: values[name] for name in UNSUPPORTED_FIELDS
-                       if name not in ("use_dora", "bias") and name in values}
+                       if name not in ("use_dora", "bias") and _is_set(name, values.get(name))}
         return cls(r=values.get("r", 8), lora_alpha=values.get("lora_alpha", 8),
                    target_modules=values.get("target_modules"), target_parameters=values.get("target_parameters"),
                    use_rslora=bool(values.get("use_rslora", False)), use_dora=bool(values.get("use_dora", False)),
                    bias=values.get("bias", "none"), base_model_name_or_path=values.get("base_model_name_or_path"),
                    task_type=values.get("task_type", "CAUSAL_LM"), unsupported=unsupported)
+
+
+def _is_set(name: str, value) -> bool:
+    """Whether PEFT field `name` asks for something (is neither its "off" value nor empty)."""
+    return value != UNSUPPORTED_FIELDS[name][0] and value not in (None, {}, [], False)
 
 
 def _names(value, field_name: str, regex: bool = False) -> list[str] | str | None:
