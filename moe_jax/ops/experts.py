@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -120,14 +119,8 @@ def swiglu_experts(
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
-    if lora:
-        # The updates join between the matmuls, so the fused chain gives way to its two grouped matmuls.
-        gate_up = adapted_grouped_matmul(x_sorted, gate_up_proj, group_sizes, lora.get("gate_up_proj"),
-                                         backend=backend)
-        y_sorted = adapted_grouped_matmul(gated(gate_up, act), down_proj, group_sizes, lora.get("down_proj"),
-                                          backend=backend)
-    else:
-        y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend)  # [M, H]
+    y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend,
+                              lora=lora)  # [M, H]
 
     # The expert output is already 0 there; masking the weight as well keeps a
     # non-finite sentinel weight out of the sum and its gradient exactly 0.
@@ -281,7 +274,7 @@ def prescaled_swiglu_experts(
 
     lora: LoRA factors of gate_up_proj / down_proj. PEFT reads these [E, in, out] weights as [E, out, in] (HF does
     not mark them transposed), so its A holds the last dim: a [E, r, 2I] / b [E, H, r], a [E, r, H] / b [E, I, r],
-    and the rows meet b first (`grouped_low_rank(input_meets_b=True)`).
+    and the rows, meeting the weights as [E, out, in] = swapaxes(W), meet swapaxes(b) then swapaxes(a).
     """
     num_experts, hidden_size, two_i = gate_up_proj.shape
     if (hidden.ndim != 2 or hidden.shape[1] != hidden_size or two_i % 2
@@ -302,11 +295,9 @@ def prescaled_swiglu_experts(
     x_sorted = gather_rows(hidden, order, top_k)                                        # [M, H]
     row_weights = jnp.take(weights.reshape(-1), order)[:, None]                          # [M, 1]
     x_sorted = (x_sorted * row_weights).astype(hidden.dtype)
-    gate_up, down = jnp.swapaxes(gate_up_proj, 1, 2), jnp.swapaxes(down_proj, 1, 2)
-    if lora:
-        project = partial(adapted_grouped_matmul, backend=backend, input_meets_b=True)
-        h = project(x_sorted, gate_up, group_sizes, lora.get("gate_up_proj"))
-        y_sorted = project(gated(h, act), down, group_sizes, lora.get("down_proj"))
-    else:
-        y_sorted = grouped_swiglu(x_sorted, gate_up, down, group_sizes, act=act, backend=backend)
+    # swapaxes(W + s B A) = swapaxes(W) + s swapaxes(A) swapaxes(B): the factors in the chain's orientation.
+    oriented = {name: LoraFactors(jnp.swapaxes(factors.b, 1, 2), jnp.swapaxes(factors.a, 1, 2), factors.scaling)
+                for name, factors in lora.items()}
+    y_sorted = grouped_swiglu(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), jnp.swapaxes(down_proj, 1, 2),
+                              group_sizes, act=act, backend=backend, lora=oriented)
     return unpermute(y_sorted, order, mine.astype(y_sorted.dtype)).astype(hidden.dtype)

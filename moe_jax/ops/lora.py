@@ -48,23 +48,15 @@ class LoraFactors:
 jax.tree_util.register_dataclass(LoraFactors, data_fields=["a", "b"], meta_fields=["scaling"])
 
 
-def grouped_low_rank(x: jax.Array, factors: LoraFactors, group_sizes: jax.Array, *, backend: str | None = None,
-                     input_meets_b: bool = False) -> jax.Array:
+def grouped_low_rank(x: jax.Array, factors: LoraFactors, group_sizes: jax.Array, *,
+                     backend: str | None = None) -> jax.Array:
     """The experts' update on rows sorted by expert: out[m] = scaling * B_e A_e x[m], e the expert of row m.
 
     x: [M, I] (rows past sum(group_sizes) give 0); factors: a [E, r, I], b [E, O, r]; group_sizes: [E]
     returns [M, O] in the promoted dtype of x and the factors
-
-    input_meets_b: the rows meet the weight from its other side, x @ W_e with W_e = [O, I] in PEFT's terms
-    (Llama 4's [E, H, 2I] is used as x @ W_e, but PEFT reads its last dim as the input): then
-    out[m] = scaling * x[m] @ B_e A_e, which is [M, I].
     """
-    if input_meets_b:
-        first, second = jnp.swapaxes(factors.b, 1, 2), jnp.swapaxes(factors.a, 1, 2)   # [E, r, O], [E, I, r]
-    else:
-        first, second = factors.a, factors.b
-    rank_rows = grouped_matmul(x, first, group_sizes, backend=backend)                  # [M, r]
-    out = grouped_matmul(rank_rows, second, group_sizes, backend=backend)
+    rank_rows = grouped_matmul(x, factors.a, group_sizes, backend=backend)                  # [M, r]
+    out = grouped_matmul(rank_rows, factors.b, group_sizes, backend=backend)
     return out * jnp.asarray(factors.scaling, out.dtype)
 
 
@@ -87,12 +79,12 @@ def merged_weight(weight: jax.Array, factors: LoraFactors, *, transposed: bool =
 
 
 def adapted_grouped_matmul(x: jax.Array, weight: jax.Array, group_sizes: jax.Array, factors: LoraFactors | None,
-                           *, backend: str | None = None, input_meets_b: bool = False) -> jax.Array:
+                           *, backend: str | None = None) -> jax.Array:
     """`grouped_matmul(x, weight, group_sizes)` plus the weight's LoRA update (`grouped_low_rank`), if any.
 
     x: [M, I] rows sorted by expert; weight: [E, O, I] as grouped_matmul takes it -> [M, O] in its dtype."""
     out = grouped_matmul(x, weight, group_sizes, backend=backend)
     if factors is None:
         return out
-    update = grouped_low_rank(x, factors, group_sizes, backend=backend, input_meets_b=input_meets_b)
+    update = grouped_low_rank(x, factors, group_sizes, backend=backend)
     return out + update.astype(out.dtype)
