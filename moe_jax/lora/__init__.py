@@ -1,9 +1,8 @@
 """LoRA adapters in PEFT's format: attention and other Linear projections, and the fused expert weights per
 expert (PEFT's `target_parameters`), sharded with what they adapt.
 
-    from moe_jax.lora import LoraConfig
-    model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], target_parameters=experts))
     model.save_adapter("adapter/")          # adapter_config.json + adapter_model.safetensors, as PEFT writes them
     model.load_adapter("adapter/")          # PEFT's files, or ours
 
