@@ -343,13 +343,13 @@ def bench_lora(spec: str, config: dict, args) -> list[dict]:
         capacity = capacities(model, False)[0]
         runner, first = warm_runner(train_step, capacity, device_batches(model, args.batch_size, args.seq_len))
         frozen = train_step.frozen() if not train_step.trainable.everything else {}
-        runners[mode] = (runner, first, model, train_step, frozen)
+        runners[mode] = (runner, first, model, frozen)
     times = {mode: [] for mode in runners}
     for _ in range(args.repeats):
         for mode, (runner, *_) in runners.items():
             times[mode].append(runner.seconds_per_step(args.steps))
     rows = []
-    for mode, (runner, first, model, train_step, frozen) in runners.items():
+    for mode, (runner, first, model, frozen) in runners.items():
         seconds = float(np.median(times[mode]))
         memory = train_state_memory(runner.state)
         rows.append({"layout": describe(spec, model), "mode": mode, "first": first, "step": seconds,
