@@ -47,6 +47,7 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
         model_kwargs["kept_quantization"] = quantization_method(config, directory)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
+    model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
     return load_weights(model, directory, progress=progress)
 
 

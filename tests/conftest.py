@@ -85,14 +85,20 @@ def pytest_collection_modifyitems(config, items):
     if missing:
         skip = pytest.mark.skip(reason=f"needs the PyTorch reference ({', '.join(missing)} not installed)")
         for item in items:
-            if "reference" in item.keywords:
+            if "reference" in item.keywords or "peft" in item.keywords:
+                item.add_marker(skip)
+    # PEFT is part of the reference extra; a reference install without it skips the LoRA comparisons the same way.
+    if not missing and importlib.util.find_spec("peft") is None:
+        skip = pytest.mark.skip(reason="needs the PyTorch reference's peft (not installed)")
+        for item in items:
+            if "peft" in item.keywords:
                 item.add_marker(skip)
 
 
 # CI's second pass (.ci/run): the first runs the README's command on the README's install, where the live
 # comparisons skip; with MOE_JAX_REFERENCE_SKIPS=FILE it writes the node ids skipped for want of torch or
 # transformers into FILE (one a line, for `pytest @FILE` once they are installed).
-REFERENCE_SKIP_REASONS = ("torch", "transformers", "PyTorch reference")
+REFERENCE_SKIP_REASONS = ("torch", "transformers", "PyTorch reference", "peft")
 
 
 def pytest_runtest_logreport(report):

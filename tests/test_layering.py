@@ -10,7 +10,7 @@ functions and under `TYPE_CHECKING` included (a lazy import is still a dependenc
     rank 3  kv_cache     the KV cache: the cache pytrees, each layer's view, making / placing, the page book
     rank 4  nn           layers: linear, attention, norms, rotary, mlp, moe, precision
     rank 5  models       the model core: families (data + free functions), decoder, step, layer stack
-    rank 6  converters | inference | training   (siblings: none of the three imports another)
+    rank 6  converters | inference | training | lora   (siblings: none of the four imports another)
     rank 7  facade       causal_lm (the HF-shaped model classes, auto), pretrained, nnx, reporting, serving,
                          __init__
     rank 8  entry        the command line and its jobs
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe_jax", "converters")
 
 RANK = {"leaf": 0, "ops": 1, "distributed": 2, "kv_cache": 3, "nn": 4, "models": 5,
-        "converters": 6, "inference": 6, "training": 6, "facade": 7, "entry": 8}
+        "converters": 6, "inference": 6, "training": 6, "lora": 6, "facade": 7, "entry": 8}
 
 # Path prefix -> layer; the longest matching prefix wins. A directory ends with "/". Top-level modules are
 # listed one by one, so a new one (or a new subpackage) fails `test_every_module_has_a_layer` until placed.
@@ -49,6 +49,7 @@ LAYER_OF_PATH = {
     "converters/": "converters",
     "moe_jax/inference/": "inference",
     "moe_jax/training/": "training",
+    "moe_jax/lora/": "lora",   # LoRA adapters: config, targets, layout, PEFT's files (the math: ops/lora.py)
     "moe_jax/__init__.py": "facade",
     "moe_jax/causal_lm/": "facade",
     "moe_jax/pretrained.py": "facade",

@@ -38,7 +38,7 @@ from ..distributed.sharding import parameter_shardings
 from ..host_memory import warn_without_huge_pages
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
-from ..models.core import ModelCore, model_axis_rules, step_math
+from ..models.core import ModelCore, model_axis_rules, nested_weights, step_math
 from ..models.decoder import declare_tree, head_logits
 from ..models.family import Family, kept_quantized_family
 from ..models.layer_stack import LayerStack, resolve_scan_option
@@ -49,11 +49,12 @@ from ..models.step_options import REMAT_POLICIES
 from ..module_tree import ModuleTree
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
+from .adapters import AdapterMixin
 from .generation import GenerationMixin
 from .parameters import ParameterStorage
 
 
-class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
+class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedModel):
     """The causal LM of one family (`family`, a `moe_jax.models.family.Family`): each family's class
     (`moe_jax.causal_lm.families`) sets only that attribute."""
 
@@ -241,6 +242,11 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         return tuple(axis for axis in axes if axis in self.layout.tp_axes)
 
+    def nested_weights(self, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None) -> dict:
+        """params (storage layout) nested by module, an adapter's factors beside the weights they adapt: what the
+        family's math and `head_logits` walk (`moe_jax.models.core.nested_weights`)."""
+        return nested_weights(self.core, params, adapter)
+
     def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """params: nested (`layer_stack.nest`); hidden: [B, S, H] after the final norm -> logits [B, S, V] with the
         batch over the data axes (the vocab as the compiler chooses: split over tp, a vocab-parallel loss, where
@@ -299,7 +305,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
 
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
-              return_hidden: bool = False, compute_dtype=None, segment_ids=None) -> ModelOutput:
+              return_hidden: bool = False, compute_dtype=None, segment_ids=None,
+              adapter: Mapping[str, Any] | None = None) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
         reads a device value on the host.
@@ -318,24 +325,29 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
             dtype (None: the parameters'); parameters wider than it are float32 masters of mixed precision,
             applied in it with gradients in float32 (`moe_jax.nn.precision`). segment_ids: [B, S] packed rows
             (documents numbered 1, 2, ... per row, 0 for padding): attention stays within each document and
-            positions restart at each (`moe_jax.models.core.step_math`).
+            positions restart at each (`moe_jax.models.core.step_math`). adapter: a LoRA adapter's arrays in the
+            storage layout of `model.adapter_layout` (e.g. `model.adapter`), applied beside the base weights, which
+            are not copied (None: the base model alone).
         """
         capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
-                                                  compute_dtype=compute_dtype)
+                                                  compute_dtype=compute_dtype, adapter=adapter)
         return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
                                cache=cache, capacity=capacity, rng=rng, inference=inference, segment_ids=segment_ids,
-                               return_hidden=return_hidden, compute_dtype=compute_dtype)
+                               return_hidden=return_hidden, compute_dtype=compute_dtype, adapter=adapter)
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
-                   compute_dtype=None, microbatches: int | None = None) -> tuple[float | None, jnp.dtype | None]:
+                   compute_dtype=None, microbatches: int | None = None,
+                   adapter: Mapping[str, Any] | None = None) -> tuple[float | None, jnp.dtype | None]:
         """`apply`'s checks of one call on the host, shapes only: params in storage layout, input_ids' shape
         (`shape`: [B, S], B split over the data-parallel groups), capacity on the ladder, the cache. Returns
         (capacity, compute_dtype) as the step's static arguments: capacity None without dispatch buffers
         (ep 1: one compilation whatever the caller holds). A caller that jits `step_math` itself runs this
         at its own boundary, once per call. microbatches: the pipeline microbatches the caller's step cuts a
-        batch into (default the model's)."""
+        batch into (default the model's). adapter: an adapter's arrays, checked against `model.adapter_layout`."""
         self._require_mesh("apply")
         check_params(params, self.layer_stack, self.param_layouts.keys())
+        if adapter is not None:
+            self._require_adapter("an adapter argument").check(adapter)
         check_batch(shape, self.data_parallel_size, microbatches or self.pipeline_microbatches)
         capacity = self.capacity_schedule.check(capacity) if capacity is not None else None
         if self.layout.ep_size == 1:
@@ -347,13 +359,13 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
-                  segment_ids=None) -> ModelOutput:
+                  segment_ids=None, adapter: Mapping[str, Any] | None = None) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
-                         compute_dtype=compute_dtype, segment_ids=segment_ids)
+                         compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:
@@ -363,7 +375,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
         read checks the call's dispatch statistics (two scalars) and, if it overflowed, recomputes it at the
         capacity it required (same `rng`: the same computation), so results are always those of the
         unsharded model. B is padded to a multiple of the data-parallel size (times the pipeline microbatches) and
-        cut back.
+        cut back. The model's adapter (`model.adapter`), if any, is applied.
         """
         params = self.params if params is None else params
         if params is None:
@@ -379,7 +391,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, PlannedModel):
             input_ids, attention_mask = pad(input_ids), pad(attention_mask)
             positions = None if positions is None else pad(jnp.asarray(positions))
         call = partial(self.apply, params, input_ids, attention_mask=attention_mask, positions=positions,
-                       rng=rng, inference=inference, return_hidden=return_hidden)
+                       rng=rng, inference=inference, return_hidden=return_hidden, adapter=self.adapter)
         return DroplessOutput(self, call, inference, batch)
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:

@@ -2,6 +2,7 @@
 
     moe-jax convert --from hf --to orbax Qwen3-30B-A3B/ qwen3-orbax/ --fsdp 8 --ep 8
     moe-jax convert --from orbax --to hf qwen3-orbax/ qwen3-hf/ --tp 2 --fsdp 4 --ep 4
+    moe-jax convert --from hf --to hf base/ merged/ --merge-adapter lora/   # a PEFT LoRA adapter merged in
     python scripts/convert.py ...            # the same job without the installed command
 
 The parameters are held on the layout given by the layout flags while they pass through (default: one
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None,
                         help="parameter dtype to write: float32, bfloat16 or float16 (default: the source's)")
     add_dequantize_flag(parser)
+    parser.add_argument("--merge-adapter", default=None, metavar="DIR",
+                        help="merge this LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into "
+                             "the parameters before writing them: W + scaling * B A, as PEFT's merge_and_unload")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -48,17 +52,19 @@ def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax convert` (a bad request or checkpoint raises; `cli.main` prints it)."""
     distributed_config = distributed_config_from_flags(args)
     convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
-            dtype=args.dtype, progress=not args.no_progress, dequantize=args.dequantize)
+            dtype=args.dtype, progress=not args.no_progress, dequantize=args.dequantize,
+            merge_adapter=args.merge_adapter)
     return 0
 
 
 def convert(source_format: str, target_format: str, source, destination, distributed_config=None, *,
-            dtype: str | None = None, progress: bool = True, dequantize: bool = True) -> Path:
+            dtype: str | None = None, progress: bool = True, dequantize: bool = True, merge_adapter=None) -> Path:
     """Read `source` in `source_format` onto the layout of `distributed_config`, write `destination` in
-    `target_format`. Returns `destination` as a Path."""
+    `target_format` (with the LoRA adapter in directory `merge_adapter` merged in). Returns `destination`."""
     from ..distributed.config import DistributedConfig
     from ..distributed.mesh import DeviceLayout
     from ..parameter_dtypes import parameter_dtype
+    from .adapter_flags import check_adapter_dir, use_adapter
 
     source, destination = Path(source), Path(destination)
     for name, value in (("source format", source_format), ("target format", target_format)):
@@ -68,6 +74,7 @@ def convert(source_format: str, target_format: str, source, destination, distrib
         parameter_dtype(dtype)
     _check_source(source)
     _check_destination(destination)
+    check_adapter_dir(merge_adapter, "--merge-adapter")
     distributed_config = distributed_config or DistributedConfig()
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "convert")
 
@@ -78,6 +85,9 @@ def convert(source_format: str, target_format: str, source, destination, distrib
                        dequantize=dequantize)
     print(f"      {len(model.hf_params())} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
           f"{model.dtype.name}, in {time.perf_counter() - start:.1f} s")
+    if merge_adapter is not None:
+        use_adapter(model, str(merge_adapter), True, "--merge-adapter")
+        print(f"      merged the LoRA adapter {merge_adapter} ({len(model.hf_params())} parameters, the same shapes)")
 
     print(f"[2/2] writing the {target_format} checkpoint {destination}")
     start = time.perf_counter()

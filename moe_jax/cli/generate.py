@@ -3,6 +3,7 @@
     moe-jax generate --model ckpt/ --prompt "Hello" --max-new-tokens 32 --tp 2 --ep 4 --fsdp 4
     moe-jax generate --model ckpt/ --prompt-file prompts.txt          # one prompt per line, one batch
     moe-jax generate --model ckpt/ --prompt-ids 1,2,3                 # token ids in and out: no tokenizer
+    moe-jax generate --model ckpt/ --adapter lora/ --prompt "Hello"   # a PEFT LoRA adapter applied (--merge-adapter)
 
 New text streams to the terminal as each step's tokens arrive (one prompt), or each prompt's completion is
 printed at the end (several); prefill and decode tokens/s follow, compile time apart. Prompts given as ids
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
+from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
 from .layout_flags import (
     DECODE_SCAN_HELP,
     add_dequantize_flag,
@@ -63,6 +65,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
+    add_use_flags(parser, merge_help="with --adapter: merge it into the weights first (the same tokens, no adapter "
+                                     "work per step)")
 
 
 # One prompt as token ids: integers separated by commas (spaces allowed around them).
@@ -127,6 +131,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         raise ValueError(f"--model {directory} is not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
+    check_adapter_dir(args.adapter)
     prompts, as_ids = _read_prompts(args)
     if as_ids:
         tokenizer = IDS_AS_TEXT
@@ -155,7 +160,9 @@ def run_generate(args: argparse.Namespace) -> int:
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
                                                  dequantize=args.dequantize, **pipeline_options_from_flags(args))
     warn_about_head_split(model)
-    print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens",
+    use_adapter(model, args.adapter, args.merge_adapter)
+    print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens"
+          + ("" if args.adapter is None else f", adapter {args.adapter}" + (" merged" if args.merge_adapter else "")),
           file=sys.stderr)
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
     # In a multi-process job every process generates the same ids; process 0 prints them.

@@ -1,6 +1,7 @@
 """`moe-jax serve`: an OpenAI-compatible HTTP server over continuous batching (`moe_jax.serving`).
 
     moe-jax serve --model ckpt/ --port 8000 --max-slots 16 --max-model-len 4096 --tp 2 --ep 4 --fsdp 4
+    moe-jax serve --model ckpt/ --adapter lora/ [--merge-adapter]     # a PEFT LoRA adapter, unmerged or merged
     curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" -d '{"prompt": "Hi", "max_tokens": 32}'
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
@@ -42,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
 from .layout_flags import (
     DECODE_SCAN_HELP,
     add_dequantize_flag,
@@ -116,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser, pipeline=False, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
+    add_use_flags(parser, merge_help="with --adapter: serve the weights with the adapter merged into them (default: "
+                                     "unmerged, its factors applied beside the base weights each step)")
 
 
 def parse_origins(text: str) -> tuple[str, ...]:
@@ -212,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         raise ValueError(f"--model {directory} is not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
+    check_adapter_dir(args.adapter)
     max_model_len = _check_request(args, config.get("max_position_embeddings"))
     tokenizer = load_checkpoint_tokenizer(
         directory, instead="moe-jax serve reads and writes text, so the checkpoint needs its tokenizer files")
@@ -247,6 +252,7 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
                                                  dequantize=args.dequantize)
+    use_adapter(model, args.adapter, args.merge_adapter)
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
         engine.compile_all()
@@ -282,6 +288,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
                                                  dequantize=args.dequantize)
     warn_about_head_split(model)
+    use_adapter(model, args.adapter, args.merge_adapter)
     generation = GenerationConfig.for_checkpoint(directory, config)
     max_queued = (args.max_queued_requests if args.max_queued_requests is not None
                   else QUEUED_PER_SLOT * args.max_slots)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .adapter_flags import add_train_flags, export_adapter, lora_config_from_flags, trainable_from_flags
 from .layout_flags import (
     add_layout_flags,
     add_scan_layers_flag,
@@ -128,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step, so a capacity move never stops the run for a compilation (costs one "
                              "compilation per rung up front)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_train_flags(parser)
 
 
 def _check_positive(args) -> None:
@@ -175,14 +177,6 @@ def _check_output_dir(path: str | None, flag: str) -> None:
         raise FileExistsError(f"{flag} {path} exists and is not empty; pass a new directory.")
 
 
-def _copy_companions(model_dir: Path | None, export_dir: str) -> list[str]:
-    """The --model checkpoint's tokenizer files, chat template and generation config, copied into the export so
-    text commands work on it."""
-    from ..checkpoint_files import copy_companion_files
-
-    return [] if model_dir is None else copy_companion_files(model_dir, export_dir)
-
-
 def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax train` (a bad request raises before any compute; `cli.main` prints it)."""
     request = _checked_request(args)
@@ -192,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     from ..training.loop import TrainLoop
 
     model, devices = _build_model(args, request.config)
+    if request.lora is not None:
+        model.add_adapter(request.lora, seed=args.seed)   # its targets matched here, before any step
     data, eval_data, packing_efficiency = _read_shares(args, model, request.data, request.eval_data)
     train_step = _build_train_step(args, model, request.schedules)
     settings = run_settings(args, data.seq_len)
@@ -220,21 +216,26 @@ def run(args: argparse.Namespace) -> int:
     if checkpoints is not None:
         checkpoints.close()
     _print_summary(progress, loop, data, start, args.steps, time.perf_counter() - began, capacity_state)
+    params, adapter = train_step.weights(state.params)
+    if args.export_adapter is not None:
+        export_adapter(args, model, adapter)
     if args.export_hf is not None:
-        _export(args, model, state, request.model_dir, settings)
+        _export(args, model, params if adapter is None else model.merged_params(params, adapter),
+                request.model_dir, settings)
     return 0
 
 
 @dataclass(frozen=True)
 class _Request:
     """What the flags asked for, checked before any compute: the model's config and directory, the data, the
-    learning-rate schedules (dense, experts)."""
+    learning-rate schedules (dense, experts), the LoRA adapter to train (or None)."""
 
     config: dict
     model_dir: Path | None
     data: Any
     eval_data: Any
     schedules: tuple
+    lora: Any = None
 
 
 def _checked_request(args) -> _Request:
@@ -247,6 +248,8 @@ def _checked_request(args) -> _Request:
     eval_data = (None if args.eval_data is None else
                  eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data", args))
     _check_output_dir(args.export_hf, "--export-hf")
+    _check_output_dir(args.export_adapter, "--export-adapter")
+    lora = lora_config_from_flags(args, model_dir)
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
     if args.tensorboard is not None and importlib.util.find_spec("tensorboardX") is None:
@@ -255,7 +258,7 @@ def _checked_request(args) -> _Request:
         raise ValueError(f"--peak-tflops {args.peak_tflops} must be > 0.")
     if args.metrics_jsonl is not None and not Path(args.metrics_jsonl).absolute().parent.is_dir():
         raise FileNotFoundError(f"--metrics-jsonl {args.metrics_jsonl}: its directory does not exist.")
-    return _Request(config, model_dir, data, eval_data, schedules)
+    return _Request(config, model_dir, data, eval_data, schedules, lora)
 
 
 def _build_model(args, config: dict):
@@ -319,7 +322,10 @@ def _build_train_step(args, model, schedules):
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
-                                 mixed_precision=args.mixed_precision or None)
+                                 mixed_precision=args.mixed_precision or None,
+                                 trainable=trainable_from_flags(args, model))
+    if not train_step.trainable.everything:
+        print(f"training {train_step.trainable.describe()}; the rest of the model is frozen")
     if (error := train_step.batch_size_error(args.batch_size)) is not None:
         raise ValueError(f"--batch-size {args.batch_size}: {error}")
     return train_step
@@ -350,7 +356,7 @@ def _starting_state(args, model, train_step, checkpoints, saved_record, model_di
     """(train state, capacity state): the resumed checkpoint's, or fresh from the weights or a seed."""
     from ..pretrained import load_weights
 
-    if args.resume:
+    if args.resume and train_step.trainable.everything:
         state, capacity_state = checkpoints.restore()
         print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
         if (note := schedule_change_note(args, saved_record.get("run"), int(state.step))) is not None:
@@ -360,6 +366,10 @@ def _starting_state(args, model, train_step, checkpoints, saved_record, model_di
         load_weights(model, model_dir, progress=not args.no_progress)
     else:
         model.init_params(args.seed)
+    if args.resume:   # a state of part of the model: the frozen rest comes from the weights just loaded
+        state, capacity_state = checkpoints.restore()
+        print(f"resumed {train_step.trainable.describe()} from step {int(state.step)} of {args.checkpoint_dir}")
+        return state, capacity_state
     return train_step.init_state(seed=args.seed), None
 
 
@@ -380,10 +390,12 @@ def _evaluation(args, model, train_step, state, eval_data):
     if eval_data is None:
         return None, None
     evaluator = Evaluator(model, loss_chunk=args.loss_chunk, compute_dtype=train_step.options.compute_dtype)
-    evaluator.check(state.params, eval_data, batches=args.eval_batches)
+    params, adapter = train_step.weights(state.params)
+    evaluator.check(params, eval_data, batches=args.eval_batches, adapter=adapter)
 
     def evaluate(step, state):
-        return evaluator.run(state.params, eval_data, batches=args.eval_batches)
+        params, adapter = train_step.weights(state.params)
+        return evaluator.run(params, eval_data, batches=args.eval_batches, adapter=adapter)
 
     def should_evaluate(step):
         return step == args.steps or bool(args.eval_every and step % args.eval_every == 0)
@@ -418,16 +430,18 @@ def _print_summary(progress, loop, data, start: int, end: int, seconds: float, c
              if "eval_loss" in progress.last else ""))
 
 
-def _export(args, model, state, model_dir, settings) -> None:
-    """The trained weights as an HF checkpoint, with the --model checkpoint's tokenizer and the run's settings
+def _export(args, model, params, model_dir, settings) -> None:
+    """The trained weights (an adapter merged into them) as an HF checkpoint, with the --model checkpoint's
+    tokenizer files, chat template and generation config (so text commands work on it) and the run's settings
     (`moe-jax eval`'s defaults)."""
     import jax
 
-    model.params = state.params
-    model.save_pretrained(args.export_hf, progress=not args.no_progress)
+    from ..checkpoint_files import copy_companion_files
+
+    model.save_pretrained(args.export_hf, params=params, progress=not args.no_progress)
     copied = []
     if jax.process_index() == 0:
-        copied = _copy_companions(model_dir, args.export_hf)
+        copied = [] if model_dir is None else copy_companion_files(model_dir, args.export_hf)
         write_run_settings(args.export_hf, settings)
     print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
           + (f" (with {model_dir}'s tokenizer)" if copied else ""))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..ops.accumulation import is_master
+from ..ops.lora import LoraFactors
 from ..ops.varying import vary_like
 from .capacity import CapacitySchedule, DispatchStatistics
 from .expert_parallel import (
@@ -51,6 +52,14 @@ def _in_compute_dtype(weight: jax.Array, hidden: jax.Array) -> jax.Array:
     if not is_master(weight, hidden):
         return weight
     return vary_like(weight, hidden).astype(hidden.dtype)
+
+
+def _joined(local: jax.Array, packed_dim: int | None) -> jax.Array:
+    """A factor's local block back in its own rank: a packed view [.., 2, n, ..] (at `packed_dim`) -> [.., 2n, ..]."""
+    if packed_dim is None:
+        return local
+    shape = local.shape
+    return local.reshape(*shape[:packed_dim], shape[packed_dim] * shape[packed_dim + 1], *shape[packed_dim + 2:])
 
 
 def experts_mode(module_name: str, tp_plan: dict[str, str], ep_plan: dict[str, str]) -> str:
@@ -139,22 +148,66 @@ class ShardedExperts:
                 return array, P(*entries)
         return array, P(*([None] * array.ndim))
 
+    def _factor_spec_and_view(self, name: str, factor: str, array: jax.Array):
+        """(array view, PartitionSpec, the view's packed dim or None) the body receives for one LoRA factor ("a"
+        [E, r, I] or "b" [E, O, r]) of expert parameter `name`: sharded with its experts over ep; in "tp" mode the
+        factor dim that matches the weight's split dim is split the same way (PEFT's I is the weight's last dim,
+        O its middle one); else whole."""
+        if self.mode == EP_DISPATCH:
+            return array, P(spec_entry(self.layout.ep_axes), *([None] * (array.ndim - 1))), None
+        whole = P(*([None] * array.ndim))
+        if self.mode != TENSOR_PARALLEL:
+            return array, whole, None
+        tp = spec_entry(self.layout.tp_axes)
+        split = {"packed": ("b", 1, True), 1: ("b", 1, False),
+                 "packed_last": ("a", 2, True), 2: ("a", 2, False)}.get(self.intermediate_dims.get(name))
+        if split is None or split[0] != factor:
+            return array, whole, None
+        _, dim, packed = split
+        if not packed:
+            entries = [None] * array.ndim
+            entries[dim] = tp
+            return array, P(*entries), None
+        # [.., 2n, ..] -> [.., 2, n, ..] split on n: the gate and up halves of each device's slice, as the weight's.
+        shape = array.shape
+        view = array.reshape(*shape[:dim], 2, shape[dim] // 2, *shape[dim + 1:])
+        entries = [None] * view.ndim
+        entries[dim + 1] = tp
+        return view, P(*entries), dim
+
     def __call__(self, hidden_states, top_k_index, top_k_weights, params: dict, *, inference: bool = False,
                  capacity: float | None = None):
         """hidden_states: [N, H]; top_k_index: [N, K] global ids; top_k_weights: [N, K]
         -> (output [N, H] in hidden dtype, DispatchStatistics summed over all devices).
 
+        params may hold `"lora"`: {weight name: `LoraFactors`}, a LoRA adapter on the experts' weights, whose
+        factors travel with their experts and reach the experts function as its `lora` argument.
         capacity: the dispatch capacity in force (`moe_jax.distributed.capacity`); None = the largest."""
         if capacity is None:
             capacity = self.schedule.largest
         elif capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0.")
-        names = list(params)
+        lora = params.get("lora") or {}
+        names = [name for name in params if name != "lora"]
         views, specs = zip(*(self._param_spec_and_view(name, params[name]) for name in names))
+        adapted = list(lora)
+        factor_views, factor_specs, packed_dims = [], [], []
+        for name in adapted:
+            for factor in ("a", "b"):
+                view, spec, packed_dim = self._factor_spec_and_view(name, factor, getattr(lora[name], factor))
+                factor_views.append(view)
+                factor_specs.append(spec)
+                packed_dims.append(packed_dim)
         batch = self._batch_spec()
 
         def body(hidden, index, weights, *local_arrays):
+            local_arrays, local_factors = local_arrays[:len(names)], local_arrays[len(names):]
             local_params = {name: _in_compute_dtype(array, hidden) for name, array in zip(names, local_arrays)}
+            if adapted:
+                joined = [_in_compute_dtype(_joined(array, packed_dim), hidden)
+                          for array, packed_dim in zip(local_factors, packed_dims)]
+                local_params["lora"] = {name: LoraFactors(joined[2 * i], joined[2 * i + 1], lora[name].scaling)
+                                        for i, name in enumerate(adapted)}
             packing = self.intermediate_dims.get("gate_up_proj")
             if self.mode == TENSOR_PARALLEL and packing == "packed":
                 view = local_params["gate_up_proj"]
@@ -171,14 +224,14 @@ class ShardedExperts:
         run = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(batch, batch, batch, *specs),
+            in_specs=(batch, batch, batch, *specs, *factor_specs),
             out_specs=(batch, P()),
             # Under a pipeline's vmap over stages (`spmd_axis_name="pp"`) JAX's mesh-variance types lose track of
             # `pp` inside batched conds (jax 0.10: "requires varying manual axes to match"); the pipeline's
             # parity tests (values and gradients against pp=1) check this body without them.
             check_vma=self.layout.pp_size == 1,
         )
-        return run(hidden_states, top_k_index, top_k_weights, *views)
+        return run(hidden_states, top_k_index, top_k_weights, *views, *factor_views)
 
     def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
         if self.mode == EP_DISPATCH:

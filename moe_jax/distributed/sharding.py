@@ -46,10 +46,11 @@ def _divisors_text(size: int) -> str:
     return ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
 
 
-def parameter_sharding(
-    name: str, shape: tuple[int, ...], plans: ResolvedPlans, layout: DeviceLayout
-) -> ParamSharding:
-    """The `PartitionSpec` of one parameter under resolved plans."""
+def parallel_dims(name: str, shape: tuple[int, ...], plans: ResolvedPlans, layout: DeviceLayout
+                  ) -> tuple[list[tuple[str, ...]], bool]:
+    """(the mesh axes of each dim by the parameter's TP or EP rule, FSDP left out; whether an EP rule splits it):
+    how tensor and expert parallelism split one parameter. A LoRA adapter's factors follow these
+    (`moe_jax.lora.layout`)."""
     style_name = plans.ep.get(name) or plans.tp.get(name)
     dims: list[tuple[str, ...]] = [() for _ in shape]
     is_expert = False
@@ -67,7 +68,15 @@ def parameter_sharding(
                     f"with style `{style_name}`; use a {group}_size among {_divisors_text(shape[dim])}."
                 )
             dims[dim] = dims[dim] + axes
+    return dims, is_expert
 
+
+def parameter_sharding(
+    name: str, shape: tuple[int, ...], plans: ResolvedPlans, layout: DeviceLayout
+) -> ParamSharding:
+    """The `PartitionSpec` of one parameter under resolved plans."""
+    style_name = plans.ep.get(name) or plans.tp.get(name)
+    dims, is_expert = parallel_dims(name, shape, plans, layout)
     fsdp_axes = layout.efsdp_axes if is_expert else layout.fsdp_axes
     fsdp_size = layout.efsdp_size if is_expert else layout.fsdp_size
     apply_fsdp = layout.fsdp_size * layout.dp_replicate_size > 1 and fsdp_size > 1

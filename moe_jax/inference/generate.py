@@ -86,17 +86,20 @@ class Generator:
 
     # ---- the two device programs ----------------------------------------------------------------
     # Each traces the model's `step_math` into its own jit (`generate` checked the inputs at the call).
-    def _prefill(self, params, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
+    # weights: (params, adapter or None), the model's parameters and its LoRA adapter's arrays.
+    def _prefill(self, weights, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
         positions = prompt_positions(attention_mask)
+        params, adapter = weights
         out = self.model.step_math(params, input_ids, attention_mask=attention_mask, positions=positions,
-                                   cache=cache)
+                                   cache=cache, adapter=adapter)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
         return self._for_host(tokens), out.cache, positions[:, -1] + 1, finished
 
-    def _decode(self, params, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
+    def _decode(self, weights, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
+        params, adapter = weights
         out = self.model.step_math(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
-                                   positions=positions[:, None], cache=cache)
+                                   positions=positions[:, None], cache=cache, adapter=adapter)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
         return self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)
@@ -123,9 +126,11 @@ class Generator:
     def generate(self, input_ids, attention_mask=None, *, config: GenerationConfig, seed: int = 0,
                  params=None, on_tokens: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
         """input_ids: [B, S] ints (left-padded), attention_mask: [B, S] (None: all real) -> the prompt and
-        the new tokens [B, S + n]. `on_tokens(step, ids [B])` sees each step's ids as they arrive."""
+        the new tokens [B, S + n]. `on_tokens(step, ids [B])` sees each step's ids as they arrive. The model's
+        LoRA adapter (`model.adapter`), if any, is applied."""
         model = self.model
         params = model.params if params is None else params
+        weights = (params, model.adapter)
         input_ids, attention_mask = _check_prompt(input_ids, attention_mask)
         batch, prompt_length = input_ids.shape
         new_tokens = config.new_tokens(prompt_length)
@@ -152,13 +157,13 @@ class Generator:
         mask[batch:, -1] = 1  # filler rows (batch rounded up to the data-parallel size) see one key
         cache = init_cache(model, rows, bucket + new_tokens)
         # What `model.apply` checks (the programs trace `step_math`): the prefill's inputs cover the decode's.
-        model.check_step(params, (rows, bucket), cache=cache)
+        model.check_step(params, (rows, bucket), cache=cache, adapter=model.adapter)
         base_key = jax.random.key(seed)
         batch_sharding = model.batch_sharding()
         ids, mask = host_to_global(ids, batch_sharding), host_to_global(mask, batch_sharding)
 
         timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
-        arguments = (params, ids, mask, cache, base_key, eos)
+        arguments = (weights, ids, mask, cache, base_key, eos)
         prefill, compile_s = self._program("prefill", sampling, arguments)
         timings.compile_s += compile_s
         prefill_start = time.perf_counter()
@@ -169,7 +174,7 @@ class Generator:
         for step in range(new_tokens):
             following = None
             if step + 1 < new_tokens:
-                arguments = (params, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1),
+                arguments = (weights, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1),
                              eos, pad)
                 decode, compile_s = self._program("decode", sampling, arguments)
                 timings.compile_s += compile_s

@@ -36,6 +36,7 @@ class StepPrograms:
 
     def __init__(self, model, params, config: ContinuousBatchingConfig, *, groups: int, pages_per_group: int):
         self.model, self.params, self.config, self.groups = model, params, config, groups
+        self.adapter = model.adapter   # the model's LoRA adapter's arrays (None: none), an argument of each program
         self.pages_per_slot = config.pages_per_slot
         self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size)
         self._programs: dict[tuple, Callable] = {}
@@ -80,7 +81,7 @@ class StepPrograms:
         """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values = program(self.params, self.keys, self.values, *placed)
+        new_ids, self.keys, self.values = program((self.params, self.adapter), self.keys, self.values, *placed)
         return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
 
     def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -93,16 +94,18 @@ class StepPrograms:
         if program is None:
             prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
             program = jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
-                              donate_argnums=(1, 2)).lower(self.params, self.keys, self.values, *placed).compile()
+                              donate_argnums=(1, 2)).lower((self.params, self.adapter), self.keys, self.values,
+                                                           *placed).compile()
             self._programs[key] = program
             self.compilations += 1
         return program
 
     # ---- the step's math (traced) ----------------------------------------------------------------------------
-    def _step_math(self, params, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
+    def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
         """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
-        new tokens stored). prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots'
-        one token each, run as flat tokens."""
+        new tokens stored). weights: (params, the adapter's arrays or None). prompt_rows (a mixed step): each
+        group's rows are that many prompt rows then its slots' one token each, run as flat tokens."""
+        params, adapter = weights
         inputs = unpacked(ints, floats, tokens)
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
@@ -112,15 +115,15 @@ class StepPrograms:
                                  lengths=inputs["lengths"], segments=segments)
             out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
                                        attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
-                                       capacity=None, inference=True, return_hidden=True)
+                                       capacity=None, inference=True, return_hidden=True, adapter=adapter)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
-                                       inference=True, return_hidden=True)
+                                       inference=True, return_hidden=True, adapter=adapter)
             hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
-        logits = self.model.head_logits(self.model.layer_stack.nest(params), hidden)[:, 0]
+        logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)[:, 0]
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
             inputs["seeds"], inputs["counters"])

@@ -35,7 +35,9 @@ class ModelCore:
 
     sharded_experts: sparse layer -> its experts module, `(tokens [N, H], ids [N, K], weights [N, K], params, *,
     inference, capacity) -> (out [N, H], statistics)` (a `distributed.experts.ShardedExperts`).
-    dispatches: the layout dispatches tokens (ep > 1), so the capacity is a static argument of the step."""
+    dispatches: the layout dispatches tokens (ep > 1), so the capacity is a static argument of the step.
+    adapter: the layout of the model's LoRA adapter, or None: `attach(nested params, adapter arrays)` returns the
+    nested params with each adapted weight's factors beside it (`moe_jax.lora.AdapterLayout`)."""
 
     family: Family
     config: Any
@@ -45,6 +47,18 @@ class ModelCore:
     remat: str = "none"
     dispatches: bool = False
     microbatches: int = 1     # pipeline microbatches (with pipeline stages: `layer_stack.pipeline`)
+    adapter: Any = None
+
+
+def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None) -> dict:
+    """params (storage layout) nested by module, with `adapter`'s factors (its storage layout) attached to the
+    weights they adapt: the tree the family's math walks. The base arrays are not copied."""
+    nested = core.layer_stack.nest(params)
+    if adapter is None:
+        return nested
+    if core.adapter is None:
+        raise ValueError("an adapter was passed, but the model has none: add_adapter() or load_adapter() first.")
+    return core.adapter.attach(nested, adapter)
 
 
 def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str, str], present: set[str],
@@ -60,10 +74,12 @@ def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str,
 
 def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
-              return_hidden: bool = False, compute_dtype=None, segment_ids=None) -> ModelOutput:
+              return_hidden: bool = False, compute_dtype=None, segment_ids=None,
+              adapter: Mapping[str, Any] | None = None) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
+    adapter: the LoRA adapter's arrays (storage layout of `core.adapter`), applied beside the base weights.
 
     segment_ids: [B, S] packed rows: several documents per row, numbered 1, 2, ... (0: padding). Tokens attend
     only within their document, positions restart at each document (unless given), and the router's aux loss
@@ -91,7 +107,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
         layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids,
     )
-    nested = core.layer_stack.nest(params)
+    nested = nested_weights(core, params, adapter)
     if core.layer_stack.pipeline is not None:
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
         hidden, sums, total, cache, expert_load = pipeline_hidden(

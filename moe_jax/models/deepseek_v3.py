@@ -184,8 +184,8 @@ def moe_block(config: DeepseekV3Config, weights: dict, hidden, sharded_experts, 
     batch, sequence, width = hidden.shape
     tokens = hidden.reshape(batch * sequence, width)
     gate = weights["gate"]
-    # The reference's router runs in float32 whatever the model's dtype.
-    router_logits = constrain(linear({"weight": gate["weight"].astype(jnp.float32)},
+    # The reference's router runs in float32 whatever the model's dtype (a LoRA adapter on it included).
+    router_logits = constrain(linear({**gate, "weight": gate["weight"].astype(jnp.float32)},
                                      tokens.astype(jnp.float32)), ("tokens", "experts"))
     bias = jnp.broadcast_to(gate["e_score_correction_bias"], router_logits.shape)
     top_k_weights, top_k_index = route(router_logits, bias)
@@ -262,11 +262,13 @@ def declare_fp8_storage(tree: ModuleTree, config: DeepseekV3Config) -> None:
 
 
 def fp8_swiglu_experts(hidden, expert_ids, weights, *, gate_up_proj, gate_up_proj_scale_inv, down_proj,
-                       down_proj_scale_inv, act, backend):
-    """SwiGLU experts on kept FP8 weights: decoded one expert at a time inside the grouped matmul."""
+                       down_proj_scale_inv, act, backend, lora=None):
+    """SwiGLU experts on kept FP8 weights: decoded one expert at a time inside the grouped matmul (a LoRA
+    adapter's factors, if any, applied beside them)."""
     return swiglu_experts(hidden, expert_ids, weights,
                           FP8Experts.checked(gate_up_proj, gate_up_proj_scale_inv, hidden.dtype),
-                          FP8Experts.checked(down_proj, down_proj_scale_inv, hidden.dtype), act=act, backend=backend)
+                          FP8Experts.checked(down_proj, down_proj_scale_inv, hidden.dtype), act=act, backend=backend,
+                          lora=lora)
 
 
 def fp8_experts_forward(config: DeepseekV3Config, backend: str | None):

@@ -182,6 +182,9 @@ class Family:
     # A kept-quantised twin's rewrite of the declared parameters into the checkpoint's stored form (codes and
     # scales under the hub's names), run last by `declare_tree`; None for every plain family.
     declare_storage: Callable | None = None  # (tree, config)
+    # HF marks the experts' fused weights as [E, in, out] (`use_experts_implementation(is_transposed=True)`,
+    # gpt-oss): PEFT's target_parameters then read their in / out features the other way round.
+    experts_transposed: bool = False
 
     def sparse_layers(self, config) -> list[int]:
         return [layer for layer in range(config.num_hidden_layers) if self.is_sparse(config, layer)]

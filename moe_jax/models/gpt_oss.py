@@ -146,6 +146,7 @@ FAMILY = register_family(Family(
     declare_sparse_mlp=declare_sparse_mlp,
     experts_intermediate_size=lambda config: config.intermediate_size,
     experts_forward=experts_forward,
+    experts_transposed=True,
     moe_block=moe_block,
     attention_options=attention_options,
 ))
@@ -175,12 +176,13 @@ def declare_mxfp4_sparse_mlp(tree: ModuleTree, config: GptOssConfig, intermediat
 
 def mxfp4_experts(hidden, expert_ids, weights, *, gate_up_proj_blocks, gate_up_proj_scales, gate_up_proj_bias,
                   down_proj_blocks, down_proj_scales, down_proj_bias, alpha: float, limit: float,
-                  backend: str | None):
-    """gpt-oss's experts on kept MXFP4 weights: decoded one expert at a time inside the grouped matmul."""
+                  backend: str | None, lora=None):
+    """gpt-oss's experts on kept MXFP4 weights: decoded one expert at a time inside the grouped matmul (a LoRA
+    adapter's factors, if any, applied beside them)."""
     gate_up = MXFP4Experts.checked(gate_up_proj_blocks, gate_up_proj_scales, hidden.dtype)
     down = MXFP4Experts.checked(down_proj_blocks, down_proj_scales, hidden.dtype)
     return biased_clamped_swiglu_experts(hidden, expert_ids, weights, gate_up, gate_up_proj_bias, down,
-                                         down_proj_bias, alpha=alpha, limit=limit, backend=backend)
+                                         down_proj_bias, alpha=alpha, limit=limit, backend=backend, lora=lora)
 
 
 def mxfp4_experts_forward(config: GptOssConfig, backend: str | None):

@@ -150,7 +150,7 @@ class LayerStack:
         for group in self.pipeline.groups:
             for index, kind in enumerate(group.kinds):
                 rows = self.pipeline.members(group, index)
-                for rest in per_layer[kind.representative]:
+                for rest in per_layer.get(kind.representative, ()):   # (a LoRA adapter's tree may skip a kind)
                     members[f"{LAYERS_PREFIX}.{group.key(index)}.{rest}"] = tuple(
                         None if layer is None else f"{LAYERS_PREFIX}.{layer}.{rest}" for layer in rows)
         return members

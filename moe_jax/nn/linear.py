@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.accumulation import accumulating_einsum
+from ..ops.lora import LoraFactors
 from ..ops.quantized import linear_weight
 from .precision import add_with_master, is_master, project_with_master
 
@@ -26,9 +27,10 @@ def no_constraint(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Arr
 
 
 def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    """`y = x @ W.T + b`, as `torch.nn.Linear`.
+    """`y = x @ W.T + b`, as `torch.nn.Linear`; plus a LoRA adapter's update where the params carry one.
 
-    params: `{"weight": [O, I], "bias"?: [O]}` (no `"bias"` key, or `None`, means no bias).
+    params: `{"weight": [O, I], "bias"?: [O], "lora"?: {"weight": LoraFactors}}` (no `"bias"` key, or `None`,
+    means no bias; `"lora"`: an adapter attached to the weight, `moe_jax.ops.lora`).
     x: [..., I]  ->  [..., O]
 
     A weight wider than x (float32 masters under mixed precision) is applied in x's dtype and gets its
@@ -45,14 +47,21 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
     bias = params.get("bias")
     if is_master(weight, x):
         y = project_with_master(x, weight)
-        return y if bias is None else add_with_master(y, bias)
-    if _is_low_precision(x, weight):
-        y = _project_summing_wide(x, weight)
+        y = y if bias is None else add_with_master(y, bias)
     else:
-        y = jnp.einsum("...i,oi->...o", x, weight)
-    if bias is not None:
-        y = y + bias
-    return y
+        low_precision = _is_low_precision(x, weight)
+        y = _project_summing_wide(x, weight) if low_precision else jnp.einsum("...i,oi->...o", x, weight)
+        if bias is not None:
+            y = y + bias
+    factors = params.get("lora", {}).get("weight")
+    return y if factors is None else y + low_rank_update(factors, x)
+
+
+def low_rank_update(factors: LoraFactors, x: jax.Array) -> jax.Array:
+    """PEFT's `lora.Linear` update, scaling * (x A^T) B^T: x [..., I], A [r, I], B [O, r] -> [..., O], each
+    factor applied as a projection (float32 masters under mixed precision keep float32 gradients)."""
+    rank_features = linear({"weight": factors.a}, x)
+    return linear({"weight": factors.b}, rank_features) * jnp.asarray(factors.scaling, x.dtype)
 
 
 def _is_low_precision(x: jax.Array, weight: jax.Array) -> bool:

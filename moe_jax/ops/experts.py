@@ -21,20 +21,22 @@ Mixtral's fp32 routing weights with bf16 hidden states are summed in fp32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from .accumulation import accumulating_einsum, accumulation_dtype
-from .grouped_matmul import grouped_matmul
 from .grouped_matmul_backends.tiled_swiglu import gated
 from .grouped_swiglu import grouped_swiglu
+from .lora import LoraFactors, adapted_grouped_matmul
 from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
 from .quantized import is_quantized
 from .varying import vary_like
 
 Activation = Callable[[jax.Array], jax.Array]
+# A LoRA adapter on the experts: weight name ("gate_up_proj", "down_proj") -> its factors (`moe_jax.ops.lora`).
+ExpertsLora = Mapping[str, LoraFactors]
 
 
 def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj) -> None:
@@ -64,6 +66,12 @@ def _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj
         )
 
 
+def _varying_like(lora: ExpertsLora | None, like: jax.Array) -> dict:
+    """The adapter's factors marked varying like `like` (already varying with every operand); {} for None."""
+    return {} if not lora else {name: jax.tree.map(lambda array: vary_like(array, like), factors)
+                                for name, factors in lora.items()}
+
+
 def _varying_together(*operands):
     """The operands (arrays, or quantised stand-ins: every leaf), each marked as varying over every mesh axis any
     of them varies over.
@@ -88,6 +96,7 @@ def swiglu_experts(
     *,
     act: Activation = jax.nn.silu,
     backend: str | None = None,
+    lora: ExpertsLora | None = None,
 ) -> jax.Array:
     """Dropless SwiGLU experts via sort -> grouped matmul -> unsort.
 
@@ -101,20 +110,24 @@ def swiglu_experts(
     backend: grouped_matmul backend name, None for the platform default. A decode step's few tokens skip the sort
     and the backend (`gathers_experts`: each pair's expert weights gathered, `_gathered_swiglu`; thresholds measured
     on CPU).
+    lora: LoRA factors of gate_up_proj and / or down_proj (a [E, r, H] / b [E, 2I, r], a [E, r, I] / b [E, H, r]):
+    their updates join the chain between its grouped matmuls, on the sorted rows (`moe_jax.ops.lora`).
     """
     _check_experts_operands(hidden, expert_ids, weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
     top_k = expert_ids.shape[1]
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
+    lora = _varying_like(lora, hidden)
 
-    if gathers_experts(hidden.shape[0], top_k, gate_up_proj, down_proj):
+    if not lora and gathers_experts(hidden.shape[0], top_k, gate_up_proj, down_proj):
         return _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
-    y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend)  # [M, H]
+    y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend,
+                              lora=lora)  # [M, H]
 
     # The expert output is already 0 there; masking the weight as well keeps a
     # non-finite sentinel weight out of the sum and its gradient exactly 0.
@@ -199,6 +212,7 @@ def biased_clamped_swiglu_experts(
     alpha: float = 1.702,
     limit: float = 7.0,
     backend: str | None = None,
+    lora: ExpertsLora | None = None,
 ) -> jax.Array:
     """gpt-oss's experts (HF's `GptOssExperts`), dropless via sort -> grouped matmul -> unsort.
 
@@ -212,6 +226,8 @@ def biased_clamped_swiglu_experts(
     down_proj_bias: [E, H]
     returns [N, H] in hidden's dtype:
         out[n] = sum_k w[n, k] * ((clamped_swiglu(x[n] @ gate_up[e] + b[e]) @ down[e]) + db[e])
+    lora: LoRA factors of gate_up_proj / down_proj; PEFT reads these weights as transposed (`is_transposed`), so
+    a [E, r, H] / b [E, 2I, r] and a [E, r, I] / b [E, H, r] meet the rows as the other families' do.
     """
     # grouped_matmul takes HF's usual [E, out, in]; gpt-oss stores [E, in, out] (its quantised blocks: [E, out, in]).
     gate_up_proj, down_proj = _out_in(gate_up_proj), _out_in(down_proj)
@@ -228,15 +244,16 @@ def biased_clamped_swiglu_experts(
     top_k = expert_ids.shape[1]
     hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
+    lora = _varying_like(lora, hidden)
 
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
     # Expert of each sorted row; E for the sentinel rows past sum(group_sizes), which get no bias.
     row_expert = count_at_most(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0], dtype=jnp.int32))
-    gate_up = grouped_matmul(x_sorted, gate_up_proj, group_sizes, backend=backend)
+    gate_up = adapted_grouped_matmul(x_sorted, gate_up_proj, group_sizes, lora.get("gate_up_proj"), backend=backend)
     gate_up = gate_up + _bias_rows(gate_up_proj_bias, row_expert)
-    gated = clamped_swiglu(gate_up, alpha, limit)
-    y_sorted = grouped_matmul(gated, down_proj, group_sizes, backend=backend)
+    activated = clamped_swiglu(gate_up, alpha, limit)
+    y_sorted = adapted_grouped_matmul(activated, down_proj, group_sizes, lora.get("down_proj"), backend=backend)
     y_sorted = y_sorted + _bias_rows(down_proj_bias, row_expert)
 
     mine = expert_ids < num_experts
@@ -253,6 +270,7 @@ def prescaled_swiglu_experts(
     *,
     act: Activation = jax.nn.silu,
     backend: str | None = None,
+    lora: ExpertsLora | None = None,
 ) -> jax.Array:
     """Llama 4's experts (HF's `Llama4TextExperts`): the routing weight scales each expert's *input*.
 
@@ -263,6 +281,10 @@ def prescaled_swiglu_experts(
 
     The reference runs every expert on every token, the unchosen ones on zero inputs (which give exactly zero
     with SiLU); only the K chosen experts are computed here, the same sum at K/E of the FLOPs.
+
+    lora: LoRA factors of gate_up_proj / down_proj. PEFT reads these [E, in, out] weights as [E, out, in] (HF does
+    not mark them transposed), so its A holds the last dim: a [E, r, 2I] / b [E, H, r], a [E, r, H] / b [E, I, r],
+    and the rows, meeting the weights as [E, out, in] = swapaxes(W), meet swapaxes(b) then swapaxes(a).
     """
     num_experts, hidden_size, two_i = gate_up_proj.shape
     if (hidden.ndim != 2 or hidden.shape[1] != hidden_size or two_i % 2
@@ -275,6 +297,7 @@ def prescaled_swiglu_experts(
     top_k = expert_ids.shape[1]
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
+    lora = _varying_like(lora, hidden)
 
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))
@@ -282,6 +305,9 @@ def prescaled_swiglu_experts(
     x_sorted = gather_rows(hidden, order, top_k)                                        # [M, H]
     row_weights = jnp.take(weights.reshape(-1), order)[:, None]                          # [M, 1]
     x_sorted = (x_sorted * row_weights).astype(hidden.dtype)
+    # swapaxes(W + s B A) = swapaxes(W) + s swapaxes(A) swapaxes(B): the factors in the chain's orientation.
+    oriented = {name: LoraFactors(jnp.swapaxes(factors.b, 1, 2), jnp.swapaxes(factors.a, 1, 2), factors.scaling)
+                for name, factors in lora.items()}
     y_sorted = grouped_swiglu(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), jnp.swapaxes(down_proj, 1, 2),
-                              group_sizes, act=act, backend=backend)
+                              group_sizes, act=act, backend=backend, lora=oriented)
     return unpermute(y_sorted, order, mine.astype(y_sorted.dtype)).astype(hidden.dtype)

@@ -7,9 +7,10 @@ from .loss import chunked_cross_entropy, default_labels, shift_labels
 from .schedules import learning_rate_schedule
 from .state import TrainState, abstract_train_state, init_train_state, train_state_shardings
 from .step import TrainStep, TrainStepOptions, make_train_step
+from .trainable import TrainableParameters, freezing, resolve_trainable
 
 __all__ = [
     "Evaluator", "TrainCheckpoints", "TrainLoop", "TrainState", "TrainStep", "TrainStepOptions", "abstract_train_state",
     "chunked_cross_entropy", "default_labels", "init_train_state", "learning_rate_schedule", "make_train_step", "shift_labels",
-    "train_state_shardings",
+    "train_state_shardings", "TrainableParameters", "freezing", "resolve_trainable",
 ]

@@ -39,22 +39,31 @@ from jax.sharding import PartitionSpec as P
 from ..distributed.capacity import CapacityState
 from ..models.layer_stack import stack_rows, unstacked_rows
 from .state import TrainState, abstract_train_state, parameter_sharding_of
+from .trainable import resolve_trainable
 
 FORMAT = "moe_jax.train_state/1"
 
 
-def model_record(model) -> dict:
-    """What identifies a model's train state: type, config (minus the layout), storage shapes and which HF
-    parameters each storage entry holds (`storage`: the layer layout, pipeline stages or scanned runs)."""
+def model_record(model, trainable=None) -> dict:
+    """What identifies a model's train state: type, config (minus the layout), the stored arrays' shapes and which
+    HF parameters each storage entry holds (`storage`: the layer layout, pipeline stages or scanned runs). A state
+    of part of the model (`trainable`: a LoRA adapter, a selection) records those arrays, which they are, and the
+    adapter's settings."""
+    trainable = resolve_trainable(model) if trainable is None else trainable
     config = model.config.to_dict()
     config.pop("distributed_config", None)
-    return {
+    record = {
         "model_type": model.model_type,
         "config": json.loads(json.dumps(config, default=str)),
-        "parameters": {name: list(shape) for name, shape in model.storage_shapes().items()},
-        "storage": {name: list(members) for name, members in model.layer_stack.members.items()},
+        "parameters": {name: list(shape) for name, shape in trainable.shapes(model).items()},
+        "storage": {name: list(members) for name, members in trainable.members(model).items()},
         "dtype": jnp.dtype(model.dtype).name,
     }
+    if model.adapter_layout is not None:
+        record["adapter"] = model.adapter_config.to_peft_dict() | {"base_model_name_or_path": None}
+    if not trainable.everything:
+        record["trainable"] = list(trainable.names)
+    return record
 
 
 def hf_shapes(record: dict) -> dict[str, list[int]] | None:
@@ -154,7 +163,7 @@ class TrainCheckpoints:
 
     def save(self, step: int, state: TrainState, capacity_state: CapacityState | None) -> None:
         record = {
-            "format": FORMAT, "step": step, **model_record(self.model),
+            "format": FORMAT, "step": step, **model_record(self.model, self.train_step.trainable),
             "optimizer_state": optimizer_structure(state.opt_state),
             "layout": self.model.distributed_config.to_dict(),
             "capacity": None if capacity_state is None else {
@@ -174,8 +183,13 @@ class TrainCheckpoints:
 
     def check_compatible(self, record: dict) -> None:
         """A clear error when the checkpoint belongs to another model (type, config or parameter shapes)."""
-        ours = model_record(self.model)
+        ours = model_record(self.model, self.train_step.trainable)
         problems = []
+        if record.get("adapter") != ours.get("adapter"):
+            problems.append("its LoRA adapter's settings differ" if record.get("adapter") and ours.get("adapter")
+                            else "one holds a LoRA adapter's state, the other a model's")
+        if record.get("trainable") != ours.get("trainable"):
+            problems.append("it trained other arrays (another trainable selection or --freeze)")
         if record.get("format") != FORMAT:
             problems.append(f"format {record.get('format')!r} is not {FORMAT!r}")
         if record.get("model_type") != ours["model_type"]:
@@ -209,10 +223,15 @@ class TrainCheckpoints:
         self.check_compatible(record)
         capacity_state = self._capacity_state(record.get("capacity"))
         capacity = None if capacity_state is None else capacity_state.capacity
+        trainable = self.train_step.trainable
         target = abstract_train_state(self.model, self.train_step.optimizer, capacity,
-                                      memory_kind=self.train_step.memory_kind)
+                                      memory_kind=self.train_step.memory_kind, trainable=trainable)
         saved_members = record.get("storage")
-        relayout = saved_members is not None and saved_members != model_record(self.model)["storage"]
+        relayout = saved_members is not None and saved_members != model_record(self.model, trainable)["storage"]
+        if relayout and not trainable.everything:
+            raise ValueError(f"{self.directory} step {step} stores its layers another way (scanned runs or pipeline "
+                             "stages); a state of part of the model resumes on the same layer layout: use the same "
+                             "--scan-layers and --pp settings (tensor, expert and data parallel sizes may change).")
         if relayout:  # saved with other pipeline stages / scanned runs: read it as saved, then restack
             saved_target = self._saved_layout_target(target, record)
         try:
@@ -268,7 +287,8 @@ class TrainCheckpoints:
                        out_shardings=out_shardings)(restored)
 
     def _optimizer_structure(self) -> str:
-        return optimizer_structure(abstract_train_state(self.model, self.train_step.optimizer).opt_state)
+        return optimizer_structure(abstract_train_state(self.model, self.train_step.optimizer,
+                                                        trainable=self.train_step.trainable).opt_state)
 
     def _capacity_state(self, saved: dict | None) -> CapacityState | None:
         """The saved capacity and calm streak; the ladder depends on ep_size, so a capacity this layout's

@@ -2,6 +2,7 @@
 
     evaluator = Evaluator(model, loss_chunk=512)
     evaluator.run(state.params, eval_data, batches=8)     # {"eval_loss": ..., "eval_perplexity": ..., "eval_tokens": ...}
+    evaluator.run(params, eval_data, adapter=adapter)    # with a LoRA adapter's arrays (`TrainStep.weights`)
 
 Its program is its own jit around the model's step (the train step's compiled program is untouched, so
 evaluating every N steps recompiles nothing after the first time). Experts run at the largest dispatch
@@ -29,7 +30,7 @@ class Evaluator:
         self.model, self.loss_chunk, self.compute_dtype = model, loss_chunk, compute_dtype
         self._jit = jax.jit(self._sums)
 
-    def _sums(self, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    def _sums(self, params, adapter, batch: dict) -> tuple[jax.Array, jax.Array]:
         """batch: input_ids [B, S] (attention_mask, labels, or packed rows' segment_ids / positions, optional) ->
         (cross-entropy sum, predicted tokens)."""
         segments = batch.get("segment_ids")   # packed rows
@@ -38,35 +39,35 @@ class Evaluator:
         _, terms = model_loss(self.model, params, batch["input_ids"], batch.get("attention_mask"), targets,
                               total_tokens=jnp.ones((), jnp.float32), aux_weight=0.0, capacity=None,
                               inference=True, compute_dtype=self.compute_dtype, loss_chunk=self.loss_chunk,
-                              segment_ids=segments, positions=batch.get("positions"))
+                              segment_ids=segments, positions=batch.get("positions"), adapter=adapter)
         return terms["ce_sum"], predicted_tokens(targets)
 
-    def batch_sums(self, params, batch: dict) -> tuple[float, int]:
+    def batch_sums(self, params, batch: dict, adapter=None) -> tuple[float, int]:
         """One placed batch -> (cross-entropy sum, predicted tokens) on the host."""
-        self.model.check_step(params, batch["input_ids"].shape)
-        ce_sum, tokens = jax.device_get(self._jit(params, batch))
+        self.model.check_step(params, batch["input_ids"].shape, adapter=adapter)
+        ce_sum, tokens = jax.device_get(self._jit(params, adapter, batch))
         return float(ce_sum), int(tokens)
 
-    def check(self, params, data, *, batches: int | None = None) -> None:
+    def check(self, params, data, *, batches: int | None = None, adapter=None) -> None:
         """What `run` would refuse, found before a run starts: the batch count, and the eval program traced on
         the first batch (shapes only: nothing compiles or runs)."""
         count = batches if batches is not None else num_batches(data)
         if count < 1:
             raise ValueError(f"evaluation needs at least one batch, got {count}.")
         batch = place_batch(data, 0, self.model.batch_sharding())
-        self.model.check_step(params, batch["input_ids"].shape)
-        jax.eval_shape(self._sums, params, batch)
+        self.model.check_step(params, batch["input_ids"].shape, adapter=adapter)
+        jax.eval_shape(self._sums, params, adapter, batch)
 
-    def run(self, params, data, *, batches: int | None = None, start: int = 0) -> dict[str, float]:
+    def run(self, params, data, *, batches: int | None = None, start: int = 0, adapter=None) -> dict[str, float]:
         """Batches start .. start + batches - 1 of `data` (default: one pass over it, when it knows its length)
-        -> eval_loss, eval_perplexity, eval_tokens."""
+        -> eval_loss, eval_perplexity, eval_tokens. adapter: a LoRA adapter's arrays applied beside params."""
         count = batches if batches is not None else num_batches(data)
         if count < 1:
             raise ValueError(f"evaluation needs at least one batch, got {count}.")
         sharding = self.model.batch_sharding()
         total, tokens = 0.0, 0
         for index in range(start, start + count):
-            ce_sum, predicted = self.batch_sums(params, place_batch(data, index, sharding))
+            ce_sum, predicted = self.batch_sums(params, place_batch(data, index, sharding), adapter)
             total, tokens = total + ce_sum, tokens + predicted
         if tokens == 0:
             raise ValueError("the evaluation batches predict no token (every row is padding or one token long).")

@@ -120,7 +120,7 @@ def aux_loss_coefficient(config) -> float:
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
-               positions=None) -> tuple[jax.Array, dict]:
+               positions=None, adapter=None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
 
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
@@ -130,13 +130,14 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
     `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
-    `prediction_targets(input_ids, segment_ids)`)."""
+    `prediction_targets(input_ids, segment_ids)`). adapter: a LoRA adapter's arrays, applied beside params."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+    adapted = {} if adapter is None else {"adapter": adapter}
     output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
                   inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
-                  **packed)
-    head = partial(model.head_logits, model.layer_stack.nest(params))
+                  **packed, **adapted)
+    head = partial(model.head_logits, model.nested_weights(params, adapter))
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
     return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,

@@ -23,6 +23,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .trainable import resolve_trainable
+
 
 @dataclass(frozen=True)
 class TrainState:
@@ -64,17 +66,19 @@ def parameter_sharding_of(path, leaf, parameters: dict[str, NamedSharding], shap
 
 
 def train_state_shardings(model, optimizer: optax.GradientTransformation, capacity: float | None = None,
-                          *, memory_kind: str | None = None) -> TrainState:
+                          *, memory_kind: str | None = None, trainable=None) -> TrainState:
     """A `TrainState` of `NamedSharding` values: parameters as the plans lay them out, optimizer state like its
     parameters, scalars replicated. memory_kind: where parameters and optimizer state live ("pinned_host"
-    for CPU offload; None: the device)."""
-    parameters = model.storage_shardings()
+    for CPU offload; None: the device). trainable: the `TrainableParameters` the state holds (default: what
+    `resolve_trainable` trains on this model)."""
+    trainable = resolve_trainable(model) if trainable is None else trainable
+    parameters = trainable.shardings(model)
     if memory_kind is not None:
         parameters = {name: sharding.with_memory_kind(memory_kind) for name, sharding in parameters.items()}
     replicated = NamedSharding(model.mesh, P())
-    abstract_params = abstract_parameters(model)
+    abstract_params = abstract_parameters(model, trainable)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-    shapes = model.storage_shapes()
+    shapes = trainable.shapes(model)
     opt_state = jax.tree_util.tree_map_with_path(
         lambda path, leaf: parameter_sharding_of(path, leaf, parameters, shapes, replicated), abstract_opt_state
     )
@@ -82,19 +86,21 @@ def train_state_shardings(model, optimizer: optax.GradientTransformation, capaci
                       data_position=replicated, skipping=replicated, capacity=capacity)
 
 
-def abstract_parameters(model) -> dict[str, jax.ShapeDtypeStruct]:
-    shardings = model.storage_shardings()
-    dtypes = model.storage_dtypes()
+def abstract_parameters(model, trainable=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The trained arrays' shapes, dtypes and shardings (default: what `resolve_trainable` trains)."""
+    trainable = resolve_trainable(model) if trainable is None else trainable
+    shardings, dtypes = trainable.shardings(model), trainable.dtypes(model)
     return {name: jax.ShapeDtypeStruct(shape, dtypes[name], sharding=shardings[name])
-            for name, shape in model.storage_shapes().items()}
+            for name, shape in trainable.shapes(model).items()}
 
 
 def abstract_train_state(model, optimizer: optax.GradientTransformation, capacity: float | None = None,
-                         *, memory_kind: str | None = None) -> TrainState:
+                         *, memory_kind: str | None = None, trainable=None) -> TrainState:
     """The state's shapes, dtypes and shardings without allocating it (restore targets, planning)."""
-    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind)
+    trainable = resolve_trainable(model) if trainable is None else trainable
+    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind, trainable=trainable)
     params = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shardings.params[name])
-              for name, leaf in abstract_parameters(model).items()}
+              for name, leaf in abstract_parameters(model, trainable).items()}
     opt_state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         jax.eval_shape(optimizer.init, params), shardings.opt_state,
@@ -105,20 +111,24 @@ def abstract_train_state(model, optimizer: optax.GradientTransformation, capacit
 
 
 def init_train_state(model, optimizer: optax.GradientTransformation, *, seed: int = 0, params=None,
-                     capacity: float | None = None, memory_kind: str | None = None) -> TrainState:
-    """A fresh state: `params` (default `model.params`, copied: the state is donated to the step), the
-    optimizer's initial state created in its shardings, step and data position 0.
+                     capacity: float | None = None, memory_kind: str | None = None, trainable=None) -> TrainState:
+    """A fresh state: `params` (default: the trained arrays as the model holds them, `model.params` without an
+    adapter; copied: the state is donated to the step), the optimizer's initial state created in its shardings,
+    step and data position 0.
 
     capacity: the dispatch capacity to start at (default the first rung of `model.capacity_schedule`;
-    None when the model has no dispatch buffers)."""
-    params = model.params if params is None else params
+    None when the model has no dispatch buffers). trainable: the `TrainableParameters` the state holds."""
+    trainable = resolve_trainable(model) if trainable is None else trainable
     if params is None:
-        raise ValueError("The model has no parameters: call init_params(), set_params() or from_pretrained() first.")
+        if model.params is None:
+            raise ValueError("The model has no parameters: call init_params(), set_params() or from_pretrained() "
+                             "first.")
+        params = trainable.initial(model)
     if capacity is None and model.layout.ep_size > 1:
         capacity = model.capacity_schedule.start().capacity
     elif capacity is not None:
         capacity = model.capacity_schedule.check(capacity)
-    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind)
+    shardings = train_state_shardings(model, optimizer, capacity, memory_kind=memory_kind, trainable=trainable)
 
     def create(params):
         params = jax.tree.map(jnp.copy, params)

@@ -42,6 +42,7 @@ from ..models.pipeline_layout import check_pipeline_options
 from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicted_tokens, prediction_targets
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
+from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`).
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
@@ -81,8 +82,8 @@ class _Precompiled:
     def __init__(self, jitted, compiled, signature: tuple):
         self.jitted, self.compiled, self.signature = jitted, compiled, signature
 
-    def __call__(self, state, batch):
-        return (self.compiled if _batch_signature(batch) == self.signature else self.jitted)(state, batch)
+    def __call__(self, state, batch, *frozen):
+        return (self.compiled if _batch_signature(batch) == self.signature else self.jitted)(state, batch, *frozen)
 
 
 def _holds_program(step, signature: tuple) -> bool:
@@ -114,15 +115,21 @@ def split_micro_batches(array: jax.Array, grad_accum: int) -> jax.Array:
 class TrainStep:
     """The jitted step of one model and optimizer; one compilation per (capacity, batch keys)."""
 
-    def __init__(self, model, optimizer: optax.GradientTransformation, options: TrainStepOptions):
+    def __init__(self, model, optimizer: optax.GradientTransformation, options: TrainStepOptions,
+                 trainable: TrainableParameters | None = None):
         if options.grad_accum < 1:
             raise ValueError(f"grad_accum={options.grad_accum} must be >= 1 (micro-batches per step).")
         if options.grad_clip is not None and options.grad_clip <= 0:
             raise ValueError(f"grad_clip={options.grad_clip} must be > 0, or None for no clipping.")
         if options.offload:
             check_offload_supported(model)
-        # Buffers (DeepSeek-V3's e_score_correction_bias) are state, not weights: no update, no decay.
-        self.model, self.optimizer, self.options = model, freeze_buffers(optimizer, model), options
+        # What the state holds and trains (`training.trainable`): every parameter by default, the adapter alone
+        # when the model has one. Buffers (DeepSeek-V3's e_score_correction_bias) are state, not weights: no
+        # update, no decay (a selection never holds them).
+        self.trainable = resolve_trainable(model) if trainable is None else trainable
+        if self.trainable.everything:
+            optimizer = freeze_buffers(optimizer, model)
+        self.model, self.optimizer, self.options = model, optimizer, options
         self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
         self.aux_coefficient = aux_loss_coefficient(model.config)
         self._compiled: dict[tuple, callable] = {}
@@ -137,11 +144,27 @@ class TrainStep:
 
     # ---- state ---------------------------------------------------------------------------------------
     def shardings(self, capacity: float | None) -> TrainState:
-        return train_state_shardings(self.model, self.optimizer, capacity, memory_kind=self.memory_kind)
+        return train_state_shardings(self.model, self.optimizer, capacity, memory_kind=self.memory_kind,
+                                     trainable=self.trainable)
 
     def init_state(self, *, seed: int = 0, params=None, capacity: float | None = None) -> TrainState:
+        """A fresh state holding the trained arrays (`trainable`) and their optimizer state."""
         return init_train_state(self.model, self.optimizer, seed=seed, params=params, capacity=capacity,
-                                memory_kind=self.memory_kind)
+                                memory_kind=self.memory_kind, trainable=self.trainable)
+
+    def frozen(self) -> dict[str, dict[str, jax.Array]]:
+        """The arrays a step reads but does not train, as the model holds them now (`TrainableParameters.frozen`)."""
+        return self.trainable.frozen(self.model)
+
+    def _frozen_arguments(self) -> tuple:
+        """The jitted step's arguments after (state, batch): the frozen arrays, when part of the model is frozen
+        (a step of the whole model takes just the two, as its compiled program's callers pass them)."""
+        return () if self.trainable.everything else (self.frozen(),)
+
+    def weights(self, state_params) -> tuple[dict, dict | None]:
+        """(params, adapter or None) of the whole model with the state's trained arrays (`state.params`): what
+        an evaluation, an export or `model.apply` takes."""
+        return self.trainable.weights(self.model, state_params, self.frozen())
 
     def batch_size_error(self, batch_size: int) -> str | None:
         """Why `batch_size` cannot be a global batch of this step (None when it can)."""
@@ -163,7 +186,7 @@ class TrainStep:
         key = (state.capacity, tuple(sorted(batch)))
         if key not in self._compiled:
             self._compiled[key] = self._jit(state.capacity, key[1])
-        return self._compiled[key](state, batch)
+        return self._compiled[key](state, batch, *self._frozen_arguments())
 
     def precompile(self, state: TrainState, batch: dict, capacities=None, *, progress: bool = True
                    ) -> dict[float | None, float]:
@@ -197,16 +220,18 @@ class TrainStep:
             self._check_model_inputs(at_capacity, shape)
             start = time.perf_counter()
             jitted = self._jit(capacity, keys)
-            self._compiled[(capacity, keys)] = _Precompiled(jitted, jitted.lower(at_capacity, batch_spec).compile(),
-                                                            signature)
+            lowered = jitted.lower(at_capacity, batch_spec, *self._frozen_spec())
+            self._compiled[(capacity, keys)] = _Precompiled(jitted, lowered.compile(), signature)
             seconds[capacity] = time.perf_counter() - start
         return seconds
 
     def trace(self, state: TrainState, batch: dict):
         """The step for `state`'s capacity and `batch`'s keys, traced (`jax.stages.Traced`: `.jaxpr` is the
-        program as JAX sees it, `.lower()`). Tracing it does not fill the cache `__call__` uses."""
+        program as JAX sees it, `.lower()`). Tracing it does not fill the cache `__call__` uses. A step that
+        trains part of the model (an adapter, a selection) takes the frozen arrays, `train_step.frozen()`, as its
+        compiled program's third argument."""
         self._check_model_inputs(state, tuple(batch["input_ids"].shape))
-        return self._jit(state.capacity, tuple(sorted(batch))).trace(state, batch)
+        return self._jit(state.capacity, tuple(sorted(batch))).trace(state, batch, *self._frozen_arguments())
 
     def lower(self, state: TrainState, batch: dict):
         """The step for `state`'s capacity and `batch`'s keys, lowered (`jax.stages.Lowered`): for its cost
@@ -230,17 +255,24 @@ class TrainStep:
 
     def _check_model_inputs(self, state: TrainState, shape: tuple) -> None:
         # What `model.apply` checks, once per call here: the step traces `model.step_math` directly.
-        self.model.check_step(state.params, (shape[0] // self.options.grad_accum, *shape[1:]),
+        params, adapter = self.weights(state.params)
+        self.model.check_step(params, (shape[0] // self.options.grad_accum, *shape[1:]),
                               capacity=state.capacity, compute_dtype=self.options.compute_dtype,
-                              microbatches=self.pipeline_microbatches)
+                              microbatches=self.pipeline_microbatches, adapter=adapter)
+
+    def _frozen_spec(self) -> tuple:
+        return jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding),
+                            self._frozen_arguments())
 
     def _jit(self, capacity, batch_keys):
         batch_sharding = self.model.batch_sharding()
         replicated = NamedSharding(self.model.mesh, P())
         state_shardings = self.shardings(capacity)
+        # The frozen arrays come in as they are laid out in the model, never donated: the step only reads them.
+        frozen = () if self.trainable.everything else (self.trainable.frozen_shardings(self.model),)
         return jax.jit(
             self._step,
-            in_shardings=(state_shardings, {key: batch_sharding for key in batch_keys}),
+            in_shardings=(state_shardings, {key: batch_sharding for key in batch_keys}, *frozen),
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,),
         )
@@ -250,7 +282,7 @@ class TrainStep:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
 
-    def _step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def _step(self, state: TrainState, batch: dict, frozen: dict | None = None) -> tuple[TrainState, dict]:
         options = self.options
         shardings = self.shardings(state.capacity)
         params = self._on_device(state.params, shardings.params)
@@ -268,7 +300,7 @@ class TrainStep:
         micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
         step_key = jax.random.fold_in(state.rng, state.step)
 
-        loss_fn = partial(self._micro_loss, capacity=state.capacity, total_tokens=total_tokens)
+        loss_fn = partial(self._micro_loss, frozen=frozen, capacity=state.capacity, total_tokens=total_tokens)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def accumulate(carry, inputs):
@@ -347,14 +379,16 @@ class TrainStep:
             return None
         return len(sparse), self.model.config.num_experts
 
-    def _micro_loss(self, params, micro_batch, rng, *, capacity, total_tokens):
+    def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens):
+        # Differentiated with respect to the trained arrays only: the frozen ones are constants of the loss.
         # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.
+        params, adapter = (trained, None) if frozen is None else self.trainable.weights(self.model, trained, frozen)
         return model_loss(self.model, params, micro_batch["input_ids"], micro_batch.get("attention_mask"),
                           micro_batch["targets"], total_tokens=total_tokens,
                           aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
                           step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
-                          positions=micro_batch.get("positions"))
+                          positions=micro_batch.get("positions"), adapter=adapter)
 
 
 def check_offload_supported(model) -> None:
@@ -371,12 +405,16 @@ def check_offload_supported(model) -> None:
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
                     grad_clip: float | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
                     mixed_precision: bool | None = None, offload: bool | None = None,
-                    check_overflow: bool = True, pipeline_microbatches: int | None = None) -> TrainStep:
+                    check_overflow: bool = True, pipeline_microbatches: int | None = None,
+                    trainable: Selection = None) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
     parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory).
-    pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's)."""
+    pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's).
+    trainable: what to train, a glob, list of globs or predicate over HF parameter names (the adapter's
+    factors included); default: the model's LoRA adapter when it has one, else every parameter. The state holds
+    only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -390,4 +428,4 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
                                check_overflow=check_overflow, offload=offload,
                                pipeline_microbatches=pipeline_microbatches)
-    return TrainStep(model, optimizer, options)
+    return TrainStep(model, optimizer, options, resolve_trainable(model, trainable))

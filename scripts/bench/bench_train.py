@@ -3,6 +3,7 @@
     python scripts/bench/bench_train.py [--batch-size 16] [--seq-len 128] [--steps 5] [--repeats 3]
                                   [--layouts 1,fsdp8-ep8,tp2-fsdp4-ep4,tp2-ep2-fsdp4-all_reduce]
                                   [--check-layout fsdp8-ep8] [--hidden 128] [--no-first-rung]
+    python scripts/bench/bench_train.py --lora-rank 8 [--layouts 1,fsdp8-ep8] ...   # LoRA against full fine-tuning
 
 A layout is `1` (one device, no layout) or sizes and an optional EP implementation joined by `-`:
 `tp2-fsdp4-ep4`, `tp2-ep2-fsdp4-all_reduce`. Layouts that `DistributedConfig` or the model reject, or that
@@ -26,6 +27,11 @@ adamw, random tokens. Prints:
    (`DispatchStatistics.buffer_rows`) and the padding it carried on uniformly random routing.
 3. the overflow check in steady state: the same layout and capacity compiled with `check_overflow=True`
    and `False`, timed in interleaved loops; ratio of medians and median of the paired ratios.
+
+With `--lora-rank R` it prints instead, per layout, full fine-tuning against a LoRA adapter of rank R (alpha 2R)
+on every attention projection and both fused expert weights (`moe_jax.lora`), at the largest capacity, their
+loops interleaved: ms/step, tokens/s, and the train state one device holds (parameters plus AdamW moments: for
+LoRA the adapter's; the frozen base weights it also holds are shown apart).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.causal_lm import Qwen3MoeForCausalLM  # noqa: E402
 from moe_jax.distributed.capacity import buffer_rows as rows_of_one_buffer  # noqa: E402
 from moe_jax.distributed.expert_parallel import AllReduceEP, tp_row_slice  # noqa: E402
+from moe_jax.lora import LoraConfig  # noqa: E402
+from moe_jax.training.memory import human_bytes, train_state_memory  # noqa: E402
 from moe_jax.training.step import make_train_step  # noqa: E402
 
 DEFAULT_LAYOUTS = "1,fsdp8-ep8,tp2-fsdp4-ep4,tp2-ep2-fsdp4-all_reduce,tp2-fsdp4-ep4-all_reduce"
@@ -304,6 +312,71 @@ def print_check(check: dict) -> None:
     print(f"ratio with / without check: {on / off:.3f} (medians), {paired:.3f} (median of paired loops)")
 
 
+# ---- LoRA against full fine-tuning ------------------------------------------------------------------------
+def lora_config(rank: int) -> LoraConfig:
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def per_device_bytes(arrays) -> int:
+    """Bytes the busiest device holds of `arrays` (a pytree of sharded arrays)."""
+    from moe_jax.training.memory import leaf_bytes_by_device
+
+    totals: dict = {}
+    for leaf in jax.tree.leaves(arrays):
+        for device, size in leaf_bytes_by_device(leaf).items():
+            totals[device] = totals.get(device, 0) + size
+    return max(totals.values(), default=0)
+
+
+def bench_lora(spec: str, config: dict, args) -> list[dict]:
+    """Full fine-tuning and LoRA on one layout, loops interleaved: one row each."""
+    runners = {}
+    for mode in ("full", f"lora r={args.lora_rank}"):
+        model, reason = build_model(spec, config)
+        if model is None:
+            print(f"skip {spec}: {reason}", flush=True)
+            return []
+        if mode != "full":
+            model.add_adapter(lora_config(args.lora_rank))
+        train_step = make_train_step(model, optax.adamw(1e-3))
+        capacity = capacities(model, False)[0]
+        runner, first = warm_runner(train_step, capacity, device_batches(model, args.batch_size, args.seq_len))
+        frozen = train_step.frozen() if not train_step.trainable.everything else {}
+        runners[mode] = (runner, first, model, frozen)
+    times = {mode: [] for mode in runners}
+    for _ in range(args.repeats):
+        for mode, (runner, *_) in runners.items():
+            times[mode].append(runner.seconds_per_step(args.steps))
+    rows = []
+    for mode, (runner, first, model, frozen) in runners.items():
+        seconds = float(np.median(times[mode]))
+        memory = train_state_memory(runner.state)
+        rows.append({"layout": describe(spec, model), "mode": mode, "first": first, "step": seconds,
+                     "tokens_per_s": args.batch_size * args.seq_len / seconds, "state": memory.per_device,
+                     "frozen": per_device_bytes(frozen), "trained": sum(leaf.size for leaf in
+                                                                         jax.tree.leaves(runner.state.params)),
+                     "applied": runner.applied_summary(), "loss": runner.last_loss()})
+        print(f"{rows[-1]['layout']} {mode}: {seconds * 1e3:.1f} ms/step, {rows[-1]['applied']}", flush=True)
+    return rows
+
+
+def print_lora(rows: list[dict]) -> None:
+    print("\n== LoRA against full fine-tuning (train state per device: parameters + AdamW moments) ==")
+    print(f"{'layout':<22} {'mode':<10} {'first call s':>12} {'ms/step':>8} {'tokens/s':>9} {'vs full':>7} "
+          f"{'trained':>9} {'state/device':>12} {'of which opt':>12} {'frozen/device':>13}")
+    full = {row["layout"]: row for row in rows if row["mode"] == "full"}
+    for row in rows:
+        reference = full.get(row["layout"])
+        ratio = f"{row['step'] / reference['step']:6.2f}x" if reference else f"{'-':>7}"
+        state = row["state"]
+        print(f"{row['layout']:<22} {row['mode']:<10} {row['first']:12.1f} {row['step'] * 1e3:8.1f} "
+              f"{row['tokens_per_s']:9.0f} {ratio} {row['trained']:9d} {human_bytes(state['total']):>12} "
+              f"{human_bytes(state['optimizer state']):>12} {human_bytes(row['frozen']):>13}")
+    print("vs full: step time over full fine-tuning's on the same layout. frozen/device: the base weights a LoRA "
+          "step reads but does not hold in its state (full fine-tuning's state holds them).")
+
+
 # ---- main --------------------------------------------------------------------------------------------
 def bench_layout(spec: str, config: dict, args, check_spec: str) -> tuple[list, list, dict | None]:
     """(step rows, buffer rows, overflow-check result) of one layout; prints its progress."""
@@ -359,10 +432,16 @@ def main(argv=None) -> int:
                         help="layout on which check_overflow=True is timed against False ('' for none)")
     parser.add_argument("--no-first-rung", dest="first_rung", action="store_false",
                         help="time EP layouts at the largest capacity only")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="time a LoRA adapter of this rank against full fine-tuning instead (see above)")
     args = parser.parse_args(argv)
 
     config = bench_config(args.hidden)
     header(args, config)
+    if args.lora_rank is not None:
+        rows = [row for spec in args.layouts.split(",") for row in bench_lora(spec.strip(), config, args)]
+        print_lora(rows)
+        return 0
     step_rows, buffer_rows, checks = [], [], []
     for spec in args.layouts.split(","):
         steps, buffers, check = bench_layout(spec.strip(), config, args, args.check_layout.strip())

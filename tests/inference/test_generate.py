@@ -96,11 +96,12 @@ def test_prefill_and_decode_trace_the_model_s_step_into_their_own_jit(one_device
     ids, mask = expected["input_ids"], expected["attention_mask"]
     rows = ids.shape[0]
     key, eos, sampling = jax.random.key(0), jnp.asarray([-1], jnp.int32), Sampling()
+    weights = (model.params, None)   # (params, the LoRA adapter's arrays: none here)
     prefill = model.generator.jitted("prefill", sampling).trace(
-        model.params, ids, mask, init_cache(model, rows, 16), key, eos)
+        weights, ids, mask, init_cache(model, rows, 16), key, eos)
     tokens, positions = jnp.zeros(rows, jnp.int32), jnp.full(rows, ids.shape[1], jnp.int32)
     decode = model.generator.jitted("decode", sampling).trace(
-        model.params, tokens, positions, init_cache(model, rows, 16), jnp.zeros(rows, bool), key, eos,
+        weights, tokens, positions, init_cache(model, rows, 16), jnp.zeros(rows, bool), key, eos,
         jnp.asarray(0, jnp.int32))
     for traced in (prefill, decode):
         assert "step_math" not in jit_names(traced.jaxpr.jaxpr)

@@ -1,0 +1,90 @@
+"""LoRA's low-rank update, PEFT's math, as array ops: the factors of one adapted weight and what they add.
+
+Shape letters: r rank, E (local) experts, M rows sorted by expert, I in features, O out features (PEFT's
+`in_features` / `out_features` of the adapted weight).
+
+A dense weight W [O, I] (PEFT's `lora.Linear` on a `torch.nn.Linear`):
+
+    y = x W^T + scaling * (x A^T) B^T                A [r, I], B [O, r]
+
+A fused expert weight (PEFT's `lora.ParamWrapper`, `target_parameters`): each expert e is adapted on its own,
+
+    W_e + scaling * B_e A_e                          A [E, r, I], B [E, O, r]
+
+where HF's [E, O, I] layout (`[experts, out, in]`) has I = its last dim, and a layout PEFT is told is
+transposed (gpt-oss's `is_transposed=True`: [E, I, O]) adds the transpose. PEFT's files flatten the experts
+into the rank axis (`moe_jax.lora.peft_files`). scaling = lora_alpha / r, or lora_alpha / sqrt(r) (rsLoRA).
+
+The experts' update runs on the rows the grouped matmul already sorted by expert, as two more grouped matmuls
+through rank r, so no [E, O, I] delta is formed in a step and a frozen base weight needs no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from .grouped_matmul import grouped_matmul
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """The two factors of one adapted weight, and the static scaling their product is added with.
+
+    a: [r, I] (dense) or [E, r, I] (experts); b: [O, r] or [E, O, r]. Inside a scanned run of layers both carry
+    a leading layer axis; `scaling` is static (part of the pytree structure), so scans and vmaps slice only
+    the arrays."""
+
+    a: jax.Array
+    b: jax.Array
+    scaling: float
+
+    def astype(self, dtype) -> LoraFactors:
+        return LoraFactors(self.a.astype(dtype), self.b.astype(dtype), self.scaling)
+
+
+jax.tree_util.register_dataclass(LoraFactors, data_fields=["a", "b"], meta_fields=["scaling"])
+
+
+def grouped_low_rank(x: jax.Array, factors: LoraFactors, group_sizes: jax.Array, *,
+                     backend: str | None = None) -> jax.Array:
+    """The experts' update on rows sorted by expert: out[m] = scaling * B_e A_e x[m], e the expert of row m.
+
+    x: [M, I] (rows past sum(group_sizes) give 0); factors: a [E, r, I], b [E, O, r]; group_sizes: [E]
+    returns [M, O] in the promoted dtype of x and the factors
+    """
+    rank_rows = grouped_matmul(x, factors.a, group_sizes, backend=backend)                  # [M, r]
+    out = grouped_matmul(rank_rows, factors.b, group_sizes, backend=backend)
+    return out * jnp.asarray(factors.scaling, out.dtype)
+
+
+def low_rank_delta(factors: LoraFactors, *, transposed: bool = False) -> jax.Array:
+    """scaling * B A as the adapted weight holds it: [O, I] (dense), [E, O, I] (experts), or [E, I, O] with
+    `transposed` (PEFT's `is_transposed` experts); float32 or wider."""
+    dtype = jnp.promote_types(jnp.result_type(factors.a, factors.b), jnp.float32)
+    a, b = factors.a.astype(dtype), factors.b.astype(dtype)
+    if a.ndim == 2:
+        delta = b @ a
+    else:
+        delta = jnp.einsum("eor,eri->eio" if transposed else "eor,eri->eoi", b, a)
+    return delta * jnp.asarray(factors.scaling, dtype)
+
+
+def merged_weight(weight: jax.Array, factors: LoraFactors, *, transposed: bool = False) -> jax.Array:
+    """weight + scaling * B A (`low_rank_delta`), summed in float32 or wider and returned in weight's dtype."""
+    delta = low_rank_delta(factors, transposed=transposed)
+    return (weight.astype(delta.dtype) + delta).astype(weight.dtype)
+
+
+def adapted_grouped_matmul(x: jax.Array, weight: jax.Array, group_sizes: jax.Array, factors: LoraFactors | None,
+                           *, backend: str | None = None) -> jax.Array:
+    """`grouped_matmul(x, weight, group_sizes)` plus the weight's LoRA update (`grouped_low_rank`), if any.
+
+    x: [M, I] rows sorted by expert; weight: [E, O, I] as grouped_matmul takes it -> [M, O] in its dtype."""
+    out = grouped_matmul(x, weight, group_sizes, backend=backend)
+    if factors is None:
+        return out
+    update = grouped_low_rank(x, factors, group_sizes, backend=backend)
+    return out + update.astype(out.dtype)
