@@ -421,11 +421,25 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     if mixed_precision and model.dtype != jnp.float32:
         raise ValueError(f"mixed precision keeps float32 master parameters, but the model holds {model.dtype}; "
                          "build it with dtype=float32.")
-    if getattr(model, "kept_quantization", None) is not None:
-        raise ValueError(f"the model keeps its {model.kept_quantization} weights quantised, which cannot be trained; "
-                         "load it with dequantize=True (the default) to train every weight.")
+    selected = resolve_trainable(model, trainable)
+    _check_no_quantized_codes_trained(model, selected)
     options = TrainStepOptions(grad_accum=grad_accum, grad_clip=grad_clip, loss_chunk=loss_chunk,
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
                                check_overflow=check_overflow, offload=offload,
                                pipeline_microbatches=pipeline_microbatches)
-    return TrainStep(model, optimizer, options, resolve_trainable(model, trainable))
+    return TrainStep(model, optimizer, options, selected)
+
+
+def _check_no_quantized_codes_trained(model, selected) -> None:
+    """Kept-quantised codes and scales (`dequantize=False`) stay frozen: an adapter or the unquantised parameters
+    may train on them (QLoRA's way), they may not."""
+    kept = getattr(model, "kept_quantization", None)
+    if kept is None:
+        return
+    stored = {name for name, spec in model.module_tree.params.items() if spec.keep_dtype}
+    trained = [name for storage in selected.base for name in model.layer_stack.members[storage] if name in stored]
+    if selected.everything or trained:
+        raise ValueError(f"the model keeps its {kept} weights quantised ({trained[0] if trained else 'every weight'} "
+                         "selected), which cannot be trained: train a LoRA adapter on the frozen quantised base "
+                         "(model.add_adapter(LoraConfig(...)); `moe-jax train --lora-rank R`), select trainable "
+                         "parameters that are not quantised, or load with dequantize=True to train every weight.")

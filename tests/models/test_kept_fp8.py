@@ -11,10 +11,13 @@ import struct
 import jax
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import ContinuousBatchingConfig
+from moe_jax.lora import LoraConfig
+from moe_jax.training import make_train_step
 from tests.converters.fp8_checkpoints import write_fp8_checkpoint
 from tests.models.test_fixture_parity import FIXTURES
 
@@ -94,3 +97,24 @@ def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkp
 def test_tensor_parallel_experts_are_refused_with_the_way_out(hub_checkpoint):
     with pytest.raises(ValueError, match="set ep_size .* or load with dequantize=True"):
         load(hub_checkpoint, dict(tp_size=2, fsdp_size=4), dequantize=False)
+
+
+def test_a_lora_adapter_trains_on_the_frozen_fp8_base(hub_checkpoint):
+    """QLoRA's way: the adapter on the latent attention's kept FP8 projections trains; the codes and scales stay
+    bit-identical, and the trained adapter's logits equal the dequantised model's with the same adapter."""
+    kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
+    kept.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj"]))
+    base = {name: np.asarray(value) for name, value in kept.params.items()}
+    train_step = make_train_step(kept, optax.sgd(0.5))
+    state = train_step.init_state(capacity=kept.capacity_schedule.largest)
+    losses = []
+    for _ in range(3):
+        state, metrics = train_step(state, {"input_ids": IDS})
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert all(np.asarray(value).tobytes() == base[name].tobytes() for name, value in kept.params.items())
+    kept.set_adapter_params(state.params)
+    dequantised = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"])
+    dequantised.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj"]))
+    dequantised.set_adapter_params(state.params)
+    np.testing.assert_allclose(np.asarray(kept(IDS)), np.asarray(dequantised(IDS)), rtol=0, atol=1e-5)

@@ -90,8 +90,10 @@ def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkp
 
 def test_kept_weights_are_refused_where_they_cannot_work(hub_checkpoint):
     kept = load(hub_checkpoint, None, dequantize=False)
-    with pytest.raises(ValueError, match="cannot be trained; load it with dequantize=True"):
+    with pytest.raises(ValueError, match="cannot be trained: train a LoRA adapter on the frozen quantised base"):
         make_train_step(kept, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="gate_up_proj_blocks selected"):
+        make_train_step(kept, optax.sgd(0.1), trainable="*.mlp.experts.*")
     from tests.models.test_fixture_parity import FIXTURES
 
     with pytest.raises(ValueError, match="has no quantization_config"):

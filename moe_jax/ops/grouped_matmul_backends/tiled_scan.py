@@ -189,9 +189,17 @@ def _tiled_bwd(tile_rows, remainder_rows, residuals, grad_out):
     schedules = plan_tile_schedules(group_sizes, x.shape[0], tile_rows, remainder_rows)
     grad_x = _rows_times_expert_weights(grad_out, w, schedules, "out_features")
     if is_quantized(w):   # kept-quantised weights are frozen: only the rows' gradient flows (adapters train)
-        return grad_x.astype(x.dtype), jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), w), None
+        return grad_x.astype(x.dtype), jax.tree.map(_zero_cotangent, w), None
     grad_w = _expert_weight_grads(x, grad_out, schedules, w.shape[0])
     return grad_x.astype(x.dtype), grad_w.astype(w.dtype), None
+
+
+def _zero_cotangent(leaf: jax.Array) -> jax.Array:
+    """A frozen code array's cotangent: zeros of its type (float8 codes, varying where they vary), float0 for
+    integer codes."""
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+        return leaf * jnp.zeros((), leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
