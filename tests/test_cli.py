@@ -97,3 +97,19 @@ def test_plan_shows_the_pipeline_stages(capsys):
     assert "pipeline: 2 stages, gpipe, 4 microbatches per batch (bubble fraction 20%)" in out
     assert re.search(r"^  0 +0 +0,1 +[\d.]+ KiB$", out, re.MULTILINE)
     assert re.search(r"^  1 +1-2 +2,3 +[\d.]+ KiB$", out, re.MULTILINE)
+
+
+def test_plan_train_with_a_lora_rank_counts_the_adapter_state_beside_the_frozen_base(capsys):
+    from tests.models.test_fixture_parity import FIXTURES
+
+    def optimizer_bytes(*flags) -> str:
+        assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--fsdp", "8", "--ep", "8", "--train",
+                     *flags]) == 0
+        out = capsys.readouterr().out
+        return out, next(line for line in out.splitlines() if line.strip().startswith("optimizer state"))
+
+    full_out, full = optimizer_bytes()
+    lora_out, lora = optimizer_bytes("--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj")
+    assert "LoRA r=4 adapter trained" in lora_out and "beside it, frozen in the model: parameter bytes" in lora_out
+    assert float(lora.split()[2]) < float(full.split()[2]) and full.split()[3] == lora.split()[3] == "KiB"
+    assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--lora-rank", "4"]) == 2

@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from .adapter_flags import add_plan_flags, lora_config_from_flags
 from .layout_flags import (
     add_dequantize_flag,
     add_layout_flags,
@@ -56,19 +57,27 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
                         help="with --train: the optimizer whose state is counted (default adamw)")
     add_dequantize_flag(parser)
+    add_plan_flags(parser)
     parser.add_argument("--dtype", default="float32",
                         help="the parameters' dtype to count bytes in: float32 (default), bfloat16 or float16 "
                              "(quantised codes count as stored)")
 
 
 def _train_memory_text(model, optimizer_name: str) -> str:
-    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state."""
+    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state (of its LoRA
+    adapter alone when it has one)."""
     from ..training.memory import memory_table, train_state_memory
     from ..training.optimizers import build_optimizer
     from ..training.state import abstract_train_state
 
     state = abstract_train_state(model, build_optimizer(optimizer_name, learning_rate=1e-3))
-    return memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters)")
+    adapter = "" if model.adapter_layout is None else f", LoRA r={model.adapter_layout.config.r} adapter trained"
+    table = memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters{adapter})")
+    if model.adapter_layout is None:
+        return table
+    from ..reporting.plan_report import parameter_bytes_text
+
+    return f"{table}\nbeside it, frozen in the model: {parameter_bytes_text(model)}"
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -76,6 +85,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from ..checkpoint_files import read_config
     from ..reporting.plan_report import plan_report
 
+    if args.lora_rank is not None and not args.train:
+        raise ValueError("--lora-rank counts a LoRA run's train state: add --train.")
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
     distributed_config = distributed_config_from_flags(args)
@@ -92,6 +103,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                              kept_quantization=kept, **pipeline_options_from_flags(args))
     print(plan_report(model))
     print()
+    if (lora := lora_config_from_flags(args, None)) is not None:
+        model.add_adapter(lora)
     print(_train_memory_text(model, args.optimizer or "adamw"))
     return 0
 

@@ -46,6 +46,20 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                            "optimizer state")
 
 
+def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """`moe-jax plan --train`'s adapter flags: the train state of a LoRA run (the adapter and its optimizer state)."""
+    lora = parser.add_argument_group("LoRA (with --train)")
+    lora.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                      help="count the train state of a rank-R LoRA run: the adapter and its optimizer state only")
+    lora.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="PEFT's lora_alpha (default 8)")
+    lora.add_argument("--lora-rslora", action="store_true", help="rsLoRA scaling (the bytes are the same)")
+    lora.add_argument("--lora-target-modules", default=None, metavar="NAMES",
+                      help="comma-separated Linear modules (default q_proj,v_proj without --lora-target-parameters)")
+    lora.add_argument("--lora-target-parameters", default=None, metavar="NAMES",
+                      help="comma-separated parameters, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj")
+    parser.set_defaults(export_adapter=None)
+
+
 def lora_config_from_flags(args, model_dir: Path | None):
     """The `LoraConfig` the flags ask for, or None without --lora-rank (ValueError for a flag given without it)."""
     from ..lora import LoraConfig
