@@ -11,7 +11,7 @@ functions and under `TYPE_CHECKING` included (a lazy import is still a dependenc
     rank 4  models       the model core: families (data + free functions), decoder, step, layer stack, KV cache
     rank 5  converters | inference | training   (siblings: none of the three imports another)
     rank 6  facade       causal_lm (the HF-shaped model classes, auto), pretrained, nnx, reporting, serving,
-                         __init__
+                         planning, __init__
     rank 7  entry        the command line and its jobs
 """
 
@@ -53,6 +53,7 @@ LAYER_OF_PATH = {
     "moe_jax/nnx/": "facade",
     "moe_jax/reporting/": "facade",
     "moe_jax/serving/": "facade",   # the HTTP server over inference's manager (FastAPI, an optional extra)
+    "moe_jax/planning/": "facade",  # which layout to use: compiles the real train step, so above training
     "moe_jax/cli/": "entry",  # the commands, the launcher, the demo
 }
 
