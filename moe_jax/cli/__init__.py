@@ -53,15 +53,19 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
                         help="with --train: the optimizer whose state is counted (default adamw)")
+    from .plan_auto import add_auto_arguments
+
+    add_auto_arguments(parser)
 
 
 def _train_memory_text(model, optimizer_name: str) -> str:
-    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state."""
+    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state, as the train
+    step holds it (buffers get no optimizer state)."""
     from ..training.memory import memory_table, train_state_memory
-    from ..training.optimizers import build_optimizer
+    from ..training.optimizers import build_optimizer, freeze_buffers
     from ..training.state import abstract_train_state
 
-    state = abstract_train_state(model, build_optimizer(optimizer_name, learning_rate=1e-3))
+    state = abstract_train_state(model, freeze_buffers(build_optimizer(optimizer_name, learning_rate=1e-3), model))
     return memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters)")
 
 
@@ -69,6 +73,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..reporting.plan_report import plan_report
 
+    if args.auto:
+        from .plan_auto import run_auto
+
+        return run_auto(args)
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
     distributed_config = distributed_config_from_flags(args)
@@ -89,7 +97,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 command("plan", "show the resolved plans, each parameter's PartitionSpec and shard shape, and the layout "
-                "(--train: the per-device bytes of parameters and optimizer state)")(
+                "(--train: the per-device bytes of parameters and optimizer state; --auto: rank every legal "
+                "layout of --devices by memory and predicted step time)")(
     (_plan_arguments, _run_plan)
 )
 
