@@ -207,14 +207,19 @@ def enumerate_layouts(config_values: dict, *, devices: int, batch_size: int, seq
         for layout in (space or layout_space)(devices, mode):
             try:
                 config = layout.distributed_config()
+            except (ValueError, NotImplementedError) as error:
+                excluded.append(Excluded(layout, str(error)))
+                continue
+            # before building the model: the batch check is arithmetic, the model takes milliseconds
+            if (reason := batch_error(layout, batch_size, seq_len, grad_accum if mode == "train" else 1)):
+                excluded.append(Excluded(layout, reason))
+                continue
+            try:
                 model = AutoModelForCausalLM.from_config(config_values, config, abstract=True,
                                                          **(model_options or {}), **layout.model_options())
                 check_ep_implementation(layout, model.config.num_experts)
             except (ValueError, NotImplementedError) as error:
                 excluded.append(Excluded(layout, str(error)))
-                continue
-            if (reason := batch_error(layout, batch_size, seq_len, grad_accum if mode == "train" else 1)):
-                excluded.append(Excluded(layout, reason))
                 continue
             candidates.append(Candidate(layout, model))
     return candidates, excluded

@@ -5,8 +5,8 @@
 
 First from the train state alone: the smallest count above `start` with a legal layout whose parameters,
 float32 gradients and optimizer state fit (tried count by count from the bound of a perfectly sharded state,
-over the sizes that change the state: EP implementations and microbatches do not, and HSDP replicas only add
-to it). Then the few layouts with the least state at that count are compiled to check activations and
+over the sizes that change the state: EP implementations, microbatches and the ep size do not, and HSDP
+replicas only add to it). Then the few layouts with the least state at that count are compiled to check activations and
 temporaries too, count after count, while compiles remain and the devices exist.
 """
 
@@ -40,10 +40,12 @@ def _state_candidates(config_values: dict, request: PlanRequest, count: int) -> 
 
 
 def _state_space(devices: int, mode: str):
+    """One layout per (tp, fsdp, pp) and ep in {1, fsdp x tp}: experts are split over ep x efsdp = fsdp x tp
+    devices whatever ep is, so the other ep sizes hold the same state (and HSDP replicas hold more)."""
     kept, seen = [], set()
     for layout in layout_space(devices, mode):
         sizes = (layout.tp, layout.ep, layout.fsdp, layout.pp)
-        if layout.dp_replicate > 1 or sizes in seen:
+        if layout.dp_replicate > 1 or layout.ep not in (1, layout.tp * layout.fsdp) or sizes in seen:
             continue
         seen.add(sizes)
         kept.append(layout)

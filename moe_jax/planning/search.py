@@ -88,14 +88,20 @@ def check_is_moe(config_values: dict) -> None:
 
 
 def default_cpu_devices(count: int) -> list:
+    """Up to `count` of JAX's CPU devices (fewer when JAX started with fewer)."""
     import jax
 
-    devices = jax.devices("cpu")
-    if len(devices) < count:
-        raise ValueError(f"planning {count} devices compiles on {count} CPU devices but JAX has {len(devices)}: set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts (the "
-                         "moe-jax plan command does it for you).")
-    return devices[:count]
+    return jax.devices("cpu")[:count]
+
+
+def _planning_devices(cpu_devices: Callable[[int], list], count: int, devices: int) -> list:
+    """`cpu_devices(count)`, checked to hold at least the `devices` every layout compiles on."""
+    provided = list(cpu_devices(count))
+    if len(provided) < devices:
+        raise ValueError(f"planning {devices} devices compiles on {devices} CPU devices but JAX has "
+                         f"{len(provided)}: set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before "
+                         "JAX starts (the moe-jax plan command does it for you).")
+    return provided
 
 
 def padding_fraction(layout: Layout, model, request: PlanRequest, capacity: float | None) -> float:
@@ -164,9 +170,11 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  hardware: str | HardwareProfile = "h100", device_memory: int | str | None = None,
                  margin: float = DEFAULT_MARGIN, nodes: int | None = None, max_compiles: int | None = None,
                  time_budget: float | None = None, cpu_devices: Callable[[int], list] | None = None,
-                 progress: Callable[[str], None] | None = None, **settings) -> LayoutPlan:
+                 progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
+                 **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
+    include: plan only the legal layouts it accepts (default: all).
     Nothing starts JAX's CPU backend before `cpu_devices` is first called, with the most devices the plan
     will compile on (more than `devices` when the state fits nowhere: the smallest count where it does)."""
     if devices < 1:
@@ -186,6 +194,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                                              model_options=request.model_options())
     if not candidates:
         raise ValueError(no_layout_message(devices, batch_size, excluded))
+    if include is not None:
+        candidates = [candidate for candidate in candidates if include(candidate.layout)]
     if device_memory is not None:
         memory_bytes = parse_memory_size(device_memory)
     elif profile is not None:
@@ -202,7 +212,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     if all(state > usable for state in held.values()):   # nothing can fit here: find where it can, first
         bound = state_bound(values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
                             one_device_state=one_device_state)
-    planned_devices = cpu_devices(max(devices, bound[0] or devices) if bound else devices)[:devices]
+    provided = _planning_devices(cpu_devices, max(devices, bound[0] or devices) if bound else devices, devices)
+    planned_devices = provided[:devices]
     profile = profile or load_hardware("cpu", devices=devices)
     devices_per_node = devices // nodes if nodes else profile.devices_per_node
 
@@ -229,18 +240,11 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     elif plan.best is None:
         plan.min_devices_to_fit, plan.min_devices_note = smallest_fitting(
             values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
-            one_device_state=one_device_state, cpu_devices=cpu_devices,
-            available=len(_available_cpu_devices()), first=bound)
+            one_device_state=one_device_state, cpu_devices=cpu_devices, available=len(provided), first=bound)
     return plan
 
 
 OUT_OF_BUDGET = "not compiled: the compile budget ran out (raise --max-compiles or --time-budget to plan it)"
-
-
-def _available_cpu_devices() -> list:
-    import jax
-
-    return jax.devices("cpu")
 
 
 def _one_device(values: dict, request: PlanRequest) -> Candidate:

@@ -45,6 +45,19 @@ def local_storage_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_STATE_SHAPES: dict = {}
+
+
+def _optimizer_state_shapes(optimizer, model, storage: tuple):
+    """The optimizer state's shapes for parameters of `storage` ((name, shape, dtype), ...), traced once per
+    storage layout and optimizer: layouts without pipeline stages store the same shapes, only sharded apart."""
+    key = (id(optimizer), storage, frozenset(model.module_tree.buffers()))
+    if key not in _STATE_SHAPES:
+        abstract = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in storage}
+        _STATE_SHAPES[key] = (optimizer, jax.eval_shape(freeze_buffers(optimizer, model).init, abstract))
+    return _STATE_SHAPES[key][1]
+
+
 def train_state_bytes(model, optimizer: optax.GradientTransformation) -> StateBytes:
     """model: built with `abstract=True` or on a mesh; optimizer: as given to `make_train_step`."""
     local = local_storage_shapes(model)
@@ -52,8 +65,8 @@ def train_state_bytes(model, optimizer: optax.GradientTransformation) -> StateBy
     global_shapes = model.storage_shapes()
     parameters = sum(math.prod(shape) * np.dtype(dtypes[name]).itemsize for name, shape in local.items())
     gradients = sum(math.prod(shape) * np.dtype(np.float32).itemsize for shape in local.values())
-    abstract = {name: jax.ShapeDtypeStruct(shape, dtypes[name]) for name, shape in global_shapes.items()}
-    opt_state = jax.eval_shape(freeze_buffers(optimizer, model).init, abstract)
+    opt_state = _optimizer_state_shapes(optimizer, model, tuple((name, tuple(shape), np.dtype(dtypes[name]).name)
+                                                                 for name, shape in global_shapes.items()))
 
     def leaf_bytes(path, leaf) -> int:
         for entry in reversed(path):
