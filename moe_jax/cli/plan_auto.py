@@ -5,7 +5,7 @@
 
 Plans every legal layout from its step compiled on virtual CPU devices (`moe_jax.planning`) and prints them
 ranked, with the command and `DistributedConfig` of the best. The virtual devices are requested here, before
-JAX starts, as many as the plan compiles on.
+JAX starts: a pool of them, so that a layout can be compiled on more devices than asked for when none fits.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 from .layout_flags import LAYOUT_FLAGS
 
-DEFAULT_TIME_BUDGET = 90.0
+DEFAULT_TIME_BUDGET = 60.0
 # Virtual CPU devices requested when JAX starts, at least: enough to compile a layout on more devices than asked
 # for when none fits there (min_devices_to_fit); an unused virtual device costs nothing.
 DEVICE_POOL = 512
@@ -84,18 +84,19 @@ def check_auto_flags(args: argparse.Namespace) -> None:
         raise ValueError("--auto plans --train or --serve, not both.")
 
 
-def cpu_devices_provider(devices: int):
-    """`cpu_devices(count)` for the planner: asks XLA for virtual CPU devices on its first call (before JAX
-    starts), then hands out up to the first `count`."""
+def request_virtual_devices(devices: int) -> None:
+    """Ask XLA for the virtual CPU devices the plan compiles on, before anything starts JAX (building a model
+    may: a plan warning asks which process it is in)."""
     from ..host_devices import use_cpu_devices
 
-    def provide(count: int) -> list:
-        use_cpu_devices(max(count, devices, DEVICE_POOL), override=True)   # no effect once JAX has started
-        import jax
+    use_cpu_devices(max(devices, DEVICE_POOL), override=True)
 
-        return jax.devices("cpu")[:count]
 
-    return provide
+def cpu_devices(count: int) -> list:
+    """Up to the first `count` CPU devices: the planner's `cpu_devices`."""
+    import jax
+
+    return jax.devices("cpu")[:count]
 
 
 def run_auto(args: argparse.Namespace) -> int:
@@ -110,6 +111,7 @@ def run_auto(args: argparse.Namespace) -> int:
         # XLA's C++ warnings about the planned programs (a partitioner's resharding, per layout) would bury the
         # answer; the costs they describe are in the rows. Read when JAX starts: no effect once it has.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    request_virtual_devices(args.devices)
     if args.device_memory is not None:
         print(f"device memory: {describe_memory_size(args.device_memory)}", file=sys.stderr)
     start = time.perf_counter()
@@ -117,7 +119,7 @@ def run_auto(args: argparse.Namespace) -> int:
         args.model, devices=args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
         mode="serve" if args.serve else "train", hardware=args.hardware, device_memory=args.device_memory,
         margin=args.memory_margin, nodes=args.nodes, max_compiles=args.max_compiles,
-        time_budget=args.time_budget or None, cpu_devices=cpu_devices_provider(args.devices),
+        time_budget=args.time_budget or None, cpu_devices=cpu_devices,
         progress=lambda message: print(f"[{time.perf_counter() - start:5.0f} s] {message}", file=sys.stderr),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
         grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len)

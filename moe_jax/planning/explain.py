@@ -53,6 +53,22 @@ def explain(estimates: list[LayoutEstimate]) -> None:
         estimate.why = why_text(estimate, best)
 
 
+def no_fit_hint(estimates: list[LayoutEstimate], request: PlanRequest) -> str:
+    """What to change when no layout fits: fewer activations when they are the largest part of the compiled
+    rows, else more devices or less state."""
+    compiled = [estimate for estimate in estimates if estimate.compiled]
+    if compiled and request.mode == "train":
+        smallest = min(compiled, key=lambda estimate: estimate.memory.total)
+        memory = smallest.memory
+        if memory.activations + memory.temporaries > memory.parameters + memory.optimizer + memory.gradients:
+            options = ["--remat full (each layer keeps only its input for the backward pass)"] if (
+                request.remat != "full") else []
+            return ("the step's activations and temporaries are most of it: try "
+                    + ", ".join(options + ["a shorter --seq-len or a smaller --batch-size", "more devices"]))
+    precision = "" if request.dtype != "float32" or request.mixed_precision else ", --dtype bfloat16"
+    return f"the parameters, gradients and optimizer state are most of it: try more devices{precision}"
+
+
 def distributed_config_text(layout: Layout) -> str:
     sizes = layout.config_sizes()
     text = ", ".join(f"{name}={value!r}" for name, value in sizes.items()

@@ -13,6 +13,7 @@ temporaries too, count after count, while compiles remain and the devices exist.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 from .compiled_step import compile_layout_step
@@ -69,22 +70,25 @@ def state_bound(config_values: dict, request: PlanRequest, *, start: int, usable
 
 def smallest_fitting(config_values: dict, request: PlanRequest, *, start: int, usable_bytes: float, optimizer,
                      one_device_state: int, cpu_devices: Callable[[int], list] | None, available: int,
-                     first: tuple | None = None) -> tuple[int | None, str]:
-    """(device count, how it was established): checked by compiling where the devices and compiles allow.
-    first: `state_bound`'s answer for `start` when already known."""
+                     first: tuple | None = None, deadline: float | None = None) -> tuple[int | None, str]:
+    """(device count, how it was established): checked by compiling where the devices, compiles and time
+    (`deadline`, a `time.perf_counter()` value) allow. first: `state_bound`'s answer for `start` when known."""
     count, fitting = first or state_bound(config_values, request, start=start, usable_bytes=usable_bytes,
                                           optimizer=optimizer, one_device_state=one_device_state)
-    compiles = 0
+    compiles, too_small = 0, []
     while count is not None:
-        if count > available or cpu_devices is None or compiles >= VERIFY_COMPILES:
-            return count, (f"{count} devices hold the parameters, gradients and optimizer state; activations "
-                           "and temporaries there were not compiled")
-        devices = cpu_devices(count)
+        unchecked = (f"{count} devices hold the parameters, gradients and optimizer state; activations and "
+                     "temporaries there were not compiled"
+                     + (f" (compiled at {', '.join(too_small)} devices, the step did not fit)" if too_small else ""))
         for candidate in fitting[:VERIFY_LAYOUTS]:
-            step = compile_layout_step(config_values, candidate.layout, request, devices)
+            out_of_time = deadline is not None and time.perf_counter() > deadline
+            if count > available or cpu_devices is None or compiles >= VERIFY_COMPILES or out_of_time:
+                return count, unchecked
+            step = compile_layout_step(config_values, candidate.layout, request, cpu_devices(count))
             compiles += 1
             if step.memory.total <= usable_bytes:
                 return count, f"{candidate.layout.name} on {count} devices compiled: {step.memory.total / 2**30:.1f} GiB"
+        too_small.append(str(count))
         count, fitting = state_bound(config_values, request, start=count, usable_bytes=usable_bytes,
                                      optimizer=optimizer, one_device_state=one_device_state)
     return None, f"no count up to {SEARCH_LIMIT} devices holds the state"

@@ -174,9 +174,9 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
-    include: plan only the legal layouts it accepts (default: all).
-    Nothing starts JAX's CPU backend before `cpu_devices` is first called, with the most devices the plan
-    will compile on (more than `devices` when the state fits nowhere: the smallest count where it does)."""
+    include: plan only the legal layouts it accepts (default: all). cpu_devices(count): up to `count` CPU
+    devices to compile on (default: JAX's); asked first for the most the plan may use (more than `devices`
+    when the state fits nowhere: the smallest count where it does)."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: plan at least one device.")
     if not 0 <= margin < 1:
@@ -240,7 +240,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     elif plan.best is None:
         plan.min_devices_to_fit, plan.min_devices_note = smallest_fitting(
             values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
-            one_device_state=one_device_state, cpu_devices=cpu_devices, available=len(provided), first=bound)
+            one_device_state=one_device_state, cpu_devices=cpu_devices, available=len(provided), first=bound,
+            deadline=None if time_budget is None else start + time_budget)
     return plan
 
 

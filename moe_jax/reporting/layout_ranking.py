@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..planning.explain import command_text, distributed_config_text, model_options_text
+from ..planning.explain import command_text, distributed_config_text, model_options_text, no_fit_hint
 from ..planning.search import LayoutPlan
 
 GIB = 2**30
@@ -49,7 +49,8 @@ def answer_text(plan: LayoutPlan, model: str) -> str:
     if best is None:
         found = (f"the smallest device count on which one would: {plan.min_devices_to_fit} ({plan.min_devices_note})"
                  if plan.min_devices_to_fit is not None else f"no device count found ({plan.min_devices_note})")
-        return f"No layout of {plan.devices} devices fits {_gib(plan.estimates[0].usable_bytes)} GiB per device; {found}."
+        return (f"No layout of {plan.devices} devices fits {_gib(plan.estimates[0].usable_bytes)} GiB per device; "
+                f"{found}.\n{no_fit_hint(plan.estimates, plan.request)}.")
     options = model_options_text(best.layout)
     lines = [f"Use rank 1, {best.layout.name}: {best.step_seconds:.4g} s per step, {_gib(best.memory.total)} GiB "
              "per device.",
