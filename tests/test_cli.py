@@ -113,3 +113,29 @@ def test_plan_train_with_a_lora_rank_counts_the_adapter_state_beside_the_frozen_
     assert "LoRA r=4 adapter trained" in lora_out and "beside it, frozen in the model: parameter bytes" in lora_out
     assert float(lora.split()[2]) < float(full.split()[2]) and full.split()[3] == lora.split()[3] == "KiB"
     assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--lora-rank", "4"]) == 2
+
+
+def test_plan_auto_ranks_layouts_and_writes_the_json_rows(tmp_path, capsys):
+    checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
+    output = tmp_path / "plan.json"
+    assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--batch-size", "16",
+                 "--seq-len", "32", "--train", "--device-memory", "80GB", "--max-compiles", "2",
+                 "--json", str(output)]) == 0
+    captured = capsys.readouterr()
+    assert "80GB = 80 x 10^9 bytes (74.5 GiB)" in captured.err
+    out = captured.out
+    assert "Use rank 1," in out and f"moe-jax train --model {checkpoint} --tp" in out and "DistributedConfig(" in out
+    assert "not compiled: the compile budget ran out" in out and "excluded:" in out
+    document = json.loads(output.read_text())
+    assert document["min_devices_to_fit"] is None and document["layouts"][0]["rank"] == 1
+    assert document["layouts"][0]["fits"] and document["device_memory_bytes"] == 80 * 10**9
+
+
+def test_plan_auto_refuses_a_layout_and_needs_a_device_count(capsys):
+    checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
+    assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--tp", "2"]) == 2
+    assert "--auto chooses the layout: drop --tp" in capsys.readouterr().err
+    assert main(["plan", "--auto", "--model", str(checkpoint)]) == 2
+    assert "--auto needs --devices N" in capsys.readouterr().err
+    assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--hardware", "tpu-v9"]) == 2
+    assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err

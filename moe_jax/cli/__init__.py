@@ -58,19 +58,20 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --train: the optimizer whose state is counted (default adamw)")
     add_dequantize_flag(parser)
     add_plan_flags(parser)
-    parser.add_argument("--dtype", default="float32",
-                        help="the parameters' dtype to count bytes in: float32 (default), bfloat16 or float16 "
-                             "(quantised codes count as stored)")
+
+    from .plan_auto import add_auto_arguments
+
+    add_auto_arguments(parser)
 
 
 def _train_memory_text(model, optimizer_name: str) -> str:
-    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state (of its LoRA
-    adapter alone when it has one)."""
+    """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state, as the train
+    step holds it (buffers get no optimizer state; with a LoRA adapter, the adapter's alone)."""
     from ..training.memory import memory_table, train_state_memory
-    from ..training.optimizers import build_optimizer
+    from ..training.optimizers import build_optimizer, freeze_buffers
     from ..training.state import abstract_train_state
 
-    state = abstract_train_state(model, build_optimizer(optimizer_name, learning_rate=1e-3))
+    state = abstract_train_state(model, freeze_buffers(build_optimizer(optimizer_name, learning_rate=1e-3), model))
     adapter = "" if model.adapter_layout is None else f", LoRA r={model.adapter_layout.config.r} adapter trained"
     table = memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters{adapter})")
     if model.adapter_layout is None:
@@ -85,6 +86,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from ..checkpoint_files import read_config
     from ..reporting.plan_report import plan_report
 
+    if args.auto:
+        from .plan_auto import run_auto
+
+        return run_auto(args)
     if args.lora_rank is not None and not args.train:
         raise ValueError("--lora-rank counts a LoRA run's train state: add --train.")
     if args.optimizer is not None and not args.train:
@@ -110,7 +115,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 command("plan", "show the resolved plans, each parameter's PartitionSpec and shard shape, and the layout "
-                "(--train: the per-device bytes of parameters and optimizer state)")(
+                "(--train: the per-device bytes of parameters and optimizer state; --auto: rank every legal "
+                "layout of --devices by memory and predicted step time)")(
     (_plan_arguments, _run_plan)
 )
 

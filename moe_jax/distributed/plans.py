@@ -13,6 +13,7 @@ parameter), step for step as `DistributedMixin._resolve_parallel_plans` does.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ REMOVED_EP_ROUTER_ERROR = (
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)   # every plan resolution asks it of every parameter and module name
 def replace_layer_number_by_wildcard(name: str) -> str:
     """`model.layers.3.mlp` -> `model.layers.*.mlp`: only dot-delimited numbers, so `w1` stays `w1`."""
     return re.sub(r"\.\d+(\.|$)", lambda match: ".*" + match.group(1), name)

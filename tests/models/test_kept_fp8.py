@@ -118,3 +118,17 @@ def test_a_lora_adapter_trains_on_the_frozen_fp8_base(hub_checkpoint):
     dequantised.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj"]))
     dequantised.set_adapter_params(state.params)
     np.testing.assert_allclose(np.asarray(kept(IDS)), np.asarray(dequantised(IDS)), rtol=0, atol=1e-5)
+
+
+def test_plan_counts_deepseek_v3_kept_fp8_within_an_h200_on_fsdp8_ep8(capsys):
+    """The released DeepSeek-V3 (its public config, FP8 in 128 x 128 blocks) in bf16 on 8 devices: kept, its
+    parameters fit a 141 GiB H200; dequantised they do not."""
+    from moe_jax.cli import main
+
+    config = FIXTURES.parent / "configs" / "deepseek_v3.json"
+    gib = {}
+    for flag in ("--no-dequantize", "--dequantize"):
+        assert main(["plan", "--model", str(config), "--fsdp", "8", "--ep", "8", "--dtype", "bfloat16", flag]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parameter bytes"))
+        gib[flag] = float(line.split(":")[1].split()[0])
+    assert gib["--no-dequantize"] < 141 < gib["--dequantize"]

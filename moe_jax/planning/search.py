@@ -1,0 +1,276 @@
+"""Which layout to use: every legal layout of N devices, planned from its compiled step, ranked.
+
+    estimates = search_layouts("path/to/config.json", devices=8, batch_size=16, seq_len=4096, hardware="h100",
+                               device_memory="80GiB")
+    estimates[0].layout.distributed_config(), estimates[0].step_seconds, estimates[0].memory.total
+
+    plan = plan_layouts(...)            # the same, with the excluded layouts and the smallest count that fits
+    plan.min_devices_to_fit, plan.excluded, plan.as_json()
+
+Steps: enumerate the legal layouts (`layouts`); count each one's parameters, gradients and optimizer state from
+its shardings (`state_bytes`); compile the step of each whose state fits the device (`compiled_step`), most
+sharded first and one structural kind of layout after another, until `max_compiles` or `time_budget` runs
+out; predict each compiled step's time on the hardware (`step_time`); rank the ones that fit by time, then the
+rest by memory; say why (`explain`). When none fits, find the fewest devices on which one would
+(`min_devices`). Compiling needs as many CPU devices as the layouts (virtual ones: see `moe_jax.host_devices`);
+`cpu_devices(count)` provides them, by default the first `count` of `jax.devices("cpu")`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..checkpoint_files import read_config
+from ..distributed.capacity import buffer_rows
+from ..training.optimizers import build_optimizer
+from .compiled_step import compile_layout_step
+from .estimate import LayoutEstimate, MemoryBreakdown
+from .explain import explain
+from .hardware import HardwareProfile, load_hardware
+from .layouts import Candidate, Excluded, Layout, enumerate_layouts, quiet_model_building
+from .memory_size import parse_memory_size
+from .min_devices import smallest_fitting, state_bound, state_of
+from .request import PlanRequest
+from .state_bytes import train_state_bytes
+from .step_time import predict_step_time
+
+DEFAULT_MARGIN = 0.1
+
+
+@dataclass
+class LayoutPlan:
+    """The planner's answer: `estimates` ranked best first, the `excluded` layouts with their reasons, and,
+    when none fits, `min_devices_to_fit` (None when one fits, or none does up to the search's limit)."""
+
+    request: PlanRequest
+    devices: int
+    hardware: HardwareProfile
+    device_memory: int
+    margin: float
+    estimates: list[LayoutEstimate]
+    excluded: list[Excluded]
+    min_devices_to_fit: int | None = None
+    min_devices_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> LayoutEstimate | None:
+        return self.estimates[0] if self.estimates and self.estimates[0].fits else None
+
+    def as_json(self) -> dict:
+        return {
+            "layouts": [estimate.row() for estimate in self.estimates],
+            "min_devices_to_fit": self.min_devices_to_fit,
+            "min_devices_note": self.min_devices_note,
+            "devices": self.devices,
+            "device_memory_bytes": self.device_memory,
+            "memory_margin": self.margin,
+            "request": self.request.__dict__,
+            "hardware": self.hardware.to_dict(),
+            "excluded": [{"layout": item.layout.name, "distributed_config": item.layout.config_sizes(),
+                          "reason": item.reason} for item in self.excluded],
+            "notes": list(self.notes),
+        }
+
+
+def check_is_moe(config_values: dict) -> None:
+    """A clear error for a config moe_jax cannot plan: an unsupported family, or one without routed experts."""
+    from ..causal_lm.auto import AutoModelForCausalLM
+
+    with quiet_model_building():
+        model = AutoModelForCausalLM.from_config(config_values, abstract=True)
+    if not model.sparse_layers():
+        raise ValueError(f"{config_values.get('model_type')!r} config has no layer with routed experts (not an MoE "
+                         "model): there is no expert layout to plan. Check num_experts / the MoE layer settings of "
+                         "its config.json.")
+
+
+def default_cpu_devices(count: int) -> list:
+    """Up to `count` of JAX's CPU devices (fewer when JAX started with fewer)."""
+    import jax
+
+    return jax.devices("cpu")[:count]
+
+
+def _planning_devices(cpu_devices: Callable[[int], list], count: int, devices: int) -> list:
+    """`cpu_devices(count)`, checked to hold at least the `devices` every layout compiles on."""
+    provided = list(cpu_devices(count))
+    if len(provided) < devices:
+        raise ValueError(f"planning {devices} devices compiles on {devices} CPU devices but JAX has "
+                         f"{len(provided)}: set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before "
+                         "JAX starts (the moe-jax plan command does it for you).")
+    return provided
+
+
+def padding_fraction(layout: Layout, model, request: PlanRequest, capacity: float | None) -> float:
+    """The share of a dispatch buffer's rows that carry nothing when routing is balanced (0 without buffers)."""
+    if capacity is None or layout.ep == 1:
+        return 0.0
+    rows = request.tokens // layout.data_parallel // max(layout.pipeline.microbatches if layout.pipeline else 1, 1)
+    if request.mode == "train":
+        rows //= request.grad_accum
+    shares_batch = layout.ep == layout.tp
+    pairs = rows * model.config.num_experts_per_tok // (1 if shares_batch and layout.ep_implementation == "all_reduce"
+                                                        else layout.tp)
+    buffer = buffer_rows(capacity, pairs, layout.ep)
+    return max(0.0, 1.0 - pairs / layout.ep / buffer)
+
+
+def _priority(candidates: list[Candidate], held: dict[int, int]) -> list[Candidate]:
+    """Compile order: one layout of each structural kind (pipeline stages, HSDP, tp, expert parallelism) in
+    turn, the least state first within a kind, so that a budget that runs out has seen every kind."""
+    kinds: dict[tuple, list] = {}
+    for candidate in sorted(candidates, key=lambda c: (held[id(c)], c.layout.pp)):
+        layout = candidate.layout
+        kinds.setdefault((layout.pp, layout.dp_replicate > 1, layout.tp, layout.ep > 1), []).append(candidate)
+    ordered = []
+    while any(kinds.values()):
+        for members in kinds.values():
+            if members:
+                ordered.append(members.pop(0))
+    return ordered
+
+
+def _estimate(candidate: Candidate, state, request, usable, step, profile, devices_per_node, on_cpu) -> LayoutEstimate:
+    layout = candidate.layout
+    widened = 0 if on_cpu else step.peak.widened
+    total = step.memory.total - widened
+    activations = step.cache_bytes + (step.peak.forward if request.mode == "train" else 0)
+    gradients = step.peak.backward if request.mode == "train" else 0
+    optimizer = state.optimizer if request.mode == "train" else 0
+    temporaries = max(0, total - state.parameters - optimizer - activations - gradients)
+    memory = MemoryBreakdown(state.parameters, gradients, optimizer, activations, temporaries,
+                             state.parameters + optimizer + activations + gradients + temporaries)
+    padding = padding_fraction(layout, candidate.model, request, step.capacity)
+    time_ = predict_step_time(step.costs, profile, compute_dtype=request.compute_dtype,
+                              devices_per_node=devices_per_node, bubble_fraction=layout.bubble_fraction,
+                              padding_fraction=padding)
+    notes = []
+    if step.scanned_runs:
+        notes.append(f"{step.layers} layers compiled as {step.scanned_runs} scanned layer(s), costs scaled by "
+                     "trip count")
+    if step.costs.bounded_loops:
+        notes.append(f"{step.costs.bounded_loops} data-dependent tile loop(s) counted at their expected visits")
+    if widened:
+        notes.append(f"{widened / 2**30:.2f} GiB of XLA:CPU float32 copies of bfloat16 buffers left out")
+    return LayoutEstimate(layout, memory, usable, time_.seconds, time_.parts, time_.flops, time_.collective_bytes,
+                          padding, True, step.compile_seconds, notes)
+
+
+def _uncompiled(candidate: Candidate, state, request, usable, why: str = "") -> LayoutEstimate:
+    optimizer = state.optimizer if request.mode == "train" else 0
+    gradients = state.gradients if request.mode == "train" else 0
+    memory = MemoryBreakdown(state.parameters, gradients, optimizer, None, None, state.parameters + optimizer + gradients)
+    return LayoutEstimate(candidate.layout, memory, usable, why=why)
+
+
+def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 2048, mode: str = "train",
+                 hardware: str | HardwareProfile = "h100", device_memory: int | str | None = None,
+                 margin: float = DEFAULT_MARGIN, nodes: int | None = None, max_compiles: int | None = None,
+                 time_budget: float | None = None, cpu_devices: Callable[[int], list] | None = None,
+                 progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
+                 **settings) -> LayoutPlan:
+    """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
+    `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
+    include: plan only the legal layouts it accepts (default: all). cpu_devices(count): up to `count` CPU
+    devices to compile on (default: JAX's); asked first for the most the plan may use (more than `devices`
+    when the state fits nowhere: the smallest count where it does)."""
+    if devices < 1:
+        raise ValueError(f"--devices {devices}: plan at least one device.")
+    if not 0 <= margin < 1:
+        raise ValueError(f"memory margin {margin} must be in [0, 1): the share of device memory kept free.")
+    if nodes is not None and (nodes < 1 or devices % nodes):
+        raise ValueError(f"--nodes {nodes} must divide --devices {devices} (devices per node = devices / nodes).")
+    values = read_config(config)
+    check_is_moe(values)
+    request = PlanRequest(mode=mode, batch_size=batch_size, seq_len=seq_len, **settings)
+    cpu_devices = cpu_devices or default_cpu_devices
+    profile = hardware if isinstance(hardware, HardwareProfile) else (
+        None if hardware == "cpu" else load_hardware(hardware))
+    candidates, excluded = enumerate_layouts(values, devices=devices, batch_size=batch_size, seq_len=seq_len,
+                                             mode=mode, grad_accum=request.grad_accum,
+                                             model_options=request.model_options())
+    if not candidates:
+        raise ValueError(no_layout_message(devices, batch_size, excluded))
+    if include is not None:
+        candidates = [candidate for candidate in candidates if include(candidate.layout)]
+    if device_memory is not None:
+        memory_bytes = parse_memory_size(device_memory)
+    elif profile is not None:
+        memory_bytes = int(profile.memory_bytes)
+    else:                                      # cpu: the host's memory, shared by the devices
+        from .cpu_calibration import host_memory_bytes
+        memory_bytes = host_memory_bytes() // devices
+    usable = int(memory_bytes * (1 - margin))
+    optimizer = build_optimizer(request.optimizer, learning_rate=1e-3)
+    states = {id(c): train_state_bytes(c.model, optimizer) for c in candidates}
+    held = {id(c): states[id(c)].total if mode == "train" else states[id(c)].parameters for c in candidates}
+    one_device_state = state_of(_one_device(values, request), request, optimizer)
+    bound = None
+    if all(state > usable for state in held.values()):   # nothing can fit here: find where it can, first
+        bound = state_bound(values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
+                            one_device_state=one_device_state)
+    provided = _planning_devices(cpu_devices, max(devices, bound[0] or devices) if bound else devices, devices)
+    planned_devices = provided[:devices]
+    profile = profile or load_hardware("cpu", devices=devices)
+    devices_per_node = devices // nodes if nodes else profile.devices_per_node
+
+    estimates, start, compiled = [], time.perf_counter(), 0
+    for candidate in _priority([c for c in candidates if held[id(c)] <= usable], held):
+        if (max_compiles is not None and compiled >= max_compiles) or (
+                time_budget is not None and time.perf_counter() - start > time_budget):
+            estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET))
+            continue
+        if progress is not None:
+            progress(f"compiling {compiled + 1}: {candidate.layout.name}")
+        step = compile_layout_step(values, candidate.layout, request, planned_devices)
+        compiled += 1
+        estimates.append(_estimate(candidate, states[id(candidate)], request, usable, step, profile,
+                                   devices_per_node, profile.name == "cpu"))
+    estimates += [_uncompiled(c, states[id(c)], request, usable) for c in candidates if held[id(c)] > usable]
+    estimates.sort(key=LayoutEstimate.sort_key)
+    for rank, estimate in enumerate(estimates, 1):
+        estimate.rank = rank
+    explain(estimates)
+    plan = LayoutPlan(request, devices, profile, memory_bytes, margin, estimates, excluded)
+    if plan.best is None and any(estimate.why == OUT_OF_BUDGET for estimate in estimates):
+        plan.min_devices_note = "not searched: some layouts that may fit were not compiled (compile budget)"
+    elif plan.best is None:
+        plan.min_devices_to_fit, plan.min_devices_note = smallest_fitting(
+            values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
+            one_device_state=one_device_state, cpu_devices=cpu_devices, available=len(provided), first=bound,
+            deadline=None if time_budget is None else start + time_budget)
+    return plan
+
+
+OUT_OF_BUDGET = "not compiled: the compile budget ran out (raise --max-compiles or --time-budget to plan it)"
+
+
+def _one_device(values: dict, request: PlanRequest) -> Candidate:
+    from ..causal_lm.auto import AutoModelForCausalLM
+
+    with quiet_model_building():
+        model = AutoModelForCausalLM.from_config(values, abstract=True, **request.model_options())
+    return Candidate(Layout(1, 1, 1, 1, 1), model)
+
+
+def no_layout_message(devices: int, batch_size: int, excluded: list[Excluded]) -> str:
+    """Why no layout of `devices` devices works, with the most common reasons and what to change."""
+    counts: dict[str, int] = {}
+    for item in excluded:
+        counts[item.reason] = counts.get(item.reason, 0) + 1
+    reasons = "; ".join(reason for reason, _ in sorted(counts.items(), key=lambda pair: -pair[1])[:3])
+    return (f"no layout of --devices {devices} can run this model with --batch-size {batch_size}: {reasons}. "
+            "Try a device count whose factors divide the model's heads, experts and layers (e.g. a power of two), "
+            "or a batch size that is a multiple of the data-parallel sizes.")
+
+
+def search_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 2048, mode: str = "train",
+                   hardware: str | HardwareProfile = "h100", device_memory: int | str | None = None,
+                   **options) -> list[LayoutEstimate]:
+    """The legal layouts of `devices` devices for `config`, planned and ranked best first (`plan_layouts`
+    without the excluded layouts and the device search)."""
+    return plan_layouts(config, devices=devices, batch_size=batch_size, seq_len=seq_len, mode=mode,
+                        hardware=hardware, device_memory=device_memory, **options).estimates
