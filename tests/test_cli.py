@@ -5,6 +5,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from moe_jax.cli import build_parser, main
 from tests.models.hf_reference import TINY_QWEN3_MOE
 
@@ -139,3 +141,12 @@ def test_plan_auto_refuses_a_layout_and_needs_a_device_count(capsys):
     assert "--auto needs --devices N" in capsys.readouterr().err
     assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_plan_help_names_every_hardware_profile_without_importing_the_planner(capsys):
+    from moe_jax.planning.hardware import HARDWARE_CHOICES
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in HARDWARE_CHOICES)

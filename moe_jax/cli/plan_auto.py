@@ -26,8 +26,6 @@ DEVICE_POOL = 512
 
 def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     """The --auto flags of `moe-jax plan` (the layout and --train/--optimizer flags are the command's own)."""
-    from ..planning.hardware import HARDWARE_CHOICES
-
     group = parser.add_argument_group("--auto: choose the layout")
     group.add_argument("--auto", action="store_true",
                        help="rank every legal layout of --devices for the model, batch and hardware, from each "
@@ -57,7 +55,8 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --auto: share of device memory kept free for what the plan does not see "
                             "(allocator fragmentation, the runtime; default 0.1)")
     group.add_argument("--hardware", default="h100",
-                       help=f"with --auto: {', '.join(HARDWARE_CHOICES)}, or a JSON file of a profile's fields "
+                       help="with --auto: a named profile of moe_jax/planning/hardware.py (h100, h200, b200, a100, "
+                            "tpu-v5p), cpu, or a JSON file of a profile's fields "
                             "(default h100: datasheet rates; cpu: measured now on this machine; GPU and TPU "
                             "profiles are not measured here, only their datasheets are used)")
     group.add_argument("--nodes", type=int, default=None,
