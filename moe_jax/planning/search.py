@@ -226,7 +226,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
             continue
         if progress is not None:
             progress(f"compiling {compiled + 1}: {candidate.layout.name}")
-        step = compile_layout_step(values, candidate.layout, request, planned_devices)
+        step = compile_layout_step(values, candidate.layout, request, planned_devices,
+                                   for_cpu=profile.name == "cpu")
         compiled += 1
         estimates.append(_estimate(candidate, states[id(candidate)], request, usable, step, profile,
                                    devices_per_node, profile.name == "cpu"))
