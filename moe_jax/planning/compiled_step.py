@@ -161,8 +161,11 @@ def _read_dump(directory: Path, suffix: str) -> str:
     return found[-1].read_text(encoding="utf-8")
 
 
-def compile_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices) -> CompiledStep:
-    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices)."""
+def compile_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices, *,
+                        for_cpu: bool = True) -> CompiledStep:
+    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices).
+    for_cpu: the plan is for CPU devices; else XLA:CPU's own costs are left out of `costs`
+    (`hlo_costs.program_costs`' cpu_artifacts)."""
     start = time.perf_counter()
     model = build_model(config_values, layout, request, devices)
     lowered, batch_bytes, cache_bytes, capacity = PROGRAMS[request.mode](model, layout, request)
@@ -180,7 +183,7 @@ def compile_layout_step(config_values: dict, layout: Layout, request: PlanReques
     peak = peak_holders(live_ranges, widening_converts(module)) or PeakHolders(0, 0, memory.temp)
     capacity_fill = 1.0 if capacity is None else 1.0 / capacity
     costs = program_costs(module, device_count=layout.devices, pipeline_iterations=layout.pipeline_iterations,
-                          tile_fill=capacity_fill)
+                          tile_fill=capacity_fill, cpu_artifacts=for_cpu)
     stack = model.layer_stack
     scanned = sum(1 for run in stack.runs if run.scanned) if stack.pipeline is None else len(stack.pipeline.groups)
     return CompiledStep(memory, peak, costs, batch_bytes, cache_bytes, scanned, model.config.num_hidden_layers,

@@ -35,6 +35,9 @@ FREE_OPCODES = frozenset({
 SLICING_OPCODES = frozenset({"dynamic-slice", "slice", "gather"})
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NARROW_FLOATS = ("bf16", "f16")
+# Ops that re-type or re-view a value without computing on it: through them a fusion's parameter is still the
+# buffer a dynamic-update-slice updates.
+_VIEW_OPCODES = frozenset({"convert", "bitcast", "copy", "reshape"})
 # Ops inside a fusion that only re-type or re-view values (a widening convert fusion is made of these).
 _CONVERSION_OPCODES = frozenset({"parameter", "convert", "bitcast", "copy", "reshape", "transpose", "tuple",
                                  "get-tuple-element", "broadcast", "slice"})
@@ -108,11 +111,13 @@ def dot_flops(instruction: Instruction, computation: Computation) -> float:
 
 
 class _Walker:
-    def __init__(self, module: HloModule, device_count: int, pipeline_iterations: int | None, tile_fill: float):
+    def __init__(self, module: HloModule, device_count: int, pipeline_iterations: int | None, tile_fill: float,
+                 cpu_artifacts: bool = True):
         self.module = module
         self.device_count = device_count
         self.pipeline_iterations = pipeline_iterations
         self.tile_fill = tile_fill
+        self.cpu_artifacts = cpu_artifacts
 
     # ---- fused computations ------------------------------------------------------------------------------
     def fused_flops(self, name: str) -> float:
@@ -127,8 +132,11 @@ class _Walker:
         return flops
 
     def fusion_bytes(self, instruction: Instruction, computation: Computation) -> float:
-        """Operands read plus result written, with sliced operands and in-place updates at their real size."""
+        """Operands read plus result written, with sliced operands and in-place updates at their real size.
+        Planning for an accelerator, an update XLA:CPU could not do in place (its bf16 buffer widened to f32
+        around the dynamic-update-slice, then narrowed back) counts as the in-place update it is there."""
         fused = self.module.computations[instruction.called("calls")[0]]
+        views = _VIEW_OPCODES if not self.cpu_artifacts else frozenset()
         parameters = {int(i.operand_text): i for i in fused.instructions if i.opcode == "parameter"}
         users: dict[str, list[Instruction]] = {}
         for inner in fused.instructions:
@@ -139,18 +147,30 @@ class _Walker:
             parameter = parameters.get(index)
             producer = computation.by_name.get(operand)
             full = producer.result_bytes if producer is not None else 0
-            uses = users.get(parameter.name, []) if parameter is not None else []
-            in_place = uses and all(use.operands[0] == parameter.name and (
-                use.opcode in SLICING_OPCODES or use.opcode == "dynamic-update-slice") for use in uses)
+            uses = _terminal_uses(parameter.name, users, views) if parameter is not None else []
+            in_place = uses and all(use.opcode in SLICING_OPCODES or use.opcode == "dynamic-update-slice"
+                                    for _, use in uses) and all(use.operands[0] == source for source, use in uses)
             # sliced (a window of it read) or updated in place (only the update written, below): not read whole
-            read += sum(use.result_bytes for use in uses if use.opcode in SLICING_OPCODES) if in_place else full
-        root = fused.root
-        if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-            update = fused.by_name.get(root.operands[1])
-            written = update.result_bytes if update is not None else root.result_bytes
-        else:
-            written = instruction.result_bytes
+            read += sum(use.result_bytes for _, use in uses if use.opcode in SLICING_OPCODES) if in_place else full
+        update = _root_update(fused, views)
+        written = update.result_bytes if update is not None else instruction.result_bytes
         return read + written
+
+    def updates_in_place(self, instruction: Instruction | None) -> bool:
+        return (instruction is not None and instruction.opcode == "fusion"
+                and _root_update(self.module.computations[instruction.called("calls")[0]], _VIEW_OPCODES) is not None)
+
+    def in_place_copy(self, instruction: Instruction, computation: Computation,
+                      users: dict[str, list[Instruction]]) -> bool:
+        """A copy XLA:CPU makes of a loop buffer because its update was not in place (see fusion_bytes): of
+        such an update's result, or of the buffer it updates next."""
+        if self.cpu_artifacts or instruction.opcode != "copy" or not instruction.operands:
+            return False
+        if self.updates_in_place(computation.by_name.get(instruction.operands[0])):
+            return True
+        consumers = users.get(instruction.name, [])
+        return bool(consumers) and all(self.updates_in_place(consumer) and consumer.operands[0] == instruction.name
+                                       for consumer in consumers)
 
     # ---- collectives -------------------------------------------------------------------------------------
     def widening_scale(self, operand: str, computation: Computation) -> float:
@@ -212,9 +232,15 @@ class _Walker:
 
     def walk(self, name: str, runs: float, in_pipeline: bool, costs: ProgramCosts, enclosing: tuple = ()) -> None:
         computation = self.module.computations[name]
+        users: dict[str, list[Instruction]] = {}
+        for instruction in computation.instructions:
+            for operand in instruction.operands:
+                users.setdefault(operand, []).append(instruction)
         for instruction in computation.instructions:
             opcode = instruction.opcode
             if opcode in FREE_OPCODES or opcode.endswith("-done") or opcode in ("async-update",):
+                continue
+            if self.in_place_copy(instruction, computation, users):
                 continue
             if opcode == "while":
                 body_runs, known = self.loop_runs(instruction, runs, enclosing)
@@ -273,14 +299,40 @@ class _Walker:
 
 
 def program_costs(module: HloModule, *, device_count: int, pipeline_iterations: int | None = None,
-                  tile_fill: float = 1.0) -> ProgramCosts:
+                  tile_fill: float = 1.0, cpu_artifacts: bool = True) -> ProgramCosts:
     """The kernels and collectives of one device's step. pipeline_iterations: the pipeline loop's trip count
     (microbatches x repeats + stages - 1), whose loops' work is marked `in_pipeline` (None: no pipeline).
     tile_fill: the share of a tile loop's static schedule expected to be live (the real rows over the rows of
-    the buffers it runs on: 1 / capacity behind dispatch buffers, 1 without)."""
+    the buffers it runs on: 1 / capacity behind dispatch buffers, 1 without). cpu_artifacts: count what only
+    XLA:CPU does (updates of widened bf16 buffers out of place, the copies they need); False when planning for
+    an accelerator, whose backend updates them in place."""
     costs = ProgramCosts()
-    _Walker(module, device_count, pipeline_iterations, tile_fill).walk(module.entry_name, 1.0, False, costs)
+    _Walker(module, device_count, pipeline_iterations, tile_fill, cpu_artifacts).walk(module.entry_name, 1.0, False,
+                                                                                       costs)
     return costs
+
+
+def _terminal_uses(name: str, users: dict[str, list[Instruction]], views: frozenset) -> list[tuple[str, Instruction]]:
+    """(the value it uses, the instruction) for each use of `name`, followed through view ops in `views`."""
+    found = []
+    for use in users.get(name, []):
+        if use.opcode in views:
+            found += _terminal_uses(use.name, users, views)
+        else:
+            found.append((name, use))
+    return found
+
+
+def _root_update(fused: Computation, views: frozenset) -> Instruction | None:
+    """The update a fusion writes in place: its root dynamic-update-slice (under view ops in `views`), else None."""
+    instruction = fused.root
+    while instruction.opcode in views and instruction.operands:
+        instruction = fused.by_name.get(instruction.operands[0]) or instruction
+        if instruction.opcode not in views:
+            break
+    if instruction.opcode == "dynamic-update-slice" and len(instruction.operands) > 1:
+        return fused.by_name.get(instruction.operands[1])
+    return None
 
 
 def _expanded_scatter(instruction: Instruction) -> bool:

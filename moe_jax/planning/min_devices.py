@@ -24,6 +24,7 @@ from .state_bytes import train_state_bytes
 SEARCH_LIMIT = 1 << 16     # device counts tried at most
 VERIFY_LAYOUTS = 2         # layouts compiled per device count
 VERIFY_COMPILES = 4        # compiles at most, in all
+FIRST_COMPILE_SECONDS = 30.0   # what a real-size compile may take, before one was timed
 
 
 def state_of(candidate: Candidate, request: PlanRequest, optimizer) -> int:
@@ -68,26 +69,39 @@ def state_bound(config_values: dict, request: PlanRequest, *, start: int, usable
     return None, []
 
 
+def _unchecked_note(count: int, tried: list[str], too_small: list[str]) -> str:
+    note = f"{count} devices hold the parameters, gradients and optimizer state"
+    if tried:
+        note += f"; compiled there, {', '.join(tried)} did not fit, the other layouts were not compiled"
+    else:
+        note += "; activations and temporaries there were not compiled"
+    return note + (f" (compiled at {', '.join(too_small)} devices, the step did not fit)" if too_small else "")
+
+
 def smallest_fitting(config_values: dict, request: PlanRequest, *, start: int, usable_bytes: float, optimizer,
-                     one_device_state: int, cpu_devices: Callable[[int], list] | None, available: int,
-                     first: tuple | None = None, deadline: float | None = None) -> tuple[int | None, str]:
-    """(device count, how it was established): checked by compiling where the devices, compiles and time
-    (`deadline`, a `time.perf_counter()` value) allow. first: `state_bound`'s answer for `start` when known."""
+                     one_device_state: int, cpu_devices: Callable[[int], list] | None,
+                     first: tuple | None = None, deadline: float | None = None,
+                     compile_seconds: float = FIRST_COMPILE_SECONDS) -> tuple[int | None, str]:
+    """(device count, how it was established): checked by compiling where the devices (`cpu_devices(count)`
+    gives up to `count`), compiles and time allow: a compile starts only when `compile_seconds` (the longest
+    seen so far) remain before `deadline` (a `time.perf_counter()` value). first: `state_bound`'s answer for
+    `start` when known."""
     count, fitting = first or state_bound(config_values, request, start=start, usable_bytes=usable_bytes,
                                           optimizer=optimizer, one_device_state=one_device_state)
-    compiles, too_small = 0, []
+    compiles, too_small, timed = 0, [], None
     while count is not None:
-        unchecked = (f"{count} devices hold the parameters, gradients and optimizer state; activations and "
-                     "temporaries there were not compiled"
-                     + (f" (compiled at {', '.join(too_small)} devices, the step did not fit)" if too_small else ""))
+        tried = []
         for candidate in fitting[:VERIFY_LAYOUTS]:
-            out_of_time = deadline is not None and time.perf_counter() > deadline
-            if count > available or cpu_devices is None or compiles >= VERIFY_COMPILES or out_of_time:
-                return count, unchecked
-            step = compile_layout_step(config_values, candidate.layout, request, cpu_devices(count))
+            out_of_time = deadline is not None and time.perf_counter() + (timed or compile_seconds) > deadline
+            devices = [] if cpu_devices is None or compiles >= VERIFY_COMPILES or out_of_time else cpu_devices(count)
+            if len(devices) < count:
+                return count, _unchecked_note(count, tried, too_small)
+            step = compile_layout_step(config_values, candidate.layout, request, devices)
+            timed = max(timed or 0.0, step.compile_seconds)
             compiles += 1
             if step.memory.total <= usable_bytes:
                 return count, f"{candidate.layout.name} on {count} devices compiled: {step.memory.total / 2**30:.1f} GiB"
+            tried.append(candidate.layout.name)
         too_small.append(str(count))
         count, fitting = state_bound(config_values, request, start=count, usable_bytes=usable_bytes,
                                      optimizer=optimizer, one_device_state=one_device_state)

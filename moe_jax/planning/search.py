@@ -31,7 +31,7 @@ from .explain import explain
 from .hardware import HardwareProfile, load_hardware
 from .layouts import Candidate, Excluded, Layout, enumerate_layouts, quiet_model_building
 from .memory_size import parse_memory_size
-from .min_devices import smallest_fitting, state_bound, state_of
+from .min_devices import FIRST_COMPILE_SECONDS, smallest_fitting, state_bound, state_of
 from .request import PlanRequest
 from .state_bytes import train_state_bytes
 from .step_time import predict_step_time
@@ -183,6 +183,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         raise ValueError(f"memory margin {margin} must be in [0, 1): the share of device memory kept free.")
     if nodes is not None and (nodes < 1 or devices % nodes):
         raise ValueError(f"--nodes {nodes} must divide --devices {devices} (devices per node = devices / nodes).")
+    start = time.perf_counter()        # the time budget counts from here: enumeration and searches too
     values = read_config(config)
     check_is_moe(values)
     request = PlanRequest(mode=mode, batch_size=batch_size, seq_len=seq_len, **settings)
@@ -217,7 +218,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     profile = profile or load_hardware("cpu", devices=devices)
     devices_per_node = devices // nodes if nodes else profile.devices_per_node
 
-    estimates, start, compiled = [], time.perf_counter(), 0
+    estimates, compiled = [], 0
     for candidate in _priority([c for c in candidates if held[id(c)] <= usable], held):
         if (max_compiles is not None and compiled >= max_compiles) or (
                 time_budget is not None and time.perf_counter() - start > time_budget):
@@ -225,7 +226,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
             continue
         if progress is not None:
             progress(f"compiling {compiled + 1}: {candidate.layout.name}")
-        step = compile_layout_step(values, candidate.layout, request, planned_devices)
+        step = compile_layout_step(values, candidate.layout, request, planned_devices,
+                                   for_cpu=profile.name == "cpu")
         compiled += 1
         estimates.append(_estimate(candidate, states[id(candidate)], request, usable, step, profile,
                                    devices_per_node, profile.name == "cpu"))
@@ -240,8 +242,9 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     elif plan.best is None:
         plan.min_devices_to_fit, plan.min_devices_note = smallest_fitting(
             values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
-            one_device_state=one_device_state, cpu_devices=cpu_devices, available=len(provided), first=bound,
-            deadline=None if time_budget is None else start + time_budget)
+            one_device_state=one_device_state, cpu_devices=cpu_devices, first=bound,
+            deadline=None if time_budget is None else start + time_budget,
+            compile_seconds=max((e.compile_seconds or 0.0 for e in estimates), default=0.0) or FIRST_COMPILE_SECONDS)
     return plan
 
 

@@ -11,11 +11,18 @@ from ..planning.explain import command_text, distributed_config_text, model_opti
 from ..planning.search import LayoutPlan
 
 GIB = 2**30
-COLUMNS = ("rank", "layout", "fits", "step s", "params", "grads", "optim", "activ", "temps", "total GiB", "why")
+COLUMNS = ("rank", "layout", "fits", "step s", "params", "grads", "optim", "activ", "temps", "total", "why")
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / GIB:.2f}"
+def memory_unit(plan: LayoutPlan) -> tuple[str, int]:
+    """The largest unit in which the biggest row is at least 1 (tiny test models print in KiB)."""
+    largest = max((estimate.memory.total for estimate in plan.estimates), default=0)
+    return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
+
+
+def _gib(value: int | None, unit: int = GIB) -> str:
+    return "-" if value is None else f"{value / unit:.2f}"
 
 
 def _seconds(value: float | None) -> str:
@@ -23,13 +30,14 @@ def _seconds(value: float | None) -> str:
 
 
 def ranking_table(plan: LayoutPlan, top: int) -> str:
-    rows = [COLUMNS]
+    name, unit = memory_unit(plan)
+    rows = [(*COLUMNS[:-2], f"total {name}", COLUMNS[-1])]
     for estimate in plan.estimates[:top]:
         memory = estimate.memory
         rows.append((str(estimate.rank), estimate.layout.name, "yes" if estimate.fits else "no",
-                     _seconds(estimate.step_seconds), _gib(memory.parameters), _gib(memory.gradients),
-                     _gib(memory.optimizer), _gib(memory.activations), _gib(memory.temporaries),
-                     _gib(memory.total), estimate.why))
+                     _seconds(estimate.step_seconds), *(_gib(value, unit) for value in (
+                         memory.parameters, memory.gradients, memory.optimizer, memory.activations,
+                         memory.temporaries, memory.total)), estimate.why))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
                      for row in rows)
@@ -52,8 +60,9 @@ def answer_text(plan: LayoutPlan, model: str) -> str:
         return (f"No layout of {plan.devices} devices fits {_gib(plan.estimates[0].usable_bytes)} GiB per device; "
                 f"{found}.\n{no_fit_hint(plan.estimates, plan.request)}.")
     options = model_options_text(best.layout)
-    lines = [f"Use rank 1, {best.layout.name}: {best.step_seconds:.4g} s per step, {_gib(best.memory.total)} GiB "
-             "per device.",
+    name, unit = memory_unit(plan)
+    lines = [f"Use rank 1, {best.layout.name}: {best.step_seconds:.4g} s per step, "
+             f"{_gib(best.memory.total, unit)} {name} per device.",
              f"  {command_text(best.layout, model, plan.request)}",
              f"  {distributed_config_text(best.layout)}" + (f"  # model options: {options}" if options else "")]
     return "\n".join(lines)
@@ -65,8 +74,8 @@ def ranking_report(plan: LayoutPlan, *, model: str, top: int = 10) -> str:
         f"{plan.request.describe()}; {plan.devices} devices of {plan.hardware.name} "
         f"({plan.device_memory / GIB:.1f} GiB each, {plan.margin:.0%} kept free)",
         f"hardware: {plan.hardware.source}",
-        f"{len(plan.estimates)} legal layouts, {compiled} compiled; memory per device in GiB; step time predicted "
-        "from each compiled step (collectives not overlapped with compute)",
+        f"{len(plan.estimates)} legal layouts, {compiled} compiled; memory per device in {memory_unit(plan)[0]}; step "
+        "time predicted from each compiled step (collectives not overlapped with compute)",
     ]
     return "\n\n".join(["\n".join(header), ranking_table(plan, top), answer_text(plan, model),
                         excluded_summary(plan)])

@@ -1,7 +1,8 @@
 """The layout planner against the clock: predicted step times on `--hardware cpu` vs measured ones, per layout.
 
     python scripts/checks/check_plan_auto.py [--batch-size 16] [--seq-len 128] [--steps 3] [--repeats 5]
-                                             [--layouts N] [--json FILE] [--save-plan FILE | --plan FILE]
+                                             [--layouts N] [--json FILE [--resume]]
+                                             [--save-plan FILE | --plan FILE]
 
 Plans bench_train's model (scripts/bench/bench_train.py: a Qwen3-MoE of 4 layers, layer 0 dense, 8 experts
 top-2, fp32, AdamW) on 8 virtual CPU devices with `moe_jax.planning.plan_layouts(hardware="cpu")`, which
@@ -87,6 +88,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the rows (predicted, measured) to this file")
     parser.add_argument("--save-plan", default=None, help="write the planner's rows (its --json) to this file")
     parser.add_argument("--plan", default=None, help="measure against the rows of a --save-plan file instead")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already measured in the --json file and measure the rest")
     args = parser.parse_args()
 
     config = bench_config(args.hidden)
@@ -113,12 +116,22 @@ def main() -> int:
     rows = [row for row in document["layouts"] if row["compiled"]][:args.layouts]
     print(f"\n{'rank':>4} {'layout':<40} {'predicted ms':>12} {'measured ms':>11} {'CPU ms':>8}")
     results = []
+    if args.json and args.resume and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as handle:
+            results = json.load(handle)           # rows measured before: kept, not measured again
+    measured_before = {row["layout"] for row in results}
     for row in rows:
-        seconds, cpu = measure(layout_of(row), config, request, args)
-        results.append({"rank": row["rank"], "layout": row["layout"], "predicted": row["step_seconds"],
-                        "measured": seconds, "cpu": cpu, "parts": row["step_parts"]})
-        print(f"{row['rank']:4d} {row['layout']:<40} {row['step_seconds'] * 1e3:12.1f} {seconds * 1e3:11.1f} "
-              f"{cpu * 1e3:8.1f}", flush=True)
+        if row["layout"] not in measured_before:
+            seconds, cpu = measure(layout_of(row), config, request, args)
+            results.append({"rank": row["rank"], "layout": row["layout"], "predicted": row["step_seconds"],
+                            "measured": seconds, "cpu": cpu, "parts": row["step_parts"]})
+            if args.json:                             # after every layout: a long run can be resumed
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(results, handle, indent=1)
+        result = next(result for result in results if result["layout"] == row["layout"])
+        print(f"{row['rank']:4d} {row['layout']:<40} {row['step_seconds'] * 1e3:12.1f} "
+              f"{result['measured'] * 1e3:11.1f} {result['cpu'] * 1e3:8.1f}", flush=True)
+    results = [next(result for result in results if result["layout"] == row["layout"]) for row in rows]
     predicted = [row["predicted"] for row in results]
     measured = [row["measured"] for row in results]
     fastest = min(measured)
@@ -126,9 +139,6 @@ def main() -> int:
           f"(against CPU seconds: {spearman(predicted, [row['cpu'] for row in results]):.3f})")
     print(f"planner's first choice ({results[0]['layout']}) measured {measured[0] * 1e3:.1f} ms; fastest measured "
           f"{fastest * 1e3:.1f} ms ({results[measured.index(fastest)]['layout']}): ratio {measured[0] / fastest:.3f}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=1)
     return 0
 
 

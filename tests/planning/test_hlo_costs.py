@@ -85,3 +85,37 @@ def test_a_data_dependent_tile_loop_runs_its_schedule_times_the_fill_and_reads_o
     (window,) = costs.kernels
     assert window.runs == 5 * 0.8
     assert window.bytes == 2 * 256 * 32 * 4 + 4      # the window read and written, and the index
+
+
+WIDENED_UPDATE = """HloModule m
+
+%update (param_0: bf16[4096,64], param_1: bf16[16,64], param_2: s32[]) -> bf16[4096,64] {
+  %param_0 = bf16[4096,64]{1,0} parameter(0)
+  %wide = f32[4096,64]{1,0} convert(%param_0)
+  %param_1 = bf16[16,64]{1,0} parameter(1)
+  %row = f32[16,64]{1,0} convert(%param_1)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %updated = f32[4096,64]{1,0} dynamic-update-slice(%wide, %row, %param_2, %zero)
+  ROOT %narrow = bf16[4096,64]{1,0} convert(%updated)
+}
+
+ENTRY %main (a: bf16[4096,64], b: bf16[16,64], i: s32[]) -> bf16[4096,64] {
+  %a = bf16[4096,64]{1,0} parameter(0)
+  %b = bf16[16,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %fused = bf16[4096,64]{1,0} fusion(%a, %b, %i), kind=kLoop, calls=%update
+  ROOT %copied = bf16[4096,64]{1,0} copy(%fused)
+}
+"""
+
+
+def test_an_update_xla_cpu_widened_counts_in_place_for_an_accelerator():
+    """XLA:CPU widens a bfloat16 buffer to update 16 rows of it, then copies the result: the whole buffer read
+    and written twice there; on an accelerator the 16 rows are written in place and nothing is copied."""
+    module = parse_hlo_module(WIDENED_UPDATE)
+    on_cpu = program_costs(module, device_count=1)
+    assert on_cpu.bytes == 4096 * 64 * 2 + 16 * 64 * 2 + 4 + 4096 * 64 * 2 + 2 * 4096 * 64 * 2
+    elsewhere = program_costs(module, device_count=1, cpu_artifacts=False)
+    assert elsewhere.bytes == 16 * 64 * 2 + 4 + 16 * 64 * 4     # the new rows read, the index, the rows written
+    assert len(elsewhere.kernels) == 1
