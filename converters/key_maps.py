@@ -130,7 +130,7 @@ class KeyMap:
     recognised by the keys the other lacks (`markers`). `ignored` are regular expressions of hub keys that
     belong to no parameter on purpose (DeepSeek-V3's multi-token-prediction layer): loading skips them.
     `hub_prefix` is stripped from hub keys on load (a multimodal checkpoint's `language_model.`); exports
-    write the text model's own keys, without it.
+    write the text model's own keys, without it. `shared_reads` name parameters read from the same hub tensors.
     """
 
     architecture: str
@@ -138,6 +138,14 @@ class KeyMap:
     load_only: tuple[KeyRule, ...] = ()
     ignored: tuple[str, ...] = ()
     hub_prefix: str = ""
+    # Pairs of parameter patterns that read the same hub tensors on purpose (a weight quantised as it is read:
+    # its codes and its scales both come from the plain weight).
+    shared_reads: tuple[tuple[str, str], ...] = ()
+
+    def reads_together(self, first: str, second: str) -> bool:
+        """Whether parameters `first` and `second` may both read a hub tensor (`shared_reads`)."""
+        return any(KeyPattern(a).match(first) is not None and KeyPattern(b).match(second) is not None
+                   for a, b in self.shared_reads)
 
     @property
     def load_rules(self) -> tuple[KeyRule, ...]:
@@ -148,7 +156,8 @@ class KeyMap:
         them, less those of a layout it extends (the parameter's own name, a rule with fewer patterns)."""
         rule = self.load_rules[position]
         own = {str(pattern) for pattern in rule.hub}
-        extended = {str(rule.param)}
+        # A rule reading only the parameter's own key (a weight quantised as it is read) is marked by that key.
+        extended = {str(rule.param)} if own != {str(rule.param)} else set()
         for other in self.load_rules:
             other_patterns = {str(pattern) for pattern in other.hub}
             if str(other.param) == str(rule.param) and other_patterns < own:
@@ -309,20 +318,24 @@ CONFIG_KEY_MAPS: dict[str, Callable[[Any], KeyMap]] = {
 }
 
 
+def with_fp8_scales(base: KeyMap) -> KeyMap:
+    """`base` for a model holding FP8 codes: each rule building a parameter from hub `weight`s gains a twin
+    building `{param}_scale_inv` from the hub's `weight_scale_inv`s by the same steps (experts stacked, gate
+    joined to up); a linear's `weight_scale_inv` is stored under its own name, as its codes."""
+    scale_rules = tuple(
+        KeyRule(param=f"{rule.param}_scale_inv",
+                hub=tuple(f"{pattern}_scale_inv" for pattern in rule.hub), transforms=rule.transforms)
+        for rule in base.rules if all(str(pattern).endswith(".weight") for pattern in rule.hub)
+    )
+    return KeyMap(base.architecture, base.rules + scale_rules, ignored=base.ignored, hub_prefix=base.hub_prefix)
+
+
 def deepseek_v3_kept_fp8_key_map(num_hidden_layers: int, mtp_layers: int) -> KeyMap:
     """DeepSeek-V3 with its FP8 weights kept (`dequantize=False`): the codes and their `weight_scale_inv` both ways
     under their hub names; the routed experts' per-expert codes and scales stacked and gate/up joined, as the
     plain layout's weights are."""
-    experts = "model.layers.{layer}.mlp.experts"
-    scale_rules = (
-        KeyRule(param=f"{experts}.gate_up_proj_scale_inv",
-                hub=(f"{experts}.{{expert}}.gate_proj.weight_scale_inv", f"{experts}.{{expert}}.up_proj.weight_scale_inv"),
-                transforms=(StackExperts(), ConcatGateUp())),
-        KeyRule(param=f"{experts}.down_proj_scale_inv", hub=(f"{experts}.{{expert}}.down_proj.weight_scale_inv",),
-                transforms=(StackExperts(),)),
-    )
     ignored = tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(mtp_layers))
-    return KeyMap("deepseek_v3", QWEN2_MOE.rules + scale_rules, ignored=ignored)
+    return with_fp8_scales(KeyMap("deepseek_v3", QWEN2_MOE.rules, ignored=ignored))
 
 
 # (model_type, quant_method) -> the table of a model that keeps that checkpoint's weights quantised

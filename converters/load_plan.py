@@ -67,7 +67,7 @@ def plan_load(
         source, keys = _plan_param(name, spec, checkpoint, key_map, present, problems, casts)
         # A parameter's keys count as used even when it has a problem, so they are not also "unexpected".
         for key in keys:
-            if key in claimed:
+            if key in claimed and not key_map.reads_together(claimed[key], name):
                 problems.duplicated.append(f"{key}: read by both {claimed[key]} and {name}")
             claimed[key] = name
         if source is not None:
@@ -119,7 +119,9 @@ def _plan_param(
          (rule, b))
         for _, rule, b in present_rules
     ]
-    if name in checkpoint.tensors:
+    # A rule that reads the parameter's own key through transforms replaces reading it as it is.
+    transforms_itself = any(keys == [name] for _, keys, _ in layouts)
+    if name in checkpoint.tensors and not transforms_itself:
         layouts.append((f"{name} itself", [name], None))
     # A layout that extends another (FP8 weight + scales over the plain weight) is the one in use.
     layouts = [layout for layout in layouts if not any(set(layout[1]) < set(other[1]) for other in layouts)]

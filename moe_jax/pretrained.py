@@ -16,10 +16,18 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from converters import load_params, save_params
-from converters.key_maps import checkpoint_key_map
+from converters.key_maps import CONFIG_KEY_MAPS, checkpoint_key_map, with_fp8_scales
+from converters.quantize import dequantizing_fp8_key_map, quantizing_key_map
 
 from .checkpoint_files import local_checkpoint, read_config
 from .inference.generation_config import GenerationConfig
+from .models.weight_only import (
+    EXPERTS_TARGET,
+    FP8_BLOCK,
+    WeightQuantization,
+    quantized_weights_candidates,
+    supports_weight_only,
+)
 from .parameter_dtypes import parameter_dtype
 
 
@@ -29,7 +37,8 @@ def checkpoint_dtype(config: dict):
 
 
 def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, progress: bool = True,
-                    dequantize: bool = True, **model_kwargs):
+                    dequantize: bool = True, quantize: str | None = None,
+                    quantize_modules: tuple[str, ...] | list[str] | None = None, **model_kwargs):
     """Build a `model_class` on the mesh of `distributed_config` and load `path` directly into its shardings
     (`AutoModelForCausalLM.from_pretrained` picks the class from config.json).
 
@@ -38,11 +47,18 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     dequantize: a quantised checkpoint's weights (config.json's `quantization_config`: MXFP4, FP8) are decoded
         to `dtype` at load (True, Transformers' default), or kept in their format on the devices and decoded
         inside the step (False; `model.kept_quantization`): the quantised bytes, inference only.
+    quantize: weight-only quantisation of an unquantised checkpoint as it is read (vLLM's `--quantization`):
+        "int8" (symmetric, one scale per output row) or "fp8" (e4m3, 128 x 128 block scales, DeepSeek's and
+        Transformers' FineGrainedFP8 format, which `save_pretrained` writes); of the routed experts, or of
+        `quantize_modules` ("experts" and / or linear module names such as "o_proj"); inference only
+        (`models.weight_only`).
     """
     dtype = parameter_dtype(dtype) if dtype is not None else None
     directory = local_checkpoint(path)
     config = read_config(directory)
     dtype = dtype if dtype is not None else checkpoint_dtype(config)
+    if quantize is not None or quantize_modules is not None:
+        model_kwargs["weight_quantization"] = weight_quantization(config, directory, quantize, quantize_modules)
     if not dequantize:
         model_kwargs["kept_quantization"] = quantization_method(config, directory)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
@@ -60,13 +76,63 @@ def quantization_method(config: dict, directory) -> str:
     return method
 
 
+def weight_quantization(config: dict, directory, quantize: str | None, modules) -> WeightQuantization:
+    """What `quantize=` / `quantize_modules=` ask of the checkpoint at `directory`, or a ValueError."""
+    if quantize is None:
+        raise ValueError("quantize_modules names what quantize= quantises; pass quantize='int8' or 'fp8' with it.")
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"{directory} is already quantised ({method}); quantize={quantize!r} quantises unquantised "
+                         "checkpoints. Keep its own format with dequantize=False, or load it without quantize= to "
+                         "dequantise it.")
+    return WeightQuantization(quantize, tuple(modules) if modules is not None else (EXPERTS_TARGET,))
+
+
+def quantized_weight_names(model) -> list[str]:
+    """The parameters `model.weight_quantization` holds as codes (each with its scale beside it)."""
+    suffix = model.weight_quantization.format.scale_suffix
+    return [name for name in model.module_tree.params if name + suffix in model.module_tree.params]
+
+
+def load_key_map(model):
+    """How the model's parameters are read: its family's table; the kept-quantised one (an FP8 checkpoint of a
+    SwiGLU family: codes and scales under Transformers' names); the table quantising the chosen weights as they
+    are read (`quantize=`); or, for an FP8 checkpoint dequantised on load, the family's table with its FP8 twins."""
+    kept = getattr(model, "kept_quantization", None)
+    key_map = checkpoint_key_map(model.model_type, model.config, kept)
+    quantization = getattr(model, "weight_quantization", None)
+    if quantization is not None:
+        if kept is not None:
+            return with_fp8_scales(key_map)
+        return quantizing_key_map(key_map, quantized_weight_names(model), quantization.scheme)
+    quantization_config = model.config.to_dict().get("quantization_config") or {}
+    if (kept is None and quantization_config.get("quant_method") == "fp8"
+            and model.model_type not in CONFIG_KEY_MAPS and supports_weight_only(model.family)):
+        return dequantizing_fp8_key_map(key_map, quantized_weights_candidates(model.module_tree),
+                                        tuple(quantization_config.get("weight_block_size") or FP8_BLOCK))
+    return key_map
+
+
 def load_weights(model, path, *, progress: bool = True):
     """Read the HF checkpoint at `path` into `model.params`, in the model's shardings and dtype."""
-    model.params = load_params(local_checkpoint(path), model.module_tree,
-                               checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None)),
+    model.params = load_params(local_checkpoint(path), model.module_tree, load_key_map(model),
                                model.storage_shardings(), dtype=model.storage_dtypes(), progress=progress,
                                layer_stack=model.layer_stack)
     return model
+
+
+def export_key_map(model):
+    """How the model's parameters are written: as `load_key_map`, with quantised-on-load FP8 codes and scales
+    under Transformers' FineGrainedFP8 names; int8 has no format Transformers reads, and is refused."""
+    key_map = checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None))
+    quantization = getattr(model, "weight_quantization", None)
+    if quantization is None:
+        return key_map
+    if quantization.format.export_method is None:
+        raise ValueError(f"quantize={quantization.scheme!r} weights have no checkpoint format Transformers reads; "
+                         "quantise with quantize='fp8' to write a quantised checkpoint, or save the model loaded "
+                         "without quantize=.")
+    return with_fp8_scales(key_map)
 
 
 def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard_bytes: int = 5 * 2**30,
@@ -76,9 +142,9 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard
     params = model.params if params is None else params
     if params is None:
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
+    key_map = export_key_map(model)
     config = saved_config(model)
     json.dumps(config)
-    key_map = checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None))
     return save_params(model.hf_params(params), key_map, out_dir,
                        config=config, max_shard_bytes=max_shard_bytes, progress=progress)
 
@@ -86,9 +152,27 @@ def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard
 def saved_config(model) -> dict:
     """The config.json written with the model's weights: its dtype set, no `distributed_config` (as
     transformers' `_remove_keys_not_serialized`), and no `quantization_config` unless the weights were kept
-    quantised (`dequantize=False`): otherwise they were dequantised on load and are written dequantised."""
+    quantised (`dequantize=False`): otherwise they were dequantised on load and are written dequantised. A model
+    quantised on load (`quantize="fp8"`) writes Transformers' FineGrainedFP8 `quantization_config`."""
     config = {**model.config.to_dict(), "dtype": jnp.dtype(model.dtype).name}
     config.pop("distributed_config", None)
     if getattr(model, "kept_quantization", None) is None:
         config.pop("quantization_config", None)
+    if getattr(model, "kept_quantization", None) is None and getattr(model, "weight_quantization", None) is not None:
+        config["quantization_config"] = fp8_quantization_config(model)
     return config
+
+
+def fp8_quantization_config(model) -> dict:
+    """FineGrainedFP8Config's fields for the model's quantised-on-load FP8 weights: every other linear module
+    (by its name's tail, as Transformers matches `modules_to_not_convert`) listed as not converted."""
+    quantized = {name.rpartition(".")[0] for name in quantized_weight_names(model)}
+    kept_full = set()
+    for name, spec in model.module_tree.params.items():
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight") and len(spec.shape) == 2 and module not in quantized and "embed_tokens" not in name:
+            kept_full.add(module.split(".", 3)[3] if module.startswith("model.layers.") else module)
+    if not any(".experts" in module for module in quantized):
+        kept_full.add("mlp.experts")
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": sorted(kept_full)}

@@ -40,12 +40,13 @@ from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
 from ..models.core import ModelCore, model_axis_rules, nested_weights, step_math
 from ..models.decoder import declare_tree, head_logits
-from ..models.family import Family, kept_quantized_family
+from ..models.family import Family
 from ..models.layer_stack import LayerStack, resolve_scan_option
 from ..models.outputs import DroplessOutput, ModelOutput
 from ..models.pipeline_layout import check_pipeline_options
 from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_params
 from ..models.step_options import REMAT_POLICIES
+from ..models.weight_only import WeightQuantization, kept_quantized, weight_only_family
 from ..module_tree import ModuleTree
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
@@ -75,7 +76,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
                  scan_layers: bool | str | None = "auto", remat: str = "none",
                  pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
-                 pipeline_repeats: int = 1, kept_quantization: str | None = None):
+                 pipeline_repeats: int = 1, kept_quantization: str | None = None,
+                 weight_quantization: WeightQuantization | None = None):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
         scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
@@ -87,7 +89,9 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
             of this library, outside `DistributedConfig`, so a reference config means the same here.
         kept_quantization: a checkpoint's `quant_method` ("mxfp4") whose weights stay in that format on the
             devices (`from_pretrained(..., dequantize=False)` sets it): the family's kept-quantised declaration
-            (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only."""
+            (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only.
+        weight_quantization: weight-only int8 / fp8 of a plain checkpoint's experts (and `modules`), quantised as
+            it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
@@ -98,8 +102,14 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
         self.dtype = parameter_dtype(dtype)
         self.remat = remat
         self.kept_quantization = kept_quantization
+        self.weight_quantization = weight_quantization
         if kept_quantization is not None:
-            self.family = kept_quantized_family(self.model_type, kept_quantization)
+            if weight_quantization is not None:
+                raise ValueError(f"The checkpoint is already quantised ({kept_quantization}) and kept so; quantize="
+                                 f"{weight_quantization.scheme!r} applies to unquantised checkpoints only.")
+            self.family, self.weight_quantization = kept_quantized(self.family, config, kept_quantization)
+        elif weight_quantization is not None:
+            self.family = weight_only_family(self.family, weight_quantization)
         family = self.family
         self.module_tree: ModuleTree = declare_tree(family, config)
         if getattr(config, "tie_word_embeddings", False):
@@ -296,11 +306,13 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
             )
             for layer in self.sparse_layers()
         }
-        if self.kept_quantization is not None and any(module.mode == TENSOR_PARALLEL for module in experts.values()):
+        quantized = self.kept_quantization or (self.weight_quantization and self.weight_quantization.scheme)
+        if quantized and any(module.mode == TENSOR_PARALLEL for module in experts.values()):
             # The codes' blocks would be split inside a device's expert rows while their scales are not.
-            raise ValueError(f"kept-quantised ({self.kept_quantization}) experts run whole on their devices: with "
+            fix = "load with dequantize=True" if self.kept_quantization else "load without quantize="
+            raise ValueError(f"quantised ({quantized}) experts run whole on their devices: with "
                              f"tp_size={self.distributed_config.tp_size} and ep_size=1 tensor parallelism would split "
-                             "them; set ep_size (e.g. ep_size=tp_size) or load with dequantize=True.")
+                             f"them; set ep_size (e.g. ep_size=tp_size) or {fix}.")
         return experts
 
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,

@@ -19,6 +19,7 @@ from .layout_flags import (
     kept_quantization_from_flags,
     layout_devices,
     pipeline_options_from_flags,
+    weight_quantization_from_flags,
 )
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]] = {}
@@ -96,16 +97,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
     distributed_config = distributed_config_from_flags(args)
     kept = kept_quantization_from_flags(args, read_config(args.model))
+    quantized = weight_quantization_from_flags(args, read_config(args.model))
     if not args.train:
         model = AutoModelForCausalLM.from_config(args.model, distributed_config, abstract=True, dtype=args.dtype,
-                                                 kept_quantization=kept, **pipeline_options_from_flags(args))
+                                                 kept_quantization=kept, weight_quantization=quantized,
+                                                 **pipeline_options_from_flags(args))
         print(plan_report(model))
         return 0
     from ..distributed.mesh import DeviceLayout
 
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "plan")
     model = AutoModelForCausalLM.from_config(args.model, distributed_config, devices=devices, dtype=args.dtype,
-                                             kept_quantization=kept, **pipeline_options_from_flags(args))
+                                             kept_quantization=kept, weight_quantization=quantized,
+                                                 **pipeline_options_from_flags(args))
     print(plan_report(model))
     print()
     if (lora := lora_config_from_flags(args, None)) is not None:

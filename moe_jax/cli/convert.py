@@ -53,14 +53,16 @@ def run(args: argparse.Namespace) -> int:
     distributed_config = distributed_config_from_flags(args)
     convert(args.source_format, args.target_format, args.source, args.destination, distributed_config,
             dtype=args.dtype, progress=not args.no_progress, dequantize=args.dequantize,
-            merge_adapter=args.merge_adapter)
+            merge_adapter=args.merge_adapter, quantize=args.quantize, quantize_modules=args.quantize_modules)
     return 0
 
 
 def convert(source_format: str, target_format: str, source, destination, distributed_config=None, *,
-            dtype: str | None = None, progress: bool = True, dequantize: bool = True, merge_adapter=None) -> Path:
+            dtype: str | None = None, progress: bool = True, dequantize: bool = True, merge_adapter=None,
+            quantize: str | None = None, quantize_modules=None) -> Path:
     """Read `source` in `source_format` onto the layout of `distributed_config`, write `destination` in
-    `target_format` (with the LoRA adapter in directory `merge_adapter` merged in). Returns `destination`."""
+    `target_format` (with the LoRA adapter in directory `merge_adapter` merged in; quantised on the way with
+    `quantize`, as `from_pretrained`'s). Returns `destination`."""
     from ..distributed.config import DistributedConfig
     from ..distributed.mesh import DeviceLayout
     from ..parameter_dtypes import parameter_dtype
@@ -82,7 +84,7 @@ def convert(source_format: str, target_format: str, source, destination, distrib
           f"device(s) ({describe_layout(distributed_config)})")
     start = time.perf_counter()
     model = load_model(source_format, source, distributed_config, devices, dtype=dtype, progress=progress,
-                       dequantize=dequantize)
+                       dequantize=dequantize, quantize=quantize, quantize_modules=quantize_modules)
     print(f"      {len(model.hf_params())} parameters, {parameter_bytes(model.params) / 2**20:.1f} MiB "
           f"{model.dtype.name}, in {time.perf_counter() - start:.1f} s")
     if merge_adapter is not None:
@@ -109,7 +111,7 @@ def _carry_companion_files(source: Path, destination: Path) -> list[str]:
 
 
 def load_model(source_format: str, source: Path, distributed_config, devices, *, dtype: str | None = None,
-               progress: bool = True, dequantize: bool = True):
+               progress: bool = True, dequantize: bool = True, quantize: str | None = None, quantize_modules=None):
     """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
     from converters.orbax_params import read_orbax_config, restore_orbax_params
 
@@ -118,7 +120,11 @@ def load_model(source_format: str, source: Path, distributed_config, devices, *,
 
     if source_format == "hf":
         return AutoModelForCausalLM.from_pretrained(source, distributed_config, devices=devices, dtype=dtype,
-                                                    progress=progress, dequantize=dequantize)
+                                                    progress=progress, dequantize=dequantize, quantize=quantize,
+                                                    quantize_modules=quantize_modules)
+    if quantize is not None:
+        raise ValueError("--quantize quantises a Hugging Face checkpoint as it is read; an orbax source is read as "
+                         "it was written: convert it to hf first, then quantise that.")
     config = read_orbax_config(source)
     kept = None if dequantize else quantization_method(config, source)
     model = AutoModelForCausalLM.from_config(config, distributed_config, devices=devices,

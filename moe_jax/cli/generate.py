@@ -34,6 +34,7 @@ from .layout_flags import (
     layout_devices,
     layout_given,
     pipeline_options_from_flags,
+    quantize_options,
     scan_layers_from_flags,
     warn_about_head_split,
 )
@@ -158,7 +159,7 @@ def run_generate(args: argparse.Namespace) -> int:
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "generate")
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
-                                                 dequantize=args.dequantize, **pipeline_options_from_flags(args))
+                                                 **quantize_options(args), **pipeline_options_from_flags(args))
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens"

@@ -59,8 +59,35 @@ DEQUANTIZE_HELP = ("--no-dequantize keeps a quantised checkpoint's weights (gpt-
                    "--dequantize (default) decodes them at load")
 
 
+QUANTIZE_HELP = ("quantise an unquantised checkpoint's weights as they are read, weight-only: int8 (one scale per "
+                 "output row) or fp8 (e4m3, 128 x 128 block scales; `convert` writes Transformers' FineGrainedFP8 "
+                 "format); inference only")
+QUANTIZE_MODULES_HELP = ("what --quantize covers: 'experts' (default) and / or linear module names such as o_proj "
+                         "or self_attn.q_proj, comma-separated")
+
+
 def add_dequantize_flag(parser: argparse.ArgumentParser) -> None:
+    """--dequantize / --no-dequantize (a quantised checkpoint) and --quantize / --quantize-modules (a plain one)."""
     parser.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=True, help=DEQUANTIZE_HELP)
+    # Checked by WeightQuantization (not argparse choices), so the flag and the Python API give the same error.
+    parser.add_argument("--quantize", default=None, metavar="{int8,fp8}", help=QUANTIZE_HELP)
+    parser.add_argument("--quantize-modules", default=None, type=lambda text: tuple(text.split(",")),
+                        metavar="MODULES", help=QUANTIZE_MODULES_HELP)
+
+
+def quantize_options(args: argparse.Namespace) -> dict:
+    """from_pretrained's `dequantize`, `quantize` and `quantize_modules` from the flags."""
+    return {"dequantize": getattr(args, "dequantize", True), "quantize": getattr(args, "quantize", None),
+            "quantize_modules": getattr(args, "quantize_modules", None)}
+
+
+def weight_quantization_from_flags(args: argparse.Namespace, config: dict):
+    """The model's `weight_quantization` for a model built from `config` alone (no weights read), or None."""
+    if getattr(args, "quantize", None) is None and getattr(args, "quantize_modules", None) is None:
+        return None
+    from ..pretrained import weight_quantization
+
+    return weight_quantization(config, args.model, args.quantize, args.quantize_modules)
 
 
 def kept_quantization_from_flags(args: argparse.Namespace, config: dict) -> str | None:

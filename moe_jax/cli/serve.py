@@ -53,6 +53,7 @@ from .layout_flags import (
     distributed_config_from_flags,
     layout_devices,
     layout_given,
+    quantize_options,
     scan_layers_from_flags,
 )
 
@@ -251,7 +252,7 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
-                                                 dequantize=args.dequantize)
+                                                 **quantize_options(args))
     use_adapter(model, args.adapter, args.merge_adapter)
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
@@ -286,7 +287,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
-                                                 dequantize=args.dequantize)
+                                                 **quantize_options(args))
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)
     generation = GenerationConfig.for_checkpoint(directory, config)

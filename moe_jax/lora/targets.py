@@ -56,7 +56,8 @@ class Target:
 
 def linear_modules(tree: ModuleTree) -> dict[str, tuple[int, ...]]:
     """Module -> weight shape of every `torch.nn.Linear` of the tree: a 2-D `weight` (and at most a `bias`, and
-    the `weight_scale_inv` of a kept FP8 weight: QLoRA's frozen quantised base), embeddings left out."""
+    the scale of a quantised weight, `weight_scale_inv` / `weight_scale`: QLoRA's frozen quantised base),
+    embeddings left out."""
     params = dict(tree.named_parameters())
     found = {}
     for name, spec in params.items():
@@ -64,7 +65,7 @@ def linear_modules(tree: ModuleTree) -> dict[str, tuple[int, ...]]:
         if leaf != "weight" or len(spec.shape) != 2 or module.rpartition(".")[2] in EMBEDDING_MODULES:
             continue
         others = [other for other in params if other.startswith(module + ".") and other != name]
-        if all(other in (module + ".bias", module + ".weight_scale_inv") for other in others):
+        if all(other in (module + ".bias", module + ".weight_scale_inv", module + ".weight_scale") for other in others):
             found[module] = spec.shape
     return found
 

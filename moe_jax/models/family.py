@@ -241,6 +241,7 @@ def kept_quantized_family(model_type: str, method: str) -> Family:
     family = KEPT_QUANTIZED_FAMILIES.get((model_type, method))
     if family is None:
         kept = ", ".join(f"{kind} ({name})" for kind, name in sorted(KEPT_QUANTIZED_FAMILIES)) or "none"
-        raise ValueError(f"{model_type} weights in {method!r} cannot be kept quantised yet (kept quantised: {kept}); "
-                         "load with dequantize=True to hold them dequantised.")
+        raise ValueError(f"{model_type} weights in {method!r} cannot be kept quantised yet (kept quantised: {kept}, "
+                         "and fp8 for families with SwiGLU experts); load with dequantize=True to hold them "
+                         "dequantised.")
     return family

@@ -20,6 +20,11 @@ bR x bC block, `weight_scale_inv [ceil(O / bR), ceil(H / bC)]`:
 
 one float32 product, as the loader's dequantisation (converters/fp8.py), so the values are bit-identical. The
 block is the smallest power of two that gives the scale grid (DeepSeek's 128; a partial last block allowed).
+
+INT8 (weight-only, quantised on load: `from_pretrained(..., quantize="int8")`): symmetric codes and one float32
+scale per output row (amax over the row / 127):
+
+    codes [..., O, H] int8, scale [..., O] float32        w[..., o, h] = float32(codes[..., o, h]) * scale[..., o]
 """
 
 from __future__ import annotations
@@ -150,7 +155,53 @@ class FP8Experts:
 
 jax.tree_util.register_dataclass(FP8Experts, data_fields=["codes", "scale_inv"], meta_fields=["dtype"])
 
-QUANTIZED_EXPERTS = (MXFP4Experts, FP8Experts)
+INT8_MAX = 127
+
+
+def dequantize_int8(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """codes: [..., O, H] int8; scale: [..., O] float32 -> [..., O, H] in `dtype`."""
+    return (codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+@dataclass(frozen=True)
+class Int8Experts:
+    """Experts' weights [E, O, H] as int8 codes [E, O, H] and per-row scales [E, O]; `dtype`: what they
+    dequantise to."""
+
+    codes: jax.Array
+    scale: jax.Array
+    dtype: jnp.dtype = jnp.dtype(jnp.float32)
+
+    @classmethod
+    def checked(cls, codes: jax.Array, scale: jax.Array, dtype=jnp.float32) -> Int8Experts:
+        if codes.ndim != 3 or codes.dtype != jnp.int8 or tuple(scale.shape) != tuple(codes.shape[:2]):
+            raise ValueError(f"int8 experts need int8 codes [E, O, H] and scales [E, O]; got "
+                             f"{codes.dtype}{list(codes.shape)} and {scale.dtype}{list(scale.shape)}.")
+        return cls(codes, scale, jnp.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def astype(self, dtype) -> Int8Experts:
+        return Int8Experts(self.codes, self.scale, jnp.dtype(dtype))
+
+    def expert_weight(self, expert: jax.Array) -> jax.Array:
+        codes = jax.lax.dynamic_index_in_dim(self.codes, expert, axis=0, keepdims=False)
+        scale = jax.lax.dynamic_index_in_dim(self.scale, expert, axis=0, keepdims=False)
+        return dequantize_int8(codes, scale, self.dtype)
+
+    def dequantized(self) -> jax.Array:
+        return dequantize_int8(self.codes, self.scale, self.dtype)
+
+
+jax.tree_util.register_dataclass(Int8Experts, data_fields=["codes", "scale"], meta_fields=["dtype"])
+
+QUANTIZED_EXPERTS = (MXFP4Experts, FP8Experts, Int8Experts)
 
 
 def is_quantized(weight) -> bool:
@@ -165,7 +216,10 @@ def expert_weight(w, expert: jax.Array) -> jax.Array:
 
 
 def linear_weight(params, dtype) -> jax.Array:
-    """A linear layer's weight [O, I] as it is applied: `params["weight"]`, or its FP8 codes decoded by
-    `params["weight_scale_inv"]` (a kept-quantised checkpoint) in `dtype`."""
-    scale_inv = params.get("weight_scale_inv")
-    return params["weight"] if scale_inv is None else dequantize_fp8(params["weight"], scale_inv, dtype)
+    """A linear layer's weight [O, I] as it is applied: `params["weight"]`, or its codes decoded in `dtype` by
+    `params["weight_scale_inv"]` (FP8 blocks) or `params["weight_scale"]` (int8 rows)."""
+    if (scale_inv := params.get("weight_scale_inv")) is not None:
+        return dequantize_fp8(params["weight"], scale_inv, dtype)
+    if (scale := params.get("weight_scale")) is not None:
+        return dequantize_int8(params["weight"], scale, dtype)
+    return params["weight"]

@@ -63,9 +63,12 @@ def parameter_bytes_text(model) -> str:
     total = sum(_local_bytes(model, name) for name in model.param_layouts)
     text = f"parameter bytes per device: {_bytes_text(total)}"
     kept = getattr(model, "kept_quantization", None)
-    if kept is not None:
+    quantized = getattr(model, "weight_quantization", None)
+    if kept is not None or quantized is not None:
         codes = sum(_local_bytes(model, name) for name, spec in model.module_tree.params.items() if spec.keep_dtype)
-        text += f" ({_bytes_text(codes)} of them {kept} codes and scales, kept quantised)"
+        how = f"{kept} codes and scales, kept quantised" if kept is not None else (
+            f"{quantized.scheme} codes and scales, quantised on load")
+        text += f" ({_bytes_text(codes)} of them {how})"
     return text
 
 

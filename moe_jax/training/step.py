@@ -431,9 +431,10 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
 
 
 def _check_no_quantized_codes_trained(model, selected) -> None:
-    """Kept-quantised codes and scales (`dequantize=False`) stay frozen: an adapter or the unquantised parameters
-    may train on them (QLoRA's way), they may not."""
-    kept = getattr(model, "kept_quantization", None)
+    """Quantised codes and scales (`dequantize=False`, `quantize=`) stay frozen: an adapter or the unquantised
+    parameters may train on them (QLoRA's way), they may not."""
+    quantization = getattr(model, "weight_quantization", None)
+    kept = getattr(model, "kept_quantization", None) or (quantization and quantization.scheme)
     if kept is None:
         return
     stored = {name for name, spec in model.module_tree.params.items() if spec.keep_dtype}
@@ -442,4 +443,5 @@ def _check_no_quantized_codes_trained(model, selected) -> None:
         raise ValueError(f"the model keeps its {kept} weights quantised ({trained[0] if trained else 'every weight'} "
                          "selected), which cannot be trained: train a LoRA adapter on the frozen quantised base "
                          "(model.add_adapter(LoraConfig(...)); `moe-jax train --lora-rank R`), select trainable "
-                         "parameters that are not quantised, or load with dequantize=True to train every weight.")
+                         "parameters that are not quantised, or load with dequantize=True (without quantize=) to "
+                         "train every weight.")

@@ -19,6 +19,7 @@ from moe_jax.inference import ContinuousBatchingConfig
 from moe_jax.lora import LoraConfig
 from moe_jax.training import make_train_step
 from tests.converters.fp8_checkpoints import write_fp8_checkpoint
+from tests.heavy import representative
 from tests.models.test_fixture_parity import FIXTURES
 
 BLOCK = (8, 8)   # the fixture's intermediate sizes are multiples of 8: gate and up keep whole blocks
@@ -51,9 +52,9 @@ def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
             for key, entry in header.items() if key != "__metadata__"}
 
 
-# The suite runs two layouts (the linears split over tp there); the pipeline layout is exercised by
-# scripts/checks/check_kept_quantized.py with the rest of the grid.
-@pytest.mark.parametrize("layout", ["one_device", "tp2_fsdp4_ep4"])
+# The suite runs one device, --heavy tp2/fsdp4/ep4 (the linears split over tp there); the pipeline layout is
+# exercised by scripts/checks/check_kept_quantized.py with the rest of the grid.
+@pytest.mark.parametrize("layout", representative(["one_device", "tp2_fsdp4_ep4"], suite=("one_device",)))
 def test_kept_weights_give_the_dequantised_models_logits(hub_checkpoint, layout):
     kept = load(hub_checkpoint, LAYOUTS[layout], dequantize=False)
     dequantised = load(hub_checkpoint, LAYOUTS[layout])
@@ -81,6 +82,9 @@ def test_save_pretrained_writes_the_hub_files_back_byte_for_byte(hub_checkpoint,
     assert saved["quant_method"] == "fp8" and saved["weight_block_size"] == list(BLOCK)
 
 
+# heavy: the suite's kept-quantised decoding runs on MXFP4 (test_kept_mxfp4.py) and quantised-on-load FP8
+# (test_weight_only.py); the check script runs this one too.
+@pytest.mark.heavy
 def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkpoint):
     kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
     dequantised = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"])

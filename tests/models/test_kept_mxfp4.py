@@ -16,6 +16,7 @@ from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.inference import ContinuousBatchingConfig
 from moe_jax.training import make_train_step
 from tests.converters.test_mxfp4 import CONFIG, PROJECTIONS
+from tests.heavy import representative
 from tests.models.mxfp4_checkpoints import QUANTIZATION_CONFIG, write_mxfp4_checkpoint
 
 LAYOUTS = {"one_device": None, "fsdp8_ep8": dict(fsdp_size=8, ep_size=8),
@@ -34,7 +35,8 @@ def load(directory, layout, **kwargs):
     return AutoModelForCausalLM.from_pretrained(directory, config, progress=False, devices=devices, **kwargs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+# The suite runs one device and tp2/fsdp4/ep4; --heavy fsdp8/ep8 too (scripts/checks/check_kept_quantized.py: the grid).
+@pytest.mark.parametrize("layout", representative(LAYOUTS, suite=("one_device", "tp2_fsdp4_ep4")))
 def test_kept_weights_give_the_dequantised_models_logits(hub_checkpoint, layout):
     kept = load(hub_checkpoint, LAYOUTS[layout], dequantize=False)
     dequantised = load(hub_checkpoint, LAYOUTS[layout])
@@ -98,9 +100,9 @@ def test_kept_weights_are_refused_where_they_cannot_work(hub_checkpoint):
 
     with pytest.raises(ValueError, match="has no quantization_config"):
         load(FIXTURES / "gpt_oss", None, dequantize=False)
-    config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"qwen3_moe weights in 'fp8' cannot be kept quantised yet \(kept quantised: "
-                                         r"deepseek_v3 \(fp8\), gpt_oss \(mxfp4\)\)"):
+    config = json.loads((FIXTURES / "llama4_text" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"llama4_text weights in 'fp8' cannot be kept quantised yet \(kept quantised: "
+                                         r"deepseek_v3 \(fp8\), gpt_oss \(mxfp4\), and fp8 for families with SwiGLU"):
         AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1], kept_quantization="fp8")
 
 

@@ -23,6 +23,15 @@ FORWARD_INPUTS = {name: value for name, value in np.load(CHECKPOINT / "reference
 # Transformers' greedy generation on this checkpoint (tests/fixtures/generation, the inference tests' fixture).
 GENERATION = dict(np.load(CHECKPOINT.parents[1] / "generation" / "qwen3_moe.npz"))
 TRAIN_STEPS = 5
+# Weights held quantised, read by each process for its own devices: the Qwen3-MoE fixture quantised to FP8 as it is
+# read, and a gpt-oss MXFP4 checkpoint (written into the work directory by the one-process side) kept as stored.
+QUANTIZED_LAYOUT = dict(fsdp_size=8, ep_size=8)
+
+
+def quantized_loads(workdir) -> dict:
+    """name -> (checkpoint, from_pretrained options, vocabulary size)."""
+    return {"fp8_on_load": (CHECKPOINT, {"quantize": "fp8"}, 128),
+            "kept_mxfp4": (workdir / "mxfp4", {"dequantize": False}, 64)}
 
 
 def train(train_step, checkpoints=None, restore_from=None) -> tuple[np.ndarray, float]:
@@ -49,8 +58,9 @@ def train(train_step, checkpoints=None, restore_from=None) -> tuple[np.ndarray, 
     return losses[:-1], float(losses[-1])
 
 
-def forward(model) -> np.ndarray:
-    return np.asarray(to_host(model(FORWARD_INPUTS["input_ids"], FORWARD_INPUTS["attention_mask"])))
+def forward(model, vocab_size: int = 128) -> np.ndarray:
+    ids = FORWARD_INPUTS["input_ids"] % vocab_size
+    return np.asarray(to_host(model(ids, FORWARD_INPUTS["attention_mask"])))
 
 
 def generate(model) -> np.ndarray:

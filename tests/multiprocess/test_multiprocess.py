@@ -18,10 +18,20 @@ from converters.safetensors_io import checkpoint_shards
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.training import TrainCheckpoints
 from tests.models.hf_reference import LOGITS_ATOL
+from tests.models.mxfp4_checkpoints import write_mxfp4_checkpoint
 from tests.training.conftest import build_trainer
 from tests.training.hf_training import CHECKPOINT
 
-from .shared_work import FORWARD_LAYOUTS, GENERATION, TRAIN_LAYOUT, export_loaded, forward, train
+from .shared_work import (
+    FORWARD_LAYOUTS,
+    GENERATION,
+    QUANTIZED_LAYOUT,
+    TRAIN_LAYOUT,
+    export_loaded,
+    forward,
+    quantized_loads,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -41,6 +51,11 @@ def one_process(tmp_path_factory):
         model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(**layout), progress=False)
         seen[f"{name}/logits"] = forward(model)
     export_loaded(model, workdir / "export_1proc")
+    write_mxfp4_checkpoint(workdir / "mxfp4")
+    for name, (checkpoint, options, vocab_size) in quantized_loads(workdir).items():
+        quantized = AutoModelForCausalLM.from_pretrained(checkpoint, DistributedConfig(**QUANTIZED_LAYOUT),
+                                                         progress=False, **options)
+        seen[f"{name}/logits"] = forward(quantized, vocab_size)
     model, train_step = build_trainer(TRAIN_LAYOUT)
     seen["losses"], seen["next_loss"] = train(train_step, TrainCheckpoints(workdir / "state_1proc", model,
                                                                            train_step, save_every=5))
@@ -80,6 +95,17 @@ def test_each_process_reads_about_half_of_the_checkpoint(two_processes):
         shares = [int(seen[f"{layout}/bytes_read"]) / total for seen in two_processes]
         print(layout, "share of the checkpoint read per process:", [f"{share:.3f}" for share in shares])
         assert all(0.4 < share < 0.6 for share in shares), shares
+
+
+def test_quantised_weights_load_in_each_process_for_its_devices_only(one_process, two_processes):
+    workdir, seen, _ = one_process
+    for name, (checkpoint, _, _) in quantized_loads(workdir).items():
+        total = sum(path.stat().st_size for path in checkpoint_shards(checkpoint)[0])
+        shares = [int(job[f"{name}/bytes_read"]) / total for job in two_processes]
+        print(name, "share of the checkpoint read per process:", [f"{share:.3f}" for share in shares])
+        assert all(0.4 < share < 0.6 for share in shares), (name, shares)
+        for job in two_processes:
+            np.testing.assert_allclose(job[f"{name}/logits"], seen[f"{name}/logits"], rtol=0, atol=2e-6)
 
 
 def test_five_training_steps_match_and_train_states_restore_across_process_counts(one_process, two_processes):

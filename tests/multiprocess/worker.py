@@ -33,10 +33,12 @@ from tests.multiprocess.shared_work import (  # noqa: E402
     FORWARD_LAYOUTS,
     GENERATION,
     NEW_TOKENS,
+    QUANTIZED_LAYOUT,
     TRAIN_LAYOUT,
     export_loaded,
     forward,
     generate,
+    quantized_loads,
     train,
 )
 from tests.training.conftest import build_trainer  # noqa: E402
@@ -59,6 +61,13 @@ def main(workdir: Path) -> None:
         seen[f"{name}/ep_group_processes"] = np.asarray(
             [[model.mesh.devices.flat[rank].process_index for rank in group]
              for group in model.layout.device_groups("ep")])
+        phase(f"load + forward {name}")
+    for name, (checkpoint, options, vocab_size) in quantized_loads(workdir).items():
+        with record_reads() as reads:
+            quantized = AutoModelForCausalLM.from_pretrained(checkpoint, DistributedConfig(**QUANTIZED_LAYOUT),
+                                                             progress=False, **options)
+        seen[f"{name}/bytes_read"] = np.asarray(sum(read.nbytes for read in reads))
+        seen[f"{name}/logits"] = forward(quantized, vocab_size)
         phase(f"load + forward {name}")
     seen["generated"] = generate(model)
     phase("generate")

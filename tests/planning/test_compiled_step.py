@@ -14,6 +14,7 @@ from moe_jax.planning.search import plan_layouts
 from moe_jax.training.optimizers import build_optimizer
 from moe_jax.training.state import abstract_train_state
 from moe_jax.training.step import make_train_step
+from tests.heavy import representative
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3_moe"
 BATCH, SEQ = 16, 32
@@ -38,14 +39,12 @@ def compiled_total(layout: Layout) -> int:
             + analysis.temp_size_in_bytes)
 
 
-@pytest.fixture(scope="module")
-def plan():
-    return plan_layouts(CHECKPOINT, devices=8, batch_size=BATCH, seq_len=SEQ, hardware="h100",
-                        include=lambda layout: layout in LAYOUTS.values())
-
-
-@pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_a_rows_memory_is_the_compiled_steps(plan, kind):
+# The suite checks tp with ep; --heavy (scripts/run_heavy_tests.sh) the rest, and the pipeline's
+# (test_compiled_pipeline.py).
+@pytest.mark.parametrize("kind", representative(LAYOUTS, suite=("tp with ep",)))
+def test_a_rows_memory_is_the_compiled_steps(kind):
+    plan = plan_layouts(CHECKPOINT, devices=8, batch_size=BATCH, seq_len=SEQ, hardware="h100",
+                        include=lambda layout: layout == LAYOUTS[kind])
     row = next(estimate for estimate in plan.estimates if estimate.layout == LAYOUTS[kind])
     assert row.compiled
     memory = row.memory
