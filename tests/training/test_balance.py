@@ -18,7 +18,7 @@ from moe_jax.ops.routing import router_z_loss
 from moe_jax.training import make_train_step
 
 from ..test_cli_errors import error_line
-from .conftest import FixtureBatches, build_trainer, reference_optimizer
+from .conftest import LAYOUTS, FixtureBatches, build_trainer, reference_optimizer
 from .hf_training import CONFIG_CHANGES, FIXTURES
 
 DEEPSEEK = FIXTURES / "models" / "deepseek_v3"
@@ -42,14 +42,18 @@ def numpy_z_loss(router_logits: list, mask: np.ndarray) -> float:
 
 
 # ---- router z-loss ----------------------------------------------------------------------------------------------
-def test_the_z_loss_is_the_router_logits_logsumexp_squared_and_joins_the_loss():
+@pytest.mark.parametrize("layout", ["one_device", "tp2_fsdp4_ep4"])
+def test_the_z_loss_is_the_router_logits_logsumexp_squared_and_joins_the_loss(layout):
     coef = 0.05
-    model, train_step = build_trainer(None, router_z_loss_coef=coef)
+    model, train_step = build_trainer(LAYOUTS[layout], router_z_loss_coef=coef)
     batch = FixtureBatches().batch(0)                      # rows 1 and 5 padded: the mean is over real tokens
     logits = model.apply(model.params, batch["input_ids"], attention_mask=batch["attention_mask"]).router_logits
     expected = numpy_z_loss(logits, batch["attention_mask"])
-    _, metrics = train_step(train_step.init_state(), batch)
+    # The largest dispatch capacity drops no token (a dropped one would change the later layers' router inputs).
+    state = train_step.init_state(capacity=None if LAYOUTS[layout] is None else model.capacity_schedule.largest)
+    _, metrics = train_step(state, batch)
     metrics = host(metrics)
+    assert metrics["dropped"] == 0
     np.testing.assert_allclose(metrics["router_z_loss"], expected, rtol=1e-5)
     aux = CONFIG_CHANGES["router_aux_loss_coef"] * metrics["aux_loss"]
     np.testing.assert_allclose(metrics["loss"], metrics["ce_loss"] + aux + coef * expected, rtol=1e-6)
@@ -83,6 +87,24 @@ def test_the_z_loss_adds_its_own_gradient_and_nothing_else():
         np.testing.assert_allclose(z_params[name] - plain_params[name], -coef * value, atol=2e-5, err_msg=name)
     assert np.abs(gradient["model.layers.2.mlp.gate.weight"]).max() > 1e-2      # it reaches the routers
     assert not gradient["lm_head.weight"].any()                                    # and not the head
+
+
+def test_micro_batches_with_the_z_loss_give_the_step_of_the_whole_batch():
+    """grad_accum=2 on four rows each twice (both micro-batches are those four rows, one of them padded): the
+    z-loss, the loss and the SGD step equal one step on the whole batch only if each micro-batch's z-loss enters
+    the gradient weighted by coef / grad_accum."""
+    batch = {name: np.repeat(array[:4], 2, axis=0) for name, array in FixtureBatches().batch(0).items()}
+    results = []
+    for grad_accum in (1, 2):
+        _, train_step = build_trainer(None, optimizer=optax.sgd(1.0), grad_clip=None, grad_accum=grad_accum,
+                                      router_z_loss_coef=0.5)
+        state, metrics = train_step(train_step.init_state(), batch)
+        results.append((host(metrics), host(state.params)))
+    (whole, whole_params), (micro, micro_params) = results
+    for name in ("loss", "router_z_loss", "aux_loss"):
+        np.testing.assert_allclose(micro[name], whole[name], rtol=1e-6, err_msg=name)
+    for name in whole_params:
+        np.testing.assert_allclose(micro_params[name], whole_params[name], rtol=0, atol=2e-5, err_msg=name)
 
 
 def test_without_the_balance_terms_the_step_is_the_program_it_was():
