@@ -222,7 +222,11 @@ def balanced_placement(expert_load, *, num_redundant_experts: int, ep_size: int,
     onto the lightest rank with room. Hierarchical policy (num_groups experts groups, a multiple of num_nodes): pack
     the groups onto the nodes by their summed load (num_groups / num_nodes each), replicate within each node
     ((E + R) / num_nodes slots each) and pack each node's replicas onto its ep_size / num_nodes ranks: a group's
-    experts and replicas stay on one node (DeepSeek-V3's group-limited routing then crosses fewer nodes)."""
+    experts and replicas stay on one node (DeepSeek-V3's group-limited routing then crosses fewer nodes).
+
+    Ties go to the lower expert id, the earlier replica and the lower rank. DeepSeek's eplb.py sorts with an
+    unstable sort, so where two different experts' replicas weigh exactly the same the two may swap them (the
+    ranks' loads are the same); otherwise their physical-to-logical maps are equal."""
     load = np.asarray(expert_load, np.float64)
     if load.ndim != 2:
         raise ValueError(f"expert_load must be [sparse layers, experts], got shape {load.shape}.")
