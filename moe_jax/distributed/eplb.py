@@ -226,7 +226,8 @@ def balanced_placement(expert_load, *, num_redundant_experts: int, ep_size: int,
 
     Ties go to the lower expert id, the earlier replica and the lower rank. DeepSeek's eplb.py sorts with an
     unstable sort, so where two different experts' replicas weigh exactly the same the two may swap them (the
-    ranks' loads are the same); otherwise their physical-to-logical maps are equal."""
+    ranks' loads are the same), as may nearly equal weights that its float32 rounds alike (float64 here);
+    otherwise the physical-to-logical maps are the same."""
     load = np.asarray(expert_load, np.float64)
     if load.ndim != 2:
         raise ValueError(f"expert_load must be [sparse layers, experts], got shape {load.shape}.")
