@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .adapter_flags import add_train_flags, export_adapter, lora_config_from_flags, trainable_from_flags
+from .balance_flags import add_balance_flags, balance_options, check_balance_flags
 from .layout_flags import (
     add_layout_flags,
     add_scan_layers_flag,
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compilation per rung up front)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_train_flags(parser)
+    add_balance_flags(parser)
 
 
 def _check_positive(args) -> None:
@@ -241,6 +243,7 @@ class _Request:
 def _checked_request(args) -> _Request:
     """Every flag, file and directory checked; nothing started yet."""
     _check_positive(args)
+    check_balance_flags(args)
     schedules = learning_rate_schedules(args)
     config, model_dir = _model_config(args)
     data = training_source(args, config, model_dir)
@@ -323,7 +326,7 @@ def _build_train_step(args, model, schedules):
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
                                  mixed_precision=args.mixed_precision or None,
-                                 trainable=trainable_from_flags(args, model))
+                                 trainable=trainable_from_flags(args, model), **balance_options(args))
     if not train_step.trainable.everything:
         print(f"training {train_step.trainable.describe()}; the rest of the model is frozen")
     if (error := train_step.batch_size_error(args.batch_size)) is not None:

@@ -208,6 +208,26 @@ def load_balancing_loss(
     return jnp.sum(tokens_per_expert * router_prob_per_expert) * num_experts
 
 
+def router_z_loss(router_logits_per_layer: Sequence[jax.Array] | jax.Array,
+                  attention_mask: jax.Array | None = None) -> jax.Array:
+    """ST-MoE's router z-loss: per layer, the mean over the (real) tokens of logsumexp(router logits)^2, averaged
+    over the layers; a float32 scalar.
+
+    router_logits_per_layer: L arrays of [T, E] or one [L, T, E]; attention_mask: [B, S] with B * S == T, 1 for
+    real tokens, 0 for padding (None: every token counts). It pushes the logits' scale down (large logits make
+    the router's softmax or sigmoid saturate and its rounding matter), whatever the router's activation."""
+    logits = _stack_layers(router_logits_per_layer)
+    num_tokens = logits.shape[1]
+    squared = jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))     # [L, T]
+    if attention_mask is None:
+        return jnp.mean(squared)
+    if attention_mask.size != num_tokens:
+        raise ValueError(f"attention_mask has {attention_mask.size} entries (shape {attention_mask.shape}) but the "
+                         f"router logits have T={num_tokens} rows; pass the [batch, sequence] mask of the same batch.")
+    weight = (jnp.reshape(attention_mask, (-1,)) > 0).astype(jnp.float32)
+    return jnp.mean(squared @ weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
 def top_k_sigmoid(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """Llama 4's router (HF's `Llama4Router`): the top-k logits, each through a sigmoid (no normalisation).
 

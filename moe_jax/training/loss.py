@@ -19,6 +19,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ..ops.routing import router_z_loss
+
 IGNORE_INDEX = -100
 # Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
 DEFAULT_LOSS_CHUNK = 512
@@ -120,13 +122,15 @@ def aux_loss_coefficient(config) -> float:
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
-               positions=None, adapter=None) -> tuple[jax.Array, dict]:
-    """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss, terms).
+               positions=None, adapter=None, z_weight: float = 0.0) -> tuple[jax.Array, dict]:
+    """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss [+ z_weight *
+    router_z_loss], terms).
 
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
     the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
     statistics (the call's `DispatchStatistics`), expert_load ([L, E] real tokens per expert per sparse layer, or
-    None: `ModelOutput.expert_load`). The train step and the NNX face (`moe_jax.nnx`) share it,
+    None: `ModelOutput.expert_load`) and, with `z_weight` (a Python float; 0 leaves the program as without it),
+    z (ST-MoE's router z-loss over the real tokens, `ops.routing.router_z_loss`). The train step and the NNX face (`moe_jax.nnx`) share it,
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
     `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
@@ -140,5 +144,12 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     head = partial(model.head_logits, model.nested_weights(params, adapter))
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
-    return loss, {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
-                  "expert_load": output.expert_load}
+    terms = {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
+             "expert_load": output.expert_load}
+    if z_weight:
+        if not output.router_logits:
+            raise ValueError("the router z-loss needs the router logits, which this step does not return (pipeline "
+                             "stages keep them in their stage; a model without sparse layers has none).")
+        terms["z"] = router_z_loss(output.router_logits, attention_mask if segment_ids is None else segment_ids)
+        loss = loss + z_weight * terms["z"]
+    return loss, terms

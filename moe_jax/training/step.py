@@ -10,7 +10,8 @@ its inputs checked by `model.check_step` at each call) and the chunked loss; gra
 in float32, clipped by their global norm over all parameters (PyTorch's `clip_grad_norm_` rule), and the
 optimizer is applied. The loss is the reference's: token cross entropy averaged over every predicted
 token of the global batch, plus `router_aux_loss_coef * aux_loss` (averaged over micro-batches) when the
-config has `output_router_logits=True`.
+config has `output_router_logits=True`, plus `router_z_loss_coef * router_z_loss` when asked; with
+`router_bias_update_rate`, each applied step also moves DeepSeek-V3's router bias (`training.balance`).
 
 Dropless without a host round trip: a step whose dispatch dropped any (token, expert) pair returns its
 input state unchanged (an elementwise select; no `lax.cond` around collectives) and sets the sticky
@@ -19,7 +20,8 @@ late and replays from the first overflowed step at a larger capacity (`moe_jax.t
 
 Metrics (device scalars, read one step late): step, loss, ce_loss, aux_loss, grad_norm, tokens, dropped, padded
 (dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, with sparse layers,
-expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step.
+expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step; router_z_loss with a
+z-loss coefficient.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ from tqdm.auto import tqdm
 from ..distributed.host_arrays import host_to_global
 from ..models.core import step_math
 from ..models.pipeline_layout import check_pipeline_options
+from .balance import RouterBiasUpdate, check_router_z_loss
 from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicted_tokens, prediction_targets
 from .optimizers import freeze_buffers
 from .state import TrainState, init_train_state, train_state_shardings
+from .step_checks import OFFLOAD_MEMORY_KIND, check_no_quantized_codes_trained, check_offload_supported
 from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`).
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
-OFFLOAD_MEMORY_KIND = "pinned_host"
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class TrainStepOptions:
     check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs; a
     model without dispatch buffers, capacity None, has nothing to check);
     offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
-    pipeline stages, how many microbatches each micro-batch is cut into (None: the model's)."""
+    pipeline stages, how many microbatches each micro-batch is cut into (None: the model's);
+    router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off)."""
 
     grad_accum: int = 1
     grad_clip: float | None = None
@@ -67,6 +71,8 @@ class TrainStepOptions:
     check_overflow: bool = True
     offload: bool = False
     pipeline_microbatches: int | None = None
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
 
 
 def _batch_signature(batch: dict) -> tuple:
@@ -132,6 +138,8 @@ class TrainStep:
         self.model, self.optimizer, self.options = model, optimizer, options
         self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
         self.aux_coefficient = aux_loss_coefficient(model.config)
+        self.z_coefficient = check_router_z_loss(model, options.router_z_loss_coef)
+        self.bias_update = RouterBiasUpdate.of(model, options.router_bias_update_rate, self.trainable)
         self._compiled: dict[tuple, callable] = {}
         self.pipeline_microbatches = model.pipeline_microbatches
         self._step_math = None   # the model's own step (`model.step_math`)
@@ -311,6 +319,7 @@ class TrainStep:
             statistics = terms["statistics"]
             totals = {
                 "ce_sum": totals["ce_sum"] + terms["ce_sum"], "aux_sum": totals["aux_sum"] + terms["aux"],
+                **({"z_sum": totals["z_sum"] + terms["z"]} if "z_sum" in totals else {}),
                 "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
                 "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
                 **({} if "expert_load" not in totals else
@@ -324,6 +333,8 @@ class TrainStep:
                        "required_capacity": jnp.zeros((), jnp.float32)}
         if (load_shape := self.expert_load_shape) is not None:
             zero_totals["expert_load"] = jnp.zeros(load_shape, jnp.float32)
+        if self.z_coefficient:
+            zero_totals["z_sum"] = jnp.zeros((), jnp.float32)
         (grads, totals), _ = jax.lax.scan(
             accumulate, (zero_grads, zero_totals), (jnp.arange(options.grad_accum), micro)
         )
@@ -338,7 +349,10 @@ class TrainStep:
         def update(operands):
             grads, opt_state, params = operands
             updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_opt_state
+            new_params = optax.apply_updates(params, updates)
+            if self.bias_update is not None:   # after the optimizer, which leaves the bias (a buffer) unchanged
+                new_params = self.bias_update(new_params, totals["expert_load"])
+            return new_params, new_opt_state
 
         def unchanged(operands):
             _, opt_state, params = operands
@@ -361,8 +375,12 @@ class TrainStep:
         )
         ce_loss = totals["ce_sum"] / total_tokens
         aux_loss = totals["aux_sum"] / options.grad_accum
+        loss, z_loss = ce_loss + self.aux_coefficient * aux_loss, {}
+        if self.z_coefficient:
+            z_loss["router_z_loss"] = totals["z_sum"] / options.grad_accum
+            loss = loss + self.z_coefficient * z_loss["router_z_loss"]
         metrics = {
-            "step": state.step + 1, "loss": ce_loss + self.aux_coefficient * aux_loss, "ce_loss": ce_loss,
+            "step": state.step + 1, "loss": loss, "ce_loss": ce_loss, **z_loss,
             "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
             "dropped": totals["dropped"], "padded": totals["padded"], "required_capacity": totals["required_capacity"],
             "applied": applied, "data_position": state.data_position,
@@ -388,25 +406,16 @@ class TrainStep:
                           aux_weight=self.aux_coefficient / self.options.grad_accum, capacity=capacity, rng=rng,
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
                           step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
-                          positions=micro_batch.get("positions"), adapter=adapter)
-
-
-def check_offload_supported(model) -> None:
-    """CPU offload keeps state in `pinned_host` memory: a clear error where the backend has none."""
-    device = model.mesh.devices.flat[0]
-    kinds = {memory.kind for memory in device.addressable_memories()}
-    if OFFLOAD_MEMORY_KIND not in kinds:
-        raise NotImplementedError(
-            f"fsdp_cpu_offload=True needs the '{OFFLOAD_MEMORY_KIND}' memory kind, which the {device.platform} "
-            f"backend ({device.device_kind}) does not offer (it has {sorted(kinds)}). Train without CPU offload."
-        )
+                          positions=micro_batch.get("positions"), adapter=adapter,
+                          z_weight=self.z_coefficient / self.options.grad_accum)
 
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
                     grad_clip: float | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
                     mixed_precision: bool | None = None, offload: bool | None = None,
                     check_overflow: bool = True, pipeline_microbatches: int | None = None,
-                    trainable: Selection = None) -> TrainStep:
+                    trainable: Selection = None, router_z_loss_coef: float = 0.0,
+                    router_bias_update_rate: float = 0.0) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
@@ -414,7 +423,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's).
     trainable: what to train, a glob, list of globs or predicate over HF parameter names (the adapter's
     factors included); default: the model's LoRA adapter when it has one, else every parameter. The state holds
-    only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`)."""
+    only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`).
+    router_z_loss_coef: adds ST-MoE's router z-loss times it; router_bias_update_rate: moves DeepSeek-V3's router
+    bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -422,26 +433,10 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
         raise ValueError(f"mixed precision keeps float32 master parameters, but the model holds {model.dtype}; "
                          "build it with dtype=float32.")
     selected = resolve_trainable(model, trainable)
-    _check_no_quantized_codes_trained(model, selected)
+    check_no_quantized_codes_trained(model, selected)
     options = TrainStepOptions(grad_accum=grad_accum, grad_clip=grad_clip, loss_chunk=loss_chunk,
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
                                check_overflow=check_overflow, offload=offload,
-                               pipeline_microbatches=pipeline_microbatches)
+                               pipeline_microbatches=pipeline_microbatches,
+                               router_z_loss_coef=router_z_loss_coef, router_bias_update_rate=router_bias_update_rate)
     return TrainStep(model, optimizer, options, selected)
-
-
-def _check_no_quantized_codes_trained(model, selected) -> None:
-    """Quantised codes and scales (`dequantize=False`, `quantize=`) stay frozen: an adapter or the unquantised
-    parameters may train on them (QLoRA's way), they may not."""
-    quantization = getattr(model, "weight_quantization", None)
-    kept = getattr(model, "kept_quantization", None) or (quantization and quantization.scheme)
-    if kept is None:
-        return
-    stored = {name for name, spec in model.module_tree.params.items() if spec.keep_dtype}
-    trained = [name for storage in selected.base for name in model.layer_stack.members[storage] if name in stored]
-    if selected.everything or trained:
-        raise ValueError(f"the model keeps its {kept} weights quantised ({trained[0] if trained else 'every weight'} "
-                         "selected), which cannot be trained: train a LoRA adapter on the frozen quantised base "
-                         "(model.add_adapter(LoraConfig(...)); `moe-jax train --lora-rank R`), select trainable "
-                         "parameters that are not quantised, or load with dequantize=True (without quantize=) to "
-                         "train every weight.")
