@@ -66,9 +66,18 @@ def parallel_dims(name: str, shape: tuple[int, ...], plans: ResolvedPlans, layou
                 raise ValueError(
                     f"Cannot split `{name}` {list(shape)} on dim {dim} ({shape[dim]}) over {group}_size={size} "
                     f"with style `{style_name}`; use a {group}_size among {_divisors_text(shape[dim])}."
+                    + _scale_block_hint(name)
                 )
             dims[dim] = dims[dim] + axes
     return dims, is_expert
+
+
+def _scale_block_hint(name: str) -> str:
+    """What to do when the split falls inside a quantised weight's scale blocks."""
+    if not name.endswith(("_scale_inv", "_scales", "_scale")):
+        return ""
+    return (" These are a quantised weight's block scales: that split would cut a scale block; keep the weight "
+            "unquantised (quantize_modules without it) or load it dequantised (dequantize=True, no quantize=).")
 
 
 def parameter_sharding(

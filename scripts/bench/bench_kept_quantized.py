@@ -1,13 +1,14 @@
-"""Decode tokens/s and expert bytes per device of gpt-oss with its MXFP4 experts kept quantised
-(`from_pretrained(..., dequantize=False)`) against the same checkpoint dequantised at load, alternated A/B.
+"""Decode tokens/s and expert bytes per device of quantised experts against unquantised ones, alternated A/B.
 
-    python scripts/bench/bench_kept_quantized.py [--layout one_device|fsdp4_ep4] [--rounds 6] [--batch 8]
-        [--prompt-length 32] [--new-tokens 32] [--hidden 512] [--experts 16] [--layers 4]
+    python scripts/bench/bench_kept_quantized.py [--quantize int8|fp8] [--layout one_device|fsdp4_ep4]
+        [--rounds 6] [--batch 8] [--prompt-length 32] [--new-tokens 32] [--hidden 512] [--experts 16] [--layers 4]
 
-Builds a gpt-oss checkpoint whose experts are random MXFP4 blocks + scales (hub layout, quantization_config
-mxfp4), loads it both ways on the layout, checks the two give the same greedy tokens, compiles both, then times
-`generate` rounds alternately (the side that goes first alternates too). Prints each side's median decode
-tokens/s, the median of the rounds' ratios, and the experts' bytes one device holds.
+Without --quantize: a gpt-oss checkpoint whose experts are random MXFP4 blocks + scales (hub layout,
+quantization_config mxfp4), loaded kept quantised (`dequantize=False`) and dequantised at load; the two must give
+the same greedy tokens. With --quantize: a Qwen3-MoE checkpoint of the same sizes in float32, loaded quantised
+on load (`quantize=`) and as it is; the share of equal greedy tokens is printed (quantisation changes the
+weights). Both sides compile first, then `generate` rounds alternate (the side that goes first alternates too).
+Prints each side's median tokens/s, the median of the rounds' ratios, and the experts' bytes one device holds.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def build(directory: Path, args) -> None:
     (directory / "config.json").write_text(json.dumps({**saved, "quantization_config": QUANTIZATION_CONFIG}))
 
 
+def build_plain(directory: Path, args) -> None:
+    """A float32 Qwen3-MoE checkpoint of the same sizes (random weights)."""
+    config = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden,
+                  moe_intermediate_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, num_experts=args.experts, num_experts_per_tok=4,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=1024,
+                  tie_word_embeddings=False, dtype="float32")
+    model = AutoModelForCausalLM.from_config(config, devices=jax.devices()[:1])
+    model.init_params(seed=0)
+    model.save_pretrained(directory, progress=False)
+
+
 def expert_bytes_per_device(model) -> int:
     device = jax.devices()[0]
     return sum(shard.data.nbytes for name, array in model.hf_params().items() if ".mlp.experts." in name
@@ -68,6 +81,8 @@ def expert_bytes_per_device(model) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+                        help="a plain Qwen3-MoE quantised on load against itself unquantised (default: kept MXFP4)")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="one_device")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
@@ -78,13 +93,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
-    directory = Path(tempfile.mkdtemp(prefix="moe_jax_kept_quantized_")) / "gpt_oss"
-    build(directory, args)
+    directory = Path(tempfile.mkdtemp(prefix="moe_jax_kept_quantized_")) / "checkpoint"
+    (build if args.quantize is None else build_plain)(directory, args)
     layout = LAYOUTS[args.layout]
     config = None if layout is None else DistributedConfig(**layout)
     devices = jax.devices()[:1] if layout is None else None
+    quantised = {"dequantize": False} if args.quantize is None else {"quantize": args.quantize}
     models = {side: AutoModelForCausalLM.from_pretrained(directory, config, devices=devices, progress=False,
-                                                         dequantize=side == "dequantised")
+                                                         **(quantised if side == "kept" else {}))
               for side in ("kept", "dequantised")}
     prompts = np.random.default_rng(1).integers(0, 1024, (args.batch, args.prompt_length)).astype(np.int32)
 
@@ -93,8 +109,9 @@ def main() -> int:
         tokens = models[side].generate(prompts, max_new_tokens=args.new_tokens, do_sample=False)
         return time.perf_counter() - start, tokens
 
-    outputs = {side: run(side)[1] for side in models}                 # compiles both
-    if not np.array_equal(outputs["kept"], outputs["dequantised"]):
+    outputs = {side: np.asarray(run(side)[1]) for side in models}                 # compiles both
+    agreement = float(np.mean(outputs["kept"] == outputs["dequantised"]))
+    if args.quantize is None and agreement < 1:
         sys.exit("kept and dequantised weights gave different greedy tokens")
     seconds = {side: [] for side in models}
     for round_index in range(args.rounds):
@@ -105,13 +122,16 @@ def main() -> int:
               f"{seconds['dequantised'][-1] / seconds['kept'][-1]:.2f}x", file=sys.stderr, flush=True)
     tokens = args.batch * args.new_tokens
     ratio = float(np.median(np.array(seconds["dequantised"]) / np.array(seconds["kept"])))
-    print(f"gpt-oss hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-4, {args.layout}; "
+    what = "gpt-oss, MXFP4 kept vs dequantised" if args.quantize is None else (
+        f"qwen3_moe, quantize={args.quantize!r} vs float32")
+    print(f"{what}: hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-4, {args.layout}; "
           f"generate {args.batch} x ({args.prompt_length} prompt + {args.new_tokens} new), greedy, "
-          f"{args.rounds} alternated rounds; same tokens both ways")
+          f"{args.rounds} alternated rounds; {agreement:.1%} of the tokens equal")
     for side in models:
         print(f"{side:<12} {tokens / float(np.median(seconds[side])):>8.0f} tokens/s (prefill + decode)   experts "
               f"{expert_bytes_per_device(models[side]) / 2**20:.2f} MiB on device 0")
-    print(f"kept / dequantised tokens/s: {ratio:.2f}x (median of the rounds' ratios)")
+    print(f"{'kept' if args.quantize is None else 'quantised'} / unquantised tokens/s: {ratio:.2f}x (median of the "
+          "rounds' ratios)")
     return 0
 
 

@@ -167,6 +167,8 @@ def test_misuse_is_one_clear_error_each(tmp_path):
     with pytest.raises(ValueError, match=r"set ep_size .* or load without quantize="):
         type(int8)(int8.config, DistributedConfig(tp_size=2), devices=jax.devices()[:2],
                    weight_quantization=int8.weight_quantization)
+    with pytest.raises(ValueError, match=r"over tp_size=2 .* would cut a scale block; keep the weight unquantised"):
+        load(FIXTURES / "mixtral", "tp2_fsdp4_ep4", quantize="fp8", quantize_modules=["experts", "o_proj"])
     write_fp8_checkpoint(FIXTURES / "deepseek_v3", tmp_path / "hub_fp8", (8, 8))
     with pytest.raises(ValueError, match=r"is already quantised \(fp8\); quantize='int8' quantises unquantised"):
         load(tmp_path / "hub_fp8", None, quantize="int8")
@@ -180,3 +182,24 @@ def test_training_the_codes_is_refused():
     model = load(FIXTURES / "qwen3_moe", None, quantize="int8")
     with pytest.raises(ValueError, match="cannot be trained: train a LoRA adapter on the frozen quantised base"):
         make_train_step(model, optax.sgd(0.1))
+
+
+def test_plan_counts_qwen3_30b_experts_quantised_on_load(capsys):
+    """Qwen3-30B-A3B (the hub's config) in bf16: quantising the experts on load takes each expert value from two
+    bytes to one (int8: plus a float32 scale per row; fp8: per 128 x 128 block), as `moe-jax plan` counts."""
+    from moe_jax.cli import main
+
+    config = FIXTURES.parent / "configs" / "qwen3_30b_a3b.json"
+    gib = {}
+    for flags in ([], ["--quantize", "int8"], ["--quantize", "fp8"]):
+        assert main(["plan", "--model", str(config), "--dtype", "bfloat16", *flags]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parameter bytes"))
+        gib[tuple(flags)] = float(line.split(":")[1].split()[0])
+        if flags:
+            assert f"{flags[1]} codes and scales, quantised on load" in line
+    layers, experts, hidden, intermediate = 48, 128, 2048, 768
+    values = layers * experts * 3 * intermediate * hidden
+    rows = layers * experts * (2 * intermediate + hidden)
+    blocks = layers * experts * (2 * (intermediate // 128) * (hidden // 128) + (hidden // 128) * (intermediate // 128))
+    assert abs(gib[()] - gib[("--quantize", "int8")] - (values - 4 * rows) / 2**30) < 0.05
+    assert abs(gib[()] - gib[("--quantize", "fp8")] - (values - 4 * blocks) / 2**30) < 0.05
