@@ -145,8 +145,10 @@ def pipeline_chunks(num_layers: int, stages: int, repeats: int, schedule: str) -
         working = [r for r in range(1, num_layers // stages + 1) if num_layers % (stages * r) == 0]
         raise ValueError(
             f"A circular schedule with pp_size={stages} and pipeline_repeats={repeats} needs the layer count to "
-            f"split into {chunks} equal chunks, but the model has {num_layers} layers; pipeline_repeats "
-            f"{working} work with pp_size={stages} (or use pipeline_schedule='gpipe').")
+            f"split into {chunks} equal chunks, but the model has {num_layers} layers; "
+            + (f"pipeline_repeats {working} work with pp_size={stages}" if working
+               else f"no pipeline_repeats splits {num_layers} layers over pp_size={stages}")
+            + " (or use pipeline_schedule='gpipe').")
     size = num_layers // chunks
     return [(chunk * size, (chunk + 1) * size) for chunk in range(chunks)]
 
