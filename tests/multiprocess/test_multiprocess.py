@@ -98,12 +98,18 @@ def test_each_process_reads_about_half_of_the_checkpoint(two_processes):
 
 
 def test_quantised_weights_load_in_each_process_for_its_devices_only(one_process, two_processes):
+    """Kept MXFP4: each process reads about half the checkpoint, as a plain load. Quantised on load, a device's
+    codes and its scales are each computed from the plain rows or blocks covering them (read twice), and the
+    fixture's matrices are single 128 x 128 blocks, so every device of a row-split matrix reads all of it: still
+    well short of the whole checkpoint."""
     workdir, seen, _ = one_process
+    limits = {"kept_mxfp4": (0.4, 0.6), "fp8_on_load": (0.4, 0.8)}
     for name, (checkpoint, _, _) in quantized_loads(workdir).items():
         total = sum(path.stat().st_size for path in checkpoint_shards(checkpoint)[0])
         shares = [int(job[f"{name}/bytes_read"]) / total for job in two_processes]
         print(name, "share of the checkpoint read per process:", [f"{share:.3f}" for share in shares])
-        assert all(0.4 < share < 0.6 for share in shares), (name, shares)
+        low, high = limits[name]
+        assert all(low < share < high for share in shares), (name, shares)
         for job in two_processes:
             np.testing.assert_allclose(job[f"{name}/logits"], seen[f"{name}/logits"], rtol=0, atol=2e-6)
 
