@@ -81,8 +81,13 @@ class StepPrograms:
         """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values = program((self.params, self.adapter), self.keys, self.values, *placed)
+        new_ids, self.keys, self.values = program(self._weights(), self.keys, self.values, *placed)
         return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+
+    def _weights(self) -> tuple:
+        """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between
+        steps runs the same programs)."""
+        return self.params, self.adapter, self.model.expert_placement
 
     def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
@@ -94,7 +99,7 @@ class StepPrograms:
         if program is None:
             prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
             program = jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
-                              donate_argnums=(1, 2)).lower((self.params, self.adapter), self.keys, self.values,
+                              donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values,
                                                            *placed).compile()
             self._programs[key] = program
             self.compilations += 1
@@ -103,9 +108,9 @@ class StepPrograms:
     # ---- the step's math (traced) ----------------------------------------------------------------------------
     def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
         """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
-        new tokens stored). weights: (params, the adapter's arrays or None). prompt_rows (a mixed step): each
+        new tokens stored). weights: (params, the adapter's arrays or None, the expert placement or None). prompt_rows (a mixed step): each
         group's rows are that many prompt rows then its slots' one token each, run as flat tokens."""
-        params, adapter = weights
+        params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens)
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
@@ -115,13 +120,14 @@ class StepPrograms:
                                  lengths=inputs["lengths"], segments=segments)
             out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
                                        attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
-                                       capacity=None, inference=True, return_hidden=True, adapter=adapter)
+                                       capacity=None, inference=True, return_hidden=True, adapter=adapter,
+                                       expert_placement=placement)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
-                                       inference=True, return_hidden=True, adapter=adapter)
+                                       inference=True, return_hidden=True, adapter=adapter, expert_placement=placement)
             hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
         logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)[:, 0]
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them

@@ -119,6 +119,21 @@ def test_gradients_sum_into_the_logical_experts_whatever_the_placement(qwen3):
                                        atol=1e-6 * np.abs(expected).max(), err_msg=name)
 
 
+def test_generate_runs_the_models_placement_in_the_same_programs(qwen3):
+    plain, redundant = qwen3
+    if redundant.distributed_config.ep_implementation == "all_reduce":
+        pytest.skip("one layout carries the generate check")
+    ids = skewed_batch(plain.config.vocab_size)
+    prompts = ids[:, :6]
+    expected = redundant.generate(prompts, max_new_tokens=3)       # the identity placement
+    redundant.set_expert_placement(balanced_placement(
+        redundant.apply(redundant.params, ids).expert_load, num_redundant_experts=REDUNDANT, ep_size=8))
+    compiled = redundant.generator.compilations
+    np.testing.assert_array_equal(redundant.generate(prompts, max_new_tokens=3), expected)
+    assert redundant.generator.compilations == compiled
+    redundant.set_expert_placement(redundant.identity_expert_placement())
+
+
 def test_bad_sizes_and_placements_are_refused_first(qwen3):
     plain, redundant = qwen3
     config = plain.config.raw
