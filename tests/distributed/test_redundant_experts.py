@@ -1,7 +1,8 @@
 """Redundant expert slots (`num_redundant_experts`) and the expert placement (`set_expert_placement`,
 `apply(expert_placement=)`): on a skewed batch a balanced placement evens the ep ranks' work (`ep_rank_load`)
 and the dispatch buffers, with the same logits and gradients; a new placement compiles nothing; bad sizes and
-placements fail first, clearly. More layouts and families: scripts/checks/check_redundant_experts.py."""
+placements fail first, clearly (the example of docs/training.md, "Redundant expert slots", on these inputs).
+More layouts and families: scripts/checks/check_redundant_experts.py."""
 
 from __future__ import annotations
 
