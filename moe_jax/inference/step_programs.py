@@ -8,7 +8,10 @@ Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (pr
 chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
 per kind of sequence (`kv_cache.SegmentedPagedKV`). Every program samples each row by its own settings and
 returns the new ids [rows] (replicated: what the host reads) and the pools, donated and updated in place. Experts
-run at the largest dispatch capacity (`capacity=None`), which never drops a pair.
+run at the largest dispatch capacity (`capacity=None`), which never drops a pair, under the model's expert
+placement as it is at each step; with `config.rebalance_every` the programs also return the step's `expert_load`,
+summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
+alike: each runs the same steps).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..distributed.eplb import balanced_placement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
@@ -45,6 +49,11 @@ class StepPrograms:
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
         self._replicated = NamedSharding(mesh, P())
         self.leading = False   # process 0 sends each step's inputs to the others (`lead_follow`)
+        self.rebalance_every = config.rebalance_every
+        if self.rebalance_every is not None and (self.rebalance_every < 1 or not model.num_redundant_experts):
+            raise ValueError(f"rebalance_every={self.rebalance_every} re-places experts into redundant expert slots "
+                             "every that many steps (>= 1): build the model with num_redundant_experts=R > 0.")
+        self._load_window, self._steps = None, 0   # expert_load summed since the last re-placement
 
     def page_width(self, tokens: int) -> int:
         """The page-table width a step whose rows hold at most `tokens` tokens runs with: the pages they need,
@@ -81,8 +90,21 @@ class StepPrograms:
         """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values = program(self._weights(), self.keys, self.values, *placed)
+        new_ids, self.keys, self.values, *load = program(self._weights(), self.keys, self.values, *placed)
+        if load:
+            self._rebalance_after(load[0])
         return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+
+    def _rebalance_after(self, load: jax.Array) -> None:
+        """Add a step's expert_load to the window; every `rebalance_every` steps, re-place from it."""
+        self._load_window = load if self._load_window is None else self._load_window + load
+        self._steps += 1
+        if self._steps % self.rebalance_every == 0:
+            model = self.model
+            model.set_expert_placement(balanced_placement(
+                np.asarray(jax.device_get(self._load_window)), num_redundant_experts=model.num_redundant_experts,
+                ep_size=model.layout.ep_size))
+            self._load_window = None
 
     def _weights(self) -> tuple:
         """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between
@@ -140,6 +162,8 @@ class StepPrograms:
                                         inputs["top_k"], inputs["top_p"]),
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
+        if self.rebalance_every is not None:
+            return new_ids, out.cache.keys, out.cache.values, out.expert_load
         return new_ids, out.cache.keys, out.cache.values
 
     def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:

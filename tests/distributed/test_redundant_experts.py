@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.distributed.eplb import balanced_placement, identity_placement, placement_from_slots
+from moe_jax.inference import ContinuousBatchingConfig
 
 from ..models.test_apply import count_compilations
 
@@ -132,6 +133,20 @@ def test_generate_runs_the_models_placement_in_the_same_programs(qwen3):
     compiled = redundant.generator.compilations
     np.testing.assert_array_equal(redundant.generate(prompts, max_new_tokens=3), expected)
     assert redundant.generator.compilations == compiled
+    redundant.set_expert_placement(redundant.identity_expert_placement())
+
+
+def test_continuous_batching_rebalances_every_n_engine_steps(qwen3):
+    plain, redundant = qwen3
+    if redundant.distributed_config.ep_implementation == "all_reduce":
+        pytest.skip("one layout carries the serving check")
+    prompts = skewed_batch(plain.config.vocab_size)[:, :6]
+    expected = redundant.generate(prompts, max_new_tokens=3)[:, 6:]     # the programs of the generate test
+    config = ContinuousBatchingConfig(max_slots=8, page_size=8, max_model_len=16, prefill_chunk=8, rebalance_every=1)
+    served = redundant.generate_batch([list(row) for row in prompts], continuous_batching_config=config,
+                                      max_new_tokens=3)
+    np.testing.assert_array_equal([output.generated_tokens for output in served.values()], expected)
+    assert (np.asarray(redundant.expert_placement.replica_count) != 2).any()   # re-placed from the served load
     redundant.set_expert_placement(redundant.identity_expert_placement())
 
 

@@ -1,6 +1,7 @@
 """Redundant expert slots in training: the placement is an input of the train step held in its state (re-placing
 compiles nothing), `TrainLoop(rebalance_every=N)` re-places from the last N steps' expert load, and a checkpoint
-resumes placement and load window bit-exactly; the command line's flags and errors."""
+resumes placement and load window bit-exactly; the command line's flags and errors (serving's re-placement:
+tests/distributed/test_redundant_experts.py)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,5 @@ def test_rebalancing_needs_redundant_slots(capsys):
                                   "--num-redundant-experts R (R > 0, with --ep > 1) too.")
     assert main(["train", "--steps", "1", "--num-redundant-experts", "2", "--no-progress"]) == 2
     assert "ep_size=1: every device already holds every expert" in error_line(capsys)
+    assert main(["serve", "--model", str(CHECKPOINT), "--rebalance-every", "5"]) == 2   # engine steps there
+    assert error_line(capsys).startswith("--rebalance-every re-places experts into redundant expert slots")
