@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.eplb import ExpertPlacement, check_num_redundant_experts, identity_placement
+from ..distributed.host_arrays import host_to_global
 
 
 class ExpertPlacementMixin:
@@ -125,7 +126,8 @@ class ExpertPlacementMixin:
                                  else array.astype(np.int32), placement)
         if self.mesh is None:
             return placement
-        return jax.device_put(placement, NamedSharding(self.mesh, P()))
+        replicated = NamedSharding(self.mesh, P())   # the same value on every process of a multi-process job
+        return jax.tree.map(lambda array: host_to_global(array, replicated), placement)
 
     def _require_redundant_slots(self, what: str) -> None:
         if not self.num_redundant_experts:
