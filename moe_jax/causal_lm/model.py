@@ -53,9 +53,10 @@ from ..pretrained import from_pretrained, save_pretrained
 from .adapters import AdapterMixin
 from .generation import GenerationMixin
 from .parameters import ParameterStorage
+from .placement import ExpertPlacementMixin
 
 
-class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedModel):
+class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlacementMixin, PlannedModel):
     """The causal LM of one family (`family`, a `moe_jax.models.family.Family`): each family's class
     (`moe_jax.causal_lm.families`) sets only that attribute."""
 
@@ -76,7 +77,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
                  devices=None, experts_backend: str | None = None, dtype=jnp.float32, abstract: bool = False,
                  scan_layers: bool | str | None = "auto", remat: str = "none",
                  pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
-                 pipeline_repeats: int = 1, kept_quantization: str | None = None,
+                 pipeline_repeats: int = 1, num_redundant_experts: int = 0, kept_quantization: str | None = None,
                  weight_quantization: WeightQuantization | None = None):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
@@ -87,6 +88,9 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
             is cut into (default pp_size); pipeline_schedule: "gpipe" (the reference's split of the layers) or
             "circular" (pipeline_repeats chunks of layers per stage, needs M >= pp_size); the three are options
             of this library, outside `DistributedConfig`, so a reference config means the same here.
+        num_redundant_experts: R extra expert slots per sparse layer over the ep ranks ((E + R) % ep_size == 0,
+            ep_size > 1, pp_size == 1), which `set_expert_placement` fills with replicas of busy experts
+            (`causal_lm.placement`); parameters stay per logical expert.
         kept_quantization: a checkpoint's `quant_method` ("mxfp4") whose weights stay in that format on the
             devices (`from_pretrained(..., dequantize=False)` sets it): the family's kept-quantised declaration
             (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only.
@@ -117,6 +121,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
         self.init_parallel_plans({"tp": family.tp_plan, "ep": family.ep_plan, "fsdp": family.fsdp_plan})
         self.distributed_config = distributed_config or DistributedConfig()
         self.layout = DeviceLayout.from_config(self.distributed_config)
+        self._init_expert_placement(num_redundant_experts)
         self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
         if self.mesh is not None and self.mesh.devices.flat[0].platform == "cpu":
             warn_without_huge_pages()  # XLA:CPU's buffers on 4 KiB pages: say how to start Python (host_memory)
@@ -148,7 +153,10 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
         self.sharded_experts: dict[int, ShardedExperts] = {} if abstract else self._build_sharded_experts()
         self.core = ModelCore(family=family, config=config, layer_stack=self.layer_stack,
                               sharded_experts=self.sharded_experts, layouts=self.activation_layouts, remat=remat,
-                              dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches)
+                              dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches,
+                              ep_size=self.layout.ep_size if self.layout.ep_size > 1 and any(
+                                  module.implementation is not None for module in self.sharded_experts.values())
+                              else 1, num_redundant_experts=self.num_redundant_experts)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = self._new_apply_jit()
@@ -303,6 +311,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
                 num_experts=self.config.num_experts, experts_forward=self.experts_forward,
                 ep_implementation=self.distributed_config.ep_implementation,
                 intermediate_dims=self.family.experts_intermediate_dims, schedule=self.capacity_schedule,
+                num_redundant_experts=self.num_redundant_experts,
             )
             for layer in self.sparse_layers()
         }
@@ -318,7 +327,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
-              adapter: Mapping[str, Any] | None = None) -> ModelOutput:
+              adapter: Mapping[str, Any] | None = None, expert_placement=None) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
         reads a device value on the host.
@@ -339,13 +348,15 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
             (documents numbered 1, 2, ... per row, 0 for padding): attention stays within each document and
             positions restart at each (`moe_jax.models.core.step_math`). adapter: a LoRA adapter's arrays in the
             storage layout of `model.adapter_layout` (e.g. `model.adapter`), applied beside the base weights, which
-            are not copied (None: the base model alone).
+            are not copied (None: the base model alone). expert_placement: with redundant expert slots, the
+            `ExpertPlacement` to run (e.g. `model.expert_placement`; None: the identity), an input: no recompile.
         """
         capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
                                                   compute_dtype=compute_dtype, adapter=adapter)
         return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
                                cache=cache, capacity=capacity, rng=rng, inference=inference, segment_ids=segment_ids,
-                               return_hidden=return_hidden, compute_dtype=compute_dtype, adapter=adapter)
+                               return_hidden=return_hidden, compute_dtype=compute_dtype, adapter=adapter,
+                               expert_placement=self._placement_argument(expert_placement))
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
                    compute_dtype=None, microbatches: int | None = None,
@@ -371,13 +382,14 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
-                  segment_ids=None, adapter: Mapping[str, Any] | None = None) -> ModelOutput:
+                  segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
-                         compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter)
+                         compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter,
+                         expert_placement=expert_placement)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:
@@ -403,7 +415,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, PlannedMod
             input_ids, attention_mask = pad(input_ids), pad(attention_mask)
             positions = None if positions is None else pad(jnp.asarray(positions))
         call = partial(self.apply, params, input_ids, attention_mask=attention_mask, positions=positions,
-                       rng=rng, inference=inference, return_hidden=return_hidden, adapter=self.adapter)
+                       rng=rng, inference=inference, return_hidden=return_hidden, adapter=self.adapter,
+                       expert_placement=self.expert_placement)
         return DroplessOutput(self, call, inference, batch)
 
     def __call__(self, input_ids, attention_mask=None, **kwargs) -> jax.Array:

@@ -2,9 +2,13 @@
 
     moe-jax train ... --router-z-loss-coef 1e-3          # ST-MoE's router z-loss joins the loss
     moe-jax train ... --router-bias-update-rate 1e-3     # DeepSeek-V3: move the router bias toward balance
+    moe-jax train ... --ep 8 --num-redundant-experts 8 --rebalance-every 100   # EPLB: replicas of busy experts
+    moe-jax serve ... --ep 8 --num-redundant-experts 8 --rebalance-every 1000  # the same, every 1000 engine steps
 
 A negative value is refused with one `error:` line before anything starts; a bias update on a family without a
-router bias is refused, naming the families that have one, when the step is built (before the first step).
+router bias is refused, naming the families that have one, when the step is built (before the first step);
+--rebalance-every without --num-redundant-experts is refused before anything starts, and a number of redundant
+slots the layout cannot take when the model is built.
 """
 
 from __future__ import annotations
@@ -21,12 +25,35 @@ def add_balance_flags(parser: argparse.ArgumentParser) -> None:
                          help="after each step move every sparse layer's router bias (DeepSeek-V3's "
                               "e_score_correction_bias) by GAMMA x sign(mean load - load) per expert: "
                               "aux-loss-free balancing (default 0: the bias stays as loaded)")
+    add_slot_flags(balance)
+
+
+def add_slot_flags(parser, steps: str = "steps") -> None:
+    """--num-redundant-experts and --rebalance-every (`moe-jax train`: optimizer steps; `serve`: engine steps)."""
+    parser.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
+                        help="R extra expert slots per sparse layer over the ep ranks ((E + R) %% ep == 0; needs "
+                             "--ep > 1), filled with replicas of the busiest experts (default 0: none)")
+    parser.add_argument("--rebalance-every", type=int, default=None, metavar="N",
+                        help=f"re-place the experts into the slots every N {steps}, from the real tokens each expert "
+                             "got in the last N (DeepSeek's EPLB; needs --num-redundant-experts)")
 
 
 def check_balance_flags(args) -> None:
     for flag in ("router_z_loss_coef", "router_bias_update_rate"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
+    check_slot_flags(args)
+
+
+def check_slot_flags(args) -> None:
+    if args.num_redundant_experts < 0:
+        raise ValueError(f"--num-redundant-experts {args.num_redundant_experts} must be >= 0 (0 turns it off).")
+    if args.rebalance_every is not None:
+        if args.rebalance_every < 1:
+            raise ValueError(f"--rebalance-every {args.rebalance_every} must be >= 1 (steps between re-placements).")
+        if not args.num_redundant_experts:
+            raise ValueError("--rebalance-every re-places experts into redundant expert slots: pass "
+                             "--num-redundant-experts R (R > 0, with --ep > 1) too.")
 
 
 def balance_options(args) -> dict:

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
+from .balance_flags import add_slot_flags, check_slot_flags
 from .layout_flags import (
     DECODE_SCAN_HELP,
     add_dequantize_flag,
@@ -117,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM / Ctrl-C, how long the running requests may go on before they are ended "
                              f"with an error event (default {SHUTDOWN_TIMEOUT_S})")
     add_layout_flags(parser, pipeline=False, ep_implementation=True)
+    add_slot_flags(parser.add_argument_group("expert load balance"), "engine steps")
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
     add_use_flags(parser, merge_help="with --adapter: serve the weights with the adapter merged into them (default: "
@@ -158,6 +160,7 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
     if args.decode_rows is not None and not all(1 <= rows <= args.max_slots for rows in args.decode_rows):
         raise ValueError(f"--decode-rows {','.join(map(str, args.decode_rows))}: each must be in [1, --max-slots "
                          f"{args.max_slots}] (rows per data-parallel group).")
+    check_slot_flags(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535].")
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)
@@ -240,7 +243,7 @@ def _engine_config(args, max_model_len: int):
     return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
                                     prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps,
-                                    decode_rows=args.decode_rows)
+                                    decode_rows=args.decode_rows, rebalance_every=args.rebalance_every)
 
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:
@@ -252,6 +255,7 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
+                                                 num_redundant_experts=args.num_redundant_experts,
                                                  **quantize_options(args))
     use_adapter(model, args.adapter, args.merge_adapter)
     engine = ServingEngine(model, _engine_config(args, max_model_len))
@@ -287,6 +291,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
                                                  scan_layers=scan_layers_from_flags(args, decoding=True),
+                                                 num_redundant_experts=args.num_redundant_experts,
                                                  **quantize_options(args))
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)

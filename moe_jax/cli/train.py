@@ -109,9 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one device's peak TFLOP/s at the training dtype: adds MFU to the metrics (model "
                              "TFLOP/s per device are always reported)")
     parser.add_argument("--metrics-jsonl", default=None,
-                        help="append one JSON object per optimizer step here (--resume first drops the "
-                             "records of the steps after its checkpoint: they are trained, and written, "
-                             "again)")
+                        help="append one JSON object per optimizer step here (--resume first drops the records of "
+                             "the steps after its checkpoint: they are trained, and written, again)")
     parser.add_argument("--checkpoint-dir", default=None, help="orbax train-state checkpoints (saved asynchronously)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default 100)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
@@ -204,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     loop = TrainLoop(
         train_step, data, on_step=progress, evaluate=evaluate,
         learning_rate=request.schedules[0] if callable(request.schedules[0]) else lambda step: request.schedules[0],
-        should_evaluate=should_evaluate,
+        should_evaluate=should_evaluate, rebalance_every=args.rebalance_every,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None,
     )
@@ -292,7 +291,8 @@ def _build_model(args, config: dict):
         distributed_config = DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation)
     model_options = dict(devices=devices, dtype=args.dtype, scan_layers=scan_layers_from_flags(args),
                          remat=args.remat, **pipeline_options_from_flags(args))
-    model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options)
+    model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options,
+                                             num_redundant_experts=args.num_redundant_experts)
     warn_about_head_split(model)
     return model, devices
 

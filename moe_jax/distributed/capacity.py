@@ -122,17 +122,25 @@ class DispatchStatistics:
     required_capacity  the lowest ladder capacity that would have dropped nothing (max over devices/layers)
     expert_load        [E] one layer's real tokens routed to each expert (the decoder layer counts them; None
                        elsewhere: totals over layers do not keep it, `ModelOutput.expert_load` has it per layer)
+    ep_rank_load       [ep] one layer's real (token, expert) pairs each ep rank computed under an expert
+                       placement with redundant slots (None elsewhere, like `expert_load`)
     """
 
-    def __init__(self, dropped, padded, buffer_rows, required_capacity, expert_load=None):
+    def __init__(self, dropped, padded, buffer_rows, required_capacity, expert_load=None, ep_rank_load=None):
         self.dropped = dropped
         self.padded = padded
         self.buffer_rows = buffer_rows
         self.required_capacity = required_capacity
         self.expert_load = expert_load
+        self.ep_rank_load = ep_rank_load
 
     def with_expert_load(self, expert_load) -> DispatchStatistics:
-        return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity, expert_load)
+        return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity, expert_load,
+                                  self.ep_rank_load)
+
+    def with_ep_rank_load(self, ep_rank_load) -> DispatchStatistics:
+        return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity,
+                                  self.expert_load, ep_rank_load)
 
     @classmethod
     def zeros(cls) -> DispatchStatistics:
@@ -140,7 +148,7 @@ class DispatchStatistics:
         return cls(zero, zero, zero, jnp.zeros((), jnp.float32))
 
     def combine(self, other: DispatchStatistics) -> DispatchStatistics:
-        """Both calls' counts together (e.g. two layers; per-layer `expert_load` is not kept)."""
+        """Both calls' counts together (e.g. two layers; per-layer `expert_load`, `ep_rank_load` are not kept)."""
         return DispatchStatistics(
             self.dropped + other.dropped, self.padded + other.padded,
             jnp.maximum(self.buffer_rows, other.buffer_rows),
@@ -165,7 +173,7 @@ class DispatchStatistics:
 
 jax.tree_util.register_pytree_node(
     DispatchStatistics,
-    lambda s: ((s.dropped, s.padded, s.buffer_rows, s.required_capacity, s.expert_load), None),
+    lambda s: ((s.dropped, s.padded, s.buffer_rows, s.required_capacity, s.expert_load, s.ep_rank_load), None),
     lambda _, children: DispatchStatistics(*children),
 )
 

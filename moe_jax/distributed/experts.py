@@ -15,6 +15,14 @@ is the experts module's math, one function per activation kind (`moe_jax.ops.exp
 ids are local and the sentinel `num_local_experts` contributes nothing. Three names run experts: that
 function, this sharded experts module, and the EP implementation it hands each call's bound function and
 capacity to (`moe_jax.distributed.expert_parallel`).
+
+Redundant slots ("ep" mode, `num_redundant_experts` R > 0): the ep ranks hold E + R *physical* slots, (E + R) /
+ep_size each; which logical expert each slot holds is one layer of an `ExpertPlacement`
+(`moe_jax.distributed.eplb`), an input of the call (`params["placement"]`), so a new placement is new data, not a
+new program. Parameters stay per logical expert [E, ...]: the call gathers the physical weights
+`take(logical, physical_to_logical, axis=0)` (their gradient sums back into each logical expert through the
+gather) and sends each (token, k) pair to one replica of its expert (`choose_replica`, by the token's row in the
+call's global batch).
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from jax.sharding import PartitionSpec as P
 
 from ..ops.accumulation import is_master
 from ..ops.lora import LoraFactors
+from ..ops.routing import expert_load
 from ..ops.varying import vary_like
 from .capacity import CapacitySchedule, DispatchStatistics
+from .eplb import ExpertPlacement, check_num_redundant_experts, choose_replica
 from .expert_parallel import (
     EPImplementation,
     ExpertGroups,
@@ -84,7 +94,8 @@ class ShardedExperts:
     call passes it this device's experts bound to their weights and the call's capacity as arguments, so a
     new trace (another capacity, `jax.grad`, an outer `jit`) builds nothing. A reference-style
     implementation (no `experts_forward` keyword) is built again for each call traced, with that call's
-    experts (`_reference_style_call`).
+    experts (`_reference_style_call`). `num_redundant_experts` R > 0 ("ep" mode only): the implementation runs
+    (E + R) / ep_size local slots and each call takes one layer's placement (module docstring).
     """
 
     def __init__(
@@ -98,8 +109,14 @@ class ShardedExperts:
         ep_implementation: str = "auto",
         intermediate_dims: dict[str, int | str] | None = None,
         schedule: CapacitySchedule | None = None,
+        num_redundant_experts: int = 0,
         **ep_options,
     ):
+        if num_redundant_experts and mode != EP_DISPATCH:
+            raise ValueError(f"num_redundant_experts={num_redundant_experts} adds expert slots to the ranks of "
+                             "expert parallelism, but this experts module does not dispatch tokens over ep (it "
+                             "needs ep_size > 1 and an `ep_dispatch_experts` plan rule).")
+        self.num_redundant_experts = num_redundant_experts
         self.mesh = mesh
         self.layout = layout
         self.mode = mode
@@ -115,12 +132,39 @@ class ShardedExperts:
         self.ep_options = ep_options
         self.implementation: EPImplementation | None = None
         if mode == EP_DISPATCH:
-            check_experts_divisible(num_experts, layout.ep_size)
+            if num_redundant_experts:
+                check_num_redundant_experts(num_experts, num_redundant_experts, layout.ep_size)
+            else:
+                check_experts_divisible(num_experts, layout.ep_size)
             self.implementation = build_ep_implementation(
-                ep_implementation, None, num_experts // layout.ep_size, self.groups, schedule=self.schedule,
-                **ep_options,
+                ep_implementation, None, self.local_slots, self.groups, schedule=self.schedule, **ep_options,
             )
             self.call_keywords = call_keywords(type(self.implementation))
+
+    @property
+    def local_slots(self) -> int:
+        """The expert slots each ep rank holds: (E + R) / ep_size."""
+        return (self.num_experts + self.num_redundant_experts) // self.layout.ep_size
+
+    def _physical(self, params: dict, top_k_index, placement: ExpertPlacement | None, token_mask):
+        """With redundant slots: (params gathered per physical slot, LoRA factors too; each pair's physical slot
+        [N, K]; the real pairs each ep rank computes [ep] int32). Without: the inputs unchanged and None."""
+        if not self.num_redundant_experts:
+            return params, top_k_index, None
+        if placement is None:
+            raise ValueError(f"this experts module has {self.num_redundant_experts} redundant slot(s): its params "
+                             "need one layer's expert placement under 'placement' (`moe_jax.models.core."
+                             "nested_weights` attaches it).")
+        slots = jnp.asarray(placement.physical_to_logical)
+        take = lambda array: jnp.take(array, slots, axis=0)  # noqa: E731
+        gathered = {name: take(array) for name, array in params.items() if name != "lora"}
+        if params.get("lora"):
+            gathered["lora"] = {name: LoraFactors(take(factors.a), take(factors.b), factors.scaling)
+                                for name, factors in params["lora"].items()}
+        physical = choose_replica(placement, top_k_index, jnp.arange(top_k_index.shape[0], dtype=jnp.int32))
+        real = jnp.ones(top_k_index.shape[:1], jnp.int32) if token_mask is None else token_mask
+        rank_load = expert_load(physical // self.local_slots, real, self.layout.ep_size).astype(jnp.int32)
+        return gathered, physical, rank_load
 
     # Sharding of the inputs of the shard_map body.
     def _batch_spec(self) -> P:
@@ -176,17 +220,22 @@ class ShardedExperts:
         return view, P(*entries), dim
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, params: dict, *, inference: bool = False,
-                 capacity: float | None = None):
+                 capacity: float | None = None, token_mask=None):
         """hidden_states: [N, H]; top_k_index: [N, K] global ids; top_k_weights: [N, K]
         -> (output [N, H] in hidden dtype, DispatchStatistics summed over all devices).
 
         params may hold `"lora"`: {weight name: `LoraFactors`}, a LoRA adapter on the experts' weights, whose
-        factors travel with their experts and reach the experts function as its `lora` argument.
-        capacity: the dispatch capacity in force (`moe_jax.distributed.capacity`); None = the largest."""
+        factors travel with their experts and reach the experts function as its `lora` argument; and, with
+        redundant slots, `"placement"`: one layer's `ExpertPlacement` (top_k_index stays logical).
+        capacity: the dispatch capacity in force (`moe_jax.distributed.capacity`); None = the largest.
+        token_mask: [N] 1 for real tokens: with redundant slots the statistics' `ep_rank_load` counts those."""
         if capacity is None:
             capacity = self.schedule.largest
         elif capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0.")
+        placement = params.get("placement")
+        params = {name: value for name, value in params.items() if name != "placement"}
+        params, top_k_index, rank_load = self._physical(params, top_k_index, placement, token_mask)
         lora = params.get("lora") or {}
         names = [name for name in params if name != "lora"]
         views, specs = zip(*(self._param_spec_and_view(name, params[name]) for name in names))
@@ -231,7 +280,8 @@ class ShardedExperts:
             # parity tests (values and gradients against pp=1) check this body without them.
             check_vma=self.layout.pp_size == 1,
         )
-        return run(hidden_states, top_k_index, top_k_weights, *views, *factor_views)
+        output, statistics = run(hidden_states, top_k_index, top_k_weights, *views, *factor_views)
+        return output, statistics if rank_load is None else statistics.with_ep_rank_load(rank_load)
 
     def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
         if self.mode == EP_DISPATCH:
@@ -257,6 +307,6 @@ class ShardedExperts:
         `self.experts_forward`) built for the call being traced: its experts are this call's, and so is its
         `capacity` option when it takes capacity options."""
         return build_ep_implementation(
-            self.ep_implementation, experts_forward, self.num_experts // self.layout.ep_size, self.groups,
+            self.ep_implementation, experts_forward, self.local_slots, self.groups,
             schedule=self.schedule, **(self.ep_options | {"capacity": capacity}),
         )

@@ -86,20 +86,22 @@ class Generator:
 
     # ---- the two device programs ----------------------------------------------------------------
     # Each traces the model's `step_math` into its own jit (`generate` checked the inputs at the call).
-    # weights: (params, adapter or None), the model's parameters and its LoRA adapter's arrays.
+    # weights: (params, adapter or None, expert placement or None), the model's parameters, its LoRA adapter's
+    # arrays and its expert placement (redundant expert slots).
     def _prefill(self, weights, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
         positions = prompt_positions(attention_mask)
-        params, adapter = weights
+        params, adapter, placement = weights
         out = self.model.step_math(params, input_ids, attention_mask=attention_mask, positions=positions,
-                                   cache=cache, adapter=adapter)
+                                   cache=cache, adapter=adapter, expert_placement=placement)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
         return self._for_host(tokens), out.cache, positions[:, -1] + 1, finished
 
     def _decode(self, weights, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
-        params, adapter = weights
+        params, adapter, placement = weights
         out = self.model.step_math(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
-                                   positions=positions[:, None], cache=cache, adapter=adapter)
+                                   positions=positions[:, None], cache=cache, adapter=adapter,
+                                   expert_placement=placement)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
         return self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)
@@ -127,10 +129,10 @@ class Generator:
                  params=None, on_tokens: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
         """input_ids: [B, S] ints (left-padded), attention_mask: [B, S] (None: all real) -> the prompt and
         the new tokens [B, S + n]. `on_tokens(step, ids [B])` sees each step's ids as they arrive. The model's
-        LoRA adapter (`model.adapter`), if any, is applied."""
+        LoRA adapter (`model.adapter`), if any, is applied, and its expert placement (`model.expert_placement`)."""
         model = self.model
         params = model.params if params is None else params
-        weights = (params, model.adapter)
+        weights = (params, model.adapter, model.expert_placement)
         input_ids, attention_mask = _check_prompt(input_ids, attention_mask)
         batch, prompt_length = input_ids.shape
         new_tokens = config.new_tokens(prompt_length)

@@ -111,7 +111,9 @@ class ContinuousBatchingConfig:
     prefill program and then a decode program;
     decode_rows: the rows per data-parallel group a decode program may have (a step runs the fewest that hold its
     decoding requests; every one is compiled at each page width); None: max_slots / groups and its quarters,
-    sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups."""
+    sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups;
+    rebalance_every: with redundant expert slots (`num_redundant_experts`), re-place the experts after every that
+    many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never)."""
 
     max_slots: int = 8
     page_size: int = 16
@@ -121,6 +123,7 @@ class ContinuousBatchingConfig:
     prefill_rows: int = 1
     mixed_steps: bool = True
     decode_rows: tuple[int, ...] | None = None
+    rebalance_every: int | None = None
 
     @property
     def pages_per_slot(self) -> int:

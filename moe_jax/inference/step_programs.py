@@ -8,7 +8,10 @@ Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (pr
 chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
 per kind of sequence (`kv_cache.SegmentedPagedKV`). Every program samples each row by its own settings and
 returns the new ids [rows] (replicated: what the host reads) and the pools, donated and updated in place. Experts
-run at the largest dispatch capacity (`capacity=None`), which never drops a pair.
+run at the largest dispatch capacity (`capacity=None`), which never drops a pair, under the model's expert
+placement as it is at each step; with `config.rebalance_every` the programs also return the step's `expert_load`,
+summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
+alike: each runs the same steps).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..distributed.eplb import balanced_placement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
@@ -45,6 +49,11 @@ class StepPrograms:
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
         self._replicated = NamedSharding(mesh, P())
         self.leading = False   # process 0 sends each step's inputs to the others (`lead_follow`)
+        self.rebalance_every = config.rebalance_every
+        if self.rebalance_every is not None and (self.rebalance_every < 1 or not model.num_redundant_experts):
+            raise ValueError(f"rebalance_every={self.rebalance_every} re-places experts into redundant expert slots "
+                             "every that many steps (>= 1): build the model with num_redundant_experts=R > 0.")
+        self._load_window, self._steps = None, 0   # expert_load summed since the last re-placement
 
     def page_width(self, tokens: int) -> int:
         """The page-table width a step whose rows hold at most `tokens` tokens runs with: the pages they need,
@@ -81,8 +90,26 @@ class StepPrograms:
         """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values = program((self.params, self.adapter), self.keys, self.values, *placed)
+        new_ids, self.keys, self.values, *load = program(self._weights(), self.keys, self.values, *placed)
+        if load:
+            self._rebalance_after(load[0])
         return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+
+    def _rebalance_after(self, load: jax.Array) -> None:
+        """Add a step's expert_load to the window; every `rebalance_every` steps, re-place from it."""
+        self._load_window = load if self._load_window is None else self._load_window + load
+        self._steps += 1
+        if self._steps % self.rebalance_every == 0:
+            model = self.model
+            model.set_expert_placement(balanced_placement(
+                np.asarray(jax.device_get(self._load_window)), num_redundant_experts=model.num_redundant_experts,
+                ep_size=model.layout.ep_size))
+            self._load_window = None
+
+    def _weights(self) -> tuple:
+        """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between
+        steps runs the same programs)."""
+        return self.params, self.adapter, self.model.expert_placement
 
     def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
@@ -94,7 +121,7 @@ class StepPrograms:
         if program is None:
             prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
             program = jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
-                              donate_argnums=(1, 2)).lower((self.params, self.adapter), self.keys, self.values,
+                              donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values,
                                                            *placed).compile()
             self._programs[key] = program
             self.compilations += 1
@@ -103,9 +130,9 @@ class StepPrograms:
     # ---- the step's math (traced) ----------------------------------------------------------------------------
     def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
         """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
-        new tokens stored). weights: (params, the adapter's arrays or None). prompt_rows (a mixed step): each
+        new tokens stored). weights: (params, the adapter's arrays or None, the expert placement or None). prompt_rows (a mixed step): each
         group's rows are that many prompt rows then its slots' one token each, run as flat tokens."""
-        params, adapter = weights
+        params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens)
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
@@ -115,13 +142,14 @@ class StepPrograms:
                                  lengths=inputs["lengths"], segments=segments)
             out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
                                        attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
-                                       capacity=None, inference=True, return_hidden=True, adapter=adapter)
+                                       capacity=None, inference=True, return_hidden=True, adapter=adapter,
+                                       expert_placement=placement)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
-                                       inference=True, return_hidden=True, adapter=adapter)
+                                       inference=True, return_hidden=True, adapter=adapter, expert_placement=placement)
             hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
         logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)[:, 0]
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
@@ -134,6 +162,8 @@ class StepPrograms:
                                         inputs["top_k"], inputs["top_p"]),
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
+        if self.rebalance_every is not None:
+            return new_ids, out.cache.keys, out.cache.values, out.expert_load
         return new_ids, out.cache.keys, out.cache.values
 
     def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
 from ..distributed.capacity import DispatchStatistics
+from ..distributed.eplb import ExpertPlacement, identity_placement
 from ..distributed.mesh import DeviceLayout
 from ..nn.attention_core import segment_starts
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
@@ -37,7 +38,9 @@ class ModelCore:
     inference, capacity) -> (out [N, H], statistics)` (a `distributed.experts.ShardedExperts`).
     dispatches: the layout dispatches tokens (ep > 1), so the capacity is a static argument of the step.
     adapter: the layout of the model's LoRA adapter, or None: `attach(nested params, adapter arrays)` returns the
-    nested params with each adapted weight's factors beside it (`moe_jax.lora.AdapterLayout`)."""
+    nested params with each adapted weight's factors beside it (`moe_jax.lora.AdapterLayout`).
+    ep_size: the ranks experts are dispatched over (1: none), the width of `ModelOutput.ep_rank_load`.
+    num_redundant_experts: R extra expert slots per sparse layer; each step takes an `ExpertPlacement`."""
 
     family: Family
     config: Any
@@ -48,17 +51,41 @@ class ModelCore:
     dispatches: bool = False
     microbatches: int = 1     # pipeline microbatches (with pipeline stages: `layer_stack.pipeline`)
     adapter: Any = None
+    ep_size: int = 1
+    num_redundant_experts: int = 0
 
 
-def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None) -> dict:
+def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None,
+                   placement: ExpertPlacement | None = None) -> dict:
     """params (storage layout) nested by module, with `adapter`'s factors (its storage layout) attached to the
-    weights they adapt: the tree the family's math walks. The base arrays are not copied."""
+    weights they adapt, and each sparse layer's slice of `placement` (an `ExpertPlacement` [sparse layers, ...])
+    beside its experts' weights: the tree the family's math walks. The base arrays are not copied."""
     nested = core.layer_stack.nest(params)
+    if placement is not None:
+        nested = attach_placement(core, nested, placement)
     if adapter is None:
         return nested
     if core.adapter is None:
         raise ValueError("an adapter was passed, but the model has none: add_adapter() or load_adapter() first.")
     return core.adapter.attach(nested, adapter)
+
+
+def attach_placement(core: ModelCore, nested: dict, placement: ExpertPlacement) -> dict:
+    """`nested` with `placement`'s rows of each sparse run under its experts module's "placement" entry: one
+    layer's arrays for a single layer, a scanned run's rows stacked (the scan slices them with the weights)."""
+    sparse = {layer: row for row, layer in enumerate(core.family.sparse_layers(core.config))}
+    module = core.family.feed_forward_module
+    layers = dict(nested["model"]["layers"])
+    for run in core.layer_stack.runs:
+        if run.start not in sparse:
+            continue
+        first = sparse[run.start]
+        rows = slice(first, first + len(run.layers)) if run.scanned else first
+        feed_forward = dict(layers[run.key][module])
+        feed_forward["experts"] = {**feed_forward["experts"],
+                                   "placement": jax.tree.map(lambda array, rows=rows: array[rows], placement)}
+        layers[run.key] = {**layers[run.key], module: feed_forward}
+    return {**nested, "model": {**nested["model"], "layers": layers}}
 
 
 def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str, str], present: set[str],
@@ -75,11 +102,14 @@ def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str,
 def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
-              adapter: Mapping[str, Any] | None = None) -> ModelOutput:
+              adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None
+              ) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
     adapter: the LoRA adapter's arrays (storage layout of `core.adapter`), applied beside the base weights.
+    expert_placement: with redundant expert slots, which logical expert each slot holds (an `ExpertPlacement`
+    input: a new one is new data, not a new program); None: the identity placement.
 
     segment_ids: [B, S] packed rows: several documents per row, numbered 1, 2, ... (0: padding). Tokens attend
     only within their document, positions restart at each document (unless given), and the router's aux loss
@@ -107,7 +137,10 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
         layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids,
     )
-    nested = nested_weights(core, params, adapter)
+    if core.num_redundant_experts and expert_placement is None:
+        expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,
+                                              num_redundant_experts=core.num_redundant_experts, ep_size=core.ep_size)
+    nested = nested_weights(core, params, adapter, expert_placement if core.num_redundant_experts else None)
     if core.layer_stack.pipeline is not None:
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
         hidden, sums, total, cache, expert_load = pipeline_hidden(
@@ -125,15 +158,21 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
             total = total.combine(layer_statistics)
         loads = [layer_statistics.expert_load for layer_statistics in statistics]
         expert_load = jnp.stack(loads) if loads and all(load is not None for load in loads) else None
+        if core.num_redundant_experts:
+            ep_rank_load = jnp.stack([layer_statistics.ep_rank_load for layer_statistics in statistics])
         aux_loss = load_balancing_loss(
             router_logits or None, config.num_experts, config.num_experts_per_tok, attention_mask,
             per_token=layouts.token_local,
         ) if family.has_router_aux_loss else jnp.zeros((), jnp.float32)
+    if not core.num_redundant_experts:
+        # Slot s of the plain layout is expert s, rank r holds E / ep of them in order.
+        ep_rank_load = None if core.ep_size == 1 or expert_load is None else expert_load.reshape(
+            expert_load.shape[0], core.ep_size, -1).sum(-1).astype(jnp.int32)
     if return_hidden:
-        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load)
+        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load, ep_rank_load)
     # The logits stay where the head's dot computes them: split over tp where tp splits the head's vocab rows,
     # colwise_gather_output included. A global jax.Array is whole to whoever reads it (np.asarray, an op inside
     # jit gathers what it needs); gathering [B, S, V] onto every device made XLA gather the weight instead and
     # run the whole dot on each: slower on tp layouts (docs/benchmarks.md, "Against the reference").
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "head_rows"))
-    return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load)
+    return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load, ep_rank_load)

@@ -90,11 +90,12 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
 
 
 def _counting_load(layer_experts, attention_mask, num_experts: int):
-    """`layer_experts` whose statistics also carry the layer's `expert_load` over the real tokens."""
+    """`layer_experts` whose statistics also carry the layer's `expert_load` over the real tokens (and, with
+    redundant expert slots, its `ep_rank_load` over them: the experts module counts that, told which are real)."""
     def run(tokens, top_k_index, top_k_weights, params):
-        output, statistics = layer_experts(tokens, top_k_index, top_k_weights, params)
         mask = attention_mask.reshape(-1)
         real = mask if mask.shape[0] == tokens.shape[0] else jnp.ones(tokens.shape[:1], jnp.int32)
+        output, statistics = layer_experts(tokens, top_k_index, top_k_weights, params, token_mask=real)
         return output, statistics.with_expert_load(expert_load(top_k_index, real, num_experts))
     return run
 

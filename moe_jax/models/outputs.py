@@ -22,7 +22,9 @@ class ModelOutput:
     `router_aux_loss_coef` as HF does with labels; 0 for a family without one, `has_router_aux_loss`);
     statistics: dispatch counts summed over layers and devices; cache: the updated KV cache (None: no cache
     was given); expert_load: [L, E] per sparse layer, the real tokens its router sent to each expert (through
-    pipeline stages too: each stage counts its own layers; None without sparse layers).
+    pipeline stages too: each stage counts its own layers; None without sparse layers); ep_rank_load: [L, ep]
+    int32, the real (token, expert) pairs each expert-parallel rank computed in each sparse layer under the
+    step's expert placement (None when experts are not dispatched over ep ranks).
     """
 
     logits: jax.Array | None
@@ -32,11 +34,13 @@ class ModelOutput:
     statistics: DispatchStatistics
     cache: Any = None
     expert_load: jax.Array | None = None
+    ep_rank_load: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     ModelOutput,
-    data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load"],
+    data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load",
+                 "ep_rank_load"],
     meta_fields=[],
 )
 
@@ -47,7 +51,8 @@ class DroplessOutput:
     Read fields as from a `ModelOutput` (`.logits`, `.router_logits`, ...) or get the whole verified
     `ModelOutput` with `.result()`; `.recomputed` counts the reruns its call needed."""
 
-    _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load")
+    _FIELDS = ("logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load",
+               "ep_rank_load")
 
     def __init__(self, model, call: Callable[..., ModelOutput], inference: bool, batch: int):
         # model: the `MoeForCausalLM` whose `forward` made it (its forward capacity tracker moves).
@@ -85,6 +90,7 @@ class DroplessOutput:
             None if output.logits is None else output.logits[:batch],
             None if output.hidden_states is None else output.hidden_states[:batch],
             router_logits, output.aux_loss, output.statistics, output.cache, output.expert_load,
+            output.ep_rank_load,
         )
 
     def __getattr__(self, name: str):

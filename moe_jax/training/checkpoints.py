@@ -63,6 +63,8 @@ def model_record(model, trainable=None) -> dict:
         record["adapter"] = model.adapter_config.to_peft_dict() | {"base_model_name_or_path": None}
     if not trainable.everything:
         record["trainable"] = list(trainable.names)
+    if model.num_redundant_experts:   # the state holds an expert placement of that many slots
+        record["num_redundant_experts"] = model.num_redundant_experts
     return record
 
 
@@ -188,6 +190,9 @@ class TrainCheckpoints:
         if record.get("adapter") != ours.get("adapter"):
             problems.append("its LoRA adapter's settings differ" if record.get("adapter") and ours.get("adapter")
                             else "one holds a LoRA adapter's state, the other a model's")
+        if record.get("num_redundant_experts", 0) != ours.get("num_redundant_experts", 0):
+            problems.append(f"it ran num_redundant_experts={record.get('num_redundant_experts', 0)} (this model "
+                            f"{ours.get('num_redundant_experts', 0)}), whose expert placement the state holds")
         if record.get("trainable") != ours.get("trainable"):
             problems.append("it trained other arrays (another trainable selection or --freeze)")
         if record.get("format") != FORMAT:
@@ -242,7 +247,7 @@ class TrainCheckpoints:
                              f"{str(error).splitlines()[0]}") from None
         if relayout:
             restored = self._restacked(restored, saved_members, target)
-        return TrainState(**restored, capacity=capacity), capacity_state
+        return TrainState.from_arrays(restored, capacity), capacity_state
 
     def _saved_layout_target(self, target: TrainState, record: dict) -> TrainState:
         """The restore target in the saved storage layout, on this model's mesh: each entry sharded as its

@@ -14,6 +14,11 @@ so checkpoints hold it.
 
 Data sources are indexable (`data.batch(index) -> {"input_ids": [B, S], ...}`), which makes replay and
 resume exact: the state's `data_position` is the index of the next batch.
+
+With redundant expert slots, `rebalance_every=N` re-places the experts after every N-th step (host side, between
+steps, the queue drained as for a save): `balanced_placement` of the real tokens each expert got in the last N
+applied steps (the state's `expert_load_window`, summed by the step itself), which the following steps run as an
+input of the same program. The placement and the window are in the state, so checkpoints resume them exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
+from ..distributed.eplb import balanced_placement
 from .data import place_batch
 from .state import TrainState
 
@@ -62,6 +68,8 @@ class TrainLoop:
         drains the queue first, so `state` is exactly the state after that step.
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
         `should_save` and `save`, and `run` waits for its last save before returning.
+    rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module
+        docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True`.
     """
 
     def __init__(self, train_step, data: BatchSource, *, schedule: CapacitySchedule | None = None,
@@ -70,7 +78,13 @@ class TrainLoop:
                  save: Callable[[int, TrainState, CapacityState | None], None] | None = None,
                  checkpoints=None, learning_rate: Callable[[int], float] | None = None,
                  evaluate: Callable[[int, TrainState], dict] | None = None,
-                 should_evaluate: Callable[[int], bool] | None = None):
+                 should_evaluate: Callable[[int], bool] | None = None, rebalance_every: int | None = None):
+        if rebalance_every is not None and rebalance_every < 1:
+            raise ValueError(f"rebalance_every={rebalance_every} must be >= 1 (steps between re-placements).")
+        if rebalance_every is not None and not train_step.model.num_redundant_experts:
+            raise ValueError("rebalance_every re-places experts into redundant expert slots, and this model has none: "
+                             "build it with num_redundant_experts=R (moe-jax train --num-redundant-experts R).")
+        self.rebalance_every = rebalance_every
         self.train_step, self.data = train_step, data
         self.learning_rate = learning_rate
         self.evaluate = evaluate
@@ -104,7 +118,8 @@ class TrainLoop:
         while step < until_step:
             expected = step + len(pending)
             # A step to save or evaluate after is not run past: the state is then exactly that step's.
-            holds = self.should_save(expected) or (self.evaluate is not None and self.should_evaluate(expected))
+            holds = (self.should_save(expected) or (self.evaluate is not None and self.should_evaluate(expected))
+                     or self._should_rebalance(expected))
             if expected < until_step and not (pending and holds):
                 batch = place_batch(self.data, next_index, self.batch_sharding)
                 state, metrics = self.train_step(state, batch)
@@ -135,6 +150,9 @@ class TrainLoop:
                 tracker.settle(entry.capacity, 0, required)
                 if tracker.capacity != state.capacity:
                     state = state.replace(capacity=tracker.capacity)
+            if self._should_rebalance(step) and not pending:
+                state = self._rebalanced(state)
+                record["rebalanced"] = True
             if self.evaluate is not None and self.should_evaluate(step) and not pending:
                 record.update(self.evaluate(step, state))
                 last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
@@ -144,6 +162,20 @@ class TrainLoop:
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
         return state, tracker.state
+
+    def _should_rebalance(self, step: int) -> bool:
+        return self.rebalance_every is not None and step % self.rebalance_every == 0
+
+    def _rebalanced(self, state: TrainState) -> TrainState:
+        """`state` running the balanced placement of its load window, the window zeroed (the model's placement
+        too, for what runs it after the loop)."""
+        model = self.train_step.model
+        window = state.expert_load_window
+        placement = model.set_expert_placement(balanced_placement(
+            np.asarray(jax.device_get(window)), num_redundant_experts=model.num_redundant_experts,
+            ep_size=model.layout.ep_size))
+        return state.replace(expert_placement=placement,
+                             expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))
 
     def _learning_rate(self, update: int) -> float:
         with jax.default_device(self._host_device):

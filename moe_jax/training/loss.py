@@ -122,7 +122,7 @@ def aux_loss_coefficient(config) -> float:
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
-               positions=None, adapter=None, z_weight: float = 0.0) -> tuple[jax.Array, dict]:
+               positions=None, adapter=None, z_weight: float = 0.0, expert_placement=None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss [+ z_weight *
     router_z_loss], terms).
 
@@ -134,10 +134,12 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
     `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
-    `prediction_targets(input_ids, segment_ids)`). adapter: a LoRA adapter's arrays, applied beside params."""
+    `prediction_targets(input_ids, segment_ids)`). adapter: a LoRA adapter's arrays, applied beside params.
+    expert_placement: with redundant expert slots, the placement to run (None: the identity)."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
-    adapted = {} if adapter is None else {"adapter": adapter}
+    adapted = ({} if adapter is None else {"adapter": adapter}) | (
+        {} if expert_placement is None else {"expert_placement": expert_placement})
     output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
                   inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
                   **packed, **adapted)

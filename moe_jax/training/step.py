@@ -308,7 +308,8 @@ class TrainStep:
         micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
         step_key = jax.random.fold_in(state.rng, state.step)
 
-        loss_fn = partial(self._micro_loss, frozen=frozen, capacity=state.capacity, total_tokens=total_tokens)
+        loss_fn = partial(self._micro_loss, frozen=frozen, capacity=state.capacity, total_tokens=total_tokens,
+                          placement=state.expert_placement)   # redundant expert slots' placement: an input
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def accumulate(carry, inputs):
@@ -364,14 +365,14 @@ class TrainStep:
         new_params, new_opt_state = (jax.lax.cond(applied, update, unchanged, operands) if check_overflow
                                      else update(operands))
         one = applied.astype(jnp.int32)
-        new_state = TrainState(
+        new_state = state.replace(
             step=state.step + one,
             params=new_params,
             opt_state=new_opt_state,
-            rng=state.rng,
             data_position=state.data_position + one,
             skipping=(state.skipping | overflowed) if check_overflow else state.skipping,
-            capacity=state.capacity,
+            **({} if state.expert_load_window is None else   # what TrainLoop(rebalance_every=) re-places from
+               {"expert_load_window": state.expert_load_window + totals["expert_load"] * one}),
         )
         ce_loss = totals["ce_sum"] / total_tokens
         aux_loss = totals["aux_sum"] / options.grad_accum
@@ -397,7 +398,7 @@ class TrainStep:
             return None
         return len(sparse), self.model.config.num_experts
 
-    def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens):
+    def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens, placement=None):
         # Differentiated with respect to the trained arrays only: the frozen ones are constants of the loss.
         # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.
         params, adapter = (trained, None) if frozen is None else self.trainable.weights(self.model, trained, frozen)
@@ -407,7 +408,7 @@ class TrainStep:
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
                           step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
                           positions=micro_batch.get("positions"), adapter=adapter,
-                          z_weight=self.z_coefficient / self.options.grad_accum)
+                          z_weight=self.z_coefficient / self.options.grad_accum, expert_placement=placement)
 
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,

@@ -1,0 +1,73 @@
+"""Redundant expert slots in training: the placement is an input of the train step held in its state (re-placing
+compiles nothing), `TrainLoop(rebalance_every=N)` re-places from the last N steps' expert load, and a checkpoint
+resumes placement and load window bit-exactly; the command line's flags and errors (serving's re-placement:
+tests/distributed/test_redundant_experts.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.cli import main
+from moe_jax.distributed.eplb import balanced_placement
+from moe_jax.training import make_train_step
+from moe_jax.training.checkpoints import TrainCheckpoints
+from moe_jax.training.loop import TrainLoop
+
+from ..models.test_apply import count_compilations
+from ..test_cli_errors import error_line
+from .hf_training import CHECKPOINT
+
+
+class SkewedBatches:
+    """Batch i: 8 rows of 16 tokens, half of them one repeated token (which one moves with i)."""
+
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        ids = np.random.default_rng(index).integers(0, 128, (8, 16)).astype(np.int32)
+        ids[:4] = 75 + index % 3
+        return {"input_ids": ids}
+
+
+def test_rebalancing_compiles_nothing_and_a_resume_continues_bit_exactly(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False, num_redundant_experts=8)
+    train_step = make_train_step(model, optax.adamw(1e-3))
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step, save_every=2, async_save=False)
+    records = []
+    loop = TrainLoop(train_step, SkewedBatches(), checkpoints=checkpoints, rebalance_every=2,
+                     on_step=records.append)
+    # At the largest capacity nothing overflows: one program, whatever the placement does to the buffers.
+    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+    assert state.expert_placement is not None and state.expert_load_window.shape == (2, 8)
+    with count_compilations("_step") as compiled:
+        final, _ = loop.run(state, 4)
+    assert compiled[0] == len(train_step._compiled) == 1      # re-placing compiled nothing
+    assert [record.get("rebalanced", False) for record in records] == [False, True, False, True]
+    replicas = np.asarray(final.expert_placement.replica_count)
+    assert (replicas != 1).any() and (replicas.sum(1) == 16).all()          # replicas went to the busy experts
+    np.testing.assert_array_equal(model.expert_placement.physical_to_logical, final.expert_placement.physical_to_logical)
+    assert not np.asarray(final.expert_load_window).any()                    # zeroed by the last re-placement
+
+    resumed, capacity_state = checkpoints.restore(2)
+    # The state after step 2 runs the placement balanced from steps 1 and 2's expert load.
+    load = np.add(records[0]["expert_load"], records[1]["expert_load"])
+    np.testing.assert_array_equal(resumed.expert_placement.physical_to_logical,
+                                  balanced_placement(load, num_redundant_experts=8, ep_size=8).physical_to_logical)
+    again, _ = TrainLoop(train_step, SkewedBatches(), rebalance_every=2).run(resumed, 4, capacity_state)
+    jax.tree.map(np.testing.assert_array_equal, again.arrays(), final.arrays())
+
+
+def test_rebalancing_needs_redundant_slots(capsys):
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, devices=jax.devices()[:1], progress=False)
+    with pytest.raises(ValueError, match="re-places experts into redundant expert slots, and this model has none"):
+        TrainLoop(make_train_step(model, optax.sgd(1e-3)), SkewedBatches(), rebalance_every=2)
+    assert main(["train", "--steps", "1", "--rebalance-every", "2"]) == 2
+    assert error_line(capsys) == ("--rebalance-every re-places experts into redundant expert slots: pass "
+                                  "--num-redundant-experts R (R > 0, with --ep > 1) too.")
+    assert main(["train", "--steps", "1", "--num-redundant-experts", "2", "--no-progress"]) == 2
+    assert "ep_size=1: every device already holds every expert" in error_line(capsys)
+    assert main(["serve", "--model", str(CHECKPOINT), "--rebalance-every", "5"]) == 2   # engine steps there
+    assert error_line(capsys).startswith("--rebalance-every re-places experts into redundant expert slots")
