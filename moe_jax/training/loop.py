@@ -175,7 +175,8 @@ class TrainLoop:
         placement = model.set_expert_placement(balanced_placement(
             np.asarray(jax.device_get(window)), num_redundant_experts=model.num_redundant_experts,
             ep_size=model.layout.ep_size))
-        return state.replace(expert_placement=placement,
+        # A copy: the step donates its state, and the model keeps running its own placement after the loop.
+        return state.replace(expert_placement=jax.tree.map(jnp.copy, placement),
                              expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))
 
     def _learning_rate(self, update: int) -> float:
