@@ -4,7 +4,8 @@
 
 Panels: loss (train, and eval where the run evaluated), learning rate, tokens/s per device (and MFU when the run
 had --peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse
-layer (the busiest expert's tokens over the mean, each step) and the last step's tokens per expert and layer; layers
+layer (the busiest expert's tokens over the mean, each step; dashed, where the run dispatched experts over ep, the
+busiest ep rank's work over the mean, from `ep_rank_load`) and the last step's tokens per expert and layer; layers
 are named by their index in the model (the records' `expert_load_layers`), as TensorBoard's router_load/layer_L.
 Needs matplotlib.
 """
@@ -45,6 +46,11 @@ def load_layer_names(record: dict) -> tuple[list[str], str]:
     return [f"#{row}" for row in range(len(record["expert_load"]))], "sparse layer (position)"
 
 
+def max_over_mean(load: list[list[float]]) -> list[float]:
+    """Per row (a sparse layer), the largest count over the row's mean (1.0: even)."""
+    return [max(row) / max(sum(row) / len(row), 1e-12) for row in load]
+
+
 def router_load_panels(records: list[dict], balance, heat, figure) -> None:
     """Per sparse layer, max / mean tokens per expert over the steps; the last step's loads as a heat map, a row
     per layer named by its index in the model."""
@@ -57,9 +63,15 @@ def router_load_panels(records: list[dict], balance, heat, figure) -> None:
         return
     steps = [r["step"] for r in loaded]
     names, label = load_layer_names(loaded[-1])
-    ratios = [[max(layer) / max(sum(layer) / len(layer), 1e-12) for layer in r["expert_load"]] for r in loaded]
-    for name, curve in zip(names, zip(*ratios)):
-        balance.plot(steps, curve, label=f"{label} {name}")
+    ratios = [max_over_mean(r["expert_load"]) for r in loaded]
+    lines = [balance.plot(steps, curve, label=f"{label} {name}")[0] for name, curve in zip(names, zip(*ratios))]
+    ranked = [r for r in loaded if r.get("ep_rank_load")]
+    if ranked:   # each layer's busiest ep rank over the mean, dashed in its layer's colour
+        balance.set_title("router load: busiest expert (solid) / ep rank (dashed) over mean, per layer")
+        rank_ratios = [max_over_mean(r["ep_rank_load"]) for r in ranked]
+        for name, line, curve in zip(names, lines, zip(*rank_ratios)):
+            balance.plot([r["step"] for r in ranked], curve, "--", color=line.get_color(),
+                         label=f"{label} {name} ep ranks")
     if len(ratios[0]) <= 8:
         balance.legend(fontsize="small")
     from matplotlib.ticker import FuncFormatter, MaxNLocator

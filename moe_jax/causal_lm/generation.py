@@ -44,11 +44,19 @@ class GenerationMixin:
     def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
                                  continuous_batching_config=None, *, params=None, decode=None,
                                  max_queued: int | None = None, queue_timeout: float | None = None,
-                                 **config_fields):
+                                 num_redundant_experts: int | None = None, **config_fields):
         """A `ContinuousBatchingManager` (Transformers' verbs: start, add_request, get_result,
         request_id_iter, cancel_request, stop) over this model; config_fields: `ContinuousBatchingConfig`'s
-        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows); max_queued and
-        queue_timeout bound the requests waiting for a slot (`ContinuousBatchingManager`)."""
+        (max_slots, page_size, max_model_len, num_pages, prefill_chunk, prefill_rows, rebalance_every, ...);
+        max_queued and queue_timeout bound the requests waiting for a slot (`ContinuousBatchingManager`).
+        num_redundant_experts: the redundant expert slots to serve with, which must be the model's (they are fixed
+        when it is built: `from_pretrained(..., num_redundant_experts=R)`); None: the model's."""
+        if num_redundant_experts is not None and num_redundant_experts != self.num_redundant_experts:
+            raise ValueError(
+                f"num_redundant_experts={num_redundant_experts}, but this model was built with "
+                f"{self.num_redundant_experts} redundant expert slots: the slots are fixed when the model is built "
+                f"(its parameters and programs are laid out over them); pass num_redundant_experts="
+                f"{num_redundant_experts} to from_pretrained (or the model's constructor) instead.")
         config = continuous_batching_config or ContinuousBatchingConfig(**config_fields)
         return ContinuousBatchingManager(self, generation_config, config, params=params, decode=decode,
                                          max_queued=max_queued, queue_timeout=queue_timeout)

@@ -244,8 +244,13 @@ class ContinuousBatchingManager:
 
     # ---- metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Slots in use, pages free, requests waiting / running / finished, tokens/s over the last seconds."""
+        """Slots in use, pages free, requests waiting / running / finished, tokens/s over the last seconds and,
+        where experts are dispatched over ep, the pairs each ep rank computed per sparse layer (`sparse_layers`):
+        ep_rank_load_total since the start, ep_rank_load_placed since the last expert re-placement."""
         engine, now = self.engine, time.perf_counter()
+        rank_load = engine.programs.rank_load()
+        ranks = {} if rank_load is None else dict(ep_rank_load_total=rank_load[0], ep_rank_load_placed=rank_load[1],
+                                                  sparse_layers=engine.model.sparse_layers())
         recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
         span = now - recent[0][0] if recent else 0.0
         return dict(slots_total=engine.config.max_slots, slots_in_use=engine.slots_in_use,
@@ -254,7 +259,7 @@ class ContinuousBatchingManager:
                     requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
                     generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
                     decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"], compiled_programs=len(engine.compiled_shapes),
-                    tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0)
+                    tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0, **ranks)
 
     # ---- the engine's thread -------------------------------------------------------------------------
     def _loop(self) -> None:

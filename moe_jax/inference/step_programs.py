@@ -11,7 +11,8 @@ returns the new ids [rows] (replicated: what the host reads) and the pools, dona
 run at the largest dispatch capacity (`capacity=None`), which never drops a pair, under the model's expert
 placement as it is at each step; with `config.rebalance_every` the programs also return the step's `expert_load`,
 summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
-alike: each runs the same steps).
+alike: each runs the same steps). Where experts are dispatched over ep, the programs also return the step's
+`ep_rank_load`, summed on the devices since the start and since the last re-placement (`rank_load`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class StepPrograms:
             raise ValueError(f"rebalance_every={self.rebalance_every} re-places experts into redundant expert slots "
                              "every that many steps (>= 1): build the model with num_redundant_experts=R > 0.")
         self._load_window, self._steps = None, 0   # expert_load summed since the last re-placement
+        # ep_rank_load [sparse layers, ep] summed on the devices: since the start, and under the current placement.
+        self.counts_rank_load = model.core.ep_size > 1
+        self._rank_load_total = self._rank_load_placed = None
 
     def page_width(self, tokens: int) -> int:
         """The page-table width a step whose rows hold at most `tokens` tokens runs with: the pages they need,
@@ -90,10 +94,30 @@ class StepPrograms:
         """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values, *load = program(self._weights(), self.keys, self.values, *placed)
-        if load:
-            self._rebalance_after(load[0])
+        new_ids, self.keys, self.values, *loads = program(self._weights(), self.keys, self.values, *placed)
+        if self.counts_rank_load:
+            self._count_rank_load(loads.pop())
+        if loads:
+            self._rebalance_after(loads[0])
         return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+
+    def _count_rank_load(self, rank_load: jax.Array) -> None:
+        total, placed = self._rank_load_total, self._rank_load_placed
+        self._rank_load_total = rank_load if total is None else total + rank_load
+        self._rank_load_placed = rank_load if placed is None else placed + rank_load
+
+    def rank_load(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(since the start, since the last re-placement): the real (token, expert) pairs each ep rank computed
+        in each sparse layer, int [sparse layers, ep] each; None where experts are not dispatched over ep. Zeros
+        before the first step, and since a re-placement until the next step. Read from any thread."""
+        if not self.counts_rank_load:
+            return None
+        total, placed = self._rank_load_total, self._rank_load_placed
+        if total is None:
+            zeros = np.zeros((len(self.model.sparse_layers()), self.model.core.ep_size), np.int64)
+            return zeros, zeros
+        total = np.asarray(jax.device_get(total), np.int64)
+        return total, (np.zeros_like(total) if placed is None else np.asarray(jax.device_get(placed), np.int64))
 
     def _rebalance_after(self, load: jax.Array) -> None:
         """Add a step's expert_load to the window; every `rebalance_every` steps, re-place from it."""
@@ -104,7 +128,7 @@ class StepPrograms:
             model.set_expert_placement(balanced_placement(
                 np.asarray(jax.device_get(self._load_window)), num_redundant_experts=model.num_redundant_experts,
                 ep_size=model.layout.ep_size))
-            self._load_window = None
+            self._load_window = self._rank_load_placed = None
 
     def _weights(self) -> tuple:
         """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between
@@ -162,9 +186,9 @@ class StepPrograms:
                                         inputs["top_k"], inputs["top_p"]),
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
-        if self.rebalance_every is not None:
-            return new_ids, out.cache.keys, out.cache.values, out.expert_load
-        return new_ids, out.cache.keys, out.cache.values
+        loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
+            (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
+        return new_ids, out.cache.keys, out.cache.values, *loads
 
     def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:
         """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""

@@ -5,7 +5,11 @@
     moe_jax_tokens_per_second (the last seconds), moe_jax_prefill_steps_total, moe_jax_decode_steps_total,
     moe_jax_mixed_steps_total, moe_jax_compiled_programs, and two summaries, moe_jax_time_to_first_token_seconds and
     moe_jax_inter_token_latency_seconds: count and sum since the start, quantiles 0.5 and 0.99 over the
-    latest requests (`LatencyStats.window`).
+    latest requests (`LatencyStats.window`). Where experts are dispatched over ep, per sparse layer (labelled by its
+    index in the model): moe_jax_ep_rank_pairs_total{layer, rank}, the real (token, expert) pairs each ep rank
+    computed since the start, and moe_jax_ep_rank_load_max_over_mean{layer}, the busiest rank's pairs over the
+    mean since the last expert re-placement (`rebalance_every`; since the start without one): 1 is even, ep is
+    one rank doing it all, NaN before a step under the placement.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ def prometheus_text(manager_metrics: dict, stats: LatencyStats, model_name: str)
         if key in manager_metrics:
             lines += [f"# HELP moe_jax_{name} {help_text}", f"# TYPE moe_jax_{name} {kind}",
                       f"moe_jax_{name} {_number(manager_metrics[key])}"]
+    if "ep_rank_load_total" in manager_metrics:
+        lines += ep_rank_lines(manager_metrics)
     helps = {"time_to_first_token_seconds": "From a request's arrival to its first token.",
              "inter_token_latency_seconds": "Between consecutive tokens of a request."}
     for name, (count, total, recent) in stats.summaries().items():
@@ -97,6 +103,24 @@ def prometheus_text(manager_metrics: dict, stats: LatencyStats, model_name: str)
         lines += [f'moe_jax_{name}{{quantile="{q}"}} {_number(quantile(recent, q))}' for q in QUANTILES]
         lines += [f"moe_jax_{name}_sum {_number(float(total))}", f"moe_jax_{name}_count {count}"]
     return "\n".join(lines) + "\n"
+
+
+def ep_rank_lines(manager_metrics: dict) -> list[str]:
+    """The ep ranks' counters and each sparse layer's busiest-rank share (`manager.metrics()`'s ep_rank_load_*)."""
+    layers = manager_metrics["sparse_layers"]
+    lines = ["# HELP moe_jax_ep_rank_pairs_total Real (token, expert) pairs each expert-parallel rank computed, per "
+             "sparse layer.", "# TYPE moe_jax_ep_rank_pairs_total counter"]
+    lines += [f'moe_jax_ep_rank_pairs_total{{layer="{layer}",rank="{rank}"}} {int(pairs)}'
+              for layer, row in zip(layers, manager_metrics["ep_rank_load_total"]) for rank, pairs in enumerate(row)]
+    lines += ["# HELP moe_jax_ep_rank_load_max_over_mean Per sparse layer, the busiest expert-parallel rank's pairs "
+              "over the mean since the last expert re-placement (1: even).",
+              "# TYPE moe_jax_ep_rank_load_max_over_mean gauge"]
+    for layer, row in zip(layers, manager_metrics["ep_rank_load_placed"]):
+        row = [int(pairs) for pairs in row]
+        mean = sum(row) / len(row)
+        share = float(max(row)) / mean if mean > 0 else float("nan")
+        lines.append(f'moe_jax_ep_rank_load_max_over_mean{{layer="{layer}"}} {_number(share)}')
+    return lines
 
 
 def _label(value: str) -> str:

@@ -61,7 +61,8 @@ class TrainLoop:
         batch had overflowed and was run again), replays (replays so far), data_position, lr (the rate of that update)
         when `learning_rate` (the optimizer's schedule, or a constant) is given, and expert_load (per sparse
         layer, a list of the real tokens sent to each expert) with expert_load_layers (each row's layer index in
-        the model) where the step reports it.
+        the model) where the step reports it, and ep_rank_load (per sparse layer, the real (token, expert) pairs
+        each ep rank computed; rows as expert_load's) where experts are dispatched over ep.
     evaluate(step, state) -> metrics merged into that step's record, after the steps where `should_evaluate(step)`
         (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
@@ -174,7 +175,8 @@ class TrainLoop:
         placement = model.set_expert_placement(balanced_placement(
             np.asarray(jax.device_get(window)), num_redundant_experts=model.num_redundant_experts,
             ep_size=model.layout.ep_size))
-        return state.replace(expert_placement=placement,
+        # A copy: the step donates its state, and the model keeps running its own placement after the loop.
+        return state.replace(expert_placement=jax.tree.map(jnp.copy, placement),
                              expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))
 
     def _learning_rate(self, update: int) -> float:
@@ -193,4 +195,5 @@ class TrainLoop:
             **({} if "router_z_loss" not in values else {"router_z_loss": float(values["router_z_loss"])}),
             **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist(),
                                                        "expert_load_layers": self._sparse_layers}),
+            **({} if "ep_rank_load" not in values else {"ep_rank_load": values["ep_rank_load"].tolist()}),
         }

@@ -129,7 +129,7 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     input_ids, attention_mask, targets: [B, S] (`prediction_targets`); total_tokens: the predicted tokens of
     the whole global batch (the denominator of the mean). terms: ce_sum, aux (the unscaled router loss),
     statistics (the call's `DispatchStatistics`), expert_load ([L, E] real tokens per expert per sparse layer, or
-    None: `ModelOutput.expert_load`) and, with `z_weight` (a Python float; 0 leaves the program as without it),
+    None: `ModelOutput.expert_load`), ep_rank_load ([L, ep] or None: `ModelOutput.ep_rank_load`) and, with `z_weight` (a Python float; 0 leaves the program as without it),
     z (ST-MoE's router z-loss over the real tokens, `ops.routing.router_z_loss`). The train step and the NNX face (`moe_jax.nnx`) share it,
     so both give the same loss for the same parameters and data. step: the model's step to run, by default
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
@@ -147,7 +147,7 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
     terms = {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
-             "expert_load": output.expert_load}
+             "expert_load": output.expert_load, "ep_rank_load": output.ep_rank_load}
     if z_weight:
         if not output.router_logits:
             raise ValueError("the router z-loss needs the router logits, which this step does not return (pipeline "

@@ -20,8 +20,9 @@ late and replays from the first overflowed step at a larger capacity (`moe_jax.t
 
 Metrics (device scalars, read one step late): step, loss, ce_loss, aux_loss, grad_norm, tokens, dropped, padded
 (dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, with sparse layers,
-expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step; router_z_loss with a
-z-loss coefficient.
+expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step; where experts are
+dispatched over ep ranks, ep_rank_load [L, ep]: the real (token, expert) pairs each rank computed (under the
+state's expert placement with redundant slots); router_z_loss with a z-loss coefficient.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`).
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
+# Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).
+LOAD_METRICS = ("expert_load", "ep_rank_load")
 
 
 @dataclass(frozen=True)
@@ -323,8 +326,7 @@ class TrainStep:
                 **({"z_sum": totals["z_sum"] + terms["z"]} if "z_sum" in totals else {}),
                 "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
                 "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
-                **({} if "expert_load" not in totals else
-                   {"expert_load": totals["expert_load"] + terms["expert_load"]}),
+                **{name: totals[name] + terms[name] for name in LOAD_METRICS if name in totals},
             }
             return (grads, totals), None
 
@@ -332,8 +334,7 @@ class TrainStep:
         zero_totals = {"ce_sum": jnp.zeros((), jnp.float32), "aux_sum": jnp.zeros((), jnp.float32),
                        "dropped": jnp.zeros((), jnp.int32), "padded": jnp.zeros((), jnp.int32),
                        "required_capacity": jnp.zeros((), jnp.float32)}
-        if (load_shape := self.expert_load_shape) is not None:
-            zero_totals["expert_load"] = jnp.zeros(load_shape, jnp.float32)
+        zero_totals.update({name: jnp.zeros(shape, jnp.float32) for name, shape in self.load_shapes().items()})
         if self.z_coefficient:
             zero_totals["z_sum"] = jnp.zeros((), jnp.float32)
         (grads, totals), _ = jax.lax.scan(
@@ -385,18 +386,18 @@ class TrainStep:
             "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
             "dropped": totals["dropped"], "padded": totals["padded"], "required_capacity": totals["required_capacity"],
             "applied": applied, "data_position": state.data_position,
-            **({} if "expert_load" not in totals else {"expert_load": totals["expert_load"].astype(jnp.int32)}),
+            **{name: totals[name].astype(jnp.int32) for name in LOAD_METRICS if name in totals},
         }
         return new_state, metrics
 
-    @property
-    def expert_load_shape(self) -> tuple[int, int] | None:
-        """[L, E] of the `expert_load` metric (real tokens each sparse layer sent to each expert, summed over the
-        batch); None without sparse layers."""
-        sparse = self.model.sparse_layers()
-        if not sparse:
-            return None
-        return len(sparse), self.model.config.num_experts
+    def load_shapes(self) -> dict[str, tuple[int, int]]:
+        """The load metrics this step reports (summed over the batch) and their shapes: expert_load [L, E] with
+        sparse layers, and ep_rank_load [L, ep] (`ModelOutput.ep_rank_load`) where experts are dispatched over ep."""
+        if not (sparse := self.model.sparse_layers()):
+            return {}
+        ep = self.model.core.ep_size
+        return {"expert_load": (len(sparse), self.model.config.num_experts),
+                **({} if ep == 1 else {"ep_rank_load": (len(sparse), ep)})}
 
     def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens, placement=None):
         # Differentiated with respect to the trained arrays only: the frozen ones are constants of the loss.

@@ -11,7 +11,9 @@ efficiency) and dispatch/* (capacity, required_capacity, padded buffer rows, rep
 `expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer index: the record's
 `expert_load_layers`, else `sparse_layers`, else the row's position), the histogram router_load/layer_L (one bucket per expert: its x axis is the expert
 id, its height the tokens routed there) and the scalar router_load/layer_L_max_over_mean (1.0: perfectly
-balanced; E / K: every token on the same K experts).
+balanced; E / K: every token on the same K experts). A record with `ep_rank_load` (per sparse layer, the (token,
+expert) pairs each ep rank computed) adds the scalar ep_rank_load/layer_L_max_over_mean: the busiest rank's work
+over the mean, what a step waits for (1.0: even; ep: one rank did it all).
 """
 
 from __future__ import annotations
@@ -51,12 +53,22 @@ class TensorBoardWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"{group}/{name}", float(value), step)
         if record.get("expert_load") is not None:
-            self._router_load(np.asarray(record["expert_load"], np.float64), step, record.get("expert_load_layers"))
+            self._router_load(np.asarray(record["expert_load"], np.float64), step,
+                              self._layers(record, len(record["expert_load"])))
+        if record.get("ep_rank_load") is not None:
+            for layer, imbalance in zip(self._layers(record, len(record["ep_rank_load"])),
+                                        load_imbalance(record["ep_rank_load"])):
+                self.writer.add_scalar(f"ep_rank_load/layer_{layer}_max_over_mean", float(imbalance), step)
         self.writer.flush()
 
-    def _router_load(self, load: np.ndarray, step: int, layers=None) -> None:
+    def _layers(self, record: dict, rows: int):
+        """The model layer index of each load row: the record's expert_load_layers, else sparse_layers, else the
+        row's position."""
+        return record.get("expert_load_layers") or (self.sparse_layers if self.sparse_layers is not None
+                                                     else range(rows))
+
+    def _router_load(self, load: np.ndarray, step: int, layers) -> None:
         experts = np.arange(load.shape[-1], dtype=np.float64)
-        layers = layers or (self.sparse_layers if self.sparse_layers is not None else range(len(load)))
         for layer, counts, imbalance in zip(layers, load, load_imbalance(load)):
             # One bucket per expert (edges at e + 0.5): the "histogram" of which experts the tokens chose.
             total = counts.sum()

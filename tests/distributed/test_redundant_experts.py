@@ -147,6 +147,8 @@ def test_continuous_batching_rebalances_every_n_engine_steps(qwen3):
                                       max_new_tokens=3)
     np.testing.assert_array_equal([output.generated_tokens for output in served.values()], expected)
     assert (np.asarray(redundant.expert_placement.replica_count) != 2).any()   # re-placed from the served load
+    total, placed = redundant.continuous_batching_engine(config).programs.rank_load()
+    assert total.shape == (2, 8) and total.sum() > 0 and not placed.any()     # counted; each step's re-placement
     redundant.set_expert_placement(redundant.identity_expert_placement())
 
 

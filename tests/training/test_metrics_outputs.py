@@ -10,13 +10,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
-from moe_jax import AutoModelForCausalLM
+from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.cli import main
+from moe_jax.distributed.eplb import balanced_placement
+from moe_jax.training import make_train_step
+from moe_jax.training.loop import TrainLoop
+from moe_jax.training.tensorboard import TensorBoardWriter
 from moe_jax.training.throughput import active_parameters, train_flops_per_token
 
 from .hf_training import CHECKPOINT
+from .test_rebalance import SkewedBatches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +89,7 @@ def test_tensorboard_event_files_hold_the_jsonl_metrics_and_plot_run_draws_them(
         load = np.asarray(record["expert_load"])
         assert load.shape == (len(sparse), config["num_local_experts"])
         assert (load.sum(axis=1) == config["num_experts_per_tok"] * 8 * 24).all()    # every token, top-k times
+        assert "ep_rank_load" not in record                                           # one device: no ep ranks
     for index, layer in enumerate(sparse):
         histograms = found[f"router_load/layer_{layer}"]
         assert [step for step, _ in histograms] == [r["step"] for r in records]
@@ -124,4 +131,59 @@ def test_plot_run_names_heat_map_rows_by_the_model_s_layer_index_on_whole_ticks(
     assert all(float(tick).is_integer() for tick in heat.get_xticks())
     assert heat.get_ylabel() == "layer"
     assert [line.get_label() for line in balance.get_lines()] == ["layer 1", "layer 2", "layer 3"]
+    plt.close(figure)
+
+
+def max_over_mean(load) -> np.ndarray:
+    load = np.asarray(load, np.float64)
+    return load.max(-1) / load.mean(-1)
+
+
+def test_ep_rank_load_in_the_train_metrics_tensorboard_and_plot_run(tmp_path):
+    """Experts dispatched over ep: each step's record holds ep_rank_load [sparse layers, ep], each rank's share of
+    expert_load (plain EP: rank r holds experts 2r, 2r + 1), or with redundant slots the same pairs as the
+    placement spreads them; TensorBoard logs each layer's busiest rank over the mean, plot_run draws it dashed."""
+    pytest.importorskip("tensorboardX")
+    records = {}
+    for slots in (0, 4):
+        model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=4),
+                                                     progress=False, num_redundant_experts=slots)
+        if slots:   # placed for the plain run's load: the busy experts get the replicas
+            model.set_expert_placement(balanced_placement(np.asarray(records[0][0]["expert_load"]),
+                                                          num_redundant_experts=slots, ep_size=4))
+        train_step = make_train_step(model, optax.sgd(1e-3))
+        state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+        TrainLoop(train_step, SkewedBatches(), on_step=records.setdefault(slots, []).append).run(state, 2)
+    for record in records[0]:
+        load, ranks = np.asarray(record["expert_load"]), np.asarray(record["ep_rank_load"])
+        assert ranks.shape == (2, 4)
+        np.testing.assert_array_equal(ranks, load.reshape(2, 4, 2).sum(-1))
+    first, placed = records[0][0], records[4][0]         # the same batch, the same parameters
+    np.testing.assert_array_equal(placed["expert_load"], first["expert_load"])
+    np.testing.assert_array_equal(np.sum(placed["ep_rank_load"], 1), np.sum(first["ep_rank_load"], 1))
+    assert (max_over_mean(placed["ep_rank_load"]) < max_over_mean(first["ep_rank_load"])).all()
+
+    writer = TensorBoardWriter(tmp_path / "tb")
+    for record in records[4]:
+        writer(record)
+    writer.close()
+    found = summaries(tmp_path / "tb")
+    for index, layer in enumerate(placed["expert_load_layers"]):
+        ratios = [value for _, value in found[f"ep_rank_load/layer_{layer}_max_over_mean"]]
+        np.testing.assert_allclose(ratios, [max_over_mean(r["ep_rank_load"])[index] for r in records[4]], rtol=1e-6)
+
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_run
+
+    figure, (balance, heat) = plt.subplots(1, 2)
+    plot_run.router_load_panels(records[4], balance, heat, figure)
+    lines = {line.get_label(): line for line in balance.get_lines()}
+    assert list(lines) == ["layer 1", "layer 2", "layer 1 ep ranks", "layer 2 ep ranks"]
+    np.testing.assert_allclose(lines["layer 2 ep ranks"].get_ydata(),
+                               [max_over_mean(r["ep_rank_load"])[1] for r in records[4]])
+    assert lines["layer 1 ep ranks"].get_linestyle() == "--"
     plt.close(figure)

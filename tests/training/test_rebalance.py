@@ -71,3 +71,23 @@ def test_rebalancing_needs_redundant_slots(capsys):
     assert "ep_size=1: every device already holds every expert" in error_line(capsys)
     assert main(["serve", "--model", str(CHECKPOINT), "--rebalance-every", "5"]) == 2   # engine steps there
     assert error_line(capsys).startswith("--rebalance-every re-places experts into redundant expert slots")
+
+
+def test_rebalancing_every_3_steps_trains_the_same_losses_as_the_identity_placement():
+    """Re-placing moves work between ranks, not math: 10 SGD steps re-placed every 3 give the losses of the same
+    model kept on the identity placement, up to float32 summation order."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False, num_redundant_experts=8)
+    train_step = make_train_step(model, optax.sgd(0.1))
+    losses = {}
+    for every in (None, 3):
+        records = []
+        model.set_expert_placement(model.identity_expert_placement())
+        state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+        TrainLoop(train_step, SkewedBatches(), rebalance_every=every, on_step=records.append).run(state, 10)
+        losses[every] = [record["loss"] for record in records]
+        assert [record.get("rebalanced", False) for record in records] == [
+            every is not None and step % 3 == 0 for step in range(1, 11)]
+    assert (np.asarray(model.expert_placement.replica_count) != 2).any()     # the last re-placement's, not identity
+    np.testing.assert_allclose(losses[3], losses[None], rtol=1e-5)
+    assert losses[None][-1] < losses[None][0]
