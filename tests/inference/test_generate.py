@@ -96,7 +96,7 @@ def test_prefill_and_decode_trace_the_model_s_step_into_their_own_jit(one_device
     ids, mask = expected["input_ids"], expected["attention_mask"]
     rows = ids.shape[0]
     key, eos, sampling = jax.random.key(0), jnp.asarray([-1], jnp.int32), Sampling()
-    weights = (model.params, None)   # (params, the LoRA adapter's arrays: none here)
+    weights = (model.params, None, None)   # (params, the LoRA adapter's arrays, the expert placement: none here)
     prefill = model.generator.jitted("prefill", sampling).trace(
         weights, ids, mask, init_cache(model, rows, 16), key, eos)
     tokens, positions = jnp.zeros(rows, jnp.int32), jnp.full(rows, ids.shape[1], jnp.int32)

@@ -202,6 +202,29 @@ def test_twenty_steps_balance_a_skewed_load_and_the_bias_round_trips_through_sav
     np.testing.assert_array_equal(bias_rows(reloaded, host(reloaded.params)), trained)
 
 
+@pytest.mark.reference
+def test_transformers_reads_the_updated_bias_and_gives_our_logits(tmp_path):
+    import torch
+    import transformers
+
+    model = deepseek()
+    train_step = make_train_step(model, optax.sgd(0.0), router_bias_update_rate=0.05)
+    state = train_step.init_state()
+    for _ in range(3):
+        state, _ = train_step(state, skewed_batch())
+    params, _ = train_step.weights(state.params)
+    model.save_pretrained(tmp_path, params=params, progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    trained = bias_rows(model, host(params))
+    for row, layer in enumerate((1, 2)):
+        bias = reference.model.layers[layer].mlp.gate.e_score_correction_bias.detach().numpy()
+        np.testing.assert_array_equal(bias, trained[row])
+    ids = np.asarray(skewed_batch()["input_ids"])[:2]
+    with torch.no_grad():
+        expected = reference(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply(params, ids).logits), expected, rtol=0, atol=1e-5)
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------------
 def test_a_family_without_a_router_bias_is_refused_naming_those_with_one():
     model, _ = build_trainer(None)
