@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ..heavy import representative
 from ..models.hf_reference import LOGITS_ATOL
 from .test_peft_files import build, layout_id
 
@@ -20,7 +21,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type, targets, layouts", CASES, ids=[case[0] for case in CASES])
+# The suite runs gpt-oss (transposed, biased, interleaved experts); --heavy Llama 4's [E, H, 2I] too.
+@pytest.mark.parametrize("model_type, targets, layouts",
+                         representative(CASES, suite=("gpt_oss",), ids=[case[0] for case in CASES]))
 def test_a_peft_adapter_gives_peft_s_logits(model_type, targets, layouts, tmp_path):
     from .peft_reference import TINY_CONFIGS, saved_peft_adapter
 

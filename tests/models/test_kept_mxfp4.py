@@ -77,6 +77,9 @@ def test_save_pretrained_writes_the_hub_files_back_byte_for_byte(hub_checkpoint,
                                                                          dequantize=False)(IDS)))
 
 
+# heavy: quantised weights through generate and the serving engine run in the suite as test_weight_only.py's
+# (the same stand-ins in the same grouped matmul); this MXFP4 pair with --heavy and in check_kept_quantized.py.
+@pytest.mark.heavy
 def test_generate_and_continuous_batching_give_the_dequantised_tokens(hub_checkpoint):
     kept = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"], dequantize=False)
     dequantised = load(hub_checkpoint, LAYOUTS["fsdp8_ep8"])

@@ -17,6 +17,7 @@ from moe_jax.lora import LoraConfig
 from moe_jax.ops.routing import router_z_loss
 from moe_jax.training import make_train_step
 
+from ..heavy import representative
 from ..test_cli_errors import error_line
 from .conftest import LAYOUTS, FixtureBatches, build_trainer, reference_optimizer
 from .hf_training import CONFIG_CHANGES, FIXTURES
@@ -42,7 +43,8 @@ def numpy_z_loss(router_logits: list, mask: np.ndarray) -> float:
 
 
 # ---- router z-loss ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["one_device", "tp2_fsdp4_ep4"])
+# The suite runs one device; --heavy the sharded layout too (the sharded bias update below runs fsdp8/ep8).
+@pytest.mark.parametrize("layout", representative(["one_device", "tp2_fsdp4_ep4"], suite=("one_device",)))
 def test_the_z_loss_is_the_router_logits_logsumexp_squared_and_joins_the_loss(layout):
     coef = 0.05
     model, train_step = build_trainer(LAYOUTS[layout], router_z_loss_coef=coef)
@@ -153,6 +155,8 @@ def test_a_step_moves_the_bias_by_rate_times_the_sign_of_mean_minus_load(layout,
     np.testing.assert_array_equal(bias_rows(model, host(state.params)), before + np.float32(rate) * sign)
 
 
+# heavy: the suite's bias tests check the update itself and its round trips; this one the rest of the params.
+@pytest.mark.heavy
 def test_the_bias_update_changes_nothing_else_and_is_skipped_with_the_step():
     model = deepseek()
     batch = skewed_batch()
