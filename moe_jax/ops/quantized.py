@@ -29,6 +29,7 @@ scale per output row (amax over the row / 127):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -115,8 +116,34 @@ def dequantize_fp8(codes: jax.Array, scale_inv: jax.Array, dtype) -> jax.Array:
     return (codes.astype(jnp.float32) * scale).astype(dtype)
 
 
+class CodedExperts:
+    """What FP8 and int8 experts share: codes [E, O, H] under `codes`, a scale per expert (`_scale()`), decoded
+    by `_decode(codes, scale)` into `dtype`."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def astype(self, dtype):
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype))
+
+    def expert_weight(self, expert: jax.Array) -> jax.Array:
+        """One expert's [O, H] in `dtype` (expert: a traced int scalar)."""
+        codes = jax.lax.dynamic_index_in_dim(self.codes, expert, axis=0, keepdims=False)
+        scale = jax.lax.dynamic_index_in_dim(self._scale(), expert, axis=0, keepdims=False)
+        return self._decode(codes, scale)
+
+    def dequantized(self) -> jax.Array:
+        """Every expert's [E, O, H] in `dtype`."""
+        return self._decode(self.codes, self._scale())
+
+
 @dataclass(frozen=True)
-class FP8Experts:
+class FP8Experts(CodedExperts):
     """Experts' weights [E, O, H] as float8 codes [E, O, H] and block multipliers [E, ceil(O / bR), ceil(H / bC)];
     `dtype`: what they dequantise to."""
 
@@ -133,24 +160,11 @@ class FP8Experts:
         fp8_block(codes.shape[2], scale_inv.shape[2])
         return cls(codes, scale_inv, jnp.dtype(dtype))
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return tuple(self.codes.shape)
+    def _decode(self, codes: jax.Array, scale: jax.Array) -> jax.Array:
+        return dequantize_fp8(codes, scale, self.dtype)
 
-    @property
-    def ndim(self) -> int:
-        return 3
-
-    def astype(self, dtype) -> FP8Experts:
-        return FP8Experts(self.codes, self.scale_inv, jnp.dtype(dtype))
-
-    def expert_weight(self, expert: jax.Array) -> jax.Array:
-        codes = jax.lax.dynamic_index_in_dim(self.codes, expert, axis=0, keepdims=False)
-        scale_inv = jax.lax.dynamic_index_in_dim(self.scale_inv, expert, axis=0, keepdims=False)
-        return dequantize_fp8(codes, scale_inv, self.dtype)
-
-    def dequantized(self) -> jax.Array:
-        return dequantize_fp8(self.codes, self.scale_inv, self.dtype)
+    def _scale(self) -> jax.Array:
+        return self.scale_inv
 
 
 jax.tree_util.register_dataclass(FP8Experts, data_fields=["codes", "scale_inv"], meta_fields=["dtype"])
@@ -164,7 +178,7 @@ def dequantize_int8(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Int8Experts:
+class Int8Experts(CodedExperts):
     """Experts' weights [E, O, H] as int8 codes [E, O, H] and per-row scales [E, O]; `dtype`: what they
     dequantise to."""
 
@@ -179,24 +193,11 @@ class Int8Experts:
                              f"{codes.dtype}{list(codes.shape)} and {scale.dtype}{list(scale.shape)}.")
         return cls(codes, scale, jnp.dtype(dtype))
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return tuple(self.codes.shape)
-
-    @property
-    def ndim(self) -> int:
-        return 3
-
-    def astype(self, dtype) -> Int8Experts:
-        return Int8Experts(self.codes, self.scale, jnp.dtype(dtype))
-
-    def expert_weight(self, expert: jax.Array) -> jax.Array:
-        codes = jax.lax.dynamic_index_in_dim(self.codes, expert, axis=0, keepdims=False)
-        scale = jax.lax.dynamic_index_in_dim(self.scale, expert, axis=0, keepdims=False)
+    def _decode(self, codes: jax.Array, scale: jax.Array) -> jax.Array:
         return dequantize_int8(codes, scale, self.dtype)
 
-    def dequantized(self) -> jax.Array:
-        return dequantize_int8(self.codes, self.scale, self.dtype)
+    def _scale(self) -> jax.Array:
+        return self.scale
 
 
 jax.tree_util.register_dataclass(Int8Experts, data_fields=["codes", "scale"], meta_fields=["dtype"])
