@@ -20,6 +20,7 @@ from converters.key_maps import CONFIG_KEY_MAPS, checkpoint_key_map, with_fp8_sc
 from converters.quantize import dequantizing_fp8_key_map, quantizing_key_map
 
 from .checkpoint_files import local_checkpoint, read_config
+from .distributed.targets import is_compile_only
 from .inference.generation_config import GenerationConfig
 from .models.weight_only import (
     EXPERTS_TARGET,
@@ -52,6 +53,8 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
         Transformers' FineGrainedFP8 format, which `save_pretrained` writes); of the routed experts, or of
         `quantize_modules` ("experts" and / or linear module names such as "o_proj"); inference only
         (`models.weight_only`).
+    On abstract target devices (`moe_jax.distributed.target_devices`) only config.json is read: the model is
+    built for compiling, its parameters left unset.
     """
     dtype = parameter_dtype(dtype) if dtype is not None else None
     directory = local_checkpoint(path)
@@ -64,6 +67,10 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
+    if model.mesh is not None and is_compile_only(model.mesh.devices.flat[0]):
+        # Abstract target devices (`target_devices`) hold nothing: the config is all a compile needs, the
+        # parameters are `training.state.abstract_parameters(model)`.
+        return model
     return load_weights(model, directory, progress=progress)
 
 

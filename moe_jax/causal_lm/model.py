@@ -48,6 +48,7 @@ from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_para
 from ..models.step_options import REMAT_POLICIES
 from ..models.weight_only import WeightQuantization, kept_quantized, weight_only_family
 from ..module_tree import ModuleTree
+from ..ops.grouped_matmul import default_backend
 from ..parameter_dtypes import parameter_dtype
 from ..pretrained import from_pretrained, save_pretrained
 from .adapters import AdapterMixin
@@ -243,7 +244,20 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
     @property
     def experts_forward(self) -> Callable:
         """`experts_forward(tokens, expert_ids, weights, **experts_params) -> [N, H]` of this family."""
-        return self.family.experts_forward(self.config, self.experts_backend)
+        return self.family.experts_forward(self.config, self.experts_backend_name)
+
+    @property
+    def platform(self) -> str:
+        """The platform of the devices the model is placed on ("cpu", "gpu", "tpu"): abstract target devices
+        (`moe_jax.distributed.target_devices`) count as theirs. Unplaced (`abstract=True`): JAX's default."""
+        return jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+
+    @property
+    def experts_backend_name(self) -> str:
+        """The grouped-matmul backend the experts run: `experts_backend`, or the default for the platform of the
+        model's devices (not JAX's default backend: a model placed on abstract GPUs from a CPU machine compiles
+        the GPU's choice)."""
+        return default_backend(self.platform) if self.experts_backend is None else self.experts_backend
 
     @property
     def logical_axis_rules(self) -> LogicalAxisRules:

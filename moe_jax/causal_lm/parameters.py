@@ -59,6 +59,14 @@ class ParameterStorage:
         return {storage: ((len(names),) if stack.is_stacked(storage) else ()) + specs[stack.first_member(storage)].shape
                 for storage, names in stack.members.items()}
 
+    def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """`model.params` as shapes, dtypes and shardings, nothing allocated: what lowering a program needs, and
+        all a model on abstract target devices (`moe_jax.distributed.target_devices`) can hold."""
+        self._require_mesh("abstract_params")
+        shapes, dtypes, shardings = self.storage_shapes(), self.storage_dtypes(), self.storage_shardings()
+        return {name: jax.ShapeDtypeStruct(shape, dtypes[name], sharding=shardings[name])
+                for name, shape in shapes.items()}
+
     def batch_sharding(self) -> NamedSharding:
         axes = self.layout.batch_axes
         return NamedSharding(self.mesh, P(axes if axes else None, None))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .grouped_matmul_backends.tiled_scan import tiled_grouped_matmul
-from .grouped_matmul_backends.tokamax_kernel import tokamax_available, tokamax_grouped_matmul
+from .grouped_matmul_backends.tokamax_kernel import nvidia_gpu_present, tokamax_available, tokamax_grouped_matmul
 from .grouped_matmul_backends.xla_ragged_dot import ragged_dot_grouped_matmul
 from .quantized import is_quantized
 
@@ -32,6 +32,16 @@ GROUPED_MATMUL_BACKENDS: dict[str, GroupedMatmulBackend] = {
 QUANTIZED_WEIGHT_BACKENDS = {"tiled"}
 
 
+# The expert matmuls run under this name scope (`experts_scope`): a compiled program's HLO names them in its
+# op_name metadata, which `moe_jax.target_compile` reads to say which kernel runs them.
+EXPERTS_SCOPE = "experts_matmul"
+
+
+def experts_scope(backend: str):
+    """The name scope of the expert matmuls run by `backend`."""
+    return jax.named_scope(f"{EXPERTS_SCOPE}_{backend}")
+
+
 def register_grouped_matmul_backend(name: str, fn: GroupedMatmulBackend) -> None:
     """Make `fn` selectable as grouped_matmul(..., backend=name)."""
     if name in GROUPED_MATMUL_BACKENDS:
@@ -43,8 +53,10 @@ def register_grouped_matmul_backend(name: str, fn: GroupedMatmulBackend) -> None
 
 
 def _gpu_default() -> str:
-    # Follows FLOP counts, not a GPU measurement (see the comment below).
-    return "tokamax" if tokamax_available() else "tiled"
+    # Follows FLOP counts, not a GPU measurement (see the comment below). tokamax's kernels pick their code from
+    # the GPU JAX runs on: compiling for abstract GPUs from a machine without one (`target_devices`), they refuse
+    # the host's CPU, so the tiled loop is the program compiled there.
+    return "tokamax" if tokamax_available() and nvidia_gpu_present() else "tiled"
 
 
 # Platform -> chooser. On CPU (scripts/bench/bench_grouped_matmul.py; docs/benchmarks.md,
@@ -75,7 +87,8 @@ def default_backend(platform: str) -> str:
 
 
 def backend_name(backend: str | None) -> str:
-    """`backend`, checked against the registry, or the default for JAX's default platform when None."""
+    """`backend`, checked against the registry, or the default for JAX's default platform when None (a model
+    resolves None for the platform of its own devices: `MoeForCausalLM.experts_backend_name`)."""
     name = default_backend(jax.default_backend()) if backend is None else backend
     if name not in GROUPED_MATMUL_BACKENDS:
         raise ValueError(
@@ -128,7 +141,8 @@ def grouped_matmul(
     w = w.astype(dtype)
     if is_quantized(w) and name not in QUANTIZED_WEIGHT_BACKENDS:
         w = w.dequantized()   # this backend takes a dense [E, O, H]: every local expert dequantised at once
-    out = fn(x.astype(dtype), w, group_sizes.astype(jnp.int32))
+    with experts_scope(name):
+        out = fn(x.astype(dtype), w, group_sizes.astype(jnp.int32))
     # A registered backend is outside code: hold it to the contract at trace time (free at run time).
     contract = f"grouped_matmul backend {name!r} must return [M, O] = {(x.shape[0], w.shape[1])} in {dtype}"
     chex.assert_shape(out, (x.shape[0], w.shape[1]), custom_message=contract)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .grouped_matmul import backend_name, check_grouped_operands, grouped_matmul
+from .grouped_matmul import backend_name, check_grouped_operands, experts_scope, grouped_matmul
 from .grouped_matmul_backends.tiled_swiglu import gated, tiled_swiglu_mlp
 from .grouped_matmul_backends.tiled_swiglu_lora import tiled_adapted_swiglu_mlp
 from .lora import LoraFactors, adapted_grouped_matmul
@@ -64,13 +64,15 @@ def grouped_swiglu(
     if lora:
         fused = FUSED_ADAPTED_SWIGLU_BACKENDS.get(name)
         if fused is not None and not kept:
-            return fused(x, gate_up, down, group_sizes.astype(jnp.int32), lora.get("gate_up_proj"),
-                         lora.get("down_proj"), act=act)
+            with experts_scope(name):
+                return fused(x, gate_up, down, group_sizes.astype(jnp.int32), lora.get("gate_up_proj"),
+                             lora.get("down_proj"), act=act)
         gate_up_rows = adapted_grouped_matmul(x, gate_up, group_sizes, lora.get("gate_up_proj"), backend=name)
         return adapted_grouped_matmul(gated(gate_up_rows, act), down, group_sizes, lora.get("down_proj"),
                                       backend=name)
     fused = FUSED_SWIGLU_BACKENDS.get(name)
     if fused is not None and not kept:
-        return fused(x, gate_up, down, group_sizes.astype(jnp.int32), act=act)
+        with experts_scope(name):
+            return fused(x, gate_up, down, group_sizes.astype(jnp.int32), act=act)
     gate_up_rows = grouped_matmul(x, gate_up, group_sizes, backend=name)
     return grouped_matmul(gated(gate_up_rows, act), down, group_sizes, backend=name)

@@ -196,6 +196,9 @@ def test_default_backend_per_platform(monkeypatch):
     monkeypatch.setattr(gm, "tokamax_available", lambda: False)
     assert default_backend("gpu") == "tiled"
     monkeypatch.setattr(gm, "tokamax_available", lambda: True)
+    monkeypatch.setattr(gm, "nvidia_gpu_present", lambda: False)   # abstract GPU targets compiled from a CPU host
+    assert default_backend("gpu") == "tiled"
+    monkeypatch.setattr(gm, "nvidia_gpu_present", lambda: True)
     assert default_backend("gpu") == "tokamax"
     with pytest.raises(ValueError, match="'metal'"):
         default_backend("metal")
@@ -218,7 +221,7 @@ def test_tokamax_wrapper_layout_and_padding_rows(case, monkeypatch):
     Pallas kernels themselves only run on an NVIDIA GPU (scripts/gpu_check.sh)."""
     pytest.importorskip("tokamax")
     tokamax_kernel = importlib.import_module("moe_jax.ops.grouped_matmul_backends.tokamax_kernel")
-    monkeypatch.setattr(tokamax_kernel, "_nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(tokamax_kernel, "nvidia_gpu_present", lambda: True)
     group_sizes = jnp.asarray(GROUP_SIZE_CASES[case], jnp.int32)
     x, w, cotangent = _operands(seed=len(case))
 

@@ -24,7 +24,8 @@ def tokamax_available() -> bool:
     return importlib.util.find_spec("tokamax") is not None
 
 
-def _nvidia_gpu_present() -> bool:
+def nvidia_gpu_present() -> bool:
+    """Whether JAX's first device is a real NVIDIA GPU (tokamax's kernels read it)."""
     devices = jax.devices()
     return devices[0].platform == "gpu" and "nvidia" in devices[0].device_kind.lower()
 
@@ -36,7 +37,7 @@ def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
             "grouped_matmul backend 'tokamax' needs the tokamax package on an NVIDIA GPU, and tokamax "
             "is not installed; `pip install tokamax` on a CUDA machine, or use backend='tiled'."
         )
-    if not _nvidia_gpu_present():
+    if not nvidia_gpu_present():
         device = jax.devices()[0]
         raise RuntimeError(
             "grouped_matmul backend 'tokamax' needs tokamax on an NVIDIA GPU, but JAX's first device is "

@@ -1,0 +1,142 @@
+"""One compiled program's report: per-device memory against the device, compile time, collectives, the expert
+kernel, host transfers; and the whole answer of `compile_for_target` (`CompileReport`) with its JSON form.
+
+    report.fits, report.memory.total, report.advice, report.as_json()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hlo_report import ProgramReading
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ProgramMemory:
+    """XLA's `memory_analysis()` of one device's program, in bytes; total = arguments + outputs - aliased
+    (donated buffers reused for outputs) + temporaries."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled) -> ProgramMemory:
+        analysis = compiled.memory_analysis()
+        return cls(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
+                   analysis.temp_size_in_bytes)
+
+
+@dataclass
+class ProgramReport:
+    name: str
+    memory: ProgramMemory
+    compile_seconds: float
+    reading: ProgramReading
+
+    def as_dict(self, device_memory: int) -> dict:
+        reading = self.reading
+        return {
+            "memory_bytes": {"arguments": self.memory.arguments, "outputs": self.memory.outputs,
+                             "aliased": self.memory.aliased, "temporaries": self.memory.temporaries,
+                             "total": self.memory.total, "device_memory": device_memory},
+            "compile_seconds": round(self.compile_seconds, 2),
+            "collectives": [collective.as_dict() for collective in reading.collectives],
+            "async_collectives": [overlap.as_dict() for overlap in reading.overlap],
+            "experts_kernel": reading.experts_kernel,
+            "experts_backends": reading.experts_backends,
+            "experts_flops_per_device": reading.experts_flops,
+            "flops_per_device": reading.flops,
+            "fusions": reading.fusions,
+            "host_transfers": reading.host_transfers,
+        }
+
+
+@dataclass
+class CompileReport:
+    """hardware / devices / compiler: what was compiled for, and by what; usable_bytes: the device memory less
+    the margin; programs: each compiled program (train_step, or prefill and decode)."""
+
+    hardware: str
+    devices: int
+    compiler: str
+    layout: str
+    request: str
+    device_memory: int
+    usable_bytes: int
+    programs: list[ProgramReport]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def largest(self) -> ProgramReport:
+        """The program that needs the most memory: the one that decides whether the layout fits."""
+        return max(self.programs, key=lambda program: program.memory.total)
+
+    @property
+    def fits(self) -> bool:
+        return all(program.memory.total <= self.usable_bytes for program in self.programs)
+
+    @property
+    def advice(self) -> str:
+        """What to change when the largest program does not fit ("" when it does)."""
+        if self.fits:
+            return ""
+        memory = self.largest.memory
+        if memory.arguments > self.usable_bytes:
+            return ("the program's inputs alone (parameters, optimizer state, cache) exceed the device: shard them "
+                    "over more devices (--fsdp / --ep / --tp, or a larger --devices), or use --dtype bfloat16")
+        if "train" in self.request and "remat full" not in self.request:
+            return ("the activations and temporaries exceed what is left: add --remat full, or lower --batch-size "
+                    "(or raise --grad-accum), or use more devices")
+        return ("the temporaries exceed what is left: lower --batch-size / --max-slots / --max-model-len, or use "
+                "more devices")
+
+    def as_json(self) -> dict:
+        largest = self.largest
+        return {
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "compiler": self.compiler,
+            "layout": self.layout,
+            "request": self.request,
+            "program": largest.name,
+            **largest.as_dict(self.device_memory),
+            "usable_memory_bytes": self.usable_bytes,
+            "fits": self.fits,
+            "advice": self.advice,
+            "compile_seconds": round(sum(program.compile_seconds for program in self.programs), 2),
+            "programs": {program.name: program.as_dict(self.device_memory) for program in self.programs},
+            "notes": list(self.notes),
+        }
+
+    def text(self) -> str:
+        lines = [f"{self.request}", f"layout {self.layout} on {self.devices} x {self.hardware} "
+                 f"({self.device_memory / GIB:.1f} GiB each, {self.usable_bytes / GIB:.1f} GiB usable); "
+                 f"compiled by {self.compiler}; compiled, not run"]
+        for program in self.programs:
+            memory, reading = program.memory, program.reading
+            lines += ["", f"{program.name}: compiled in {program.compile_seconds:.1f} s, {reading.fusions} fusions",
+                      f"  memory per device: arguments {memory.arguments / GIB:.2f} GiB, outputs "
+                      f"{memory.outputs / GIB:.2f} GiB (aliased {memory.aliased / GIB:.2f}), temporaries "
+                      f"{memory.temporaries / GIB:.2f} GiB, total {memory.total / GIB:.2f} GiB -> "
+                      + ("fits" if memory.total <= self.usable_bytes else "does NOT fit"),
+                      f"  expert matmuls: {reading.experts_kernel}"
+                      + (f" [backend {', '.join(reading.experts_backends)}]" if reading.experts_backends else ""),
+                      "  collectives per step (kind, count, MiB sent per device, group size):"]
+            lines += [f"    {c.kind:<20} {c.count:>6} {c.bytes / 2**20:>12.2f} {c.group_size:>4}"
+                      for c in reading.collectives] or ["    none"]
+            if reading.overlap:
+                lines.append("  asynchronous with compute between start and done: " + ", ".join(
+                    f"{o.kind} {o.overlapped}/{o.started}" for o in reading.overlap))
+            lines.append("  host transfers: " + (", ".join(reading.host_transfers) or "none"))
+        lines.append("")
+        lines.append("fits" if self.fits else f"does not fit: {self.advice}")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
