@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from ..distributed.targets import CompilerUnavailable
 from .adapter_flags import add_plan_flags, lora_config_from_flags
 from .layout_flags import (
     add_dequantize_flag,
@@ -191,6 +192,23 @@ def _run_launch(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _compile_arguments(parser: argparse.ArgumentParser) -> None:
+    from .compile import add_compile_arguments
+
+    add_compile_arguments(parser)
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from .compile import run_compile
+
+    return run_compile(args)
+
+
+command("compile", "compile a model's train step or serving programs for a GPU cluster (h100, h200, b200, a100) "
+                   "from any machine, and report memory, collectives and kernels (XLA:GPU; needs JAX's CUDA "
+                   "plugin, not a GPU)")((_compile_arguments, _run_compile))
+
+
 command("launch", "run a command as N local processes of one JAX multi-process job (like torchrun), output "
                   "prefixed by process; one failure stops them all")((_launch_arguments, _run_launch))
 
@@ -221,7 +239,7 @@ VERBOSE_HELP = ("also show what is quiet by default: gloo's connection lines und
 
 
 # What a bad request (flags, paths, checkpoints, layouts) raises; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, OSError, NotImplementedError)
+USER_ERRORS = (ValueError, OSError, NotImplementedError, CompilerUnavailable)
 
 
 def entry() -> None:

@@ -20,6 +20,12 @@ import os
 from .gpu_targets import gpu_target
 
 DEVICES_PER_HOST = 8
+
+
+class CompilerUnavailable(RuntimeError):
+    """The GPU compiler cannot be had here: JAX's CUDA plugin is missing or did not register."""
+
+
 CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 # The CUDA plugin checks the CUDA libraries against a GPU driver when it registers; without a GPU that check
 # fails and the plugin is not registered. Skipping it is what compiling without a GPU needs.
@@ -74,7 +80,7 @@ def target_devices(hardware: str, count: int) -> list:
     target = gpu_target(hardware)
     topology = topology_name(count)
     if not cuda_plugin_available():
-        raise RuntimeError(f"compiling for {hardware} needs JAX's CUDA plugin, which holds XLA:GPU's compiler (no GPU "
+        raise CompilerUnavailable(f"compiling for {hardware} needs JAX's CUDA plugin, which holds XLA:GPU's compiler (no GPU "
                            f"is needed): {cuda_plugin_install_line()}, or pip install -e \".[gpu-compile]\".")
     from jax.experimental import topologies
 
@@ -83,7 +89,7 @@ def target_devices(hardware: str, count: int) -> list:
             description = topologies.get_topology_desc(platform="cuda", target_config=target.config_text(),
                                                        topology=topology)
         except NotImplementedError as error:
-            raise RuntimeError(
+            raise CompilerUnavailable(
                 f"JAX's CUDA plugin is installed but not registered ({error}): JAX discovered its plugins before "
                 f"this call, and without a GPU the plugin's driver check failed. Set {SKIP_CHECK}=1 (or "
                 "JAX_PLATFORMS=cpu) before anything uses JAX, or call target_devices first.") from error

@@ -76,13 +76,14 @@ def _device_memory(hardware: str, devices: int, device_memory) -> int:
 def build_target_model(config, distributed_config: DistributedConfig, devices: Sequence, request: PlanRequest,
                        **model_options):
     """The model of `config` (a checkpoint directory, config.json or dict: only the config is read) on
-    `devices`, as the train and serve commands build it (scanned layers from 16 on), its parameters abstract."""
+    `devices`, as the train command builds it (scanned layers from 16 on; `scan_layers=False` as generate and
+    serve run), its parameters abstract."""
     from ..causal_lm.auto import AutoModelForCausalLM
 
     values = read_config(config) if not isinstance(config, dict) else config
     with quiet_model_building():
         model = AutoModelForCausalLM.from_config(values, distributed_config, devices=list(devices),
-                                                 scan_layers="auto", **request.model_options(), **model_options)
+                                                 **{"scan_layers": "auto", **request.model_options(), **model_options})
     model.params = model.abstract_params()
     return model
 
@@ -116,7 +117,7 @@ def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: 
         notes.append("attention and fp16 dots are traced as on the host's default backend (CPU): on a GPU, jax "
                      "may pick cuDNN's fused attention instead; the expert matmuls follow the target")
     report = CompileReport(hardware, devices, compiler_name(hardware), layout, request.describe(), memory,
-                           int(memory * (1 - margin)), reports, notes)
+                           int(memory * (1 - margin)), reports, notes, executables)
     if save_executable is not None:
         save_executables(executables, Path(save_executable), report)
     return report

@@ -73,6 +73,7 @@ class CompileReport:
     usable_bytes: int
     programs: list[ProgramReport]
     notes: list[str] = field(default_factory=list)
+    executables: dict = field(default_factory=dict, repr=False)   # name -> the compiled program (`save_executables`)
 
     @property
     def largest(self) -> ProgramReport:

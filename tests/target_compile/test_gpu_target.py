@@ -1,0 +1,73 @@
+"""Programs compiled by XLA:GPU for abstract H100s, on a machine without a GPU (needs JAX's CUDA plugin:
+`pip install -e ".[gpu-compile]"`; skipped without it). One family, two layouts, the train step and serving;
+scripts/checks/check_gpu_compile.py runs every family on every layout."""
+
+import importlib
+import json
+
+import jax
+import pytest
+
+from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.cli.demo import DEMO_CONFIG
+from moe_jax.distributed import targets
+from moe_jax.distributed.targets import target_devices
+from moe_jax.planning.request import PlanRequest
+from moe_jax.target_compile import compile_for_target
+
+pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
+                                reason="JAX's CUDA plugin is not installed (pip install -e \".[gpu-compile]\")")
+
+grouped_matmul = importlib.import_module("moe_jax.ops.grouped_matmul")   # the module (the package exports the function)
+FSDP8_EP8 = DistributedConfig(fsdp_size=8, ep_size=8, ep_implementation="all_to_all")
+TP2_FSDP4_EP4 = DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4)
+
+
+def test_the_experts_backend_follows_the_devices_not_the_host(monkeypatch):
+    monkeypatch.setitem(grouped_matmul._DEFAULT_BACKEND_BY_PLATFORM, "gpu", lambda: "ragged_dot")
+    on_gpu = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), FSDP8_EP8, devices=target_devices("h100", 8))
+    on_cpu = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), FSDP8_EP8, devices=jax.devices("cpu")[:8])
+    assert jax.default_backend() == "cpu"
+    assert (on_gpu.platform, on_gpu.experts_backend_name) == ("gpu", "ragged_dot")
+    assert (on_cpu.platform, on_cpu.experts_backend_name) == ("cpu", "tiled")
+
+
+def test_from_pretrained_on_target_devices_reads_only_the_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEMO_CONFIG))   # no weights: none are read
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, FSDP8_EP8, devices=target_devices("h100", 8))
+    assert model.params is None and model.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    abstract = model.abstract_params()
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in abstract.values())
+
+
+def test_the_mixed_precision_train_step_compiles_for_h100_with_grouped_experts():
+    report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=FSDP8_EP8,
+                                request=PlanRequest(batch_size=16, seq_len=64, mixed_precision=True))
+    (program,) = report.programs
+    reading = program.reading
+    assert report.compiler.startswith("XLA:GPU") and "compute capability 9.0" in report.compiler and report.fits
+    assert reading.experts_backends == ["tiled"] and reading.experts_kernel.startswith("tiled loop")
+    assert "outside any loop" not in reading.experts_kernel      # never a dense all-experts dot
+    assert reading.host_transfers == []
+    all_to_all = [c for c in reading.collectives if c.kind == "all-to-all"]
+    assert all_to_all and all_to_all[0].group_size == 8
+    assert any(overlap.kind == "all-to-all" and overlap.overlapped > 0 for overlap in reading.overlap)
+
+
+def test_prefill_and_decode_compile_for_h100_on_tp_with_ep():
+    report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=TP2_FSDP4_EP4,
+                                request=PlanRequest(mode="serve", max_slots=8, max_model_len=128), scan_layers=False)
+    assert [program.name for program in report.programs] == ["prefill", "decode"]
+    for program in report.programs:
+        assert program.reading.experts_backends == ["tiled"] and program.reading.host_transfers == []
+        assert "outside any loop" not in program.reading.experts_kernel
+
+
+def test_the_report_catches_ragged_dots_dense_fallback():
+    """XLA:GPU lowers ragged_dot to dense dots over every local expert: the reading says so."""
+    report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=FSDP8_EP8,
+                                request=PlanRequest(mode="serve", max_slots=8, max_model_len=64),
+                                experts_backend="ragged_dot", scan_layers=False)
+    decode = report.programs[1].reading
+    assert decode.experts_backends == ["ragged_dot"]
+    assert "dense over every local expert" in decode.experts_kernel
