@@ -13,6 +13,11 @@ from .hlo_report import ProgramReading
 GIB = 2**30
 
 
+def size_text(count: int) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB (a tiny model's program is not "0.00 GiB")."""
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class ProgramMemory:
     """XLA's `memory_analysis()` of one device's program, in bytes; total = arguments + outputs - aliased
@@ -93,11 +98,11 @@ class CompileReport:
         if memory.arguments > self.usable_bytes:
             return ("the program's inputs alone (parameters, optimizer state, cache) exceed the device: shard them "
                     "over more devices (--fsdp / --ep / --tp, or a larger --devices), or use --dtype bfloat16")
-        if "train" in self.request and "remat full" not in self.request:
-            return ("the activations and temporaries exceed what is left: add --remat full, or lower --batch-size "
-                    "(or raise --grad-accum), or use more devices")
-        return ("the temporaries exceed what is left: lower --batch-size / --max-slots / --max-model-len, or use "
-                "more devices")
+        if not self.request.startswith("train"):
+            return "the temporaries exceed what is left: lower --max-slots or --max-model-len, or use more devices"
+        remat = "" if "remat full" in self.request else "add --remat full, or "
+        return (f"the activations and temporaries exceed what is left: {remat}lower --batch-size (or raise "
+                "--grad-accum), or use more devices")
 
     def as_json(self) -> dict:
         largest = self.largest
@@ -124,9 +129,9 @@ class CompileReport:
         for program in self.programs:
             memory, reading = program.memory, program.reading
             lines += ["", f"{program.name}: compiled in {program.compile_seconds:.1f} s, {reading.fusions} fusions",
-                      f"  memory per device: arguments {memory.arguments / GIB:.2f} GiB, outputs "
-                      f"{memory.outputs / GIB:.2f} GiB (aliased {memory.aliased / GIB:.2f}), temporaries "
-                      f"{memory.temporaries / GIB:.2f} GiB, total {memory.total / GIB:.2f} GiB -> "
+                      f"  memory per device: arguments {size_text(memory.arguments)}, outputs "
+                      f"{size_text(memory.outputs)} (aliased {size_text(memory.aliased)}), temporaries "
+                      f"{size_text(memory.temporaries)}, total {size_text(memory.total)} -> "
                       + ("fits" if memory.total <= self.usable_bytes else "does NOT fit"),
                       f"  expert matmuls: {reading.experts_kernel}"
                       + (f" [backend {', '.join(reading.experts_backends)}]" if reading.experts_backends else ""),
