@@ -20,7 +20,6 @@ from converters.key_maps import CONFIG_KEY_MAPS, checkpoint_key_map, with_fp8_sc
 from converters.quantize import dequantizing_fp8_key_map, quantizing_key_map
 
 from .checkpoint_files import local_checkpoint, read_config
-from .distributed.targets import is_compile_only
 from .inference.generation_config import GenerationConfig
 from .models.weight_only import (
     EXPERTS_TARGET,
@@ -67,7 +66,7 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
-    if model.mesh is not None and is_compile_only(model.mesh.devices.flat[0]):
+    if model.compiles_only:
         # Abstract target devices (`target_devices`) hold nothing: the config is all a compile needs, the
         # parameters are `training.state.abstract_parameters(model)`.
         return model

@@ -42,7 +42,8 @@ class AdapterMixin:
     def add_adapter(self, adapter_config: LoraConfig, adapter_name: str = DEFAULT_ADAPTER, *, seed: int = 0) -> None:
         """A new adapter, initialised as PEFT does (B = 0: the model's outputs are unchanged until it is trained)."""
         layout = self._new_layout(adapter_config, adapter_name)
-        self._use_adapter(layout, layout.init(seed))
+        # On abstract target devices the adapter is its shapes in their shardings: a LoRA step compiles for them.
+        self._use_adapter(layout, layout.abstract() if self.compiles_only else layout.init(seed))
 
     def load_adapter(self, path, adapter_name: str = DEFAULT_ADAPTER) -> None:
         """The PEFT adapter in directory `path` (`adapter_config.json`, `adapter_model.safetensors`), each factor

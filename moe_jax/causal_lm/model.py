@@ -35,6 +35,7 @@ from ..distributed.experts import TENSOR_PARALLEL, ShardedExperts, experts_mode
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
+from ..distributed.targets import is_compile_only
 from ..host_memory import warn_without_huge_pages
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
@@ -251,6 +252,13 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         """The platform of the devices the model is placed on ("cpu", "gpu", "tpu"): abstract target devices
         (`moe_jax.distributed.target_devices`) count as theirs. Unplaced (`abstract=True`): JAX's default."""
         return jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+
+    @property
+    def compiles_only(self) -> bool:
+        """Whether the model is placed on abstract target devices (`moe_jax.distributed.target_devices`):
+        programs compile for them, nothing is placed or run; parameters, adapters and expert placements are
+        their shapes in their shardings."""
+        return self.mesh is not None and is_compile_only(self.mesh.devices.flat[0])
 
     @property
     def experts_backend_name(self) -> str:

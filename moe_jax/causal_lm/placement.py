@@ -127,6 +127,9 @@ class ExpertPlacementMixin:
         if self.mesh is None:
             return placement
         replicated = NamedSharding(self.mesh, P())   # the same value on every process of a multi-process job
+        if self.compiles_only:    # abstract target devices hold nothing: the placement's shapes, for compiling
+            return jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=replicated),
+                                placement)
         return jax.tree.map(lambda array: host_to_global(array, replicated), placement)
 
     def _require_redundant_slots(self, what: str) -> None:

@@ -71,3 +71,34 @@ def test_the_report_catches_ragged_dots_dense_fallback():
     decode = report.programs[1].reading
     assert decode.experts_backends == ["ragged_dot"]
     assert "dense over every local expert" in decode.experts_kernel
+
+
+VARIANTS = {   # the train step's other settings, each compiled for 8 x H100 (--heavy: a run of the full set)
+    "lora": (FSDP8_EP8, PlanRequest(batch_size=16, seq_len=64, mixed_precision=True), {}, "lora"),
+    "frozen_experts": (FSDP8_EP8, PlanRequest(batch_size=16, seq_len=64, mixed_precision=True), {},
+                       "model.layers.*.mlp.*"),
+    "redundant_experts": (FSDP8_EP8, PlanRequest(batch_size=16, seq_len=64), {"num_redundant_experts": 8}, None),
+    "circular_pipeline": (DistributedConfig(pp_size=2, fsdp_size=4, ep_size=4),
+                          PlanRequest(batch_size=16, seq_len=64, mixed_precision=True),
+                          {"pipeline_microbatches": 4, "pipeline_schedule": "circular", "pipeline_repeats": 2}, None),
+    "bf16_remat_accumulation": (TP2_FSDP4_EP4, PlanRequest(batch_size=16, seq_len=64, dtype="bfloat16",
+                                                           remat="full", grad_accum=2), {}, None),
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_train_step_variants_compile_for_h100(variant):
+    from moe_jax.lora import LoraConfig
+    from moe_jax.target_compile import build_target_model, compile_model
+
+    config, request, options, trainable = VARIANTS[variant]
+    model = build_target_model(dict(DEMO_CONFIG), config, target_devices("h100", 8), request, **options)
+    if trainable == "lora":
+        model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"],
+                                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        trainable = None
+    report = compile_model(model, request, hardware="h100", trainable=trainable)
+    reading = report.programs[0].reading
+    assert report.fits and reading.host_transfers == []
+    assert reading.experts_kernel.startswith("tiled loop") and "outside any loop" not in reading.experts_kernel
