@@ -271,6 +271,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         estimates.append(estimate)
         if estimate.fits and (best is None or estimate.sort_key() < best.sort_key()):
             best = estimate
+    estimates += [_uncompiled(c, states[id(c)], request, usable) for c in candidates if held[id(c)] > usable]
     estimates.sort(key=LayoutEstimate.sort_key)
     for rank, estimate in enumerate(estimates, 1):
         estimate.rank = rank
