@@ -28,6 +28,10 @@ from .state_bytes import StateBytes
 # Hidden-wide buffers a layer reads or writes per token and pass (norms, residuals, projections' inputs and
 # outputs): a round figure, enough to weigh memory traffic against collectives when ordering compiles.
 ACTIVATION_TRAFFIC = 16
+# The pipeline loop copies its carried buffers (stage inputs, outputs, the stacked stage state) on every
+# iteration: compiled pipeline steps move several times the memory traffic of flat layouts of the same sizes.
+# A round factor on their memory traffic, so that the guess does not put them first for gathering nothing.
+PIPELINE_MEMORY_FACTOR = 4
 
 
 def _passes(request: PlanRequest) -> float:
@@ -74,6 +78,7 @@ def analytic_step_seconds(candidate: Candidate, state: StateBytes, request: Plan
     weights_read = dense / (layout.tp * layout.pp) + expert / (layout.ep * layout.pp)
     activations = tokens_per_group / layout.tp * layers * config.hidden_size * activation_bytes * ACTIVATION_TRAFFIC
     memory = passes * (weights_read + activations) / profile.hbm_bytes_per_second
+    memory *= PIPELINE_MEMORY_FACTOR if layout.pp > 1 else 1
     busy = (compute + memory) / (1 - layout.bubble_fraction)
     expert_fsdp = max(layout.fsdp * layout.tp // layout.ep, 1)      # experts: ep x expert-fsdp = fsdp x tp
     gathers = 3 if training else 1                                  # forward, backward; gradients scattered
