@@ -122,15 +122,19 @@ def test_plan_auto_ranks_layouts_and_writes_the_json_rows(tmp_path, capsys):
     output = tmp_path / "plan.json"
     assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--batch-size", "16",
                  "--seq-len", "32", "--train", "--device-memory", "80GB", "--max-compiles", "2",
-                 "--json", str(output)]) == 0
+                 "--cache-dir", str(tmp_path / "cache"), "--json", str(output)]) == 0
     captured = capsys.readouterr()
     assert "80GB = 80 x 10^9 bytes (74.5 GiB)" in captured.err
     out = captured.out
+    assert out.splitlines()[0].startswith("compiled 2 of ")
+    assert "layout 2 of 2:" in captured.err and "best so far:" in captured.err
     assert "Use rank 1," in out and f"moe-jax train --model {checkpoint} --tp" in out and "DistributedConfig(" in out
     assert "not compiled: the compile budget ran out" in out and "excluded:" in out
     document = json.loads(output.read_text())
     assert document["min_devices_to_fit"] is None and document["layouts"][0]["rank"] == 1
     assert document["layouts"][0]["fits"] and document["device_memory_bytes"] == 80 * 10**9
+    assert document["layouts"][-1]["fits"] is None and document["compiled"] == 2
+    assert len(list((tmp_path / "cache").glob("*/*.pickle"))) == 2
 
 
 def test_plan_auto_refuses_a_layout_and_needs_a_device_count(capsys):

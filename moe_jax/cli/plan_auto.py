@@ -2,9 +2,12 @@
 
     moe-jax plan --auto --model CONFIG_OR_DIR --devices 8 --batch-size 16 --seq-len 4096 --train
                  [--device-memory 80GiB] [--hardware h100] [--nodes 1] [--top 10] [--json FILE]
+                 [--max-compiles N] [--time-budget S] [--cache-dir DIR | --no-cache]
 
 Plans every legal layout from its step compiled on virtual CPU devices (`moe_jax.planning`) and prints them
-ranked, with the command and `DistributedConfig` of the best. The virtual devices are requested here, before
+ranked, with the command and `DistributedConfig` of the best. Without --time-budget the floor (the best
+analytic guesses and every layout family) is compiled whatever it takes, then more while the default budget
+lasts; a given --time-budget is a hard limit. Compiled steps are kept in the user's cache directory. The virtual devices are requested here, before
 JAX starts: a pool of them, so that a layout can be compiled on more devices than asked for when none fits.
 """
 
@@ -19,6 +22,8 @@ import time
 from .layout_flags import LAYOUT_FLAGS
 
 DEFAULT_TIME_BUDGET = 60.0
+# The best analytic guesses the default budget always compiles (with one layout of every family).
+FLOOR_GUESSES = 12
 # Virtual CPU devices requested when JAX starts, at least: enough to compile a layout on more devices than asked
 # for when none fits there (min_devices_to_fit); an unused virtual device costs nothing.
 DEVICE_POOL = 512
@@ -67,10 +72,19 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --auto: write every row (best first), the excluded layouts and "
                             "min_devices_to_fit to FILE")
     group.add_argument("--max-compiles", type=int, default=None,
-                       help="with --auto: compile at most this many layouts (the rest are listed, not timed)")
-    group.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET,
-                       help=f"with --auto: stop compiling new layouts after this many seconds (default "
-                            f"{DEFAULT_TIME_BUDGET:g}; 0: no limit)")
+                       help="with --auto: compile at most this many layouts (the rest are listed as not compiled)")
+    group.add_argument("--time-budget", type=float, default=None,
+                       help=f"with --auto: stop compiling new layouts after this many seconds (0: no limit). "
+                            f"Default: the {FLOOR_GUESSES} best analytic guesses and one layout of every family (ep "
+                            f"size, pp size, tp, HSDP) are always compiled, then more for up to "
+                            f"{DEFAULT_TIME_BUDGET:g} s in all")
+    cache = group.add_mutually_exclusive_group()
+    cache.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="with --auto: keep compiled steps in DIR (default: $XDG_CACHE_HOME/moe_jax/plan or "
+                            "~/.cache/moe_jax/plan); a plan of the same model, layouts and request reads them "
+                            "instead of compiling")
+    cache.add_argument("--no-cache", action="store_true",
+                       help="with --auto: compile every layout, neither reading nor writing the cache")
 
 
 def check_auto_flags(args: argparse.Namespace) -> None:
@@ -99,7 +113,19 @@ def cpu_devices(count: int) -> list:
     return jax.devices("cpu")[:count]
 
 
+def progress_printer(start: float):
+    """Progress lines on stderr: rewritten in place on a terminal, one per layout otherwise."""
+    terminal = sys.stderr.isatty()
+
+    def show(message: str) -> None:
+        line = f"[{time.perf_counter() - start:5.0f} s] {message}"
+        print(f"\r\033[K{line}" if terminal else line, end="" if terminal else "\n", file=sys.stderr, flush=True)
+
+    return show
+
+
 def run_auto(args: argparse.Namespace) -> int:
+    from ..planning.compile_cache import CompileCache
     from ..planning.memory_size import describe_memory_size
     from ..planning.search import plan_layouts
     from ..reporting.layout_ranking import ranking_report
@@ -115,14 +141,18 @@ def run_auto(args: argparse.Namespace) -> int:
     if args.device_memory is not None:
         print(f"device memory: {describe_memory_size(args.device_memory)}", file=sys.stderr)
     start = time.perf_counter()
+    time_budget = DEFAULT_TIME_BUDGET if args.time_budget is None else args.time_budget or None
     plan = plan_layouts(
         args.model, devices=args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
         mode="serve" if args.serve else "train", hardware=args.hardware, device_memory=args.device_memory,
         margin=args.memory_margin, nodes=args.nodes, max_compiles=args.max_compiles,
-        time_budget=args.time_budget or None, cpu_devices=cpu_devices,
-        progress=lambda message: print(f"[{time.perf_counter() - start:5.0f} s] {message}", file=sys.stderr),
+        time_budget=time_budget, compile_floor=args.time_budget is None, floor_guesses=FLOOR_GUESSES,
+        cache=CompileCache.at(args.cache_dir, enabled=not args.no_cache), cpu_devices=cpu_devices,
+        progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
         grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     print(ranking_report(plan, model=args.model, top=args.top))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

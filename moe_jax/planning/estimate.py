@@ -6,9 +6,9 @@
 Memory is per device, in bytes: parameters and optimizer state from the layout's shardings (`state_bytes`, as
 `moe-jax plan --train` counts them); activations (the forward pass's buffers still live at the step's peak, or
 the KV cache when serving), gradients (the backward pass's buffers live at the peak) and temporaries (the rest)
-from the compiled program, whose total they add up to. A layout whose parameters, float32 gradients and
-optimizer state alone exceed the device is not compiled: its activations and temporaries are None and its total
-is that lower bound.
+from the compiled program, whose total they add up to. A layout that was not compiled has None activations
+and temporaries and its state as the total: `fits` is False when that state alone exceeds the device, None
+(not known) otherwise.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ class MemoryBreakdown:
 class LayoutEstimate:
     """layout: the sizes, EP implementation and pipeline choice; memory: per-device bytes; usable_bytes: the
     device memory less the margin; step_seconds / step_parts: None when not compiled; notes: how the row was
-    computed (scanned layers, loops counted at their bound, XLA:CPU copies left out)."""
+    computed (scanned layers, loops counted at their bound, XLA:CPU copies left out); guess_seconds: the
+    analytic guess that ordered the compiles (`analytic`), not a prediction to rank by; cached: the compiled
+    step was read from the compile cache."""
 
     layout: Layout
     memory: MemoryBreakdown
@@ -52,10 +54,16 @@ class LayoutEstimate:
     notes: list[str] = field(default_factory=list)
     why: str = ""
     rank: int = 0
+    guess_seconds: float | None = None
+    cached: bool = False
 
     @property
-    def fits(self) -> bool:
-        return self.compiled and self.memory.total <= self.usable_bytes
+    def fits(self) -> bool | None:
+        """True or False from the compiled step; False when not compiled but the state alone exceeds the
+        device; None (not known) for the other layouts not compiled."""
+        if self.compiled or self.memory.total > self.usable_bytes:
+            return self.memory.total <= self.usable_bytes
+        return None
 
     @property
     def headroom_bytes(self) -> int:
@@ -66,12 +74,15 @@ class LayoutEstimate:
         return self.layout.bubble_fraction
 
     def sort_key(self) -> tuple:
-        """Fitting layouts by step time; then compiled ones that do not fit, by their memory; then the rest."""
+        """Fitting layouts by step time, less memory breaking ties; then compiled ones that do not fit, by their
+        memory; then those not compiled, by the analytic guess; last those whose state alone does not fit."""
         if self.fits:
             return (0, self.step_seconds, self.memory.total)
         if self.compiled:
             return (1, self.memory.total, self.step_seconds)
-        return (2, self.memory.total, 0.0)
+        if self.fits is None:
+            return (2, self.guess_seconds or 0.0, self.memory.total)
+        return (3, self.memory.total, 0.0)
 
     def row(self) -> dict:
         layout = self.layout
@@ -87,6 +98,8 @@ class LayoutEstimate:
             "usable_memory_bytes": self.usable_bytes,
             "fits": self.fits,
             "compiled": self.compiled,
+            "compiled_step_cached": self.cached,
+            "analytic_guess_seconds": self.guess_seconds,
             "step_seconds": self.step_seconds,
             "step_parts": dict(self.step_parts),
             "flops_per_device": self.flops,

@@ -7,13 +7,16 @@
     plan = plan_layouts(...)            # the same, with the excluded layouts and the smallest count that fits
     plan.min_devices_to_fit, plan.excluded, plan.as_json()
 
-Steps: enumerate the legal layouts (`layouts`); count each one's parameters, gradients and optimizer state from
-its shardings (`state_bytes`); compile the step of each whose state fits the device (`compiled_step`), most
-sharded first and one structural kind of layout after another, until `max_compiles` or `time_budget` runs
-out; predict each compiled step's time on the hardware (`step_time`); rank the ones that fit by time, then the
-rest by memory; say why (`explain`). When none fits, find the fewest devices on which one would
-(`min_devices`). Compiling needs as many CPU devices as the layouts (virtual ones: see `moe_jax.host_devices`);
-`cpu_devices(count)` provides them, by default the first `count` of `jax.devices("cpu")`.
+Steps: enumerate the legal layouts (`layouts`), leaving out EP implementations the hardware cannot run
+(`reachable`); count each one's parameters, gradients and optimizer state from its shardings (`state_bytes`);
+guess each step time from its sizes (`analytic`) to order the compiles, likely winners first (`compile_order`);
+compile the step of each whose state fits the device (`compiled_step`, through the on-disk `compile_cache`)
+until `max_compiles` or `time_budget` runs out (with `compile_floor`, never before the floor: the best guesses
+and every layout family); predict each compiled step's time on the hardware (`step_time`); rank the ones that
+fit by time, then the rest (`LayoutEstimate.sort_key`); say why (`explain`). The recommendation is only ever a
+compiled layout. When none fits, find the fewest devices on which one would (`min_devices`). Compiling needs
+as many CPU devices as the layouts (virtual ones: see `moe_jax.host_devices`); `cpu_devices(count)` provides
+them, by default the first `count` of `jax.devices("cpu")`.
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from collections import Counter
+
 from ..checkpoint_files import read_config
 from ..distributed.capacity import buffer_rows
 from ..training.optimizers import build_optimizer
-from .compiled_step import compile_layout_step
+from .analytic import analytic_step_seconds
+from .compile_cache import CompileCache
+from .compile_order import TOP_GUESSES, compile_order
 from .estimate import LayoutEstimate, MemoryBreakdown
 from .explain import explain
 from .hardware import HardwareProfile, load_hardware
-from .layouts import Candidate, Excluded, Layout, enumerate_layouts, quiet_model_building
+from .layouts import Candidate, Excluded, Layout, enumerate_layouts, layout_space, quiet_model_building
 from .memory_size import parse_memory_size
 from .min_devices import FIRST_COMPILE_SECONDS, smallest_fitting, state_bound, state_of
+from .reachable import unreachable_implementations
 from .request import PlanRequest
 from .state_bytes import train_state_bytes
 from .step_time import predict_step_time
@@ -54,6 +62,18 @@ class LayoutPlan:
     min_devices_to_fit: int | None = None
     min_devices_note: str = ""
     notes: list[str] = field(default_factory=list)
+    floor: list[Layout] = field(default_factory=list)          # the layouts the answer has to rest on
+    unreachable: dict[str, tuple[str, int]] = field(default_factory=dict)   # implementation -> (needs, layouts)
+
+    @property
+    def compiled(self) -> int:
+        return sum(estimate.compiled for estimate in self.estimates)
+
+    @property
+    def floor_missed(self) -> list[Layout]:
+        """The floor's layouts the budget stopped before compiling."""
+        compiled = {estimate.layout for estimate in self.estimates if estimate.compiled}
+        return [layout for layout in self.floor if layout not in compiled]
 
     @property
     def best(self) -> LayoutEstimate | None:
@@ -71,6 +91,11 @@ class LayoutPlan:
             "hardware": self.hardware.to_dict(),
             "excluded": [{"layout": item.layout.name, "distributed_config": item.layout.config_sizes(),
                           "reason": item.reason} for item in self.excluded],
+            "unreachable_implementations": {name: {"needs": needs, "layouts": count}
+                                            for name, (needs, count) in self.unreachable.items()},
+            "compiled": self.compiled,
+            "floor": [layout.name for layout in self.floor],
+            "floor_not_compiled": [layout.name for layout in self.floor_missed],
             "notes": list(self.notes),
         }
 
@@ -118,22 +143,8 @@ def padding_fraction(layout: Layout, model, request: PlanRequest, capacity: floa
     return max(0.0, 1.0 - pairs / layout.ep / buffer)
 
 
-def _priority(candidates: list[Candidate], held: dict[int, int]) -> list[Candidate]:
-    """Compile order: one layout of each structural kind (pipeline stages, HSDP, tp, expert parallelism) in
-    turn, the least state first within a kind, so that a budget that runs out has seen every kind."""
-    kinds: dict[tuple, list] = {}
-    for candidate in sorted(candidates, key=lambda c: (held[id(c)], c.layout.pp)):
-        layout = candidate.layout
-        kinds.setdefault((layout.pp, layout.dp_replicate > 1, layout.tp, layout.ep > 1), []).append(candidate)
-    ordered = []
-    while any(kinds.values()):
-        for members in kinds.values():
-            if members:
-                ordered.append(members.pop(0))
-    return ordered
-
-
-def _estimate(candidate: Candidate, state, request, usable, step, profile, devices_per_node, on_cpu) -> LayoutEstimate:
+def _estimate(candidate: Candidate, state, request, usable, step, profile, devices_per_node, on_cpu,
+              cached: bool) -> LayoutEstimate:
     layout = candidate.layout
     widened = 0 if on_cpu else step.peak.widened
     total = step.memory.total - widened
@@ -155,25 +166,37 @@ def _estimate(candidate: Candidate, state, request, usable, step, profile, devic
         notes.append(f"{step.costs.bounded_loops} data-dependent tile loop(s) counted at their expected visits")
     if widened:
         notes.append(f"{widened / 2**30:.2f} GiB of XLA:CPU float32 copies of bfloat16 buffers left out")
+    if cached:
+        notes.append("compiled step read from the compile cache")
     return LayoutEstimate(layout, memory, usable, time_.seconds, time_.parts, time_.flops, time_.collective_bytes,
-                          padding, True, step.compile_seconds, notes)
+                          padding, True, step.compile_seconds, notes, cached=cached)
 
 
-def _uncompiled(candidate: Candidate, state, request, usable, why: str = "") -> LayoutEstimate:
+def _uncompiled(candidate: Candidate, state, request, usable, why: str = "",
+                guess: float | None = None) -> LayoutEstimate:
     optimizer = state.optimizer if request.mode == "train" else 0
     gradients = state.gradients if request.mode == "train" else 0
     memory = MemoryBreakdown(state.parameters, gradients, optimizer, None, None, state.parameters + optimizer + gradients)
-    return LayoutEstimate(candidate.layout, memory, usable, why=why)
+    return LayoutEstimate(candidate.layout, memory, usable, why=why, guess_seconds=guess)
+
+
+def _progress_text(position: int, count: int, layout: Layout, best: LayoutEstimate | None) -> str:
+    so_far = "none fits yet" if best is None else f"{best.layout.name}, {best.step_seconds:.4g} s"
+    return f"layout {position} of {count}: {layout.name} (best so far: {so_far})"
 
 
 def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 2048, mode: str = "train",
                  hardware: str | HardwareProfile = "h100", device_memory: int | str | None = None,
                  margin: float = DEFAULT_MARGIN, nodes: int | None = None, max_compiles: int | None = None,
-                 time_budget: float | None = None, cpu_devices: Callable[[int], list] | None = None,
+                 time_budget: float | None = None, compile_floor: bool = False, floor_guesses: int = TOP_GUESSES,
+                 cache: CompileCache | None = None, cpu_devices: Callable[[int], list] | None = None,
                  progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
                  **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
+    compile_floor: compile the floor (`compile_order`: the `floor_guesses` best guesses and one layout of every
+    family) even after `time_budget` (`max_compiles` still caps).
+    cache: where compiled steps are kept between plans (default: none, every step compiled).
     include: plan only the legal layouts it accepts (default: all). cpu_devices(count): up to `count` CPU
     devices to compile on (default: JAX's); asked first for the most the plan may use (more than `devices`
     when the state fits nowhere: the smallest count where it does)."""
@@ -190,9 +213,15 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     cpu_devices = cpu_devices or default_cpu_devices
     profile = hardware if isinstance(hardware, HardwareProfile) else (
         None if hardware == "cpu" else load_hardware(hardware))
+    unreachable = unreachable_implementations(profile.name if profile is not None else "cpu")
+    left_out = Counter(layout.ep_implementation for layout in layout_space(devices, mode)
+                       if layout.ep_implementation in unreachable)
     candidates, excluded = enumerate_layouts(values, devices=devices, batch_size=batch_size, seq_len=seq_len,
                                              mode=mode, grad_accum=request.grad_accum,
-                                             model_options=request.model_options())
+                                             model_options=request.model_options(),
+                                             space=lambda count, mode_: [
+                                                 layout for layout in layout_space(count, mode_)
+                                                 if layout.ep_implementation not in unreachable])
     if not candidates:
         raise ValueError(no_layout_message(devices, batch_size, excluded))
     if include is not None:
@@ -218,25 +247,38 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     profile = profile or load_hardware("cpu", devices=devices)
     devices_per_node = devices // nodes if nodes else profile.devices_per_node
 
-    estimates, compiled = [], 0
-    for candidate in _priority([c for c in candidates if held[id(c)] <= usable], held):
-        if (max_compiles is not None and compiled >= max_compiles) or (
-                time_budget is not None and time.perf_counter() - start > time_budget):
-            estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET))
+    cache = cache or CompileCache(None)
+    on_cpu = profile.name == "cpu"
+    possible = [c for c in candidates if held[id(c)] <= usable]
+    guesses = {id(c): analytic_step_seconds(c, states[id(c)], request, profile, devices_per_node) for c in possible}
+    order, floor = compile_order(possible, guesses, held, floor_guesses)
+    planned = len(order) if max_compiles is None else min(max_compiles, len(order))
+    floor_ids = {id(candidate) for candidate in floor}
+    estimates, best = [], None
+    for position, candidate in enumerate(order, 1):
+        out_of_time = time_budget is not None and time.perf_counter() - start > time_budget and not (
+            compile_floor and id(candidate) in floor_ids)
+        if position > planned or out_of_time:
+            estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET,
+                                         guesses[id(candidate)]))
             continue
         if progress is not None:
-            progress(f"compiling {compiled + 1}: {candidate.layout.name}")
-        step = compile_layout_step(values, candidate.layout, request, planned_devices,
-                                   for_cpu=profile.name == "cpu")
-        compiled += 1
-        estimates.append(_estimate(candidate, states[id(candidate)], request, usable, step, profile,
-                                   devices_per_node, profile.name == "cpu"))
+            progress(_progress_text(position, planned, candidate.layout, best))
+        step, cached = cache.compile(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
+        estimate = _estimate(candidate, states[id(candidate)], request, usable, step, profile, devices_per_node,
+                             on_cpu, cached)
+        estimate.guess_seconds = guesses[id(candidate)]
+        estimates.append(estimate)
+        if estimate.fits and (best is None or estimate.sort_key() < best.sort_key()):
+            best = estimate
     estimates += [_uncompiled(c, states[id(c)], request, usable) for c in candidates if held[id(c)] > usable]
     estimates.sort(key=LayoutEstimate.sort_key)
     for rank, estimate in enumerate(estimates, 1):
         estimate.rank = rank
     explain(estimates)
-    plan = LayoutPlan(request, devices, profile, memory_bytes, margin, estimates, excluded)
+    plan = LayoutPlan(request, devices, profile, memory_bytes, margin, estimates, excluded,
+                      floor=[candidate.layout for candidate in floor],
+                      unreachable={name: (unreachable[name], count) for name, count in left_out.items()})
     if plan.best is None and any(estimate.why == OUT_OF_BUDGET for estimate in estimates):
         plan.min_devices_note = "not searched: some layouts that may fit were not compiled (compile budget)"
     elif plan.best is None:
@@ -248,7 +290,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     return plan
 
 
-OUT_OF_BUDGET = "not compiled: the compile budget ran out (raise --max-compiles or --time-budget to plan it)"
+OUT_OF_BUDGET = ("not compiled: the compile budget ran out (raise --max-compiles or --time-budget to plan it); "
+                 "its memory is the state alone")
 
 
 def _one_device(values: dict, request: PlanRequest) -> Candidate:
