@@ -78,6 +78,11 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                             f"Default: the {FLOOR_GUESSES} best analytic guesses and one layout of every family (ep "
                             f"size, pp size, tp, HSDP) are always compiled, then more for up to "
                             f"{DEFAULT_TIME_BUDGET:g} s in all")
+    group.add_argument("--compiler", choices=("target", "cpu"), default=None,
+                       help="with --auto: what compiles each layout's step: target (XLA:GPU for abstract devices of "
+                            "--hardware: its memory and collectives are the GPU compiler's; needs JAX's CUDA plugin, "
+                            "pip install -e \".[gpu-compile]\") or cpu (XLA:CPU on virtual CPU devices). Default: "
+                            "target when the plugin is installed and --hardware is h100, h200, b200 or a100, else cpu")
     cache = group.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", default=None, metavar="DIR",
                        help="with --auto: keep compiled steps in DIR (default: $XDG_CACHE_HOME/moe_jax/plan or "
@@ -150,7 +155,8 @@ def run_auto(args: argparse.Namespace) -> int:
         cache=CompileCache.at(args.cache_dir, enabled=not args.no_cache), cpu_devices=cpu_devices,
         progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
-        grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len)
+        grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len,
+        compiler=args.compiler)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(ranking_report(plan, model=args.model, top=args.top))

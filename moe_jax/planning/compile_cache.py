@@ -41,10 +41,12 @@ def _versions() -> dict:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "moe_jax": __version__}
 
 
-def cache_key(config_values: dict, layout: Layout, request: PlanRequest, *, for_cpu: bool) -> str:
+def cache_key(config_values: dict, layout: Layout, request: PlanRequest, *, for_cpu: bool,
+              compiler: str = "cpu") -> str:
+    """compiler: what compiled the step ("cpu", or the GPU target's device kind)."""
     described = {"config": config_values, "layout": dataclasses.asdict(layout), "request": dataclasses.asdict(request),
                  "for_cpu": for_cpu, "compiler_options": PLANNING_COMPILER_OPTIONS, "versions": _versions(),
-                 "format": CACHE_FORMAT}
+                 "format": CACHE_FORMAT, "compiler": compiler}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -93,7 +95,9 @@ class CompileCache:
         """(the step, whether it came from the cache): compiled and stored when not cached."""
         if self.directory is None:
             return compile_layout_step(config_values, layout, request, devices, for_cpu=for_cpu), False
-        key = cache_key(config_values, layout, request, for_cpu=for_cpu)
+        device = devices[0]
+        key = cache_key(config_values, layout, request, for_cpu=for_cpu,
+                        compiler="cpu" if device.platform == "cpu" else device.device_kind)
         if (step := self.read(key)) is not None:
             return step, True
         step = compile_layout_step(config_values, layout, request, devices, for_cpu=for_cpu)

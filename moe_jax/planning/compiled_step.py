@@ -41,6 +41,11 @@ from .request import PlanRequest
 PLANNING_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+def planning_compiler_options(platform: str) -> dict:
+    """XLA:CPU's planning options on CPU devices; none for a GPU target (`compiler="target"`: its own defaults)."""
+    return PLANNING_COMPILER_OPTIONS if platform == "cpu" else {}
+
+
 @dataclass(frozen=True)
 class CompiledMemory:
     """XLA's `memory_analysis()` of one device's program; `total` = arguments + outputs - aliased + temporaries
@@ -163,7 +168,8 @@ def _read_dump(directory: Path, suffix: str) -> str:
 
 def compile_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices, *,
                         for_cpu: bool = True) -> CompiledStep:
-    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices).
+    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices, or abstract
+    GPUs of a target: `moe_jax.distributed.target_devices`).
     for_cpu: the plan is for CPU devices; else XLA:CPU's own costs are left out of `costs`
     (`hlo_costs.program_costs`' cpu_artifacts)."""
     start = time.perf_counter()
@@ -173,7 +179,8 @@ def compile_layout_step(config_values: dict, layout: Layout, request: PlanReques
     with tempfile.TemporaryDirectory(prefix="moe_jax_plan_") as directory:
         jax.config.update("jax_enable_compilation_cache", False)   # a cached program writes no dump to read
         try:
-            compiled = lowered.compile(compiler_options={**PLANNING_COMPILER_OPTIONS, "xla_dump_to": directory,
+            options = planning_compiler_options(model.mesh.devices.flat[0].platform)
+            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": directory,
                                                          "xla_dump_hlo_as_text": True})
         finally:
             jax.config.update("jax_enable_compilation_cache", caching)

@@ -22,10 +22,10 @@ them, by default the first `count` of `jax.devices("cpu")`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from collections import Counter
+from functools import partial
 
 from ..checkpoint_files import read_config
 from ..distributed.capacity import buffer_rows
@@ -63,6 +63,7 @@ class LayoutPlan:
     min_devices_note: str = ""
     notes: list[str] = field(default_factory=list)
     floor: list[Layout] = field(default_factory=list)          # the layouts the answer has to rest on
+    compiler: str = "XLA:CPU on virtual CPU devices"           # what compiled the steps
     unreachable: dict[str, tuple[str, int]] = field(default_factory=dict)   # implementation -> (needs, layouts)
 
     @property
@@ -94,6 +95,7 @@ class LayoutPlan:
             "unreachable_implementations": {name: {"needs": needs, "layouts": count}
                                             for name, (needs, count) in self.unreachable.items()},
             "compiled": self.compiled,
+            "compiler": self.compiler,
             "floor": [layout.name for layout in self.floor],
             "floor_not_compiled": [layout.name for layout in self.floor_missed],
             "notes": list(self.notes),
@@ -117,6 +119,31 @@ def default_cpu_devices(count: int) -> list:
     import jax
 
     return jax.devices("cpu")[:count]
+
+
+COMPILERS = ("target", "cpu")
+
+
+def resolve_compiler(compiler: str | None, hardware: str) -> str:
+    """"target" or "cpu" for `hardware`; None picks "target" where it can run (see `plan_layouts`)."""
+    from ..distributed.gpu_targets import GPU_TARGETS
+    from ..distributed.targets import cuda_plugin_available
+
+    if compiler is None:
+        return "target" if hardware in GPU_TARGETS and cuda_plugin_available() else "cpu"
+    if compiler not in COMPILERS:
+        raise ValueError(f"--compiler {compiler!r}: use target (XLA:GPU for the hardware) or cpu (XLA:CPU).")
+    if compiler == "target" and hardware not in GPU_TARGETS:
+        raise ValueError(f"--compiler target compiles for a GPU with an XLA target description ({', '.join(GPU_TARGETS)}); "
+                         f"--hardware {hardware} has none: use --compiler cpu.")
+    return compiler
+
+
+def _target_devices(hardware: str, count: int) -> list:
+    """Abstract devices of `hardware`, at least `count` (whole hosts of 8 beyond 8)."""
+    from ..distributed.targets import DEVICES_PER_HOST, target_devices
+
+    return target_devices(hardware, count if count <= DEVICES_PER_HOST else -(-count // DEVICES_PER_HOST) * DEVICES_PER_HOST)
 
 
 def _planning_devices(cpu_devices: Callable[[int], list], count: int, devices: int) -> list:
@@ -143,10 +170,12 @@ def padding_fraction(layout: Layout, model, request: PlanRequest, capacity: floa
     return max(0.0, 1.0 - pairs / layout.ep / buffer)
 
 
-def _estimate(candidate: Candidate, state, request, usable, step, profile, devices_per_node, on_cpu,
+def _estimate(candidate: Candidate, state, request, usable, step, profile, devices_per_node, as_compiled: bool,
               cached: bool) -> LayoutEstimate:
+    """as_compiled: the compiled memory is the planned device's own (XLA:CPU planning for CPU, or the target's
+    compiler); otherwise XLA:CPU's float32 copies of bfloat16 buffers are left out."""
     layout = candidate.layout
-    widened = 0 if on_cpu else step.peak.widened
+    widened = 0 if as_compiled else step.peak.widened
     total = step.memory.total - widened
     activations = step.cache_bytes + (step.peak.forward if request.mode == "train" else 0)
     gradients = step.peak.backward if request.mode == "train" else 0
@@ -191,7 +220,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  time_budget: float | None = None, compile_floor: bool = False, floor_guesses: int = TOP_GUESSES,
                  cache: CompileCache | None = None, cpu_devices: Callable[[int], list] | None = None,
                  progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
-                 **settings) -> LayoutPlan:
+                 compiler: str | None = None, **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
     compile_floor: compile the floor (`compile_order`: the `floor_guesses` best guesses and one layout of every
@@ -199,7 +228,10 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     cache: where compiled steps are kept between plans (default: none, every step compiled).
     include: plan only the legal layouts it accepts (default: all). cpu_devices(count): up to `count` CPU
     devices to compile on (default: JAX's); asked first for the most the plan may use (more than `devices`
-    when the state fits nowhere: the smallest count where it does)."""
+    when the state fits nowhere: the smallest count where it does).
+    compiler: "target" compiles each step with XLA:GPU for abstract devices of `hardware` (its memory and
+    collectives are the GPU compiler's; needs JAX's CUDA plugin), "cpu" with XLA:CPU on `cpu_devices`; None:
+    "target" when the plugin is installed and `hardware` is a GPU with a target description, else "cpu"."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: plan at least one device.")
     if not 0 <= margin < 1:
@@ -213,6 +245,9 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     cpu_devices = cpu_devices or default_cpu_devices
     profile = hardware if isinstance(hardware, HardwareProfile) else (
         None if hardware == "cpu" else load_hardware(hardware))
+    compiler = resolve_compiler(compiler, profile.name if profile is not None else "cpu")
+    if compiler == "target":
+        cpu_devices = partial(_target_devices, profile.name)
     unreachable = unreachable_implementations(profile.name if profile is not None else "cpu")
     left_out = Counter(layout.ep_implementation for layout in layout_space(devices, mode)
                        if layout.ep_implementation in unreachable)
@@ -249,6 +284,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
 
     cache = cache or CompileCache(None)
     on_cpu = profile.name == "cpu"
+    on_target = compiler == "target"
     possible = [c for c in candidates if held[id(c)] <= usable]
     guesses = {id(c): analytic_step_seconds(c, states[id(c)], request, profile, devices_per_node) for c in possible}
     order, floor = compile_order(possible, guesses, held, floor_guesses)
@@ -266,7 +302,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
             progress(_progress_text(position, planned, candidate.layout, best))
         step, cached = cache.compile(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
         estimate = _estimate(candidate, states[id(candidate)], request, usable, step, profile, devices_per_node,
-                             on_cpu, cached)
+                             on_cpu or on_target, cached)
         estimate.guess_seconds = guesses[id(candidate)]
         estimates.append(estimate)
         if estimate.fits and (best is None or estimate.sort_key() < best.sort_key()):
@@ -278,6 +314,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     explain(estimates)
     plan = LayoutPlan(request, devices, profile, memory_bytes, margin, estimates, excluded,
                       floor=[candidate.layout for candidate in floor],
+                      compiler=(f"XLA:GPU for abstract {profile.name} devices" if on_target
+                                else "XLA:CPU on virtual CPU devices"),
                       unreachable={name: (unreachable[name], count) for name, count in left_out.items()})
     if plan.best is None and any(estimate.why == OUT_OF_BUDGET for estimate in estimates):
         plan.min_devices_note = "not searched: some layouts that may fit were not compiled (compile budget)"

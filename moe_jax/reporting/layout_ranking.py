@@ -101,7 +101,7 @@ def ranking_report(plan: LayoutPlan, *, model: str, top: int = 10) -> str:
         evidence_line(plan),
         f"{plan.request.describe()}; {plan.devices} devices of {plan.hardware.name} "
         f"({plan.device_memory / GIB:.1f} GiB each, {plan.margin:.0%} kept free)",
-        f"hardware: {plan.hardware.source}",
+        f"hardware: {plan.hardware.source}; compiled by {plan.compiler}",
         f"memory per device in {memory_unit(plan)[0]}; step time predicted from each compiled step (collectives "
         "not overlapped with compute); layouts compiled in the order of an analytic guess, likely winners first",
     ]

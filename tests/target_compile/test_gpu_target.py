@@ -102,3 +102,16 @@ def test_train_step_variants_compile_for_h100(variant):
     reading = report.programs[0].reading
     assert report.fits and reading.host_transfers == []
     assert reading.experts_kernel.startswith("tiled loop") and "outside any loop" not in reading.experts_kernel
+
+
+def test_the_planner_compiles_its_layouts_for_the_target():
+    from moe_jax.planning.layouts import Layout
+    from moe_jax.planning.search import plan_layouts
+
+    chosen = Layout(1, 8, 8, 1, 1, "all_to_all")
+    plan = plan_layouts(dict(DEMO_CONFIG), devices=8, batch_size=16, seq_len=32, hardware="h100",
+                        include=lambda layout: layout == chosen)
+    assert plan.compiler == "XLA:GPU for abstract h100 devices" and plan.as_json()["compiler"] == plan.compiler
+    (estimate,) = plan.estimates
+    assert estimate.compiled and estimate.fits and estimate.step_seconds > 0
+    assert estimate.collective_bytes["all-to-all (within a node)"] > 0
