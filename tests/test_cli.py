@@ -127,7 +127,7 @@ def test_plan_auto_ranks_layouts_and_writes_the_json_rows(tmp_path, capsys):
     assert "80GB = 80 x 10^9 bytes (74.5 GiB)" in captured.err
     out = captured.out
     assert out.splitlines()[0].startswith("compiled 2 of ")
-    assert "layout 2 of 2:" in captured.err and "best so far:" in captured.err
+    assert "layout 2 of 2 (the floor):" in captured.err and "best so far:" in captured.err
     assert "Use rank 1," in out and f"moe-jax train --model {checkpoint} --tp" in out and "DistributedConfig(" in out
     assert "not compiled: the compile budget ran out" in out and "excluded:" in out
     document = json.loads(output.read_text())

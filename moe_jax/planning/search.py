@@ -209,9 +209,12 @@ def _uncompiled(candidate: Candidate, state, request, usable, why: str = "",
     return LayoutEstimate(candidate.layout, memory, usable, why=why, guess_seconds=guess)
 
 
-def _progress_text(position: int, count: int, layout: Layout, best: LayoutEstimate | None) -> str:
+def _progress_text(position: int, floor: int, count: int, layout: Layout, best: LayoutEstimate | None) -> str:
+    """"layout i of K": K is the floor while compiling it (the layouts the answer rests on), then every layout
+    the budget may still reach."""
     so_far = "none fits yet" if best is None else f"{best.layout.name}, {best.step_seconds:.4g} s"
-    return f"layout {position} of {count}: {layout.name} (best so far: {so_far})"
+    of = f"{position} of {floor} (the floor)" if position <= floor else f"{position} of at most {count}"
+    return f"layout {of}: {layout.name} (best so far: {so_far})"
 
 
 def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 2048, mode: str = "train",
@@ -299,7 +302,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                                          guesses[id(candidate)]))
             continue
         if progress is not None:
-            progress(_progress_text(position, planned, candidate.layout, best))
+            progress(_progress_text(position, min(len(floor), planned), planned, candidate.layout, best))
         step, cached = cache.compile(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
         estimate = _estimate(candidate, states[id(candidate)], request, usable, step, profile, devices_per_node,
                              on_cpu or on_target, cached)
