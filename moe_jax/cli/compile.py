@@ -5,6 +5,7 @@ train_compile, for our layouts).
         --train --batch-size 16 --seq-len 4096 --mixed-precision [--remat full] [--json report.json] \
         [--save-executable out/]
     moe-jax compile --model CKPT_OR_CONFIG --hardware h100 --devices 8 --tp 8 --ep 8 --serve --max-slots 64
+    moe-jax compile --model CKPT_OR_CONFIG --hardware h100 --devices 8 --fsdp 8 --ep 8 --generate --seq-len 1024
 
 For GPU hardware (h100, h200, b200, a100) it needs JAX's CUDA plugin, not a GPU: XLA:GPU compiles for abstract
 devices of that model (`moe_jax.distributed.target_devices`). `--hardware cpu` compiles for this machine's
@@ -36,7 +37,11 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_flags(parser, ep_implementation=True, what=" (default: --fsdp DEVICES)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--train", action="store_true", help="compile the train step")
-    mode.add_argument("--serve", action="store_true", help="compile generate's prefill and decode programs")
+    mode.add_argument("--serve", action="store_true",
+                      help="compile the continuous-batching step and decode `moe-jax serve` runs (--max-slots slots "
+                           "of --max-model-len tokens, at the widest page table)")
+    mode.add_argument("--generate", action="store_true",
+                      help="compile generate's prefill (prompts of --seq-len tokens) and decode programs")
     parser.add_argument("--batch-size", type=int, default=8, help="--train: sequences per step (default 8)")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="--train: tokens per sequence; --serve: prompt length of the prefill, at most half "
@@ -117,19 +122,24 @@ def run_compile(args: argparse.Namespace) -> int:
     request = _request(args)
     config = _distributed_config(args)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # XLA's per-program partitioner chatter
-    from ..target_compile import build_target_model, compile_devices, compile_model, save_executables
+    from ..target_compile import CompileFailed, build_target_model, compile_devices, compile_model, save_executables
 
     start = time.perf_counter()
     devices = compile_devices(args.hardware, args.devices)
     options = {**pipeline_options_from_flags(args), "num_redundant_experts": args.num_redundant_experts,
                "experts_backend": args.experts_backend}
-    if request.mode == "serve":
+    programs = "train" if args.train else "serve" if args.serve else "generate"
+    if programs != "train":
         options["scan_layers"] = decode_scan_layers("auto")   # as generate and serve run it
     model = build_target_model(args.model, config, devices, request, **options)
-    report = compile_model(model, request, hardware=args.hardware, device_memory=args.device_memory,
-                           margin=args.memory_margin,
-                           progress=lambda message: print(f"[{time.perf_counter() - start:5.0f} s] {message}",
-                                                          file=sys.stderr))
+    try:
+        report = compile_model(model, request, hardware=args.hardware, device_memory=args.device_memory,
+                               margin=args.memory_margin, programs=programs,
+                               progress=lambda message: print(f"[{time.perf_counter() - start:5.0f} s] {message}",
+                                                              file=sys.stderr))
+    except CompileFailed as error:   # the compiler's failure, not the request's: exit 1, as a failed check
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(report.text())
     if not report.fits:
         raise ValueError(f"{report.largest.name} needs {report.largest.memory.total / 2**30:.2f} GiB per device of "

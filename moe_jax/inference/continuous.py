@@ -93,16 +93,21 @@ class ServingEngine(Scheduler):
     def compilations(self) -> int:
         return self.programs.compilations
 
-    def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
-        each page width) now, so no request waits for a compilation; `progress(done, total)` after each. Returns
-        how many were compiled."""
+    def program_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, rows, tokens) of every program a step can run: prefill or mixed, and decode at each of
+        `decode_row_counts` (each compiled at every page width)."""
         config = self.config
         shapes = ([("mixed", self.groups * rows + config.max_slots, config.prefill_chunk)
                    for rows in self.mixed_prompt_rows] if config.mixed_steps else
                   [("prefill", self.groups * config.prefill_rows, config.prefill_chunk)])
-        shapes += [("decode", self.groups * rows, 1) for rows in self.decode_row_counts]
-        work = [(name, rows, tokens, width) for name, rows, tokens in shapes for width in self.page_widths]
+        return shapes + [("decode", self.groups * rows, 1) for rows in self.decode_row_counts]
+
+    def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
+        each page width) now, so no request waits for a compilation; `progress(done, total)` after each. Returns
+        how many were compiled."""
+        work = [(name, rows, tokens, width) for name, rows, tokens in self.program_shapes()
+                for width in self.page_widths]
         for done, (name, rows, tokens, width) in enumerate(work, 1):
             self.programs.compile(name, rows, tokens, width)
             if progress is not None:

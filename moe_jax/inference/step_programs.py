@@ -43,7 +43,9 @@ class StepPrograms:
         self.model, self.params, self.config, self.groups = model, params, config, groups
         self.adapter = model.adapter   # the model's LoRA adapter's arrays (None: none), an argument of each program
         self.pages_per_slot = config.pages_per_slot
-        self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size)
+        # On abstract target devices (`model.compiles_only`) the pools are shapes: programs lower, none runs.
+        self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size,
+                                                 abstract=getattr(model, "compiles_only", False))
         self._programs: dict[tuple, Callable] = {}
         self.compilations = 0
         mesh, axes = model.mesh, model.layout.batch_axes
@@ -143,13 +145,24 @@ class StepPrograms:
         key = (name, (rows, tokens), packed_width(placed[0].shape[1], tokens))
         program = self._programs.get(key)
         if program is None:
-            prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
-            program = jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
-                              donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values,
-                                                           *placed).compile()
+            program = self._lowered(name, placed, tokens).compile()
             self._programs[key] = program
             self.compilations += 1
         return program
+
+    def _lowered(self, name: str, placed: tuple, tokens: int):
+        rows = placed[0].shape[0]
+        prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
+        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
+                       donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values, *placed)
+
+    def lower(self, name: str, rows: int, tokens: int, width: int):
+        """Program `name` for `rows` rows of `tokens` tokens at page width `width`, lowered on abstract inputs (not
+        compiled, not kept): for compiling ahead of time, e.g. for a GPU target (`moe_jax.target_compile`)."""
+        ints, floats = packed(host_inputs(rows, tokens, self.pages_per_slot), width)
+        placed = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=self._rows_2d)
+                       for array in (ints, floats))
+        return self._lowered(name, placed, tokens)
 
     # ---- the step's math (traced) ----------------------------------------------------------------------------
     def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):

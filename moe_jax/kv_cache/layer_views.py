@@ -199,6 +199,9 @@ class SegmentedPagedKV:
         tables = self.page_table.reshape(groups, -1, width)                              # [G, Q, W]
         lengths = self.lengths.reshape(groups, -1)                                       # [G, Q]
         real = self.new_mask.reshape(groups, -1) > 0                                     # [G, Ng]
+        # Materialised apart: XLA:GPU (jaxlib 0.10.2) cannot emit a reduction fusion of this mask sliced out of
+        # the step's concatenated inputs ("'scf.if' op ... successor operand type"). A tiny array.
+        real = jax.lax.optimization_barrier(real)
         index = lengths[:, sequence] + offset                                            # [G, Ng]
         page = jnp.take_along_axis(tables[:, sequence], jnp.minimum(index // page_size, width - 1)[..., None],
                                    axis=2)[..., 0]

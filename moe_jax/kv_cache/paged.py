@@ -15,6 +15,7 @@ of a sequence (their window is a mask), so one page table serves every layer.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,9 +30,11 @@ def pool_sharding(model, heads: int) -> NamedSharding:
     return NamedSharding(model.mesh, P(spec_entry(layout.batch_axes), None, None, None, heads_entry, None))
 
 
-def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None) -> tuple[dict, dict]:
+def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None,
+                    abstract: bool = False) -> tuple[dict, dict]:
     """Zeroed (keys, values) pools per layer run: [G, L, pages_per_group, page_size, K, D], G the model's
-    data-parallel size, in the model's dtype (or `dtype`), placed by `pool_sharding`."""
+    data-parallel size, in the model's dtype (or `dtype`), placed by `pool_sharding`. abstract: their shapes in
+    their shardings, nothing allocated (a model on abstract target devices, compiled but not run)."""
     if model.layer_stack.pipeline is not None:
         raise ValueError("continuous batching needs pp_size=1 (a paged cache does not run through pipeline "
                          "stages); serve with tp / ep / fsdp / dp_replicate, or use generate().")
@@ -42,8 +45,10 @@ def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None) 
     (key_heads, key_dim), (value_heads, value_dim) = model.cache_heads()
 
     def pool(rows: int, heads: int, dim: int):
-        return jnp.zeros((groups, rows, pages_per_group, page_size, heads, dim), dtype,
-                         device=pool_sharding(model, heads))
+        shape = (groups, rows, pages_per_group, page_size, heads, dim)
+        if abstract:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=pool_sharding(model, heads))
+        return jnp.zeros(shape, dtype, device=pool_sharding(model, heads))
 
     entries = model.layer_stack.cache_entries()
     return ({key: pool(rows, key_heads, key_dim) for key, _, rows in entries},

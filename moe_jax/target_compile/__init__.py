@@ -34,6 +34,10 @@ from .programs import PROGRAMS
 from .report import CompileReport, ProgramMemory, ProgramReport
 
 DEFAULT_MARGIN = 0.1
+
+
+class CompileFailed(RuntimeError):
+    """XLA refused a program: the compiler's own error, with the program and the target named."""
 HARDWARE_CHOICES = (*GPU_TARGETS, "cpu")
 EXECUTABLE_SUFFIX = ".xla_executable"
 
@@ -88,21 +92,38 @@ def build_target_model(config, distributed_config: DistributedConfig, devices: S
     return model
 
 
+def describe(request: PlanRequest, programs: str) -> str:
+    if programs == "train":
+        return request.describe()
+    what = ("the server's continuous batching" if programs == "serve" else "generate's prefill and decode")
+    return f"{programs}: {what}, {request.max_slots} rows of up to {request.max_model_len} tokens"
+
+
 def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: int | str | None = None,
                   margin: float = DEFAULT_MARGIN, save_executable: str | Path | None = None,
-                  progress: Callable[[str], None] | None = None, trainable=None) -> CompileReport:
-    """Compile `request`'s programs of `model` (placed on `compile_devices(hardware, ...)`) and read them."""
+                  progress: Callable[[str], None] | None = None, trainable=None,
+                  programs: str | None = None) -> CompileReport:
+    """Compile `model`'s programs (placed on `compile_devices(hardware, ...)`) and read them. programs: "train"
+    (the train step), "serve" (the continuous-batching step and decode `moe-jax serve` runs) or "generate"
+    (`generate`'s prefill and decode); default: `request.mode`."""
+    programs = programs or request.mode
+    if programs not in PROGRAMS:
+        raise ValueError(f"programs={programs!r}: compile one of {', '.join(PROGRAMS)}.")
     if not 0 <= margin < 1:
         raise ValueError(f"memory margin {margin} must be in [0, 1): the share of device memory kept free.")
     devices = model.mesh.devices.size
     memory = _device_memory(hardware, devices, device_memory)
     reports, executables = [], {}
-    for name, build in PROGRAMS[request.mode].items():
+    for name, build in PROGRAMS[programs].items():
         if progress is not None:
             progress(f"compiling {name} for {devices} x {hardware}")
         start = time.perf_counter()
         lowered = build(model, request, trainable=trainable) if name == "train_step" else build(model, request)
-        compiled = lowered.compile()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as error:
+            raise CompileFailed(f"{compiler_name(hardware)} could not compile {name} on {devices} devices: "
+                                f"{str(error).splitlines()[0]}") from error
         seconds = time.perf_counter() - start
         reports.append(ProgramReport(name, ProgramMemory.of(compiled), seconds,
                                      read_program(compiled.as_text(), device_count=devices)))
@@ -116,7 +137,7 @@ def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: 
     if hardware != "cpu":
         notes.append("attention and fp16 dots are traced as on the host's default backend (CPU): on a GPU, jax "
                      "may pick cuDNN's fused attention instead; the expert matmuls follow the target")
-    report = CompileReport(hardware, devices, compiler_name(hardware), layout, request.describe(), memory,
+    report = CompileReport(hardware, devices, compiler_name(hardware), layout, describe(request, programs), memory,
                            int(memory * (1 - margin)), reports, notes, executables)
     if save_executable is not None:
         save_executables(executables, Path(save_executable), report)
@@ -127,17 +148,17 @@ def compile_for_target(config, *, hardware: str = "h100", devices: int = 8,
                        distributed_config: DistributedConfig | None = None, request: PlanRequest | None = None,
                        device_memory: int | str | None = None, margin: float = DEFAULT_MARGIN,
                        save_executable: str | Path | None = None, progress: Callable[[str], None] | None = None,
-                       **model_options) -> CompileReport:
+                       programs: str | None = None, **model_options) -> CompileReport:
     """Build `config`'s model on `devices` devices of `hardware` (h100, h200, b200, a100: abstract GPUs; cpu:
     this machine's) with `distributed_config` (default: fsdp over all of them) and compile `request`'s
-    programs (default: a train step of 8 x 2048 tokens). model_options: the model's keyword arguments
-    (pipeline_microbatches, num_redundant_experts, experts_backend, ...)."""
+    programs (default: a train step of 8 x 2048 tokens; `programs`: as `compile_model`). model_options: the
+    model's keyword arguments (pipeline_microbatches, num_redundant_experts, experts_backend, scan_layers, ...)."""
     request = request or PlanRequest()
     distributed_config = distributed_config or DistributedConfig(fsdp_size=devices)
     placed = compile_devices(hardware, devices)
     model = build_target_model(config, distributed_config, placed, request, **model_options)
     return compile_model(model, request, hardware=hardware, device_memory=device_memory, margin=margin,
-                         save_executable=save_executable, progress=progress)
+                         save_executable=save_executable, progress=progress, programs=programs)
 
 
 def save_executables(executables: dict, directory: Path, report: CompileReport) -> list[Path]:
@@ -172,5 +193,5 @@ def load_executable(path: str | Path, devices: Sequence | None = None):
     return deserialize_and_load(saved["payload"], saved["in_tree"], saved["out_tree"], execution_devices=devices)
 
 
-__all__ = ["CompileReport", "build_target_model", "compile_devices", "compile_for_target", "compile_model",
+__all__ = ["CompileFailed", "CompileReport", "build_target_model", "compile_devices", "compile_for_target", "compile_model",
            "load_executable", "save_executables"]

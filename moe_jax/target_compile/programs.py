@@ -4,6 +4,7 @@
     lowered = train_program(model, request)        # one optimizer step on request.batch_size x seq_len tokens
     lowered = prefill_program(model, request)      # generate's prefill: max_slots prompts into the KV cache
     lowered = decode_program(model, request)       # generate's decode: one token for max_slots rows
+    lowered = batching_step_program(model, request)   # the server's continuous-batching step (mixed or prefill)
 
 Each is the library's own program (`make_train_step`'s jit, `Generator`'s prefill and decode), not a copy: what
 compiles here is what a run executes. Nothing is allocated; the model's parameters are `abstract_params()`.
@@ -104,6 +105,32 @@ def decode_program(model, request: PlanRequest):
     return Generator(model).jitted("decode", GREEDY).lower(*arguments)
 
 
-# --train compiles the train step; --serve generate's two programs.
+def _engine(model, request: PlanRequest):
+    from ..inference.continuous import ContinuousBatchingConfig, ServingEngine
+
+    return ServingEngine(model, ContinuousBatchingConfig(max_slots=request.max_slots,
+                                                         max_model_len=request.max_model_len))
+
+
+def batching_step_program(model, request: PlanRequest):
+    """The continuous-batching engine's step that admits prompts (a mixed step: chunks of prompts beside every
+    slot's next token; or a prefill step), lowered at its widest page table: what `moe-jax serve` runs with
+    `max_slots` slots of `max_model_len` tokens."""
+    engine = _engine(model, request)
+    name, rows, tokens = engine.program_shapes()[0]
+    return engine.programs.lower(name, rows, tokens, max(engine.page_widths))
+
+
+def batching_decode_program(model, request: PlanRequest):
+    """The continuous-batching engine's decode step for every slot, at its widest page table."""
+    engine = _engine(model, request)
+    name, rows, tokens = max((shape for shape in engine.program_shapes() if shape[0] == "decode"),
+                             key=lambda shape: shape[1])
+    return engine.programs.lower(name, rows, tokens, max(engine.page_widths))
+
+
+# What each kind of compile builds: --train the train step; --serve the server's continuous-batching programs;
+# --generate `generate`'s prefill and decode.
 PROGRAMS = {"train": {"train_step": train_program},
-            "serve": {"prefill": prefill_program, "decode": decode_program}}
+            "serve": {"batching_step": batching_step_program, "batching_decode": batching_decode_program},
+            "generate": {"prefill": prefill_program, "decode": decode_program}}

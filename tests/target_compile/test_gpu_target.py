@@ -54,9 +54,19 @@ def test_the_mixed_precision_train_step_compiles_for_h100_with_grouped_experts()
     assert any(overlap.kind == "all-to-all" and overlap.overlapped > 0 for overlap in reading.overlap)
 
 
+def test_the_servers_continuous_batching_compiles_for_h100_on_tp_with_ep():
+    """The paged step XLA:GPU once failed to emit (a mask reduction fused out of concatenated inputs)."""
+    report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=TP2_FSDP4_EP4,
+                                request=PlanRequest(mode="serve", max_slots=16, max_model_len=256), scan_layers=False)
+    assert [program.name for program in report.programs] == ["batching_step", "batching_decode"]
+    for program in report.programs:
+        assert program.reading.experts_backends == ["tiled"] and program.reading.host_transfers == []
+
+
 def test_prefill_and_decode_compile_for_h100_on_tp_with_ep():
     report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=TP2_FSDP4_EP4,
-                                request=PlanRequest(mode="serve", max_slots=8, max_model_len=128), scan_layers=False)
+                                request=PlanRequest(mode="serve", max_slots=8, max_model_len=128), scan_layers=False,
+                                programs="generate")
     assert [program.name for program in report.programs] == ["prefill", "decode"]
     for program in report.programs:
         assert program.reading.experts_backends == ["tiled"] and program.reading.host_transfers == []
@@ -67,7 +77,7 @@ def test_the_report_catches_ragged_dots_dense_fallback():
     """XLA:GPU lowers ragged_dot to dense dots over every local expert: the reading says so."""
     report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=FSDP8_EP8,
                                 request=PlanRequest(mode="serve", max_slots=8, max_model_len=64),
-                                experts_backend="ragged_dot", scan_layers=False)
+                                experts_backend="ragged_dot", scan_layers=False, programs="generate")
     decode = report.programs[1].reading
     assert decode.experts_backends == ["ragged_dot"]
     assert "dense over every local expert" in decode.experts_kernel
