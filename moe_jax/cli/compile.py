@@ -23,7 +23,15 @@ import sys
 import time
 from pathlib import Path
 
-from .layout_flags import LAYOUT_FLAGS, add_layout_flags, decode_scan_layers, pipeline_options_from_flags
+from .layout_flags import (
+    LAYOUT_FLAGS,
+    add_dequantize_flag,
+    add_layout_flags,
+    decode_scan_layers,
+    kept_quantization_from_flags,
+    pipeline_options_from_flags,
+    weight_quantization_from_flags,
+)
 
 HARDWARE_HELP = "h100, h200, b200, a100 (XLA:GPU for abstract devices; needs JAX's CUDA plugin), or cpu (this machine)"
 
@@ -59,6 +67,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--serve: tokens of KV cache per row (default 2048)")
     parser.add_argument("--num-redundant-experts", type=int, default=0,
                         help="extra expert slots per sparse layer over the ep ranks (default 0)")
+    add_dequantize_flag(parser)   # --no-dequantize: a quantised checkpoint's weights kept; --quantize int8|fp8
     parser.add_argument("--experts-backend", default=None,
                         help="grouped-matmul backend of the experts (default: the target platform's)")
     parser.add_argument("--device-memory", default=None,
@@ -128,10 +137,15 @@ def run_compile(args: argparse.Namespace) -> int:
     devices = compile_devices(args.hardware, args.devices)
     options = {**pipeline_options_from_flags(args), "num_redundant_experts": args.num_redundant_experts,
                "experts_backend": args.experts_backend}
+    from ..checkpoint_files import read_config
+
+    values = read_config(args.model)
+    options["kept_quantization"] = kept_quantization_from_flags(args, values)
+    options["weight_quantization"] = weight_quantization_from_flags(args, values)
     programs = "train" if args.train else "serve" if args.serve else "generate"
     if programs != "train":
         options["scan_layers"] = decode_scan_layers("auto")   # as generate and serve run it
-    model = build_target_model(args.model, config, devices, request, **options)
+    model = build_target_model(values, config, devices, request, **options)
     try:
         report = compile_model(model, request, hardware=args.hardware, device_memory=args.device_memory,
                                margin=args.memory_margin, programs=programs,

@@ -4,6 +4,7 @@ scripts/checks/check_gpu_compile.py runs every family on every layout."""
 
 import importlib
 import json
+from pathlib import Path
 
 import jax
 import pytest
@@ -94,6 +95,19 @@ VARIANTS = {   # the train step's other settings, each compiled for 8 x H100 (--
     "bf16_remat_accumulation": (TP2_FSDP4_EP4, PlanRequest(batch_size=16, seq_len=64, dtype="bfloat16",
                                                            remat="full", grad_accum=2), {}, None),
 }
+
+
+@pytest.mark.heavy
+def test_kept_mxfp4_experts_compile_for_h100():
+    from moe_jax.target_compile import build_target_model, compile_model
+
+    values = json.loads((Path(__file__).parents[1] / "fixtures" / "models" / "gpt_oss" / "config.json").read_text())
+    values.update(hidden_size=64, intermediate_size=64)   # MXFP4 blocks of 32 values
+    request = PlanRequest(mode="serve", max_slots=8, max_model_len=128)
+    model = build_target_model(values, FSDP8_EP8, target_devices("h100", 8), request, scan_layers=False,
+                               kept_quantization="mxfp4")
+    report = compile_model(model, request, hardware="h100", programs="generate")
+    assert all(program.reading.experts_kernel.startswith("tiled loop") for program in report.programs)
 
 
 @pytest.mark.heavy
