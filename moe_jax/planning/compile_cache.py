@@ -90,16 +90,26 @@ class CompileCache:
             Path(temporary).unlink(missing_ok=True)
             raise
 
-    def compile(self, config_values: dict, layout: Layout, request: PlanRequest, devices, *,
-                for_cpu: bool) -> tuple[CompiledStep, bool]:
-        """(the step, whether it came from the cache): compiled and stored when not cached."""
+    def lookup(self, config_values: dict, layout: Layout, request: PlanRequest, devices, *,
+               for_cpu: bool) -> tuple[str | None, CompiledStep | None]:
+        """(the entry's key, its step or None when not cached); (None, None) without a cache."""
         if self.directory is None:
-            return compile_layout_step(config_values, layout, request, devices, for_cpu=for_cpu), False
+            return None, None
         device = devices[0]
         key = cache_key(config_values, layout, request, for_cpu=for_cpu,
                         compiler="cpu" if device.platform == "cpu" else device.device_kind)
-        if (step := self.read(key)) is not None:
+        return key, self.read(key)
+
+    def store(self, key: str | None, step: CompiledStep) -> None:
+        if key is not None:
+            self.write(key, step)
+
+    def compile(self, config_values: dict, layout: Layout, request: PlanRequest, devices, *,
+                for_cpu: bool) -> tuple[CompiledStep, bool]:
+        """(the step, whether it came from the cache): compiled and stored when not cached."""
+        key, step = self.lookup(config_values, layout, request, devices, for_cpu=for_cpu)
+        if step is not None:
             return step, True
         step = compile_layout_step(config_values, layout, request, devices, for_cpu=for_cpu)
-        self.write(key, step)
+        self.store(key, step)
         return step, False

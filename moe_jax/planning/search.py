@@ -21,9 +21,11 @@ them, by default the first `count` of `jax.devices("cpu")`.
 
 from __future__ import annotations
 
+import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,6 +34,7 @@ from ..distributed.capacity import buffer_rows
 from ..training.optimizers import build_optimizer
 from .analytic import analytic_step_seconds
 from .compile_cache import CompileCache
+from .compiled_step import finish_layout_step, lower_layout_step
 from .compile_order import TOP_GUESSES, compile_order
 from .estimate import LayoutEstimate, MemoryBreakdown
 from .explain import explain
@@ -122,6 +125,12 @@ def default_cpu_devices(count: int) -> list:
 
 
 COMPILERS = ("target", "cpu")
+MAX_COMPILE_WORKERS = 4    # each compile holds its own program's host memory
+
+
+def default_compile_workers() -> int:
+    """One compile per core, at most `MAX_COMPILE_WORKERS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_COMPILE_WORKERS))
 
 
 def resolve_compiler(compiler: str | None, hardware: str) -> str:
@@ -223,7 +232,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  time_budget: float | None = None, compile_floor: bool = False, floor_guesses: int = TOP_GUESSES,
                  cache: CompileCache | None = None, cpu_devices: Callable[[int], list] | None = None,
                  progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
-                 compiler: str | None = None, **settings) -> LayoutPlan:
+                 compiler: str | None = None, compile_workers: int | None = None, **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
     compile_floor: compile the floor (`compile_order`: the `floor_guesses` best guesses and one layout of every
@@ -234,11 +243,15 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     when the state fits nowhere: the smallest count where it does).
     compiler: "target" compiles each step with XLA:GPU for abstract devices of `hardware` (its memory and
     collectives are the GPU compiler's; needs JAX's CUDA plugin), "cpu" with XLA:CPU on `cpu_devices`; None:
-    "target" when the plugin is installed and `hardware` is a GPU with a target description, else "cpu"."""
+    "target" when the plugin is installed and `hardware` is a GPU with a target description, else "cpu".
+    compile_workers: steps compiled at once (default `default_compile_workers()`: the cores, at most 4); each
+    takes about one core and its own host memory."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: plan at least one device.")
     if not 0 <= margin < 1:
         raise ValueError(f"memory margin {margin} must be in [0, 1): the share of device memory kept free.")
+    if compile_workers is not None and compile_workers < 1:
+        raise ValueError(f"--compile-workers {compile_workers}: compile at least one layout at a time.")
     if nodes is not None and (nodes < 1 or devices % nodes):
         raise ValueError(f"--nodes {nodes} must divide --devices {devices} (devices per node = devices / nodes).")
     start = time.perf_counter()        # the time budget counts from here: enumeration and searches too
@@ -294,22 +307,46 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     planned = len(order) if max_compiles is None else min(max_compiles, len(order))
     floor_ids = {id(candidate) for candidate in floor}
     estimates, best = [], None
-    for position, candidate in enumerate(order, 1):
-        out_of_time = time_budget is not None and time.perf_counter() - start > time_budget and not (
-            compile_floor and id(candidate) in floor_ids)
-        if position > planned or out_of_time:
-            estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET,
-                                         guesses[id(candidate)]))
-            continue
-        if progress is not None:
-            progress(_progress_text(position, min(len(floor), planned), planned, candidate.layout, best))
-        step, cached = cache.compile(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
+    in_flight: deque = deque()     # (candidate, cache key, the compile's future), in compile order
+
+    def record(candidate: Candidate, step, cached: bool) -> None:
+        nonlocal best
         estimate = _estimate(candidate, states[id(candidate)], request, usable, step, profile, devices_per_node,
                              on_cpu or on_target, cached)
         estimate.guess_seconds = guesses[id(candidate)]
         estimates.append(estimate)
         if estimate.fits and (best is None or estimate.sort_key() < best.sort_key()):
             best = estimate
+
+    def collect() -> None:
+        candidate, key, future = in_flight.popleft()
+        step = future.result()
+        cache.store(key, step)
+        record(candidate, step, False)
+
+    # Tracing is Python and stays on this thread; XLA's compile releases the GIL and runs on one core, so the
+    # workers compile side by side while the next layout is lowered here.
+    workers = compile_workers or default_compile_workers()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moe_jax_plan") as pool:
+        for position, candidate in enumerate(order, 1):
+            out_of_time = time_budget is not None and time.perf_counter() - start > time_budget and not (
+                compile_floor and id(candidate) in floor_ids)
+            if position > planned or out_of_time:
+                estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET,
+                                             guesses[id(candidate)]))
+                continue
+            if progress is not None:
+                progress(_progress_text(position, min(len(floor), planned), planned, candidate.layout, best))
+            key, step = cache.lookup(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
+            if step is not None:
+                record(candidate, step, True)
+                continue
+            lowered = lower_layout_step(values, candidate.layout, request, planned_devices)
+            in_flight.append((candidate, key, pool.submit(finish_layout_step, lowered, for_cpu=on_cpu)))
+            while len(in_flight) > workers:
+                collect()
+        while in_flight:
+            collect()
     estimates += [_uncompiled(c, states[id(c)], request, usable) for c in candidates if held[id(c)] > usable]
     estimates.sort(key=LayoutEstimate.sort_key)
     for rank, estimate in enumerate(estimates, 1):
