@@ -30,6 +30,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _EXPERTS = re.compile(rf"{EXPERTS_SCOPE}_([A-Za-z0-9_]+)")
 _SYNC = re.compile(r'"is_sync":true')
 COMPUTE_OPCODES = frozenset({"fusion", "custom-call", "dot", "convolution"})
+# Custom calls that are plain matmuls (XLA:GPU's dots handed to cuBLAS): read as dots, in a loop or not.
+GEMM_LIBRARY_CALLS = ("__cublas", "__cudnn$matmul")
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,10 @@ def _experts_kernel(module: HloModule, loop_bodies: set[str]) -> tuple[str, list
     backends, dots_in_loops, dense_dots, calls = set(), 0, 0, Counter()
     for computation, instruction, backend in _experts_instructions(module):
         backends.add(backend)
-        if instruction.opcode == "custom-call":
-            target = _CUSTOM_CALL_TARGET.search(instruction.attributes)
-            calls[target.group(1) if target else "?"] += 1
-        elif instruction.opcode in ("dot", "ragged-dot"):
+        target = _CUSTOM_CALL_TARGET.search(instruction.attributes) if instruction.opcode == "custom-call" else None
+        if target is not None and not target.group(1).startswith(GEMM_LIBRARY_CALLS):
+            calls[target.group(1)] += 1          # a kernel of its own (tokamax, Triton, Mosaic): grouped
+        elif instruction.opcode in ("dot", "ragged-dot") or target is not None:   # cuBLAS is a dot
             if computation.name in loop_bodies:
                 dots_in_loops += 1
             else:
