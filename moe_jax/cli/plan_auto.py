@@ -84,8 +84,8 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
                             "pip install -e \".[gpu-compile]\") or cpu (XLA:CPU on virtual CPU devices). Default: "
                             "target when the plugin is installed and --hardware is h100, h200, b200 or a100, else cpu")
     group.add_argument("--compile-workers", type=int, default=None,
-                       help="with --auto: layouts compiled at once (default: one per core, at most 4; each takes "
-                            "about one core and the host memory of its program)")
+                       help="with --auto: layouts compiled at once, each in a worker process (default: one per "
+                            "core, at most 4; each takes about one core and the host memory of its program)")
     cache = group.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", default=None, metavar="DIR",
                        help="with --auto: keep compiled steps in DIR (default: $XDG_CACHE_HOME/moe_jax/plan or "
@@ -134,6 +134,7 @@ def progress_printer(start: float):
 
 def run_auto(args: argparse.Namespace) -> int:
     from ..planning.compile_cache import CompileCache
+    from ..planning.compile_pool import default_compile_workers
     from ..planning.memory_size import describe_memory_size
     from ..planning.search import plan_layouts
     from ..reporting.layout_ranking import ranking_report
@@ -159,7 +160,7 @@ def run_auto(args: argparse.Namespace) -> int:
         progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
         grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len,
-        compiler=args.compiler, compile_workers=args.compile_workers)
+        compiler=args.compiler, compile_workers=args.compile_workers or default_compile_workers())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(ranking_report(plan, model=args.model, top=args.top))

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,82 +166,32 @@ def _read_dump(directory: Path, suffix: str) -> str:
     return found[-1].read_text(encoding="utf-8")
 
 
-@dataclass(frozen=True)
-class LoweredStep:
-    """A layout's step lowered (tracing is Python: one thread does it), waiting for `finish_layout_step` (XLA's
-    compile, which releases the GIL: several can run at once, `plan_layouts`' compile workers)."""
-
-    lowered: object
-    layout: Layout
-    batch_bytes: int
-    cache_bytes: int
-    capacity: float | None
-    platform: str
-    scanned_runs: int
-    layers: int
-    started: float
-
-
-def lower_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices) -> LoweredStep:
-    """Build `layout`'s model over the first `layout.devices` of `devices` (CPU devices, or abstract GPUs of a
-    target: `moe_jax.distributed.target_devices`) and lower `request`'s step."""
+def compile_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices, *,
+                        for_cpu: bool = True) -> CompiledStep:
+    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices, or abstract
+    GPUs of a target: `moe_jax.distributed.target_devices`).
+    for_cpu: the plan is for CPU devices; else XLA:CPU's own costs are left out of `costs`
+    (`hlo_costs.program_costs`' cpu_artifacts)."""
     start = time.perf_counter()
     model = build_model(config_values, layout, request, devices)
     lowered, batch_bytes, cache_bytes, capacity = PROGRAMS[request.mode](model, layout, request)
-    stack = model.layer_stack
-    scanned = sum(1 for run in stack.runs if run.scanned) if stack.pipeline is None else len(stack.pipeline.groups)
-    return LoweredStep(lowered, layout, batch_bytes, cache_bytes, capacity, model.mesh.devices.flat[0].platform,
-                       scanned, model.config.num_hidden_layers, start)
-
-
-_cache_lock = threading.Lock()
-_cache_users = 0
-_cache_setting = True
-
-
-@contextmanager
-def _without_compilation_cache():
-    """JAX's persistent cache off while any planned step compiles (a cached program writes no dump to read); on
-    again, as it was, when the last of several concurrent compiles is done."""
-    global _cache_users, _cache_setting
-    with _cache_lock:
-        if _cache_users == 0:
-            _cache_setting = jax.config.jax_enable_compilation_cache
-            jax.config.update("jax_enable_compilation_cache", False)
-        _cache_users += 1
-    try:
-        yield
-    finally:
-        with _cache_lock:
-            _cache_users -= 1
-            if _cache_users == 0:
-                jax.config.update("jax_enable_compilation_cache", _cache_setting)
-
-
-def finish_layout_step(step: LoweredStep, *, for_cpu: bool = True) -> CompiledStep:
-    """Compile a lowered step and read what the compiler says: memory, peak holders, costs.
-    for_cpu: the plan is for CPU devices; else XLA:CPU's own costs are left out of `costs`
-    (`hlo_costs.program_costs`' cpu_artifacts)."""
-    layout = step.layout
+    caching = jax.config.jax_enable_compilation_cache
     with tempfile.TemporaryDirectory(prefix="moe_jax_plan_") as directory:
-        with _without_compilation_cache():
-            options = planning_compiler_options(step.platform)
-            compiled = step.lowered.compile(compiler_options={**options, "xla_dump_to": directory,
-                                                              "xla_dump_hlo_as_text": True})
+        jax.config.update("jax_enable_compilation_cache", False)   # a cached program writes no dump to read
+        try:
+            options = planning_compiler_options(model.mesh.devices.flat[0].platform)
+            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": directory,
+                                                         "xla_dump_hlo_as_text": True})
+        finally:
+            jax.config.update("jax_enable_compilation_cache", caching)
         module = parse_hlo_module(_read_dump(Path(directory), "after_optimizations.txt"))
         live_ranges = _read_dump(Path(directory), "after_optimizations-live-range.txt")
     memory = CompiledMemory.of(compiled)
     peak = peak_holders(live_ranges, widening_converts(module)) or PeakHolders(0, 0, memory.temp)
-    capacity_fill = 1.0 if step.capacity is None else 1.0 / step.capacity
+    capacity_fill = 1.0 if capacity is None else 1.0 / capacity
     costs = program_costs(module, device_count=layout.devices, pipeline_iterations=layout.pipeline_iterations,
                           tile_fill=capacity_fill, cpu_artifacts=for_cpu)
-    return CompiledStep(memory, peak, costs, step.batch_bytes, step.cache_bytes, step.scanned_runs, step.layers,
-                        time.perf_counter() - step.started, step.capacity)
-
-
-def compile_layout_step(config_values: dict, layout: Layout, request: PlanRequest, devices, *,
-                        for_cpu: bool = True) -> CompiledStep:
-    """Compile `request`'s step on `layout` over the first `layout.devices` of `devices` (CPU devices, or abstract
-    GPUs of a target: `moe_jax.distributed.target_devices`): `lower_layout_step`, then `finish_layout_step`.
-    for_cpu: the plan is for CPU devices; else XLA:CPU's own costs are left out of `costs`."""
-    return finish_layout_step(lower_layout_step(config_values, layout, request, devices), for_cpu=for_cpu)
+    stack = model.layer_stack
+    scanned = sum(1 for run in stack.runs if run.scanned) if stack.pipeline is None else len(stack.pipeline.groups)
+    return CompiledStep(memory, peak, costs, batch_bytes, cache_bytes, scanned, model.config.num_hidden_layers,
+                        time.perf_counter() - start, capacity)

@@ -21,11 +21,9 @@ them, by default the first `count` of `jax.devices("cpu")`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -34,7 +32,7 @@ from ..distributed.capacity import buffer_rows
 from ..training.optimizers import build_optimizer
 from .analytic import analytic_step_seconds
 from .compile_cache import CompileCache
-from .compiled_step import finish_layout_step, lower_layout_step
+from .compile_pool import CompilePool, DeviceSpec
 from .compile_order import TOP_GUESSES, compile_order
 from .estimate import LayoutEstimate, MemoryBreakdown
 from .explain import explain
@@ -125,12 +123,6 @@ def default_cpu_devices(count: int) -> list:
 
 
 COMPILERS = ("target", "cpu")
-MAX_COMPILE_WORKERS = 4    # each compile holds its own program's host memory
-
-
-def default_compile_workers() -> int:
-    """One compile per core, at most `MAX_COMPILE_WORKERS`."""
-    return max(1, min(os.cpu_count() or 1, MAX_COMPILE_WORKERS))
 
 
 def resolve_compiler(compiler: str | None, hardware: str) -> str:
@@ -244,8 +236,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     compiler: "target" compiles each step with XLA:GPU for abstract devices of `hardware` (its memory and
     collectives are the GPU compiler's; needs JAX's CUDA plugin), "cpu" with XLA:CPU on `cpu_devices`; None:
     "target" when the plugin is installed and `hardware` is a GPU with a target description, else "cpu".
-    compile_workers: steps compiled at once (default `default_compile_workers()`: the cores, at most 4); each
-    takes about one core and its own host memory."""
+    compile_workers: layouts compiled at once, each in its own process (`compile_pool`; default 1: in this
+    process, on `cpu_devices`); each takes about one core and its own host memory."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: plan at least one device.")
     if not 0 <= margin < 1:
@@ -324,10 +316,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         cache.store(key, step)
         record(candidate, step, False)
 
-    # Tracing is Python and stays on this thread; XLA's compile releases the GIL and runs on one core, so the
-    # workers compile side by side while the next layout is lowered here.
-    workers = compile_workers or default_compile_workers()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moe_jax_plan") as pool:
+    spec = DeviceSpec(profile.name if on_target else "cpu", devices)
+    with CompilePool(compile_workers or 1, spec, local_devices=planned_devices) as pool:
         for position, candidate in enumerate(order, 1):
             out_of_time = time_budget is not None and time.perf_counter() - start > time_budget and not (
                 compile_floor and id(candidate) in floor_ids)
@@ -341,9 +331,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
             if step is not None:
                 record(candidate, step, True)
                 continue
-            lowered = lower_layout_step(values, candidate.layout, request, planned_devices)
-            in_flight.append((candidate, key, pool.submit(finish_layout_step, lowered, for_cpu=on_cpu)))
-            while len(in_flight) > workers:
+            in_flight.append((candidate, key, pool.submit(values, candidate.layout, request, for_cpu=on_cpu)))
+            while len(in_flight) > pool.workers:   # one waiting beside each worker: none idles between layouts
                 collect()
         while in_flight:
             collect()

@@ -47,6 +47,31 @@ def test_a_skipping_state_is_returned_unchanged_and_stays_skipping(trainers):
     jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
+def test_on_accelerators_a_skipped_step_is_a_select_with_the_conditionals_results(monkeypatch):
+    """Off XLA:CPU the overflow check selects inside the update (a conditional there holds a second copy of the
+    whole state); the select gives the conditional's states, applied and skipped."""
+    from moe_jax.causal_lm.model import MoeForCausalLM
+
+    results, conds = {}, {}
+    for platform in ("cpu", "gpu"):
+        monkeypatch.setattr(MoeForCausalLM, "platform", property(lambda self, chosen=platform: chosen))
+        model, train_step = build_trainer(LAYOUTS["tp2_fsdp4_ep4"])
+        for skipping in (False, True):
+            state = train_step.init_state(capacity=model.capacity_schedule.largest)   # drops nothing: applied
+            state = state.replace(skipping=jax.device_put(jnp.asarray(skipping), state.skipping.sharding))
+            before = host(state.arrays())
+            conds[platform] = str(train_step.trace(state, FixtureBatches().batch(0)).jaxpr).count("cond[")
+            state, metrics = train_step(state, FixtureBatches().batch(0))
+            results[platform, skipping] = host(state.arrays())
+            assert bool(metrics["applied"]) != skipping
+            if skipping:
+                jax.tree.map(np.testing.assert_array_equal, results[platform, skipping], before)
+    assert conds["gpu"] == conds["cpu"] - 1       # the update's conditional, and only it, is gone
+    for skipping in (False, True):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                     results["gpu", skipping], results["cpu", skipping])
+
+
 def test_micro_batches_give_the_step_of_the_whole_batch_and_experts_take_their_own_optimizer():
     # Router loss off: it is averaged per micro-batch, while the cross entropy is a global-batch mean. SGD:
     # the update is the gradient itself (Adam would magnify float32 noise in near-zero gradients); the
