@@ -12,7 +12,9 @@ is built on each layout and each program is lowered and compiled: the mixed-prec
 - compiled (an error is a failure, its text printed);
 - no host transfers inside the step (`reading.host_transfers` empty);
 - expert matmuls run by a grouped kernel (a custom call) or the tiled loop (dots inside while loops over row
-  tiles), never a dense dot over every expert outside a loop (`reading.experts_kernel` / `experts_backends`).
+  tiles), never a dense dot over every expert outside a loop (`reading.experts_kernel` / `experts_backends`; a
+  cuBLAS call, XLA:GPU's lowering of a plain dot, counts as a grouped kernel in the reading, so this script
+  also requires those under the experts' scope to sit inside a loop).
 
 A decode step's few tokens skip the grouped kernel: `swiglu_experts` gathers each (token, choice) pair's expert
 weights (`moe_jax.ops.experts.gathers_experts`), a product per routed pair, not a dense one over every expert. That
@@ -45,7 +47,13 @@ from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.ops.grouped_matmul import EXPERTS_SCOPE  # noqa: E402
 from moe_jax.planning.request import PlanRequest  # noqa: E402
 from moe_jax.target_compile import build_target_model, compile_devices  # noqa: E402
-from moe_jax.target_compile.hlo_report import read_program  # noqa: E402
+from moe_jax.planning.hlo_program import parse_hlo_module  # noqa: E402
+from moe_jax.target_compile.hlo_report import (  # noqa: E402
+    _CUSTOM_CALL_TARGET,
+    _experts_instructions,
+    _loop_bodies,
+    read_program,
+)
 from moe_jax.target_compile.programs import PROGRAMS  # noqa: E402
 from moe_jax.target_compile.report import GIB, ProgramMemory, ProgramReport  # noqa: E402
 
@@ -130,8 +138,23 @@ def experts_problem(reading) -> str | None:
     return f"expert matmuls are neither a grouped kernel nor the tiled loop: {kernel} [backends {sorted(backends)}]"
 
 
-def program_problems(report: ProgramReport) -> list[str]:
+def library_dots_outside_loops(hlo_text: str) -> list[str]:
+    """cuBLAS calls (XLA:GPU's lowering of a plain dot) under the experts' scope outside every while loop. The
+    reading counts any custom call there as a grouped kernel; a cuBLAS one outside the tile loop is a dense dot."""
+    module = parse_hlo_module(hlo_text)
+    inside = _loop_bodies(module)
+    found = []
+    for computation, instruction, _ in _experts_instructions(module):
+        target = _CUSTOM_CALL_TARGET.search(instruction.attributes) if instruction.opcode == "custom-call" else None
+        if target and target.group(1).startswith("__cublas") and computation.name not in inside:
+            found.append(f"{instruction.name} ({target.group(1)})")
+    return found
+
+
+def program_problems(report: ProgramReport, hlo_text: str) -> list[str]:
     problems = []
+    if dense := library_dots_outside_loops(hlo_text):
+        problems.append("cuBLAS expert matmuls outside any loop (dense): " + ", ".join(dense))
     if report.reading.host_transfers:
         problems.append("host transfers: " + ", ".join(report.reading.host_transfers))
     if (problem := experts_problem(report.reading)) is not None:
@@ -139,14 +162,15 @@ def program_problems(report: ProgramReport) -> list[str]:
     return problems
 
 
-def compile_program(model, name: str, build, request: PlanRequest) -> ProgramReport:
+def compile_program(model, name: str, build, request: PlanRequest) -> tuple[ProgramReport, str]:
     """One program of `PROGRAMS`, lowered and compiled, read as `compile_model` reads it (each program on its own,
-    so a failing prefill does not hide the decode)."""
+    so a failing prefill does not hide the decode); and its optimized HLO."""
     start = time.perf_counter()
     compiled = build(model, request).compile()
     seconds = time.perf_counter() - start
+    text = compiled.as_text()
     return ProgramReport(name, ProgramMemory.of(compiled), seconds,
-                         read_program(compiled.as_text(), device_count=model.mesh.devices.size))
+                         read_program(text, device_count=model.mesh.devices.size)), text
 
 
 def error_text(error: BaseException) -> str:
@@ -169,12 +193,12 @@ def run_mode(family: str, layout_name: str, mode: str, hardware: str) -> list[Ca
     results = []
     for name, build in programs.items():
         try:
-            report = compile_program(model, name, build, request)
+            report, text = compile_program(model, name, build, request)
         except Exception as error:  # noqa: BLE001  (every compile error is a finding, reported with its text)
             results.append(CaseResult(family, layout_name, name, "failed",
                                       [error_text(error), traceback.format_exc(limit=-4)], layout_text=layout_text))
             continue
-        problems = program_problems(report)
+        problems = program_problems(report, text)
         results.append(CaseResult(family, layout_name, name, "failed" if problems else "passed", problems, report,
                                   layout_text))
     return results
