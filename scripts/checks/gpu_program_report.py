@@ -64,7 +64,7 @@ FUSION_REMATS = ("none",)
 MEMORY_CASES = [
     ("tp1-ep8-fsdp8-a2a", "full", 8), ("tp1-ep8-fsdp8-a2a", "none", 8),
     ("tp1-ep8-fsdp16-a2a", "full", 16), ("tp1-ep8-fsdp16-a2a", "none", 16),
-    ("tp2-ep4-fsdp4", "full", 8), ("tp4-ep4-fsdp2-a2a", "full", 8),
+    ("tp2-ep4-fsdp4", "full", 8), ("tp2-ep4-fsdp4", "full", 4), ("tp4-ep4-fsdp2-a2a", "full", 8),
     ("tp1-ep8-fsdp16-a2a", "full", 32), ("tp2-ep4-fsdp8", "full", 16), ("tp1-ep8-fsdp8-a2a", "full", 16),
 ]
 
@@ -140,10 +140,10 @@ def experts_flops_scan_aware(module, device_count: int, fill: float) -> float:
     return _experts_flops(module, costs)
 
 
-def compile_case(case: Case, hardware: str) -> dict:
+def compile_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
     """The reading of `case`'s train step; a case already compiled by another section is not compiled again."""
     if (case, hardware) not in _COMPILED:
-        _COMPILED[case, hardware] = read_case(case, hardware)
+        _COMPILED[case, hardware] = read_case(case, hardware, hlo_dir)
     return dict(_COMPILED[case, hardware])
 
 
