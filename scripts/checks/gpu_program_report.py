@@ -1,7 +1,11 @@
 """Qwen3-30B-A3B's train step as XLA:GPU compiles it for 8 (and 16) abstract H100s: what the program does.
 
-    PYTHONPATH=. python scripts/checks/gpu_program_report.py [--sections reduced,depth,memory]
-        [--layouts tp1-ep8-fsdp8-a2a,...] [--hardware h100] [--json FILE]
+    PYTHONPATH=. python scripts/checks/gpu_program_report.py [--sections reduced,depth,memory,overflow]
+        [--layouts tp1-ep8-fsdp8-a2a,...] [--hardware h100] [--json FILE] [--hlo-dir DIR]
+
+Each 4- or 8-layer compile takes 1-3 minutes on 2 CPU cores, a 48-layer one 2-5; the default run (every section,
+every layout) is about 25 compiles. Sections run in the order given; a section only takes the layouts given
+(depth and overflow: the first of them).
 
 Needs JAX's CUDA plugin, not a GPU (`moe_jax.distributed.target_devices`). The model is
 tests/fixtures/configs/qwen3_30b_a3b.json (48 layers, all sparse, 128 experts, top 8, H 2048, I 768); each case
@@ -12,16 +16,18 @@ is one train step (mixed precision: float32 masters, bfloat16 compute; AdamW; se
   full: no host transfers; the expert matmuls' FLOPs against the routed pairs' (`expected_experts_flops`),
   within 1.3x; the all-to-alls and all-gathers asynchronous with compute between start and done; fusions per
   layer = (fusions at 8 layers - fusions at 4) / 4.
-- depth: compile seconds at 4, 8, 16 and 48 layers (remat none) (16 and more are scanned, so the compile should be flat).
-- overflow: the full model at the first layout with and without the train step's overflow check (a step whose
-  dispatch dropped pairs is skipped by a `lax.cond` around the optimizer update), whose memory it changes.
+- depth: compile seconds at 4, 8, 16 and 48 layers, remat none (16 and more are scanned: the compile should be
+  flat in depth).
 - memory: the full 48 layers, per-device memory and whether it fits (90% of 80 GB) for remat x batch on 8 H100s
   and on 16 (two hosts of 8).
+- overflow: the full model with and without the train step's overflow check (a step whose dispatch dropped pairs
+  is skipped by a `lax.cond` around the optimizer update), whose memory it changes.
 
 The expert FLOPs are read at the tile loop's expected visits: a loop whose trip count is only known at run time
 is counted at its static schedule times the share expected live (1 / capacity behind all_to_all dispatch
 buffers, whose rows are capacity x the balanced share; 1 without them). The figure at the schedule's bound is
-printed too. The ratio is checked on the unrolled reductions only (`SCANNED_FROM` says why). Prints a Markdown table per section; --json writes every case. Compiled, not run.
+printed too. The ratio is checked on the unrolled reductions only (`SCANNED_FROM` says why). Prints a Markdown
+table per section and exits 1 if any case has a problem; --json writes every case. Compiled, not run.
 """
 
 from __future__ import annotations
@@ -92,9 +98,6 @@ class Case:
     @property
     def devices(self) -> int:
         return LAYOUTS[self.layout][0]
-
-    def label(self) -> str:
-        return f"{self.layout} L{self.layers} remat {self.remat} batch {self.batch} on {self.devices}"
 
 
 def model_config(layers: int) -> dict:
