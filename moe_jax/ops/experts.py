@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from .accumulation import accumulating_einsum, accumulation_dtype
 from .grouped_matmul_backends.tiled_swiglu import gated
+from .grouped_matmul import experts_scope
 from .grouped_swiglu import grouped_swiglu
 from .lora import LoraFactors, adapted_grouped_matmul
 from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
@@ -121,7 +122,8 @@ def swiglu_experts(
     lora = _varying_like(lora, hidden)
 
     if not lora and gathers_experts(hidden.shape[0], top_k, gate_up_proj, down_proj):
-        return _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
+        with experts_scope(GATHERED):
+            return _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act)
     # Sentinel pairs sort to the tail and are outside group_sizes, so the grouped
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
@@ -157,6 +159,9 @@ def gathers_experts(num_tokens: int, top_k: int, gate_up_proj: jax.Array, down_p
     pairs = num_tokens * top_k
     expert_bytes = sum(math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize for w in (gate_up_proj, down_proj))
     return pairs <= GATHERED_EXPERTS_MAX_PAIRS and pairs * expert_bytes <= GATHERED_EXPERTS_MAX_BYTES
+
+
+GATHERED = "gathered"   # the experts' scope name of the per-pair path (a compiled program's HLO names it)
 
 
 def _gathered_swiglu(hidden, expert_ids, weights, gate_up_proj, down_proj, act: Activation) -> jax.Array:

@@ -17,6 +17,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..ops.experts import GATHERED
 from ..ops.grouped_matmul import EXPERTS_SCOPE
 from ..planning.hlo_costs import program_costs
 from ..planning.hlo_program import HloModule, parse_hlo_module
@@ -94,14 +95,16 @@ def _experts_instructions(module: HloModule):
 
 def _experts_kernel(module: HloModule, loop_bodies: set[str]) -> tuple[str, list[str]]:
     """How the expert matmuls were compiled, in words, and the backends whose scope appears."""
-    backends, dots_in_loops, dense_dots, calls = set(), 0, 0, Counter()
+    backends, dots_in_loops, dense_dots, gathered_dots, calls = set(), 0, 0, 0, Counter()
     for computation, instruction, backend in _experts_instructions(module):
         backends.add(backend)
         target = _CUSTOM_CALL_TARGET.search(instruction.attributes) if instruction.opcode == "custom-call" else None
         if target is not None and not target.group(1).startswith(GEMM_LIBRARY_CALLS):
             calls[target.group(1)] += 1          # a kernel of its own (tokamax, Triton, Mosaic): grouped
         elif instruction.opcode in ("dot", "ragged-dot") or target is not None:   # cuBLAS is a dot
-            if computation.name in loop_bodies:
+            if backend == GATHERED:
+                gathered_dots += 1     # each routed pair times its own expert's gathered weights
+            elif computation.name in loop_bodies:
                 dots_in_loops += 1
             else:
                 dense_dots += 1
@@ -113,6 +116,9 @@ def _experts_kernel(module: HloModule, loop_bodies: set[str]) -> tuple[str, list
     if dots_in_loops:
         parts.append(f"tiled loop: {dots_in_loops} dot(s) inside while loops over row tiles (only routed rows' "
                      "FLOPs)")
+    if gathered_dots:
+        parts.append(f"gathered per pair: {gathered_dots} dot(s) of each routed pair with its own expert's weights "
+                     "(few pairs: decode)")
     if dense_dots:
         parts.append(f"{dense_dots} dot(s) outside any loop" + (
             " (dense over every local expert: the E-fold ragged_dot fallback)" if "ragged_dot" in backends else ""))
