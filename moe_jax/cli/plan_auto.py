@@ -4,11 +4,13 @@
                  [--device-memory 80GiB] [--hardware h100] [--nodes 1] [--top 10] [--json FILE]
                  [--max-compiles N] [--time-budget S] [--cache-dir DIR | --no-cache]
 
-Plans every legal layout from its step compiled on virtual CPU devices (`moe_jax.planning`) and prints them
-ranked, with the command and `DistributedConfig` of the best. Without --time-budget the floor (the best
-analytic guesses and every layout family) is compiled whatever it takes, then more while the default budget
-lasts; a given --time-budget is a hard limit. Compiled steps are kept in the user's cache directory. The virtual devices are requested here, before
-JAX starts: a pool of them, so that a layout can be compiled on more devices than asked for when none fits.
+Plans every legal layout from its step compiled on virtual CPU devices, or for abstract GPUs of --hardware
+(`--compiler target`; `moe_jax.planning`) and prints them ranked, with the command and `DistributedConfig` of
+the best. Without --time-budget the floor (the best analytic guesses and every layout family) is compiled,
+side by side in --compile-workers processes; a given --time-budget compiles in guess order for that long, a hard
+limit. Compiled steps are kept in the user's cache directory and read by the next plan whatever its budget. The
+virtual devices are requested here, before JAX starts: a pool of them, so that a layout can be compiled on more
+devices than asked for when none fits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 from .layout_flags import LAYOUT_FLAGS
 
-DEFAULT_TIME_BUDGET = 60.0
+DEVICE_SEARCH_BUDGET = 60.0   # default seconds for the smallest-device-count search when nothing fits
 # The best analytic guesses the default budget always compiles (with one layout of every family).
 FLOOR_GUESSES = 12
 # Virtual CPU devices requested when JAX starts, at least: enough to compile a layout on more devices than asked
@@ -74,10 +76,10 @@ def add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-compiles", type=int, default=None,
                        help="with --auto: compile at most this many layouts (the rest are listed as not compiled)")
     group.add_argument("--time-budget", type=float, default=None,
-                       help=f"with --auto: stop compiling new layouts after this many seconds (0: no limit). "
-                            f"Default: the {FLOOR_GUESSES} best analytic guesses and one layout of every family (ep "
-                            f"size, pp size, tp, HSDP) are always compiled, then more for up to "
-                            f"{DEFAULT_TIME_BUDGET:g} s in all")
+                       help=f"with --auto: compile layouts in guess order for this many seconds in all, a hard "
+                            f"limit (0: every legal layout). Default: the floor, the {FLOOR_GUESSES} best analytic "
+                            f"guesses and one layout of every family (ep size, pp size, tp, HSDP); layouts in the "
+                            f"compile cache are read whatever the budget")
     group.add_argument("--compiler", choices=("target", "cpu"), default=None,
                        help="with --auto: what compiles each layout's step: target (XLA:GPU for abstract devices of "
                             "--hardware: its memory and collectives are the GPU compiler's; needs JAX's CUDA plugin, "
@@ -150,12 +152,13 @@ def run_auto(args: argparse.Namespace) -> int:
     if args.device_memory is not None:
         print(f"device memory: {describe_memory_size(args.device_memory)}", file=sys.stderr)
     start = time.perf_counter()
-    time_budget = DEFAULT_TIME_BUDGET if args.time_budget is None else args.time_budget or None
+    time_budget = 0.0 if args.time_budget is None else args.time_budget or None   # default: the floor alone
     plan = plan_layouts(
         args.model, devices=args.devices, batch_size=args.batch_size, seq_len=args.seq_len,
         mode="serve" if args.serve else "train", hardware=args.hardware, device_memory=args.device_memory,
         margin=args.memory_margin, nodes=args.nodes, max_compiles=args.max_compiles,
         time_budget=time_budget, compile_floor=args.time_budget is None, floor_guesses=FLOOR_GUESSES,
+        device_search_budget=DEVICE_SEARCH_BUDGET if args.time_budget is None else None,
         cache=CompileCache.at(args.cache_dir, enabled=not args.no_cache), cpu_devices=cpu_devices,
         progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,

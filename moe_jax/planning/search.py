@@ -222,13 +222,17 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  hardware: str | HardwareProfile = "h100", device_memory: int | str | None = None,
                  margin: float = DEFAULT_MARGIN, nodes: int | None = None, max_compiles: int | None = None,
                  time_budget: float | None = None, compile_floor: bool = False, floor_guesses: int = TOP_GUESSES,
+                 device_search_budget: float | None = None,
                  cache: CompileCache | None = None, cpu_devices: Callable[[int], list] | None = None,
                  progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
                  compiler: str | None = None, compile_workers: int | None = None, **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
     `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
     compile_floor: compile the floor (`compile_order`: the `floor_guesses` best guesses and one layout of every
-    family) even after `time_budget` (`max_compiles` still caps).
+    family) even after `time_budget` (`max_compiles` still caps); with `time_budget=0`, the floor alone.
+    Layouts an earlier plan compiled are read from `cache` whatever the budget.
+    device_search_budget: seconds for the search of the smallest device count that fits, when nothing does
+    (default: `time_budget`).
     cache: where compiled steps are kept between plans (default: none, every step compiled).
     include: plan only the legal layouts it accepts (default: all). cpu_devices(count): up to `count` CPU
     devices to compile on (default: JAX's); asked first for the most the plan may use (more than `devices`
@@ -319,7 +323,11 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     spec = DeviceSpec(profile.name if on_target else "cpu", devices)
     with CompilePool(compile_workers or 1, spec, local_devices=planned_devices) as pool:
         for position, candidate in enumerate(order, 1):
-            out_of_time = time_budget is not None and time.perf_counter() - start > time_budget and not (
+            key, step = cache.lookup(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
+            if step is not None:          # compiled by an earlier plan: free, whatever the budget
+                record(candidate, step, True)
+                continue
+            out_of_time = time_budget is not None and time.perf_counter() - start >= time_budget and not (
                 compile_floor and id(candidate) in floor_ids)
             if position > planned or out_of_time:
                 estimates.append(_uncompiled(candidate, states[id(candidate)], request, usable, OUT_OF_BUDGET,
@@ -327,10 +335,6 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                 continue
             if progress is not None:
                 progress(_progress_text(position, min(len(floor), planned), planned, candidate.layout, best))
-            key, step = cache.lookup(values, candidate.layout, request, planned_devices, for_cpu=on_cpu)
-            if step is not None:
-                record(candidate, step, True)
-                continue
             in_flight.append((candidate, key, pool.submit(values, candidate.layout, request, for_cpu=on_cpu)))
             while len(in_flight) > pool.workers:   # one waiting beside each worker: none idles between layouts
                 collect()
@@ -352,7 +356,8 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         plan.min_devices_to_fit, plan.min_devices_note = smallest_fitting(
             values, request, start=devices, usable_bytes=usable, optimizer=optimizer,
             one_device_state=one_device_state, cpu_devices=cpu_devices, first=bound,
-            deadline=None if time_budget is None else start + time_budget,
+            deadline=(None if (device_search_budget or time_budget) is None
+                      else start + (device_search_budget or time_budget)),
             compile_seconds=max((e.compile_seconds or 0.0 for e in estimates), default=0.0) or FIRST_COMPILE_SECONDS)
     return plan
 

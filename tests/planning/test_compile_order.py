@@ -64,3 +64,14 @@ def test_a_second_plan_reads_the_compiled_steps_from_the_cache(tmp_path):
     assert again.memory == first.best.memory and again.step_seconds == first.best.step_seconds
     other = plan_layouts({**read_config(CHECKPOINT), "moe_intermediate_size": 32}, **options)
     assert not any(e.cached for e in other.estimates)       # another config is another key
+
+
+def test_cached_layouts_are_read_whatever_the_budget(tmp_path):
+    """A plan that compiled two layouts leaves them for the next, which reads both though its budget compiles
+    nothing new (the floor of one guess, time budget 0)."""
+    cache = CompileCache(tmp_path)
+    plan_layouts(CHECKPOINT, devices=8, batch_size=16, seq_len=32, max_compiles=2, cache=cache)
+    second = plan_layouts(CHECKPOINT, devices=8, batch_size=16, seq_len=32, time_budget=0.0, compile_floor=True,
+                          floor_guesses=1, cache=cache)
+    assert sum(e.compiled for e in second.estimates) >= 2
+    assert all(e.cached for e in second.estimates if e.compiled and e.layout not in second.floor)
