@@ -1,12 +1,13 @@
 """Compile a model's programs for the cluster it will run on, from any machine: XLA:GPU for abstract H100 /
-H200 / B200 / A100 devices (`moe_jax.distributed.target_devices`), or XLA:CPU for this machine's devices.
+H200 / B200 / A100 devices (`moe_jax.distributed.target_devices`), or XLA:CPU for this machine's devices::
 
     report = compile_for_target("path/to/checkpoint_or_config.json", hardware="h100", devices=8,
                                 distributed_config=DistributedConfig(fsdp_size=8, ep_size=8),
                                 request=PlanRequest(mode="train", batch_size=16, seq_len=4096, mixed_precision=True))
     report.fits, report.largest.memory.total, report.largest.reading.collectives, report.as_json()
 
-Each program is the library's own (`programs`): the train step, or generate's prefill and decode. The report
+Each program is the library's own (`programs`): the train step, the server's continuous-batching step and
+decode, or generate's prefill and decode. The report
 reads XLA's memory analysis and the optimized HLO (`hlo_report`). Nothing runs and nothing is allocated: the
 figures are the compiler's, "compiled, not run". `save_executable=DIR` writes each compiled program with
 `jax.experimental.serialize_executable` for the machine it targets (`load_executable`).

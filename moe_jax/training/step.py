@@ -361,9 +361,8 @@ class TrainStep:
             return params, opt_state
 
         # A skipped step keeps the old parameters. XLA:CPU: by not running the update (a select over every
-        # parameter and moment cost 5% more of a large fsdp4/ep4 step). Accelerators: by a select inside the
-        # update's own elementwise kernels, updated in place; a conditional there holds a second copy of the
-        # whole state in its output (XLA:GPU: 42.7 GiB a device for Qwen3-30B-A3B on 8 devices).
+        # parameter and moment was slower there). Accelerators: by a select inside the update's elementwise
+        # kernels, in place; a conditional's output holds a second copy of the whole state (XLA:GPU).
         operands = (grads, opt_state, params)
         if not check_overflow:
             new_params, new_opt_state = update(operands)
