@@ -41,6 +41,26 @@ from .request import PlanRequest
 PLANNING_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+# XLA:GPU compiling without a device (jaxlib 0.10.2) can fail to tile a small Triton GEMM (DeepSeek-V3's fixture:
+# the [80, 16] gradient of MLA's kv_b_proj), where a GPU's autotuner would try other tiles. Such a program is
+# compiled again with cuBLAS GEMMs, and says so.
+TRITON_TILING_ERROR = "Couldn't find output tile sizes"
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+CUBLAS_NOTE = ("XLA:GPU could not tile a Triton GEMM without a device (\"Couldn't find output tile sizes\"): compiled "
+               "with cuBLAS GEMMs instead (xla_gpu_enable_triton_gemm=false); memory and collectives are unchanged "
+               "in kind, the GEMM kernels differ from an autotuned GPU compile")
+
+
+def compile_lowered(lowered, options: dict | None = None) -> tuple[object, str | None]:
+    """(the compiled program, a note when it needed cuBLAS GEMMs instead of Triton's: see TRITON_TILING_ERROR)."""
+    try:
+        return lowered.compile(compiler_options=options or None), None
+    except jax.errors.JaxRuntimeError as error:
+        if TRITON_TILING_ERROR not in str(error):
+            raise
+    return lowered.compile(compiler_options={**(options or {}), **CUBLAS_GEMMS}), CUBLAS_NOTE
+
+
 def planning_compiler_options(platform: str) -> dict:
     """XLA:CPU's planning options on CPU devices; none for a GPU target (`compiler="target"`: its own defaults)."""
     return PLANNING_COMPILER_OPTIONS if platform == "cpu" else {}
@@ -180,8 +200,8 @@ def compile_layout_step(config_values: dict, layout: Layout, request: PlanReques
         jax.config.update("jax_enable_compilation_cache", False)   # a cached program writes no dump to read
         try:
             options = planning_compiler_options(model.mesh.devices.flat[0].platform)
-            compiled = lowered.compile(compiler_options={**options, "xla_dump_to": directory,
-                                                         "xla_dump_hlo_as_text": True})
+            compiled, _ = compile_lowered(lowered, {**options, "xla_dump_to": directory,
+                                                    "xla_dump_hlo_as_text": True})
         finally:
             jax.config.update("jax_enable_compilation_cache", caching)
         module = parse_hlo_module(_read_dump(Path(directory), "after_optimizations.txt"))

@@ -27,6 +27,7 @@ from ..distributed.config import DistributedConfig
 from ..distributed.gpu_targets import GPU_TARGETS
 from ..distributed.targets import target_devices
 from ..planning.hardware import load_hardware
+from ..planning.compiled_step import compile_lowered
 from ..planning.layouts import quiet_model_building
 from ..planning.memory_size import parse_memory_size
 from ..planning.request import PlanRequest
@@ -93,6 +94,15 @@ def build_target_model(config, distributed_config: DistributedConfig, devices: S
     return model
 
 
+def _tile_fill(model, program: str) -> float:
+    """The share of the tile loops' schedules expected live: 1 / the capacity the program's dispatch buffers are
+    sized for (a run's starting rung in training, the largest when serving); 1 without them."""
+    if model.layout.ep_size == 1:
+        return 1.0
+    schedule = model.capacity_schedule
+    return 1.0 / (schedule.start().capacity if program == "train_step" else schedule.largest)
+
+
 def describe(request: PlanRequest, programs: str) -> str:
     if programs == "train":
         return request.describe()
@@ -114,30 +124,35 @@ def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: 
         raise ValueError(f"memory margin {margin} must be in [0, 1): the share of device memory kept free.")
     devices = model.mesh.devices.size
     memory = _device_memory(hardware, devices, device_memory)
-    reports, executables = [], {}
+    reports, executables, compiler_notes = [], {}, []
     for name, build in PROGRAMS[programs].items():
         if progress is not None:
             progress(f"compiling {name} for {devices} x {hardware}")
         start = time.perf_counter()
         lowered = build(model, request, trainable=trainable) if name == "train_step" else build(model, request)
         try:
-            compiled = lowered.compile()
+            compiled, note = compile_lowered(lowered)
         except jax.errors.JaxRuntimeError as error:
             raise CompileFailed(f"{compiler_name(hardware)} could not compile {name} on {devices} devices: "
                                 f"{str(error).splitlines()[0]}") from error
         seconds = time.perf_counter() - start
+        if note is not None:
+            compiler_notes.append(f"{name}: {note}")
         reports.append(ProgramReport(name, ProgramMemory.of(compiled), seconds,
-                                     read_program(compiled.as_text(), device_count=devices)))
+                                     read_program(compiled.as_text(), device_count=devices,
+                                                  tile_fill=_tile_fill(model, name))))
         executables[name] = compiled
     config = model.distributed_config
     layout = (f"tp{config.tp_size} ep{config.ep_size} fsdp{config.fsdp_size}"
               + (f" dp_replicate{config.dp_replicate_size}" if config.dp_replicate_size > 1 else "")
               + (f" pp{config.pp_size}" if config.pp_size > 1 else "")
               + (f" {config.ep_implementation}" if config.ep_size > 1 else ""))
-    notes = []
+    notes = list(compiler_notes)
     if hardware != "cpu":
         notes.append("attention and fp16 dots are traced as on the host's default backend (CPU): on a GPU, jax "
                      "may pick cuDNN's fused attention instead; the expert matmuls follow the target")
+        notes.append("XLA:GPU without a device sorts with its fallback algorithm (no CUB scratch sizes) and "
+                     "autotunes no GEMM: the experts' sort and GEMM tilings may differ from a compile on the GPU")
     report = CompileReport(hardware, devices, compiler_name(hardware), layout, describe(request, programs), memory,
                            int(memory * (1 - margin)), reports, notes, executables)
     if save_executable is not None:

@@ -197,10 +197,11 @@ def _experts_flops(module: HloModule, costs) -> float:
                if kernel.name in scoped or any(holds_experts(called) for called in fusions.get(kernel.name, ())))
 
 
-def read_program(hlo_text: str, *, device_count: int) -> ProgramReading:
-    """Read one device's optimized HLO (`compiled.as_text()`)."""
+def read_program(hlo_text: str, *, device_count: int, tile_fill: float = 1.0) -> ProgramReading:
+    """Read one device's optimized HLO (`compiled.as_text()`). tile_fill: the share of a tile loop's static
+    schedule expected to be live (1 / the dispatch capacity behind all-to-all buffers; 1: at its bound)."""
     module = parse_hlo_module(hlo_text)
-    costs = program_costs(module, device_count=device_count, cpu_artifacts=False)
+    costs = program_costs(module, device_count=device_count, tile_fill=tile_fill, cpu_artifacts=False)
     kernel, backends = _experts_kernel(module, _loop_bodies(module))
     fusions = sum(1 for computation in module.computations.values() for instruction in computation.instructions
                   if instruction.opcode == "fusion")

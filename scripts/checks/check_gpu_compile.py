@@ -43,6 +43,7 @@ import jax  # noqa: E402
 
 from moe_jax import DistributedConfig  # noqa: E402
 from moe_jax.ops.experts import GATHERED  # noqa: E402
+from moe_jax.planning.compiled_step import compile_lowered  # noqa: E402
 from moe_jax.target_compile.hlo_report import read_program  # noqa: E402
 from moe_jax.planning.request import PlanRequest  # noqa: E402
 from moe_jax.target_compile import build_target_model, compile_devices  # noqa: E402
@@ -126,9 +127,11 @@ def compile_program(model, name: str, build, request: PlanRequest) -> tuple[Prog
     """One program of `PROGRAMS`, lowered and compiled, read as `compile_model` reads it (each program on its own,
     so a failing prefill does not hide the decode); and its optimized HLO."""
     start = time.perf_counter()
-    compiled = build(model, request).compile()
+    compiled, note = compile_lowered(build(model, request))   # cuBLAS GEMMs where Triton's cannot be tiled
     seconds = time.perf_counter() - start
     text = compiled.as_text()
+    if note is not None:
+        print(f"  note: {name}: {note}", flush=True)
     return ProgramReport(name, ProgramMemory.of(compiled), seconds,
                          read_program(text, device_count=model.mesh.devices.size)), text
 

@@ -74,6 +74,16 @@ def test_prefill_and_decode_compile_for_h100_on_tp_with_ep():
         assert "outside any loop" not in program.reading.experts_kernel
 
 
+def test_a_gemm_xla_gpu_cannot_tile_without_a_device_compiles_with_cublas_and_says_so():
+    """DeepSeek-V3's fixture: the [80, 16] gradient of MLA's kv_b_proj, which XLA:GPU's Triton GEMM cannot tile
+    without a device, compiles with cuBLAS GEMMs, and the report's notes name the change."""
+    values = json.loads((Path(__file__).parents[1] / "fixtures" / "models" / "deepseek_v3" / "config.json").read_text())
+    report = compile_for_target(values, hardware="h100", devices=8, distributed_config=FSDP8_EP8,
+                                request=PlanRequest(batch_size=8, seq_len=32, mixed_precision=True))
+    assert report.fits and any("compiled with cuBLAS GEMMs instead" in note for note in report.notes)
+    assert report.programs[0].reading.experts_kernel.startswith("tiled loop")
+
+
 def test_the_report_catches_ragged_dots_dense_fallback():
     """XLA:GPU lowers ragged_dot to dense dots over every local expert: the reading says so."""
     report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=FSDP8_EP8,
