@@ -21,7 +21,8 @@ is one train step (mixed precision: float32 masters, bfloat16 compute; AdamW; se
 - memory: the full 48 layers, per-device memory and whether it fits (90% of 80 GB) for remat x batch on 8 H100s
   and on 16 (two hosts of 8).
 - overflow: the full model with and without the train step's overflow check (a step whose dispatch dropped pairs
-  is skipped by a `lax.cond` around the optimizer update), whose memory it changes.
+  is skipped: a conditional around the optimizer update on CPU, a select inside it on accelerators), whose
+  memory it changes.
 
 The expert FLOPs are read at the tile loop's expected visits: a loop whose trip count is only known at run time
 is counted at its static schedule times the share expected live (1 / capacity behind all_to_all dispatch
