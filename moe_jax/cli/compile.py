@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -130,7 +129,9 @@ def run_compile(args: argparse.Namespace) -> int:
     _check_outputs(args)
     request = _request(args)
     config = _distributed_config(args)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # XLA's per-program partitioner chatter
+    from ..planning.compile_pool import quiet_compiler_logs
+
+    quiet_compiler_logs()   # XLA's per-program warnings (a partitioner's resharding, a deviceless sort)
     from ..target_compile import CompileFailed, build_target_model, compile_devices, compile_model, save_executables
 
     start = time.perf_counter()

@@ -149,6 +149,9 @@ def run_auto(args: argparse.Namespace) -> int:
         # answer; the costs they describe are in the rows. Read when JAX starts: no effect once it has.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     request_virtual_devices(args.devices)
+    from ..planning.compile_pool import quiet_compiler_logs
+
+    quiet_compiler_logs()
     if args.device_memory is not None:
         print(f"device memory: {describe_memory_size(args.device_memory)}", file=sys.stderr)
     start = time.perf_counter()

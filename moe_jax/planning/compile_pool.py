@@ -49,12 +49,23 @@ class DeviceSpec:
         return target_devices(self.hardware, self.count if self.count <= DEVICES_PER_HOST else hosts)
 
 
+def quiet_compiler_logs() -> None:
+    """XLA's C++ warnings about the compiled programs (a partitioner's resharding, a deviceless sort) would bury
+    the answer, whose rows carry what they describe: errors only, unless `MOE_JAX_VERBOSE` is set."""
+    from ..verbosity import verbose
+
+    if not verbose():
+        import jax
+
+        jax.config.update("jax_logging_level", "ERROR")
+
+
 def _start_worker(cpu_devices: int) -> None:
     """A worker's JAX, before it starts: the virtual CPU devices, quiet C++ logs (the plan reads its own costs)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from ..host_devices import use_cpu_devices
 
     use_cpu_devices(cpu_devices, override=True)
+    quiet_compiler_logs()
 
 
 def _compile(config_values: dict, layout: Layout, request: PlanRequest, devices: DeviceSpec,
