@@ -27,13 +27,13 @@ from ..distributed.config import DistributedConfig
 from ..distributed.gpu_targets import GPU_TARGETS
 from ..distributed.targets import target_devices
 from ..planning.hardware import load_hardware
-from ..planning.compiled_step import compile_lowered
+from ..planning.compiled_step import CompiledMemory, compile_lowered
 from ..planning.layouts import quiet_model_building
 from ..planning.memory_size import parse_memory_size
 from ..planning.request import PlanRequest
 from .hlo_report import read_program
 from .programs import PROGRAMS
-from .report import CompileReport, ProgramMemory, ProgramReport
+from .report import CompileReport, ProgramReport
 
 DEFAULT_MARGIN = 0.1
 
@@ -138,7 +138,7 @@ def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: 
         seconds = time.perf_counter() - start
         if note is not None:
             compiler_notes.append(f"{name}: {note}")
-        reports.append(ProgramReport(name, ProgramMemory.of(compiled), seconds,
+        reports.append(ProgramReport(name, CompiledMemory.of(compiled), seconds,
                                      read_program(compiled.as_text(), device_count=devices,
                                                   tile_fill=_tile_fill(model, name))))
         executables[name] = compiled

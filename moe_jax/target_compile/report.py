@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..planning.compiled_step import CompiledMemory
 from .hlo_report import ProgramReading
 
 GIB = 2**30
@@ -18,39 +19,18 @@ def size_text(count: int) -> str:
     return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
 
 
-@dataclass(frozen=True)
-class ProgramMemory:
-    """XLA's `memory_analysis()` of one device's program, in bytes; total = arguments + outputs - aliased
-    (donated buffers reused for outputs) + temporaries."""
-
-    arguments: int
-    outputs: int
-    aliased: int
-    temporaries: int
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temporaries
-
-    @classmethod
-    def of(cls, compiled) -> ProgramMemory:
-        analysis = compiled.memory_analysis()
-        return cls(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
-                   analysis.temp_size_in_bytes)
-
-
 @dataclass
 class ProgramReport:
     name: str
-    memory: ProgramMemory
+    memory: CompiledMemory     # XLA's memory_analysis() of one device's program (`planning.compiled_step`)
     compile_seconds: float
     reading: ProgramReading
 
     def as_dict(self, device_memory: int) -> dict:
         reading = self.reading
         return {
-            "memory_bytes": {"arguments": self.memory.arguments, "outputs": self.memory.outputs,
-                             "aliased": self.memory.aliased, "temporaries": self.memory.temporaries,
+            "memory_bytes": {"arguments": self.memory.argument, "outputs": self.memory.output,
+                             "aliased": self.memory.alias, "temporaries": self.memory.temp,
                              "total": self.memory.total, "device_memory": device_memory},
             "compile_seconds": round(self.compile_seconds, 2),
             "collectives": [collective.as_dict() for collective in reading.collectives],
@@ -95,7 +75,7 @@ class CompileReport:
         if self.fits:
             return ""
         memory = self.largest.memory
-        if memory.arguments > self.usable_bytes:
+        if memory.argument > self.usable_bytes:
             return ("the program's inputs alone (parameters, optimizer state, cache) exceed the device: shard them "
                     "over more devices (--fsdp / --ep / --tp, or a larger --devices), or use --dtype bfloat16")
         if not self.request.startswith("train"):
@@ -129,9 +109,9 @@ class CompileReport:
         for program in self.programs:
             memory, reading = program.memory, program.reading
             lines += ["", f"{program.name}: compiled in {program.compile_seconds:.1f} s, {reading.fusions} fusions",
-                      f"  memory per device: arguments {size_text(memory.arguments)}, outputs "
-                      f"{size_text(memory.outputs)} (aliased {size_text(memory.aliased)}), temporaries "
-                      f"{size_text(memory.temporaries)}, total {size_text(memory.total)} -> "
+                      f"  memory per device: arguments {size_text(memory.argument)}, outputs "
+                      f"{size_text(memory.output)} (aliased {size_text(memory.alias)}), temporaries "
+                      f"{size_text(memory.temp)}, total {size_text(memory.total)} -> "
                       + ("fits" if memory.total <= self.usable_bytes else "does NOT fit"),
                       f"  expert matmuls: {reading.experts_kernel}"
                       + (f" [backend {', '.join(reading.experts_backends)}]" if reading.experts_backends else ""),

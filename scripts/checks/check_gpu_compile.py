@@ -48,7 +48,8 @@ from moe_jax.target_compile.hlo_report import read_program  # noqa: E402
 from moe_jax.planning.request import PlanRequest  # noqa: E402
 from moe_jax.target_compile import build_target_model, compile_devices  # noqa: E402
 from moe_jax.target_compile.programs import PROGRAMS  # noqa: E402
-from moe_jax.target_compile.report import GIB, ProgramMemory, ProgramReport  # noqa: E402
+from moe_jax.planning.compiled_step import CompiledMemory  # noqa: E402
+from moe_jax.target_compile.report import GIB, ProgramReport  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "models"
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text"]
@@ -90,8 +91,8 @@ class CaseResult:
             entry.update(self.report.as_dict(device_memory=0))
             entry.pop("memory_bytes", None)
             memory = self.report.memory
-            entry["memory_bytes"] = {"arguments": memory.arguments, "outputs": memory.outputs,
-                                     "aliased": memory.aliased, "temporaries": memory.temporaries,
+            entry["memory_bytes"] = {"arguments": memory.argument, "outputs": memory.output,
+                                     "aliased": memory.alias, "temporaries": memory.temp,
                                      "total": memory.total}
         return entry
 
@@ -132,7 +133,7 @@ def compile_program(model, name: str, build, request: PlanRequest) -> tuple[Prog
     text = compiled.as_text()
     if note is not None:
         print(f"  note: {name}: {note}", flush=True)
-    return ProgramReport(name, ProgramMemory.of(compiled), seconds,
+    return ProgramReport(name, CompiledMemory.of(compiled), seconds,
                          read_program(text, device_count=model.mesh.devices.size)), text
 
 

@@ -54,7 +54,8 @@ from moe_jax.planning.hardware import load_hardware  # noqa: E402
 from moe_jax.target_compile import DEFAULT_MARGIN, build_target_model, compile_devices  # noqa: E402
 from moe_jax.target_compile.hlo_report import _experts_flops, read_program  # noqa: E402
 from moe_jax.target_compile.programs import train_program  # noqa: E402
-from moe_jax.target_compile.report import GIB, ProgramMemory  # noqa: E402
+from moe_jax.planning.compiled_step import CompiledMemory  # noqa: E402
+from moe_jax.target_compile.report import GIB  # noqa: E402
 from moe_jax.training.optimizers import build_optimizer  # noqa: E402
 from moe_jax.training.state import abstract_train_state  # noqa: E402
 from moe_jax.training.step import make_train_step  # noqa: E402
@@ -168,7 +169,7 @@ def read_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
                 else train_program_without_overflow_check(model, request)).compile()
     compile_seconds = time.perf_counter() - built
     text = compiled.as_text()
-    memory = ProgramMemory.of(compiled)
+    memory = CompiledMemory.of(compiled)
     reading = read_program(text, device_count=devices)
     usable = load_hardware(hardware).memory_bytes * (1 - DEFAULT_MARGIN)
     expected = expected_experts_flops(config, case.batch, devices, case.remat)
@@ -184,8 +185,8 @@ def read_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
         **asdict(case), "devices": devices, "layout": case.layout, "request": request.describe(),
         "ep_implementation": model.distributed_config.ep_implementation,
         "compile_seconds": round(compile_seconds, 1), "build_seconds": round(built - start, 1),
-        "memory_gib": {"arguments": memory.arguments / GIB, "outputs": memory.outputs / GIB,
-                       "aliased": memory.aliased / GIB, "temporaries": memory.temporaries / GIB,
+        "memory_gib": {"arguments": memory.argument / GIB, "outputs": memory.output / GIB,
+                       "aliased": memory.alias / GIB, "temporaries": memory.temp / GIB,
                        "total": memory.total / GIB},
         "usable_gib": usable / GIB, "fits": memory.total <= usable,
         "host_transfers": reading.host_transfers, "experts_kernel": reading.experts_kernel,

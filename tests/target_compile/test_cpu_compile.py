@@ -36,8 +36,8 @@ def test_the_report_reads_memory_collectives_and_the_expert_kernel():
     (program,) = report.programs
     reading = program.reading
     assert program.name == "train_step" and report.fits and report.compiler.startswith("XLA:CPU")
-    assert program.memory.total == (program.memory.arguments + program.memory.outputs - program.memory.aliased
-                                    + program.memory.temporaries) > 0
+    assert program.memory.total == (program.memory.argument + program.memory.output - program.memory.alias
+                                    + program.memory.temp) > 0
     kinds = {collective.kind: collective for collective in reading.collectives}
     assert kinds["all-to-all"].group_size == 8 and kinds["all-to-all"].count > 0 and kinds["all-to-all"].bytes > 0
     assert reading.experts_backends == ["tiled"] and reading.experts_kernel.startswith("tiled loop")
