@@ -73,7 +73,9 @@ def test_beyond_the_queue_bound_requests_get_429_with_retry_after(model_and_toke
             responses = list(pool.map(lambda _: complete(served.url, {"prompt": prompt, "max_tokens": 6}), range(40)))
         refused = [r for r in responses if r.status_code == 429]
         accepted = [r for r in responses if r.status_code == 200]
-        assert len(refused) + len(accepted) == 40 and refused and len(accepted) >= 10
+        # At least the 8 the queue holds: the 2 slots take theirs at the engine's next step, which under load may
+        # come after the whole burst.
+        assert len(refused) + len(accepted) == 40 and refused and len(accepted) >= 8
         assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
         assert {r.json()["choices"][0]["text"] for r in accepted} == {expected}
 
@@ -115,7 +117,8 @@ def test_a_drain_ends_every_stream_with_done_or_an_error_event(model_and_tokeniz
     errors = [next(e["error"] for e in events if isinstance(e, dict) and "error" in e) for events in results
               if any(isinstance(e, dict) and "error" in e for e in events)]
     assert len(errors) == 5   # 60 tokens at 20 ms a step outlast a 0.5 s drain; 3 of them never started
-    assert sum("did not start" in error["message"] for error in errors) == 3
+    # The 3 queued never started; under load a slotted one may not have sent its first token before the drain.
+    assert sum("did not start" in error["message"] for error in errors) >= 3
     assert served.server.exit_code() == 0
 
 
