@@ -62,6 +62,11 @@ def _without_cuda_version_check():
             os.environ.pop(SKIP_CHECK, None)
 
 
+def whole_hosts(count: int) -> int:
+    """`count` rounded up to what `target_devices` can make: itself up to one host, then whole hosts of 8."""
+    return count if count <= DEVICES_PER_HOST else -(-count // DEVICES_PER_HOST) * DEVICES_PER_HOST
+
+
 def topology_name(count: int) -> str:
     """XLA's "slices x hosts x devices per host" for `count` devices: one host up to 8, then hosts of 8."""
     if count < 1:

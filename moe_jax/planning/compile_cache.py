@@ -1,7 +1,8 @@
 """Compiled steps kept on disk, so that planning the same model again reads them instead of compiling.
 
     cache = CompileCache.at(None)                  # $XDG_CACHE_HOME/moe_jax/plan, or ~/.cache/moe_jax/plan
-    step, cached = cache.compile(config_values, layout, request, devices, for_cpu=True)
+    key, step = cache.lookup(config_values, layout, request, devices, for_cpu=True)   # step None: not cached
+    cache.store(key, compile_layout_step(...))
 
 An entry is keyed by a hash of everything the compiled program depends on: the config's values, the layout,
 the request, whether XLA:CPU's own costs count (`for_cpu`), the compiler options, and the jax, jaxlib and
@@ -20,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compiled_step import PLANNING_COMPILER_OPTIONS, CompiledStep, compile_layout_step
+from .compiled_step import PLANNING_COMPILER_OPTIONS, CompiledStep
 from .layouts import Layout
 from .request import PlanRequest
 
@@ -103,13 +104,3 @@ class CompileCache:
     def store(self, key: str | None, step: CompiledStep) -> None:
         if key is not None:
             self.write(key, step)
-
-    def compile(self, config_values: dict, layout: Layout, request: PlanRequest, devices, *,
-                for_cpu: bool) -> tuple[CompiledStep, bool]:
-        """(the step, whether it came from the cache): compiled and stored when not cached."""
-        key, step = self.lookup(config_values, layout, request, devices, for_cpu=for_cpu)
-        if step is not None:
-            return step, True
-        step = compile_layout_step(config_values, layout, request, devices, for_cpu=for_cpu)
-        self.store(key, step)
-        return step, False

@@ -43,10 +43,9 @@ class DeviceSpec:
             import jax
 
             return jax.devices("cpu")[:self.count]
-        from ..distributed.targets import DEVICES_PER_HOST, target_devices
+        from ..distributed.targets import target_devices, whole_hosts
 
-        hosts = -(-self.count // DEVICES_PER_HOST) * DEVICES_PER_HOST
-        return target_devices(self.hardware, self.count if self.count <= DEVICES_PER_HOST else hosts)
+        return target_devices(self.hardware, whole_hosts(self.count))
 
 
 def quiet_compiler_logs() -> None:

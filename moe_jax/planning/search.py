@@ -25,7 +25,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 from ..checkpoint_files import read_config
 from ..distributed.capacity import buffer_rows
@@ -140,13 +139,6 @@ def resolve_compiler(compiler: str | None, hardware: str) -> str:
     return compiler
 
 
-def _target_devices(hardware: str, count: int) -> list:
-    """Abstract devices of `hardware`, at least `count` (whole hosts of 8 beyond 8)."""
-    from ..distributed.targets import DEVICES_PER_HOST, target_devices
-
-    return target_devices(hardware, count if count <= DEVICES_PER_HOST else -(-count // DEVICES_PER_HOST) * DEVICES_PER_HOST)
-
-
 def _planning_devices(cpu_devices: Callable[[int], list], count: int, devices: int) -> list:
     """`cpu_devices(count)`, checked to hold at least the `devices` every layout compiles on."""
     provided = list(cpu_devices(count))
@@ -259,7 +251,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         None if hardware == "cpu" else load_hardware(hardware))
     compiler = resolve_compiler(compiler, profile.name if profile is not None else "cpu")
     if compiler == "target":
-        cpu_devices = partial(_target_devices, profile.name)
+        cpu_devices = lambda count: DeviceSpec(profile.name, count).devices()   # noqa: E731  (whole hosts)
     unreachable = unreachable_implementations(profile.name if profile is not None else "cpu")
     left_out = Counter(layout.ep_implementation for layout in layout_space(devices, mode)
                        if layout.ep_implementation in unreachable)
