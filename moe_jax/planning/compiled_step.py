@@ -130,7 +130,7 @@ def _serve_program(model, layout: Layout, request: PlanRequest):
     max_positions = getattr(model.config, "max_position_embeddings", None)
     length = min(length, max_positions) if max_positions else length
     shardings = cache_shardings(model, rows, length)
-    shapes = jax.eval_shape(lambda: _zero_cache(model, rows, length))
+    shapes = jax.eval_shape(lambda: unplaced_cache(model, rows, length))
     cache = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                          shapes, shardings)
     params = abstract_parameters(model)
@@ -146,7 +146,7 @@ def _serve_program(model, layout: Layout, request: PlanRequest):
     return lowered, _per_device_bytes(ids) + cache_bytes, cache_bytes, capacity
 
 
-def _zero_cache(model, rows: int, length: int) -> KVCache:
+def unplaced_cache(model, rows: int, length: int) -> KVCache:
     """The cache `init_cache` makes, unplaced (for its shapes under `jax.eval_shape`)."""
     entries = model.layer_stack.cache_entries()
     slots = {key: ring_length(model, layer, length) or length for key, layer, _ in entries}
