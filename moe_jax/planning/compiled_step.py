@@ -129,10 +129,7 @@ def _serve_program(model, layout: Layout, request: PlanRequest):
     rows, length = request.max_slots, bucket_length(request.max_model_len)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     length = min(length, max_positions) if max_positions else length
-    shardings = cache_shardings(model, rows, length)
-    shapes = jax.eval_shape(lambda: unplaced_cache(model, rows, length))
-    cache = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                         shapes, shardings)
+    cache = abstract_cache(model, rows, length)
     params = abstract_parameters(model)
     ids = jax.ShapeDtypeStruct((rows, 1), jnp.int32, sharding=model.batch_sharding())
     capacity = None if layout.ep == 1 else model.capacity_schedule.largest   # serving never drops a pair
@@ -144,6 +141,13 @@ def _serve_program(model, layout: Layout, request: PlanRequest):
     lowered = jax.jit(decode, donate_argnums=(2,)).lower(params, ids, cache)
     cache_bytes = _per_device_bytes(cache)
     return lowered, _per_device_bytes(ids) + cache_bytes, cache_bytes, capacity
+
+
+def abstract_cache(model, rows: int, length: int) -> KVCache:
+    """The KV cache `init_cache(model, rows, length)` makes, as shapes in its shardings (nothing allocated)."""
+    shapes = jax.eval_shape(lambda: unplaced_cache(model, rows, length))
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        shapes, cache_shardings(model, rows, length))
 
 
 def unplaced_cache(model, rows: int, length: int) -> KVCache:

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..inference.generate import Generator
 from ..inference.sampling import Sampling
-from ..kv_cache import bucket_length, cache_shardings
-from ..planning.compiled_step import unplaced_cache
+from ..kv_cache import bucket_length
+from ..planning.compiled_step import abstract_cache
 from ..planning.request import PlanRequest
 from ..training.optimizers import build_optimizer
 from ..training.state import abstract_train_state
@@ -35,13 +35,6 @@ def _replicated(model, shape, dtype) -> jax.ShapeDtypeStruct:
 
 def _batch(model, rows: int, length: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=model.batch_sharding())
-
-
-def abstract_cache(model, rows: int, length: int):
-    """The KV cache `init_cache(model, rows, length)` makes, as shapes in its shardings."""
-    shapes = jax.eval_shape(lambda: unplaced_cache(model, rows, length))
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        shapes, cache_shardings(model, rows, length))
 
 
 def _weights(model):
