@@ -94,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="a step that prefills a prompt chunk also decodes the running requests, in one program "
                              "(default on; --no-mixed-steps: a prefill program, then a decode program)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the keys and values of every full page of the longest prompt prefix an earlier "
+                             "request computed (a shared system prompt, a resent conversation) and prefill only the "
+                             "rest (default on; /metrics reports the hit rate; --no-prefix-caching: every prompt is "
+                             "prefilled whole)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the engine's programs before listening (default on)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -243,7 +248,8 @@ def _engine_config(args, max_model_len: int):
     return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
                                     prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps,
-                                    decode_rows=args.decode_rows, rebalance_every=args.rebalance_every)
+                                    decode_rows=args.decode_rows, rebalance_every=args.rebalance_every,
+                                    prefix_caching=args.prefix_caching)
 
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:

@@ -30,7 +30,8 @@ and return only the new ids [rows]: what the host reads each step. Experts run a
 which never drops a pair, so no step climbs a capacity ladder or reads dispatch statistics.
 
 A slot's sequence starts at cache index 0 and positions equal indices (no left padding), so a request's greedy
-tokens equal `generate`'s for its prompt alone.
+tokens equal `generate`'s for its prompt alone. With prefix caching (on by default) a request's first pages may be
+another request's: the full pages of the longest prompt prefix already computed, which it does not prefill again.
 
 Multi-process jobs: every process runs every program. Either every process drives the same scheduler with the
 same requests (`generate_batch`: the scheduling is deterministic and every process reads the same new ids), or
@@ -72,7 +73,7 @@ class ServingEngine(Scheduler):
         config = config or ContinuousBatchingConfig()
         super().__init__(config, groups=model.data_parallel_size, vocab_size=model.config.vocab_size,
                          max_positions=getattr(model.config, "max_position_embeddings", None),
-                         run=self._run_program, decode=decode)
+                         run=self._run_program, decode=decode, namespace=_cache_namespace(model))
         self.model = model
         self.params = model.params if params is None else params
         self.programs = StepPrograms(model, self.params, config, groups=self.groups,
@@ -147,3 +148,10 @@ class ServingEngine(Scheduler):
         """On processes other than 0: run every step process 0 runs, until it releases them. Returns the steps
         run."""
         return lead_follow.follow(self.programs.execute)
+
+
+def _cache_namespace(model) -> str:
+    """What the engine's keys and values depend on besides the tokens: the model and its adapter (the prefix
+    cache's root, `kv_cache.root_digest`)."""
+    adapter = getattr(model, "adapter_config", None)
+    return f"{type(model).__name__}:{getattr(model, 'name_or_path', None)}:{adapter!r}"

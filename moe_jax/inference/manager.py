@@ -244,7 +244,8 @@ class ContinuousBatchingManager:
 
     # ---- metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Slots in use, pages free, requests waiting / running / finished, tokens/s over the last seconds and,
+        """Slots in use, pages free and cached, requests waiting / running / finished, prompt tokens (and those
+        served from the prefix cache, and their ratio), tokens/s over the last seconds and,
         where experts are dispatched over ep, the pairs each ep rank computed per sparse layer (`sparse_layers`):
         ep_rank_load_total since the start, ep_rank_load_placed since the last expert re-placement."""
         engine, now = self.engine, time.perf_counter()
@@ -258,7 +259,10 @@ class ContinuousBatchingManager:
                     page_size=engine.config.page_size, requests_waiting=self.waiting_requests(),
                     requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
                     generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
-                    decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"], compiled_programs=len(engine.compiled_shapes),
+                    decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"],
+                    compiled_programs=len(engine.compiled_shapes), prompt_tokens=engine.prompt_tokens,
+                    cached_prompt_tokens=engine.cached_prompt_tokens, prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
+                    pages_cached=engine.book.cached_pages(),
                     tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0, **ranks)
 
     # ---- the engine's thread -------------------------------------------------------------------------

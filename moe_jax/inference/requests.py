@@ -53,7 +53,8 @@ class GenerationOutput:
     failed and the engine stopped), "queue_timeout" (it waited
     longer than the manager's queue timeout) or "shutdown" (the manager stopped before it finished).
     offset: the index of `generated_tokens[0]` among the request's tokens (an incremental output carries only
-    the tokens new since the previous one; 0 otherwise)."""
+    the tokens new since the previous one; 0 otherwise). cached_tokens: the prompt's tokens whose keys and values
+    came from the prefix cache (not computed for it)."""
 
     request_id: str
     prompt_ids: list[int] = field(default_factory=list)
@@ -66,6 +67,7 @@ class GenerationOutput:
     timestamps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     offset: int = 0
+    cached_tokens: int = 0
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -81,18 +83,22 @@ class GenerationOutput:
 
 @dataclass
 class Request:
-    """A request as the engine tracks it (`output` is what callers see)."""
+    """A request as the engine tracks it (`output` is what callers see). cache_salt: requests share cached prefix
+    pages only with requests of the same salt (None: with every request of the engine), as vLLM's."""
 
     request_id: str
     prompt_ids: list[int]
     settings: RequestSettings = field(default_factory=RequestSettings)
     output: GenerationOutput = None
+    cache_salt: str | None = None
     # The engine's bookkeeping.
     slot: int | None = None
     group: int | None = None
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
     text: IncrementalDecoder | None = None   # its tokens' text so far, when it has stop strings
+    page_digests: list[bytes] = field(default_factory=list)   # its full pages' prefix digests, as far as known
+    registered: int = 0                      # its first pages whose keys and values are stored and registered
 
     def __post_init__(self):
         if self.output is None:
@@ -113,7 +119,9 @@ class ContinuousBatchingConfig:
     decoding requests; every one is compiled at each page width); None: max_slots / groups and its quarters,
     sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups;
     rebalance_every: with redundant expert slots (`num_redundant_experts`), re-place the experts after every that
-    many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never)."""
+    many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never);
+    prefix_caching: a request reuses the stored keys and values of every full page of its longest prefix that an
+    earlier request computed (`kv_cache.page_book`), and prefills only the rest."""
 
     max_slots: int = 8
     page_size: int = 16
@@ -124,6 +132,7 @@ class ContinuousBatchingConfig:
     mixed_steps: bool = True
     decode_rows: tuple[int, ...] | None = None
     rebalance_every: int | None = None
+    prefix_caching: bool = True
 
     @property
     def pages_per_slot(self) -> int:

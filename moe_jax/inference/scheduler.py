@@ -7,9 +7,12 @@ new ids [rows]` (the engine's `StepPrograms.run`; in tests, a fake step).
     while scheduler.has_work():
         events = scheduler.step()
 
-Admission: first come, first served; a request takes a free slot of the group with the most free pages and the
-pages its prompt and `max_new_tokens` need (up to max_model_len), or waits, so a running request never waits for
-memory. Chunked prefill: each step takes up to `prefill_rows` pieces of `prefill_chunk` prompt tokens per group,
+Admission: first come, first served; a request takes a free slot of the group holding the longest cached prefix of
+its prompt (then: with the most free pages) and the pages its prompt and `max_new_tokens` need (up to
+max_model_len), or waits, so a running request never waits for memory. Prefix caching (`prefix_caching`, on by
+default): the request's first pages are the cached pages of its prompt's longest cached prefix (at least one
+prompt token is left to prefill, to sample from), and every page it fills, prompt or generated, is registered
+once its keys and values are stored (`kv_cache.page_book`). Chunked prefill: each step takes up to `prefill_rows` pieces of `prefill_chunk` prompt tokens per group,
 oldest slot first. Decode: each group's decoding requests packed into the fewest decode rows that hold them. A
 request ends on an EOS id, a stop string (the text's tail, decoded incrementally), `max_new_tokens` or the context;
 its slot and pages are free for the next step.
@@ -24,7 +27,7 @@ from functools import partial
 
 import numpy as np
 
-from ..kv_cache import PageBook
+from ..kv_cache import PageBook, page_digests, root_digest
 from .detokenize import IncrementalDecoder
 from .requests import ContinuousBatchingConfig, Request, RequestStatus, StepEvent
 from .step_inputs import blank_row, host_inputs, write_sampling
@@ -35,7 +38,9 @@ class Scheduler:
 
     def __init__(self, config: ContinuousBatchingConfig, *, groups: int, vocab_size: int,
                  run: Callable[[str, dict[str, np.ndarray]], np.ndarray], max_positions: int | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, namespace: str | None = None):
+        """namespace: names what the keys and values depend on besides the tokens (the model, its adapter):
+        part of every cached page's digest."""
         self.config = config
         self.decode_text = decode
         self.vocab_size = vocab_size
@@ -57,12 +62,20 @@ class Scheduler:
             raise ValueError(f"num_pages={total} must be a multiple of the {groups} data-parallel groups and give "
                              f"each group at least {self.pages_per_slot} pages (one slot at max_model_len="
                              f"{config.max_model_len} with page_size={config.page_size}).")
-        self.book = PageBook(groups, total // groups, config.page_size)
+        if config.prefix_caching and config.page_size > config.max_model_len - 2:
+            raise ValueError(f"prefix_caching=True cannot use page_size={config.page_size} with max_model_len="
+                             f"{config.max_model_len}: only full pages before a prompt's last token are reused, and "
+                             f"no prompt (at most {config.max_model_len - 1} tokens) fills one. Use a page_size of "
+                             f"at most {max(config.max_model_len - 2, 1)}, or prefix_caching=False.")
+        self.book = PageBook(groups, total // groups, config.page_size, caching=config.prefix_caching)
+        self.namespace = namespace
         self.slots: list[Request | None] = [None] * config.max_slots
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.steps = {"prefill": 0, "decode": 0, "mixed": 0}
         self.generated_tokens = 0
+        self.prompt_tokens = 0          # prompt tokens of the admitted requests
+        self.cached_prompt_tokens = 0   # of those, the tokens whose keys and values came from the prefix cache
         self._failed: list[StepEvent] = []   # requests whose own inputs failed while a step was built
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -163,18 +176,27 @@ class Scheduler:
 
     def _admit(self) -> None:
         per_group = self.config.max_slots // self.groups
+        page_size = self.config.page_size
         while self.waiting:
             request = self.waiting[0]
             tokens = min(len(request.prompt_ids) + request.settings.max_new_tokens, self.config.max_model_len)
-            free = [(self.book.free_pages(g), g) for g in range(self.groups)
-                    if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))]
+            reusable = self._reusable_digests(request)
+            candidates = sorted(((len(self.book.match(g, reusable)), self.book.free_pages(g), g)
+                                 for g in range(self.groups)
+                                 if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))),
+                                reverse=True)
             placed = False
-            for _, group in sorted(free, reverse=True):
-                pages = self.book.allocate(group, tokens)
+            for _, _, group in candidates:
+                shared = self.book.match(group, reusable)
+                pages = self.book.allocate(group, tokens, prefix=shared)
                 if pages is None:
                     continue
                 slot = next(s for s in range(group * per_group, (group + 1) * per_group) if self.slots[s] is None)
                 request.slot, request.group, request.pages = slot, group, pages
+                request.prefilled = request.output.cached_tokens = len(shared) * page_size
+                request.registered = len(shared)
+                self.prompt_tokens += len(request.prompt_ids)
+                self.cached_prompt_tokens += request.prefilled
                 self.slots[slot] = request
                 request.output.status = RequestStatus.PREFILLING
                 request.output.lifespan = (time.perf_counter(), -1)
@@ -183,6 +205,37 @@ class Scheduler:
                 break
             if not placed:
                 return
+
+    def _reusable_digests(self, request: Request) -> list[bytes]:
+        """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply: the
+        last token is always prefilled, to sample the first new one)."""
+        if not self.config.prefix_caching:
+            return []
+        page_size = self.config.page_size
+        reusable = (len(request.prompt_ids) - 1) // page_size
+        page_digests(request.prompt_ids[:reusable * page_size], page_size, self._root(request), request.page_digests)
+        return request.page_digests[:reusable]
+
+    def _root(self, request: Request) -> bytes:
+        return root_digest(self.namespace, request.cache_salt)
+
+    def _stored(self, request: Request, stored: int) -> None:
+        """The first `stored` tokens of `request` (prompt, then generated) have their keys and values in its pages:
+        register its pages that are full now, for later requests to reuse."""
+        page_size = self.config.page_size
+        full = min(stored // page_size, len(request.pages))
+        if not self.config.prefix_caching or full <= request.registered:
+            return
+        tokens = request.prompt_ids + request.output.generated_tokens
+        digests = page_digests(tokens[:full * page_size], page_size, self._root(request), request.page_digests)
+        for page in range(request.registered, full):
+            self.book.register(request.group, digests[page], request.pages[page])
+        request.registered = full
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens admitted (0 before any)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def _page_row(self, request: Request) -> np.ndarray:
         row = np.zeros(self.pages_per_slot, np.int32)
@@ -310,6 +363,7 @@ class Scheduler:
         events = []
         for row, request, count in placed:
             request.prefilled += count
+            self._stored(request, request.prefilled)
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
                 events.append(self._emit(request, int(tokens[row])))
@@ -327,6 +381,8 @@ class Scheduler:
         output.generated_tokens.append(token)
         output.timestamps.append(time.perf_counter())
         self.generated_tokens += 1
+        # Stored now: the prompt and every generated token but the new one (it is stored when it is decoded).
+        self._stored(request, len(request.prompt_ids) + len(output.generated_tokens) - 1)
         s = request.settings
         reason = None
         if token in s.eos_token_id:

@@ -6,7 +6,8 @@ placing and (for pages) bookkeeping them.
     layer_views.py  one layer's storage, made by CacheStep.view: ContiguousKV, RingKV (a sliding window's ring),
                     PagedKV, SegmentedPagedKV (flat tokens of several sequence kinds); attend(core, q, k, v)
     contiguous.py   init_cache, cache_shardings, bucket_length, ring_length
-    paged.py        init_page_pools, pool_sharding, pool_bytes, PageBook (the host's record of free pages)
+    paged.py        init_page_pools, pool_sharding, pool_bytes
+    page_book.py    PageBook (the host's record of free, held and cached pages), page_digests, root_digest
 
 Names: a `...Cache` is the whole model's pytree that a step takes and returns; a `...KV` is one layer's view of
 it inside the step; `init_...` makes the arrays, `..._sharding(s)` places them. The model math reads a cache only
@@ -16,10 +17,11 @@ through `begin` / `CacheStep` / a view's `attend`; `moe_jax.inference` fills it 
 from .caches import CacheStep, KVCache, PagedKVCache
 from .contiguous import LENGTH_BUCKET, bucket_length, cache_shardings, init_cache, ring_length
 from .layer_views import ContiguousKV, PagedKV, RingKV, SegmentedPagedKV, segment_token_index, segment_tokens
-from .paged import PageBook, init_page_pools, pool_bytes, pool_sharding
+from .page_book import PageBook, page_digests, root_digest
+from .paged import init_page_pools, pool_bytes, pool_sharding
 
 __all__ = [
     "LENGTH_BUCKET", "CacheStep", "ContiguousKV", "KVCache", "PageBook", "PagedKV", "PagedKVCache", "RingKV",
     "SegmentedPagedKV", "bucket_length", "cache_shardings", "init_cache", "init_page_pools", "pool_bytes",
-    "pool_sharding", "ring_length", "segment_token_index", "segment_tokens",
+    "page_digests", "pool_sharding", "ring_length", "root_digest", "segment_token_index", "segment_tokens",
 ]

@@ -1,9 +1,7 @@
-"""The paged KV cache of continuous batching: device page pools, and the host's book of who owns which page.
+"""The paged KV cache of continuous batching: its device page pools (the host's book of who holds which page is
+page_book.py's).
 
-    pools = init_page_pools(model, groups=..., pages_per_group=256, page_size=16)   # zeros, sharded
-    book = PageBook(groups=2, pages_per_group=256, page_size=16)
-    pages = book.allocate(group=0, tokens=300)          # 19 pages of group 0's pool, or None if too few are free
-    book.release(0, pages)
+    pools = init_page_pools(model, pages_per_group=256, page_size=16)   # zeros, sharded
 
 Every layer run keeps keys and values [G, L, pages, P, K, D]: G data-parallel groups (the pool's group axis is
 split over the batch's mesh axes, so a row's pages sit on its own devices; it leads, so a group's pools are one
@@ -61,37 +59,3 @@ def pool_bytes(model, *, pages_per_group: int, page_size: int, dtype=None) -> in
     layers = sum(rows for _, _, rows in model.layer_stack.cache_entries())
     per_token = layers * (key_heads * key_dim + value_heads * value_dim) * jnp.dtype(dtype or model.dtype).itemsize
     return per_token * model.data_parallel_size * pages_per_group * page_size
-
-
-class PageBook:
-    """Which pages of each group's pool are free. Pages are handed out whole and returned whole; nothing here
-    touches the device."""
-
-    def __init__(self, groups: int, pages_per_group: int, page_size: int):
-        self.groups, self.pages_per_group, self.page_size = groups, pages_per_group, page_size
-        # Lowest pages first: a freshly started server fills its pools from the front.
-        self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def free_pages(self, group: int | None = None) -> int:
-        return sum(len(free) for free in self._free) if group is None else len(self._free[group])
-
-    @property
-    def total_pages(self) -> int:
-        return self.groups * self.pages_per_group
-
-    def allocate(self, group: int, tokens: int) -> list[int] | None:
-        """Pages of group `group` for `tokens` tokens, or None (nothing taken) when too few are free."""
-        count = self.pages_for(tokens)
-        free = self._free[group]
-        if count > len(free):
-            return None
-        return [free.pop() for _ in range(count)]
-
-    def release(self, group: int, pages: list[int]) -> None:
-        free = self._free[group]
-        if len(free) + len(pages) > self.pages_per_group or set(pages) & set(free):
-            raise RuntimeError(f"pages {pages} of group {group} released twice.")
-        free.extend(sorted(pages, reverse=True))

@@ -218,7 +218,8 @@ class _Server:
     # ---- responses ------------------------------------------------------------------------------------
     def usage(self, generation: _Generation, output) -> dict:
         prompt, completion = len(generation.prompt), len(output.generated_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
 
     def text(self, generation: _Generation, output) -> str:
         return cut_at_stop(self.tokenizer.decode(list(output.generated_tokens)), generation.stops)

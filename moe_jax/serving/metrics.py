@@ -3,7 +3,9 @@
     moe_jax_slots_in_use / _slots_total, moe_jax_pages_free / _pages_total, moe_jax_requests_waiting /
     _requests_running, moe_jax_requests_finished_total, moe_jax_generated_tokens_total,
     moe_jax_tokens_per_second (the last seconds), moe_jax_prefill_steps_total, moe_jax_decode_steps_total,
-    moe_jax_mixed_steps_total, moe_jax_compiled_programs, and two summaries, moe_jax_time_to_first_token_seconds and
+    moe_jax_mixed_steps_total, moe_jax_compiled_programs, the prefix cache's moe_jax_prompt_tokens_total,
+    moe_jax_prompt_tokens_cached_total, moe_jax_prefix_cache_hit_rate (their ratio) and moe_jax_pages_cached,
+    and two summaries, moe_jax_time_to_first_token_seconds and
     moe_jax_inter_token_latency_seconds: count and sum since the start, quantiles 0.5 and 0.99 over the
     latest requests (`LatencyStats.window`). Where experts are dispatched over ep, per sparse layer (labelled by its
     index in the model): moe_jax_ep_rank_pairs_total{layer, rank}, the real (token, expert) pairs each ep rank
@@ -35,6 +37,12 @@ MANAGER_METRICS = (
     ("mixed_steps_total", "mixed_steps", "counter", "Steps that prefilled a prompt chunk and decoded in one program."),
     ("compiled_programs", "compiled_programs", "gauge",
      "Programs compiled (mixed or prefill, and decode; per page-table width)."),
+    ("prompt_tokens_total", "prompt_tokens", "counter", "Prompt tokens of the requests admitted."),
+    ("prompt_tokens_cached_total", "cached_prompt_tokens", "counter",
+     "Prompt tokens whose keys and values came from the prefix cache (not prefilled)."),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "gauge",
+     "Prompt tokens served from the prefix cache / prompt tokens, since the start."),
+    ("pages_cached", "pages_cached", "gauge", "KV-cache pages holding a cached prefix (in use or idle)."),
 )
 QUANTILES = (0.5, 0.99)
 
