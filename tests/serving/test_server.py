@@ -409,3 +409,19 @@ def test_a_request_whose_inputs_break_a_step_fails_alone(served, monkeypatch):
     assert [r.json()["choices"][0]["text"] for r in responses[1:3]] == [expected] * 2
     assert httpx.get(f"{served.url}/health").status_code == 200
     wait_idle(served)
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(served):
+    system = "You are a terse assistant. Answer in one word. "
+    first = served.client.completions.create(model=NAME, prompt=system + "Sky?", max_tokens=2, temperature=0)
+    second = served.client.completions.create(model=NAME, prompt=system + "Sea?", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    page_size = served.manager.engine.config.page_size
+    ids = [served.tokenizer.encode(system + question) for question in ("Sky?", "Sea?")]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert cached == common // page_size * page_size > 0
+    metrics = served.metrics()
+    assert metrics["moe_jax_prompt_tokens_cached_total"] >= cached and metrics["moe_jax_pages_cached"] >= 1
+    assert 0 < metrics["moe_jax_prefix_cache_hit_rate"] == pytest.approx(
+        metrics["moe_jax_prompt_tokens_cached_total"] / metrics["moe_jax_prompt_tokens_total"])
