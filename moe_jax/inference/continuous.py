@@ -71,6 +71,10 @@ class ServingEngine(Scheduler):
     def __init__(self, model, config: ContinuousBatchingConfig | None = None, *, params=None,
                  decode: Callable[[list[int]], str] | None = None):
         config = config or ContinuousBatchingConfig()
+        if config.speculative == "mtp":
+            raise ValueError("speculative='mtp' drafts with the checkpoint's multi-token-prediction layers, which "
+                             f"this engine cannot run yet for {type(model).__name__}; use speculative='ngram' "
+                             "(prompt lookup) or None.")
         super().__init__(config, groups=model.data_parallel_size, vocab_size=model.config.vocab_size,
                          max_positions=getattr(model.config, "max_position_embeddings", None),
                          run=self._run_program, decode=decode, namespace=_cache_namespace(model))
@@ -95,13 +99,15 @@ class ServingEngine(Scheduler):
         return self.programs.compilations
 
     def program_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, rows, tokens) of every program a step can run: prefill or mixed, and decode at each of
-        `decode_row_counts` (each compiled at every page width)."""
+        """(name, rows, tokens) of every program a step can run: prefill or mixed, and decode (and, with
+        speculative decoding, verify) at each of `decode_row_counts` (each compiled at every page width)."""
         config = self.config
         shapes = ([("mixed", self.groups * rows + config.max_slots, config.prefill_chunk)
                    for rows in self.mixed_prompt_rows] if config.mixed_steps else
                   [("prefill", self.groups * config.prefill_rows, config.prefill_chunk)])
-        return shapes + [("decode", self.groups * rows, 1) for rows in self.decode_row_counts]
+        verify = ([("verify", self.groups * rows, 1 + config.num_speculative_tokens) for rows in self.decode_row_counts]
+                  if config.speculative else [])
+        return shapes + [("decode", self.groups * rows, 1) for rows in self.decode_row_counts] + verify
 
     def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at

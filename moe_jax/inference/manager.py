@@ -260,9 +260,12 @@ class ContinuousBatchingManager:
                     requests_running=engine.slots_in_use, requests_finished=self.finished_requests,
                     generated_tokens=engine.generated_tokens, prefill_steps=engine.steps["prefill"],
                     decode_steps=engine.steps["decode"], mixed_steps=engine.steps["mixed"],
-                    compiled_programs=len(engine.compiled_shapes), prompt_tokens=engine.prompt_tokens,
-                    cached_prompt_tokens=engine.cached_prompt_tokens, prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
-                    pages_cached=engine.book.cached_pages(),
+                    verify_steps=engine.steps["verify"], compiled_programs=len(engine.compiled_shapes),
+                    prompt_tokens=engine.prefix_cache.prompt_tokens,
+                    cached_prompt_tokens=engine.prefix_cache.cached_prompt_tokens,
+                    prefix_cache_hit_rate=engine.prefix_cache.hit_rate, pages_cached=engine.book.cached_pages(),
+                    draft_tokens=engine.draft_tokens, accepted_draft_tokens=engine.accepted_draft_tokens,
+                    acceptance_rate=engine.acceptance_rate,
                     tokens_per_s=sum(n for _, n in recent) / span if span > 0 else 0.0, **ranks)
 
     # ---- the engine's thread -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 
 from .detokenize import IncrementalDecoder
 from .sampling import Sampling
+from .speculative import check_speculative
 
 
 class RequestStatus(IntEnum):
@@ -121,7 +122,11 @@ class ContinuousBatchingConfig:
     rebalance_every: with redundant expert slots (`num_redundant_experts`), re-place the experts after every that
     many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never);
     prefix_caching: a request reuses the stored keys and values of every full page of its longest prefix that an
-    earlier request computed (`kv_cache.page_book`), and prefills only the rest."""
+    earlier request computed (`kv_cache.page_book`), and prefills only the rest;
+    speculative: None, or "ngram" (prompt lookup: drafts copied from the request's own context after the latest
+    earlier occurrence of its last `ngram_max` .. `ngram_min` tokens) or "mtp" (the checkpoint's multi-token-
+    prediction layers draft): a decode step scores up to `num_speculative_tokens` drafts per request at once
+    (`speculative`); greedy tokens are plain decoding's, sampled ones keep its distribution."""
 
     max_slots: int = 8
     page_size: int = 16
@@ -133,6 +138,30 @@ class ContinuousBatchingConfig:
     decode_rows: tuple[int, ...] | None = None
     rebalance_every: int | None = None
     prefix_caching: bool = True
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        check_speculative(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+
+    def decode_row_counts(self, groups: int) -> list[int]:
+        """The decode programs' rows per data-parallel group, ascending: `decode_rows` (checked) or max_slots /
+        groups / 4**i down to 1, and max_slots / groups itself in either case."""
+        per_group = self.max_slots // groups
+        if self.decode_rows is None:
+            counts, rows = {per_group}, per_group
+            while rows > 1:
+                rows = max(rows // 4, 1)
+                counts.add(rows)
+            return sorted(counts)
+        bad = [rows for rows in self.decode_rows if not isinstance(rows, int) or not 1 <= rows <= per_group]
+        if bad:
+            raise ValueError(f"decode_rows={tuple(self.decode_rows)}: each must be an int in [1, {per_group}] "
+                             f"(max_slots per data-parallel group); {bad} is not. E.g. decode_rows=({per_group},) for "
+                             "one decode program.")
+        return sorted(set(self.decode_rows) | {per_group})
 
     @property
     def pages_per_slot(self) -> int:

@@ -27,9 +27,11 @@ from functools import partial
 
 import numpy as np
 
-from ..kv_cache import PageBook, page_digests, root_digest
+from ..kv_cache import PageBook
 from .detokenize import IncrementalDecoder
 from .requests import ContinuousBatchingConfig, Request, RequestStatus, StepEvent
+from .prefix_cache import PrefixCache
+from .speculative import request_drafts
 from .step_inputs import blank_row, host_inputs, write_sampling
 
 
@@ -55,7 +57,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk={config.prefill_chunk} and prefill_rows={config.prefill_rows} must "
                              "be >= 1.")
         self.groups = groups
-        self.decode_row_counts = _decode_row_counts(config.decode_rows, config.max_slots // groups)
+        self.decode_row_counts = config.decode_row_counts(groups)
         self.pages_per_slot = config.pages_per_slot
         total = config.num_pages or config.max_slots * self.pages_per_slot
         if total % groups or total // groups < self.pages_per_slot:
@@ -68,14 +70,15 @@ class Scheduler:
                              f"no prompt (at most {config.max_model_len - 1} tokens) fills one. Use a page_size of "
                              f"at most {max(config.max_model_len - 2, 1)}, or prefix_caching=False.")
         self.book = PageBook(groups, total // groups, config.page_size, caching=config.prefix_caching)
-        self.namespace = namespace
+        self.prefix_cache = PrefixCache(self.book, page_size=config.page_size, enabled=config.prefix_caching,
+                                        namespace=namespace)
         self.slots: list[Request | None] = [None] * config.max_slots
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self.steps = {"prefill": 0, "decode": 0, "mixed": 0}
+        self.steps = {"prefill": 0, "decode": 0, "mixed": 0, "verify": 0}
         self.generated_tokens = 0
-        self.prompt_tokens = 0          # prompt tokens of the admitted requests
-        self.cached_prompt_tokens = 0   # of those, the tokens whose keys and values came from the prefix cache
+        self.draft_tokens = 0           # speculative drafts verified
+        self.accepted_draft_tokens = 0  # of those, the drafts accepted
         self._failed: list[StepEvent] = []   # requests whose own inputs failed while a step was built
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -176,11 +179,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         per_group = self.config.max_slots // self.groups
-        page_size = self.config.page_size
         while self.waiting:
             request = self.waiting[0]
             tokens = min(len(request.prompt_ids) + request.settings.max_new_tokens, self.config.max_model_len)
-            reusable = self._reusable_digests(request)
+            reusable = self.prefix_cache.reusable(request)
             candidates = sorted(((len(self.book.match(g, reusable)), self.book.free_pages(g), g)
                                  for g in range(self.groups)
                                  if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))),
@@ -193,10 +195,7 @@ class Scheduler:
                     continue
                 slot = next(s for s in range(group * per_group, (group + 1) * per_group) if self.slots[s] is None)
                 request.slot, request.group, request.pages = slot, group, pages
-                request.prefilled = request.output.cached_tokens = len(shared) * page_size
-                request.registered = len(shared)
-                self.prompt_tokens += len(request.prompt_ids)
-                self.cached_prompt_tokens += request.prefilled
+                self.prefix_cache.admitted(request, shared)
                 self.slots[slot] = request
                 request.output.status = RequestStatus.PREFILLING
                 request.output.lifespan = (time.perf_counter(), -1)
@@ -205,37 +204,6 @@ class Scheduler:
                 break
             if not placed:
                 return
-
-    def _reusable_digests(self, request: Request) -> list[bytes]:
-        """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply: the
-        last token is always prefilled, to sample the first new one)."""
-        if not self.config.prefix_caching:
-            return []
-        page_size = self.config.page_size
-        reusable = (len(request.prompt_ids) - 1) // page_size
-        page_digests(request.prompt_ids[:reusable * page_size], page_size, self._root(request), request.page_digests)
-        return request.page_digests[:reusable]
-
-    def _root(self, request: Request) -> bytes:
-        return root_digest(self.namespace, request.cache_salt)
-
-    def _stored(self, request: Request, stored: int) -> None:
-        """The first `stored` tokens of `request` (prompt, then generated) have their keys and values in its pages:
-        register its pages that are full now, for later requests to reuse."""
-        page_size = self.config.page_size
-        full = min(stored // page_size, len(request.pages))
-        if not self.config.prefix_caching or full <= request.registered:
-            return
-        tokens = request.prompt_ids + request.output.generated_tokens
-        digests = page_digests(tokens[:full * page_size], page_size, self._root(request), request.page_digests)
-        for page in range(request.registered, full):
-            self.book.register(request.group, digests[page], request.pages[page])
-        request.registered = full
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens admitted (0 before any)."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def _page_row(self, request: Request) -> np.ndarray:
         row = np.zeros(self.pages_per_slot, np.int32)
@@ -284,25 +252,71 @@ class Scheduler:
         return self._prefilled(placed, tokens)
 
     def _decode(self, decoding: list[Request]) -> list[StepEvent]:
-        """One token for each decoding request, each group's requests packed into its first rows of the smallest
-        decode program that holds them (`decode_row_counts`)."""
-        by_group: list[list[Request]] = [[] for _ in range(self.groups)]
-        for request in sorted(decoding, key=lambda r: r.slot):
-            by_group[request.group].append(request)
-        per_group = next(rows for rows in self.decode_row_counts if rows >= max(map(len, by_group)))
+        """One token for each decoding request (with speculation, when some request has drafts: its accepted
+        drafts and one more, `_verify`), each group's requests packed into its first rows of the smallest decode
+        program that holds them (`decode_row_counts`)."""
+        drafts = {request.request_id: request_drafts(request, self.config) for request in decoding} \
+            if self.config.speculative else {}
+        if any(drafts.values()):
+            return self._verify(decoding, drafts)
+        per_group, rows = self._decode_rows(decoding)
         inputs = self._host_inputs(self.groups * per_group, 1)
-        rows = {}
-        for group, requests in enumerate(by_group):
-            for i, request in enumerate(requests):
-                rows[request.request_id] = group * per_group + i
-                self._write_row(inputs, rows[request.request_id], request,
-                                partial(self._decode_row, inputs, rows[request.request_id], request))
+        for request in decoding:
+            self._write_row(inputs, rows[request.request_id], request,
+                            partial(self._decode_row, inputs, rows[request.request_id], request))
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not decoding:
             return []
         tokens = self._run("decode", inputs)
         self.steps["decode"] += 1
         return [self._emit(request, int(tokens[rows[request.request_id]])) for request in decoding]
+
+    def _decode_rows(self, decoding: list[Request]) -> tuple[int, dict[str, int]]:
+        """-> (rows per group of the smallest decode program holding every group's decoding requests, each
+        request's row: its group's first rows, in slot order)."""
+        by_group: list[list[Request]] = [[] for _ in range(self.groups)]
+        for request in sorted(decoding, key=lambda r: r.slot):
+            by_group[request.group].append(request)
+        per_group = next(rows for rows in self.decode_row_counts if rows >= max(map(len, by_group)))
+        return per_group, {request.request_id: group * per_group + i for group, requests in enumerate(by_group)
+                           for i, request in enumerate(requests)}
+
+    def _verify(self, decoding: list[Request], drafts: dict[str, list[int]]) -> list[StepEvent]:
+        """One verification step: each decoding request's last token and its drafts in a row of 1 +
+        `num_speculative_tokens` tokens (`decode_row_counts` rows per group) -> what each got: its accepted drafts
+        and one token more."""
+        per_group, rows = self._decode_rows(decoding)
+        inputs = self._host_inputs(self.groups * per_group, 1 + self.config.num_speculative_tokens)
+        for request in decoding:
+            self._write_row(inputs, rows[request.request_id], request, partial(
+                self._decode_row, inputs, rows[request.request_id], request, drafts[request.request_id]))
+        decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
+        if not decoding:
+            return []
+        verified = self._run("verify", inputs)
+        self.steps["verify"] += 1
+        events = []
+        for request in decoding:
+            count, *tokens = verified[rows[request.request_id]]
+            self.draft_tokens += len(drafts[request.request_id])
+            self.accepted_draft_tokens += int(count) - 1
+            events.append(self._emit_tokens(request, [int(token) for token in tokens[:count]]))
+        return events
+
+    def _emit_tokens(self, request: Request, tokens: list[int]) -> StepEvent:
+        """`_emit` each of a step's tokens for `request` in order, up to one that ends it -> one event."""
+        emitted = []
+        for token in tokens:
+            event = self._emit(request, token)
+            emitted.append(token)
+            if event.finished:
+                break
+        return StepEvent(request, emitted, event.finished, event.generated)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Speculative drafts accepted / drafts verified (0 before any)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
         """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
@@ -349,10 +363,12 @@ class Scheduler:
         inputs["lengths"][row] = start
         self._sampling_inputs(inputs, row, request)
 
-    def _decode_row(self, inputs: dict, row: int, request: Request) -> None:
-        """Put `request`'s last token in row `row`, to store it and sample the next."""
+    def _decode_row(self, inputs: dict, row: int, request: Request, drafts: list[int] = ()) -> None:
+        """Put `request`'s last token (and its drafts, in a verification step) in row `row`, to store them and
+        sample the next."""
         inputs["ids"][row, 0] = request.output.generated_tokens[-1]
-        inputs["mask"][row, 0] = 1
+        inputs["ids"][row, 1:1 + len(drafts)] = drafts
+        inputs["mask"][row, :1 + len(drafts)] = 1
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
         self._sampling_inputs(inputs, row, request)
@@ -363,7 +379,7 @@ class Scheduler:
         events = []
         for row, request, count in placed:
             request.prefilled += count
-            self._stored(request, request.prefilled)
+            self.prefix_cache.stored(request, request.prefilled)
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
                 events.append(self._emit(request, int(tokens[row])))
@@ -382,7 +398,7 @@ class Scheduler:
         output.timestamps.append(time.perf_counter())
         self.generated_tokens += 1
         # Stored now: the prompt and every generated token but the new one (it is stored when it is decoded).
-        self._stored(request, len(request.prompt_ids) + len(output.generated_tokens) - 1)
+        self.prefix_cache.stored(request, len(request.prompt_ids) + len(output.generated_tokens) - 1)
         s = request.settings
         reason = None
         if token in s.eos_token_id:
@@ -419,18 +435,3 @@ class Scheduler:
             self.book.release(request.group, request.pages)
             request.slot, request.pages = None, []
 
-
-def _decode_row_counts(choice: tuple[int, ...] | None, per_group: int) -> list[int]:
-    """The decode programs' rows per group, ascending: `choice` (checked) or per_group / 4**i down to 1, and
-    per_group itself in either case."""
-    if choice is None:
-        counts, rows = {per_group}, per_group
-        while rows > 1:
-            rows = max(rows // 4, 1)
-            counts.add(rows)
-        return sorted(counts)
-    bad = [rows for rows in choice if not isinstance(rows, int) or not 1 <= rows <= per_group]
-    if bad:
-        raise ValueError(f"decode_rows={tuple(choice)}: each must be an int in [1, {per_group}] (max_slots per "
-                         f"data-parallel group); {bad} is not. E.g. decode_rows=({per_group},) for one decode program.")
-    return sorted(set(choice) | {per_group})

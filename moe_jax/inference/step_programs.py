@@ -6,8 +6,11 @@ first use or all at once, and run on a step's host inputs.
 
 Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (prompt rows + slots per group),
 chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
-per kind of sequence (`kv_cache.SegmentedPagedKV`). Every program samples each row by its own settings and
-returns the new ids [rows] (replicated: what the host reads) and the pools, donated and updated in place. Experts
+per kind of sequence (`kv_cache.SegmentedPagedKV`); "verify" [rows, 1 + num_speculative_tokens] (speculative
+decoding: each row's last token and its drafts, scored at every position, `speculative.accepted_tokens`). Every
+program samples each row by its own settings and returns the new ids [rows] (verify: [rows, 1 + T], each row's
+count of new tokens then the tokens) (replicated: what the host reads) and the pools, donated and updated in
+place. Experts
 run at the largest dispatch capacity (`capacity=None`), which never drops a pair, under the model's expert
 placement as it is at each step; with `config.rebalance_every` the programs also return the step's `expert_load`,
 summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
@@ -33,6 +36,7 @@ from ..kv_cache import PagedKVCache, init_page_pools
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
 from .sampling import next_tokens_per_row
+from .speculative import accepted_tokens
 from .step_inputs import host_inputs, packed, packed_width, unpacked
 
 
@@ -153,7 +157,7 @@ class StepPrograms:
     def _lowered(self, name: str, placed: tuple, tokens: int):
         rows = placed[0].shape[0]
         prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
-        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows),
+        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=name == "verify"),
                        donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values, *placed)
 
     def lower(self, name: str, rows: int, tokens: int, width: int):
@@ -165,10 +169,12 @@ class StepPrograms:
         return self._lowered(name, placed, tokens)
 
     # ---- the step's math (traced) ----------------------------------------------------------------------------
-    def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None):
+    def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None,
+                   verify: bool = False):
         """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
-        new tokens stored). weights: (params, the adapter's arrays or None, the expert placement or None). prompt_rows (a mixed step): each
-        group's rows are that many prompt rows then its slots' one token each, run as flat tokens."""
+        new tokens stored). weights: (params, the adapter's arrays or None, the expert placement or None).
+        prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots' one token each, run
+        as flat tokens. verify: every position is scored and each row's drafts accepted or not (-> [rows, 1 + S])."""
         params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens)
         mask = inputs["mask"]
@@ -187,8 +193,13 @@ class StepPrograms:
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
                                        inference=True, return_hidden=True, adapter=adapter, expert_placement=placement)
-            hidden = jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
-        logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)[:, 0]
+            hidden = out.hidden_states if verify else jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
+        loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
+            (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
+        logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)
+        if verify:
+            return (self._verified(logits, inputs), out.cache.keys, out.cache.values, *loads)
+        logits = logits[:, 0]
         logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
             inputs["seeds"], inputs["counters"])
@@ -199,9 +210,19 @@ class StepPrograms:
                                         inputs["top_k"], inputs["top_p"]),
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
-        loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
-            (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
         return new_ids, out.cache.keys, out.cache.values, *loads
+
+    def _verified(self, logits: jax.Array, inputs: dict) -> jax.Array:
+        """logits: [R, S, V] a verification step's -> [R, 1 + S] each row's count of new tokens, then the tokens
+        (`speculative.accepted_tokens`; position j's key is the row's key for its output index counter + j)."""
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.model.mesh, P(
+            spec_entry(self.model.layout.batch_axes), None, None)))
+        length = logits.shape[1]
+        keys = jax.vmap(lambda seed, count: jax.vmap(lambda j: jax.random.fold_in(jax.random.key(seed), count + j))(
+            jnp.arange(length)))(inputs["seeds"], inputs["counters"])
+        tokens, counts = accepted_tokens(logits, inputs["ids"], inputs["mask"], keys, inputs["do_sample"],
+                                         inputs["temperature"], inputs["top_k"], inputs["top_p"])
+        return jax.lax.with_sharding_constraint(jnp.concatenate([counts[:, None], tokens], axis=1), self._replicated)
 
     def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:
         """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""

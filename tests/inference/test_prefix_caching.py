@@ -38,13 +38,13 @@ def test_a_later_request_reuses_the_cached_prefix_pages_and_prefills_only_the_re
     assert prefill_starts(step) == [12]                                # only [30, 31, 32] is computed
     run_all(engine)
     assert second.output.generated_tokens == [33, 34, 35, 36]
-    assert (engine.prompt_tokens, engine.cached_prompt_tokens) == (29, 12)
-    assert engine.prefix_cache_hit_rate == pytest.approx(12 / 29)
+    assert (engine.prefix_cache.prompt_tokens, engine.prefix_cache.cached_prompt_tokens) == (29, 12)
+    assert engine.prefix_cache.hit_rate == pytest.approx(12 / 29)
     assert engine.book.free_pages() == engine.book.total_pages
 
 
 def first_pages(engine: Scheduler, prefix: list[int]) -> list[int]:
-    return engine.book.match(0, page_digests(prefix, engine.config.page_size, root_digest(engine.namespace)))
+    return engine.book.match(0, page_digests(prefix, engine.config.page_size, root_digest(engine.prefix_cache.namespace)))
 
 
 def test_a_wholly_cached_prompt_still_prefills_its_last_token():
@@ -79,7 +79,7 @@ def test_a_salt_keeps_requests_apart():
     engine.add(Request("b", SYSTEM + [1], RequestSettings(max_new_tokens=1), cache_salt="tenant-b"))
     engine.add(Request("c", SYSTEM + [1], RequestSettings(max_new_tokens=1), cache_salt="tenant-a"))
     run_all(engine)
-    assert engine.cached_prompt_tokens == 12                           # c reused a's pages; b reused none
+    assert engine.prefix_cache.cached_prompt_tokens == 12                           # c reused a's pages; b reused none
 
 
 def test_under_page_pressure_idle_prefixes_are_evicted_and_tokens_are_unchanged():
@@ -107,7 +107,7 @@ def test_prefix_caching_off_reuses_nothing():
     for name in ("a", "b"):
         engine.add(Request(name, SYSTEM + [1], RequestSettings(max_new_tokens=1)))
     run_all(engine)
-    assert engine.cached_prompt_tokens == 0 and engine.book.cached_pages() == 0
+    assert engine.prefix_cache.cached_prompt_tokens == 0 and engine.book.cached_pages() == 0
 
 
 def test_two_groups_place_a_request_where_its_prefix_is_cached():
@@ -166,4 +166,4 @@ def test_greedy_tokens_are_the_same_with_and_without_prefix_caching_under_page_p
     cached, engine = staggered_tokens(model, ContinuousBatchingConfig(**settings), prompts)
     plain, _ = staggered_tokens(model, ContinuousBatchingConfig(**settings, prefix_caching=False), prompts)
     assert cached == plain
-    assert engine.cached_prompt_tokens >= 8 * len(prompts) // 2 and engine.book.evictions > 0
+    assert engine.prefix_cache.cached_prompt_tokens >= 8 * len(prompts) // 2 and engine.book.evictions > 0

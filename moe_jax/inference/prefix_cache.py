@@ -1,0 +1,60 @@
+"""The scheduler's side of automatic prefix caching: which of a request's prompt pages a cached prefix may supply,
+registering the pages a request has filled, and the hit counters (the pages themselves: `kv_cache.PageBook`).
+
+    prefix = PrefixCache(book, page_size=16, enabled=True, namespace="model")
+    shared = book.match(group, prefix.reusable(request))     # admission: the cached pages of its prompt's prefix
+    prefix.admitted(request, shared)                         # it starts prefilling after them
+    prefix.stored(request, tokens)                           # its first `tokens` tokens' keys and values are stored
+"""
+
+from __future__ import annotations
+
+from ..kv_cache import PageBook, page_digests, root_digest
+from .requests import Request
+
+
+class PrefixCache:
+    def __init__(self, book: PageBook, *, page_size: int, enabled: bool, namespace: str | None = None):
+        """namespace: what the keys and values depend on besides the tokens (the model, its adapter): part of
+        every page's digest, with the request's `cache_salt`."""
+        self.book, self.page_size, self.enabled, self.namespace = book, page_size, enabled, namespace
+        self.prompt_tokens = 0          # prompt tokens of the admitted requests
+        self.cached_prompt_tokens = 0   # of those, the tokens whose keys and values came from the cache
+
+    def root(self, request: Request) -> bytes:
+        return root_digest(self.namespace, request.cache_salt)
+
+    def reusable(self, request: Request) -> list[bytes]:
+        """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply:
+        the last token is always prefilled, to sample the first new one); none when caching is off."""
+        if not self.enabled:
+            return []
+        reusable = (len(request.prompt_ids) - 1) // self.page_size
+        page_digests(request.prompt_ids[:reusable * self.page_size], self.page_size, self.root(request),
+                     request.page_digests)
+        return request.page_digests[:reusable]
+
+    def admitted(self, request: Request, shared: list[int]) -> None:
+        """`request` took its pages, the first `shared` from the cache: it prefills from after them."""
+        request.prefilled = request.output.cached_tokens = len(shared) * self.page_size
+        request.registered = len(shared)
+        self.prompt_tokens += len(request.prompt_ids)
+        self.cached_prompt_tokens += request.prefilled
+
+    def stored(self, request: Request, stored: int) -> None:
+        """The first `stored` tokens of `request` (prompt, then generated) have their keys and values in its
+        pages: register its pages that are full now, for later requests to reuse."""
+        full = min(stored // self.page_size, len(request.pages))
+        if not self.enabled or full <= request.registered:
+            return
+        tokens = request.prompt_ids + request.output.generated_tokens
+        digests = page_digests(tokens[:full * self.page_size], self.page_size, self.root(request),
+                               request.page_digests)
+        for page in range(request.registered, full):
+            self.book.register(request.group, digests[page], request.pages[page])
+        request.registered = full
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the cache / prompt tokens admitted (0 before any)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

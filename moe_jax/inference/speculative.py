@@ -1,0 +1,95 @@
+"""Speculative decoding in continuous batching: drafts proposed on the host, verified on the device in one step.
+
+    drafts = ngram_drafts(context, k=4, ngram_min=2, ngram_max=4)      # host: prompt lookup
+    tokens, counts = accepted_tokens(logits, drafts, draft_counts, ...)  # device: [R, K + 1], [R]
+
+Prompt lookup ("ngram", vLLM's n-gram proposer): a request's drafts are the tokens that followed the latest earlier
+occurrence of its last n tokens in its own context (prompt and output), for the longest n in [ngram_min,
+ngram_max] that occurs: code edits, quotes and resent context copy long spans, and there the drafts are right.
+
+A verification step runs each decoding row as [its last token, its drafts] (`ContinuousBatchingConfig.
+num_speculative_tokens` drafts at most) and scores every position at once: position j's logits predict the token
+after draft j. At each position the step draws the token plain decoding would draw there (greedy: the argmax;
+sampling: the warped categorical under the request's key for that output index, `fold_in(key(seed), index)`), and
+a row keeps its drafts while each equals the token drawn before it, then the token drawn after the last one kept.
+So the output is plain decoding's, token for token, greedy or sampled. For a draft that is one token with
+certainty (prompt lookup; greedy drafters) this is Leviathan et al.'s rejection sampling with the randomness
+shared: draft d is kept with probability p(d), and when it is not, the token drawn is distributed as the target
+without d, renormalised (the Gumbel-max draw conditioned on not being d). A row gains its kept drafts and one
+token more, so a step never yields fewer tokens than a plain decode step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .sampling import next_tokens_per_row
+
+# The drafts a verification step may check per row (its rows are this plus one tokens long).
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+def check_speculative(method: str | None, num_tokens: int, ngram_min: int, ngram_max: int) -> None:
+    """The errors a speculative configuration raises, naming the value and the fix."""
+    if method is None:
+        return
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative={method!r}: expected one of {SPECULATIVE_METHODS} or None.")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens={num_tokens!r} must be an int in [1, {MAX_SPECULATIVE_TOKENS}] "
+                         "(the drafts a verification step checks per request).")
+    if method == "ngram" and not 1 <= ngram_min <= ngram_max:
+        raise ValueError(f"ngram_min={ngram_min} and ngram_max={ngram_max}: prompt lookup needs 1 <= ngram_min <= "
+                         "ngram_max (the lengths of the context's tail it looks up).")
+
+
+def ngram_drafts(context, k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """context: a request's tokens so far (prompt, then output) -> up to `k` drafts: what followed the latest
+    earlier occurrence of its last n tokens, for the longest n in [ngram_min, ngram_max] found (none: [])."""
+    tokens = np.asarray(context, np.int64)
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)    # every earlier n tokens
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            follow = int(starts[-1]) + n
+            return tokens[follow:follow + k].tolist()
+    return []
+
+
+def request_drafts(request, config) -> list[int]:
+    """Up to `config.num_speculative_tokens` drafts for a request's (`requests.Request`) next tokens, as many as
+    its output and the context have room for with one token after them (so its pages hold every token a step
+    writes)."""
+    generated = len(request.output.generated_tokens)
+    room = min(request.settings.max_new_tokens - generated,
+               config.max_model_len - len(request.prompt_ids) - generated) - 1
+    count = min(config.num_speculative_tokens, room)
+    if count < 1:
+        return []
+    return ngram_drafts(request.prompt_ids + request.output.generated_tokens, count, config.ngram_min,
+                        config.ngram_max)
+
+
+def accepted_tokens(logits: jax.Array, ids: jax.Array, mask: jax.Array, keys: jax.Array, do_sample: jax.Array,
+                    temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One verification step's acceptance, each row by its own settings.
+
+    logits: [R, T, V] the target's logits at each of the row's tokens; ids: [R, T] the row's last token then its
+    drafts; mask: [R, T] its real tokens (1 + its drafts; an idle row: none); keys: [R, T] typed PRNG keys, the
+    row's key for each output index (as plain decoding keys it); do_sample, temperature, top_k, top_p: [R] as
+    `next_tokens_per_row` -> (tokens [R, T] int32: the accepted drafts then the target's token, -1 after;
+    counts [R] int32: how many)."""
+    rows, length, vocab = logits.shape
+    repeat = lambda values: jnp.repeat(values, length)   # noqa: E731 - a row's settings at each of its positions
+    # Every position's token as plain decoding draws it at that output index (greedy: the argmax); a draft is
+    # accepted while it equals them.
+    drawn = next_tokens_per_row(logits.reshape(rows * length, vocab), keys.reshape(-1), repeat(do_sample),
+                                repeat(temperature), repeat(top_k), repeat(top_p)).reshape(rows, length)
+    drafts, draft_counts = ids[:, 1:], jnp.sum(mask, axis=1) - 1
+    accept = (drafts == drawn[:, :-1]) & (jnp.arange(length - 1)[None, :] < draft_counts[:, None])
+    accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
+    tokens = jnp.where(jnp.arange(length)[None, :] <= accepted[:, None], drawn, -1)
+    return tokens.astype(jnp.int32), (accepted + 1).astype(jnp.int32)
