@@ -95,3 +95,15 @@ def test_installed_console_script_reports_bad_input_without_a_traceback(tmp_path
     assert result.stderr.startswith("error: The demo needs 8 devices but JAX started with 2 CPU device(s)")
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command,flags,expected", [
+    ("generate", ["--num-speculative-tokens", "0"], "--num-speculative-tokens 0 must be an int in [1, 16]"),
+    ("serve", ["--num-speculative-tokens", "17"], "--num-speculative-tokens 17 must be an int in [1, 16]"),
+    ("generate", ["--ngram-min", "5"], "--ngram-min 5 and --ngram-max 4: prompt lookup needs 1 <= ngram_min"),
+])
+def test_speculative_flags_out_of_range_are_refused_before_loading(command, flags, expected, capsys):
+    checkpoint = Path(__file__).parent / "fixtures" / "models" / "qwen3_moe"
+    prompt = ["--prompt-ids", "1,2"] if command == "generate" else []
+    assert main([command, "--model", str(checkpoint), *prompt, "--speculative", "ngram", *flags]) == 2
+    assert error_line(capsys).startswith(expected)

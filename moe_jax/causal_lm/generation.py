@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..inference.batch import generate_batch
+import numpy as np
+
+from ..inference.batch import generate_batch, speculative_sequences
 from ..inference.continuous import ContinuousBatchingConfig, ServingEngine
 from ..inference.generate import Generator
 from ..inference.generation_config import GenerationConfig
@@ -19,18 +21,29 @@ class GenerationMixin:
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
                  max_length: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 pad_token_id: int | None = None, seed: int = 0, params: Mapping | None = None, streamer=None):
+                 pad_token_id: int | None = None, seed: int = 0, params: Mapping | None = None, streamer=None,
+                 speculative: str | None = None, num_speculative_tokens: int = 4):
         """Transformers' `generate` (greedy or sampling): input_ids [B, S] left-padded, attention_mask [B, S]
         -> numpy [B, S + n], the prompts followed by the new tokens (after a row's EOS: `pad_token_id`).
 
         Unset arguments come from `self.generation_config` (the checkpoint's generation_config.json, else
         config.json's special tokens, else Transformers' defaults: max_length 20, greedy). `seed` fixes
         sampling; `streamer(step, ids [B])` sees each step's new ids as they arrive. Details and timings:
-        `moe_jax.inference.Generator`."""
+        `moe_jax.inference.Generator`. speculative ("ngram" or "mtp", up to `num_speculative_tokens` drafts a
+        step): the rows run through continuous batching with speculative decoding (`inference.speculative`; the
+        same greedy tokens; no pipeline stages, no streamer)."""
         config = self.generation_config.updated(
             max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         )
+        if speculative is not None:
+            if streamer is not None:
+                raise ValueError("generate(speculative=...) takes no streamer: its steps yield several tokens per "
+                                 "row; stream with the continuous-batching manager instead.")
+            input_ids = np.asarray(input_ids)
+            mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+            return speculative_sequences(self, input_ids, mask, config, speculative=speculative,
+                                         num_speculative_tokens=num_speculative_tokens, seed=seed, params=params)
         return self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
                                        on_tokens=streamer).sequences
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..tokenization import CheckpointTokenizer, load_checkpoint_tokenizer
 from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
+from .speculative_flags import add_speculative_flags, speculative_fields
 from .layout_flags import (
     DECODE_SCAN_HELP,
     add_dequantize_flag,
@@ -63,6 +64,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --do-sample: sample among the likeliest tokens whose probabilities sum to "
                              "p (default: the checkpoint's generation_config.json, else 1.0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_speculative_flags(parser)
     add_layout_flags(parser, ep_implementation=True)
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
@@ -146,6 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
                           else DistributedConfig(tp_size=1, ep_implementation=args.ep_implementation))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1.")
+    speculation = speculative_fields(args)
     if any(not ids for ids in prompts):
         raise ValueError("a prompt encodes to no tokens; give some text.")
     generation = GenerationConfig.for_checkpoint(directory, config).updated(max_new_tokens=args.max_new_tokens)
@@ -168,6 +171,10 @@ def run_generate(args: argparse.Namespace) -> int:
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
     # In a multi-process job every process generates the same ids; process 0 prints them.
     printing = jax.process_index() == 0
+    if args.speculative is not None:
+        config_for_call = generation.updated(do_sample=args.do_sample or None, temperature=args.temperature,
+                                             top_k=args.top_k, top_p=args.top_p)
+        return _generate_speculatively(model, prompts, tokenizer, config_for_call, speculation, args.seed, printing)
     streaming = len(prompts) == 1 and printing
     shown = list(prompts[0])  # the ids decoded so far: new text is decode(all) minus decode(before)
     if streaming:
@@ -195,4 +202,36 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"prefill {timings.prompt_tokens} tokens: {timings.prefill_tokens_per_s:.1f} tokens/s; decode "
           f"{timings.new_tokens} tokens in {timings.steps} steps: {timings.decode_tokens_per_s:.1f} tokens/s; "
           f"compile {timings.compile_s:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _generate_speculatively(model, prompts: list[list[int]], tokenizer, generation, speculation: dict, seed: int,
+                            printing: bool) -> int:
+    """--speculative: the prompts through continuous batching with speculative decoding; each completion printed
+    when all are done, then the steps, the drafts kept and the wall time (its programs compiled on the way)."""
+    import time
+
+    from ..inference.batch import batch_config
+    from ..inference.continuous import Request
+    from ..inference.manager import request_settings
+
+    settings = [request_settings(generation, prompt_length=len(ids), seed=seed + i) for i, ids in enumerate(prompts)]
+    engine = model.continuous_batching_engine(batch_config(model, prompts, max(s.max_new_tokens for s in settings),
+                                                           **speculation))
+    start = time.perf_counter()
+    requests = [Request(f"req_{i}", list(ids), s) for i, (ids, s) in enumerate(zip(prompts, settings))]
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        engine.step()
+    seconds = time.perf_counter() - start
+    if printing:
+        for request in requests:
+            kept = [token for token in request.output.generated_tokens if token not in generation.eos_token_id]
+            print(tokenizer.decode(list(request.prompt_ids) + kept))
+    new_tokens = sum(len(request.output.generated_tokens) for request in requests)
+    steps = engine.steps
+    print(f"{new_tokens} new tokens in {sum(steps.values())} steps ({steps['verify']} verifying drafts); drafts "
+          f"kept {engine.accepted_draft_tokens} of {engine.draft_tokens} ({engine.acceptance_rate:.0%}); "
+          f"{seconds:.1f} s with compilation", file=sys.stderr)
     return 0

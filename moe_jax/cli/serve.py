@@ -45,6 +45,7 @@ from pathlib import Path
 
 from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
 from .balance_flags import add_slot_flags, check_slot_flags
+from .speculative_flags import add_speculative_flags, speculative_fields
 from .layout_flags import (
     DECODE_SCAN_HELP,
     add_dequantize_flag,
@@ -99,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "request computed (a shared system prompt, a resent conversation) and prefill only the "
                              "rest (default on; /metrics reports the hit rate; --no-prefix-caching: every prompt is "
                              "prefilled whole)")
+    add_speculative_flags(parser)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the engine's programs before listening (default on)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -166,6 +168,7 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
         raise ValueError(f"--decode-rows {','.join(map(str, args.decode_rows))}: each must be in [1, --max-slots "
                          f"{args.max_slots}] (rows per data-parallel group).")
     check_slot_flags(args)
+    speculative_fields(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535].")
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)
@@ -249,7 +252,7 @@ def _engine_config(args, max_model_len: int):
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
                                     prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps,
                                     decode_rows=args.decode_rows, rebalance_every=args.rebalance_every,
-                                    prefix_caching=args.prefix_caching)
+                                    prefix_caching=args.prefix_caching, **speculative_fields(args))
 
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:

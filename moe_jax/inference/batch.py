@@ -10,6 +10,7 @@ call: up to 32 slots and a context of the longest prompt plus the new tokens.
 
 from __future__ import annotations
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..kv_cache import bucket_length
@@ -20,9 +21,10 @@ from .manager import request_settings
 DEFAULT_MAX_SLOTS = 32
 
 
-def batch_config(model, inputs: list[list[int]], new_tokens: int) -> ContinuousBatchingConfig:
+def batch_config(model, inputs: list[list[int]], new_tokens: int, **fields) -> ContinuousBatchingConfig:
     """Slots for every prompt (up to DEFAULT_MAX_SLOTS, a multiple of the data-parallel size) and a context for
-    the longest prompt plus `new_tokens` (bucketed, so nearby calls reuse the compiled programs)."""
+    the longest prompt plus `new_tokens` (bucketed, so nearby calls reuse the compiled programs); fields: more
+    `ContinuousBatchingConfig` fields (speculative, num_speculative_tokens, ...)."""
     groups = model.data_parallel_size
     slots = -(-min(len(inputs), DEFAULT_MAX_SLOTS) // groups) * groups
     length = bucket_length(max(len(ids) for ids in inputs) + new_tokens + 1)
@@ -30,21 +32,26 @@ def batch_config(model, inputs: list[list[int]], new_tokens: int) -> ContinuousB
     if limit is not None:
         length = min(length, limit)
     return ContinuousBatchingConfig(max_slots=slots, page_size=16, max_model_len=length,
-                                    prefill_chunk=min(128, length))
+                                    prefill_chunk=min(128, length), **fields)
 
 
 def generate_batch(model, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                    continuous_batching_config: ContinuousBatchingConfig | None = None, *,
-                   progress_bar: bool = False, params=None, **kwargs) -> dict[str, GenerationOutput]:
+                   progress_bar: bool = False, params=None, speculative: str | None = None,
+                   num_speculative_tokens: int = 4, **kwargs) -> dict[str, GenerationOutput]:
     """inputs: prompts as token-id lists -> {request id: GenerationOutput}, in input order. kwargs: max_new_tokens,
-    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop."""
+    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop.
+    speculative, num_speculative_tokens: speculative decoding (`ContinuousBatchingConfig`'s; ignored when
+    `continuous_batching_config` is given)."""
     if not inputs:
         return {}
     seed = kwargs.pop("seed", 0)
     generation_config = generation_config or model.generation_config
     settings = [request_settings(generation_config, prompt_length=len(ids), seed=seed + i, **kwargs)
                 for i, ids in enumerate(inputs)]
-    config = continuous_batching_config or batch_config(model, inputs, max(s.max_new_tokens for s in settings))
+    config = continuous_batching_config or batch_config(
+        model, inputs, max(s.max_new_tokens for s in settings),
+        **({} if speculative is None else dict(speculative=speculative, num_speculative_tokens=num_speculative_tokens)))
     engine = model.continuous_batching_engine(config, params=params)
     requests = [Request(f"req_{i}", [int(t) for t in ids], s) for i, (ids, s) in
                 enumerate(zip(inputs, settings))]
@@ -57,3 +64,20 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
         while engine.has_work():
             bar.update(sum(event.finished for event in engine.step()))
     return {request.request_id: request.output for request in requests}
+
+
+def speculative_sequences(model, input_ids: np.ndarray, attention_mask: np.ndarray, config: GenerationConfig, *,
+                          speculative: str, num_speculative_tokens: int, seed: int = 0, params=None) -> np.ndarray:
+    """`generate` with speculative decoding, through continuous batching: input_ids, attention_mask [B, S]
+    (left-padded) -> numpy [B, S + n], the prompts then each row's new tokens, `pad_token_id` after a row's end
+    (n: the most new tokens of any row), as `generate` returns them."""
+    prompts = [[int(t) for t, m in zip(row, mask) if m] for row, mask in zip(np.asarray(input_ids),
+                                                                              np.asarray(attention_mask))]
+    outputs = generate_batch(model, prompts, config, params=params, seed=seed, speculative=speculative,
+                             num_speculative_tokens=num_speculative_tokens)
+    new = [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    width = max(map(len, new))
+    tail = np.full((len(prompts), width), config.padding_token(), np.int32)
+    for row, tokens in enumerate(new):
+        tail[row, :len(tokens)] = tokens
+    return np.concatenate([np.asarray(input_ids, np.int32), tail], axis=1)

@@ -5,7 +5,8 @@
     moe_jax_tokens_per_second (the last seconds), moe_jax_prefill_steps_total, moe_jax_decode_steps_total,
     moe_jax_mixed_steps_total, moe_jax_compiled_programs, the prefix cache's moe_jax_prompt_tokens_total,
     moe_jax_prompt_tokens_cached_total, moe_jax_prefix_cache_hit_rate (their ratio) and moe_jax_pages_cached,
-    and two summaries, moe_jax_time_to_first_token_seconds and
+    speculative decoding's moe_jax_verify_steps_total, moe_jax_spec_draft_tokens_total,
+    moe_jax_spec_accepted_tokens_total and moe_jax_spec_acceptance_rate, and two summaries, moe_jax_time_to_first_token_seconds and
     moe_jax_inter_token_latency_seconds: count and sum since the start, quantiles 0.5 and 0.99 over the
     latest requests (`LatencyStats.window`). Where experts are dispatched over ep, per sparse layer (labelled by its
     index in the model): moe_jax_ep_rank_pairs_total{layer, rank}, the real (token, expert) pairs each ep rank
@@ -43,6 +44,11 @@ MANAGER_METRICS = (
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "gauge",
      "Prompt tokens served from the prefix cache / prompt tokens, since the start."),
     ("pages_cached", "pages_cached", "gauge", "KV-cache pages holding a cached prefix (in use or idle)."),
+    ("verify_steps_total", "verify_steps", "counter", "Decode steps that verified speculative drafts."),
+    ("spec_draft_tokens_total", "draft_tokens", "counter", "Speculative draft tokens verified."),
+    ("spec_accepted_tokens_total", "accepted_draft_tokens", "counter", "Speculative draft tokens kept."),
+    ("spec_acceptance_rate", "acceptance_rate", "gauge",
+     "Speculative draft tokens kept / verified, since the start."),
 )
 QUANTILES = (0.5, 0.99)
 

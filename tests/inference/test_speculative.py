@@ -186,3 +186,19 @@ def test_sampled_tokens_are_plain_samplings_with_ngram_speculation():
 def test_mtp_speculation_needs_mtp_layers():
     with pytest.raises(ValueError, match="speculative='mtp'"):
         ServingEngine(load("qwen3_moe"), ContinuousBatchingConfig(speculative="mtp"))
+
+
+def test_generate_with_ngram_speculation_returns_generates_greedy_sequences():
+    model = load("qwen3_moe")
+    rows = repetitive_prompts(model.config.vocab_size, 1)
+    rows[1] = rows[1][:15]                                   # left padding on the shorter row
+    width = max(map(len, rows))
+    ids = np.zeros((2, width), np.int32)
+    mask = np.zeros((2, width), np.int32)
+    for row, prompt in enumerate(rows):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    plain = model.generate(ids, mask, max_new_tokens=12)
+    speculated = model.generate(ids, mask, max_new_tokens=12, speculative="ngram", num_speculative_tokens=3)
+    assert np.array_equal(np.asarray(plain), speculated)
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        model.generate(ids, mask, max_new_tokens=4, speculative="ngram", num_speculative_tokens=0)
