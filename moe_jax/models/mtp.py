@@ -135,6 +135,7 @@ def mtp_head_logits(weights: dict, head_input):
 
 def shift_left(ids, shift: int, fill: int = 0):
     """ids: [B, S] -> [B, S] with ids[:, i + shift] at position i, `fill` past the end."""
+    ids = jnp.asarray(ids)
     if shift == 0:
         return ids
     pad = jnp.full((ids.shape[0], min(shift, ids.shape[1])), fill, ids.dtype)
