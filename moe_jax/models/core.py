@@ -170,8 +170,9 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         total = DispatchStatistics.zeros()
         if return_mtp_logits:   # the MTP layers read the last hidden states before the final norm
             stacked, mtp_statistics = mtp_forward(
-                family, config, nested["model"], hidden, input_ids, rope_tables(family, config, positions, hidden.dtype),
-                attention_mask, step, core.mtp_layers, logits=not return_hidden)
+                family, config, nested["model"], hidden, input_ids,
+                rope_tables(family, config, positions, hidden.dtype), attention_mask, step, core.mtp_layers,
+                logits=not return_hidden)
             mtp = {"mtp_hidden_states" if return_hidden else "mtp_logits": stacked}
             hidden = rms_norm(nested["model"]["norm"], hidden, config.rms_norm_eps)
             for layer_statistics in mtp_statistics:

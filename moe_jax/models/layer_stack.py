@@ -10,7 +10,9 @@ layer axis that is never sharded, under a storage name that spells the run's lay
     model.layers.0.mlp.gate_proj.weight                 -> model.layers.0.mlp.gate_proj.weight (a run of one)
 
 Multi-token-prediction layers after the decoder layers (`models.mtp`) are never scanned nor pipelined: each is
-stored under its HF names. Everything HF-facing keeps per-layer names: the converters stack while loading (each device still reads
+stored under its HF names.
+
+Everything HF-facing keeps per-layer names: the converters stack while loading (each device still reads
 only its slices) and unstack while exporting; `LayerStack.stack` / `unstack` convert in memory.
 
 With pipeline stages (`LayerStack.plan_pipeline`) the layers are stored by `PipelineLayout` groups instead

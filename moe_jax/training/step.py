@@ -11,7 +11,8 @@ in float32, clipped by their global norm over all parameters (PyTorch's `clip_gr
 optimizer is applied. The loss is the reference's: token cross entropy averaged over every predicted
 token of the global batch, plus `router_aux_loss_coef * aux_loss` (averaged over micro-batches) when the
 config has `output_router_logits=True`, plus `router_z_loss_coef * router_z_loss` and `mtp_loss_coef *
-mtp_loss` (DeepSeek-V3's multi-token prediction) when asked; with `router_bias_update_rate`, each applied step also moves DeepSeek-V3's router bias (`training.balance`).
+mtp_loss` (DeepSeek-V3's multi-token prediction) when asked; with `router_bias_update_rate`, each applied step
+also moves DeepSeek-V3's router bias (`training.balance`).
 
 Dropless without a host round trip: a step whose dispatch dropped any (token, expert) pair returns its
 input state unchanged (an elementwise select; no `lax.cond` around collectives) and sets the sticky

@@ -30,7 +30,8 @@ def mtp_tensors(hf_model, seed: int = 3) -> dict[str, np.ndarray]:
     for depth in range(MTP_LAYERS):
         layer = config.num_hidden_layers + depth
         # A bare layer's parameters are uninitialised (Transformers initialises them in a whole model): drawn here.
-        shapes = {name: tuple(value.shape) for name, value in DeepseekV3DecoderLayer(config, layer).state_dict().items()}
+        bare = DeepseekV3DecoderLayer(config, layer)
+        shapes = {name: tuple(value.shape) for name, value in bare.state_dict().items()}
         tensors = {name: (1 + 0.3 * rng.normal(size=shape) if len(shape) == 1 else 0.1 * rng.normal(size=shape))
                    .astype(np.float32) for name, shape in shapes.items()}
         tensors["mlp.gate.weight"] *= 20.0   # routing far from ties, as `tiny_hf_model` spreads the routers

@@ -9,10 +9,12 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM
 from moe_jax.causal_lm import DeepseekV3ForCausalLM
+from moe_jax.cli import main
 from moe_jax.training import make_train_step
 from moe_jax.training.mtp_loss import mtp_targets
 from tests.models.hf_reference import TINY_DEEPSEEK_V3
 from tests.models.mtp_checkpoints import MTP_LAYERS, write_mtp_checkpoint
+from tests.test_cli_errors import error_line
 
 COEF = 0.3
 
@@ -82,3 +84,10 @@ def test_a_model_without_mtp_layers_refuses_the_mtp_loss():
         make_train_step(model, optax.sgd(1.0), mtp_loss_coef=0.5)
     with pytest.raises(ValueError, match="mtp_loss_coef=-1.0 must be >= 0"):
         make_train_step(model, optax.sgd(1.0), mtp_loss_coef=-1)
+
+
+def test_train_refuses_the_flag_for_a_model_without_mtp_layers(capsys):
+    assert main(["train", "--steps", "1", "--mtp-loss-coef", "0.1", "--no-progress"]) == 2
+    assert error_line(capsys).startswith("mtp_loss_coef=0.1 trains multi-token-prediction layers, which this ")
+    assert main(["train", "--steps", "1", "--mtp-loss-coef", "-1"]) == 2
+    assert error_line(capsys) == "--mtp-loss-coef -1.0 must be >= 0 (0 turns it off)."
