@@ -68,7 +68,7 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     if not dequantize:
         model_kwargs["kept_quantization"] = quantization_method(config, directory)
     if "mtp_layers" not in model_kwargs:
-        model_kwargs["mtp_layers"] = checkpoint_mtp_layers(model_class, config, directory)
+        model_kwargs["mtp_layers"] = checkpoint_mtp_layers(config, directory, model_class)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
@@ -79,9 +79,14 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     return load_weights(model, directory, progress=progress)
 
 
-def checkpoint_mtp_layers(model_class, config: dict, directory) -> int:
+def checkpoint_mtp_layers(config: dict, directory, model_class=None) -> int:
     """How many multi-token-prediction layers the checkpoint at `directory` holds (`models.mtp.held_mtp_layers`):
-    0 for a family without them, and for a directory without weights (a config to compile for)."""
+    0 for a family without them, and for a directory without weights (a config to compile for). model_class: the
+    model's (default: config.json's model_type's)."""
+    if model_class is None:
+        from .causal_lm.families import model_class_for   # the model classes import this module
+
+        model_class = model_class_for(config)
     values = model_class.config_class.from_dict(config)
     if not model_class.family.max_mtp_layers(values):
         return 0

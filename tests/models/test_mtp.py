@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
+from moe_jax.checkpoint_files import read_config
 from moe_jax.cli import main
 from moe_jax.cli.convert import convert
+from moe_jax.pretrained import checkpoint_mtp_layers
 from tests.converters.tiny_checkpoints import read_checkpoint, same_bits
 
 from .hf_reference import hf_logits
@@ -45,6 +47,8 @@ def test_a_checkpoint_without_mtp_tensors_loads_without_mtp_layers(checkpoint, t
     _, hf_model, _ = checkpoint
     hf_model.save_pretrained(tmp_path / "plain")                     # Transformers writes no MTP layer
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_nextn_predict_layers"] == MTP_LAYERS
+    assert checkpoint_mtp_layers(read_config(tmp_path / "plain"), tmp_path / "plain") == 0
+    assert checkpoint_mtp_layers(read_config(checkpoint[0]), checkpoint[0]) == MTP_LAYERS   # as `moe-jax train` counts
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", progress=False, devices=jax.devices()[:1])
     assert model.mtp_layers == 0 and not any(name.startswith("model.layers.3.") for name in model.params)
     with pytest.raises(ValueError, match="return_mtp_logits=True needs multi-token-prediction layers, which this "
