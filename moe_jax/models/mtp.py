@@ -14,8 +14,10 @@ trained as their own). A model holds MTP layers only when built with `mtp_layers
 when the checkpoint holds them (`held_mtp_layers`): Transformers' configs default to num_nextn_predict_layers=1
 while its checkpoints hold none. Unlike vLLM's drafter, the embedding at position 0 is not zeroed.
 
-`mtp_step` is one layer on any positions: with S = 1 and the layer's KV cache (`layer_cache`, `kv_view`, as a
-decoder layer takes them) it drafts one token after another.
+`mtp_step` is one layer on any positions: with S = 1 and the layer's own KV cache (`layer_cache`, `kv_view`: its
+latents and rope keys per position, stored and read as a decoder layer's) it drafts one token after another. The
+model's KV cache (`moe_jax.kv_cache`) holds no entry for the MTP layers yet; `return_mtp_logits` runs them without
+a cache over whole sequences.
 """
 
 from __future__ import annotations
@@ -104,8 +106,8 @@ def mtp_step(family: Family, config, weights: dict, layer: int, previous_hidden,
     """One MTP layer (`model.layers.{layer}`, nested `weights`) at any positions.
 
     previous_hidden: [B, S, H] h^{k-1} at positions i (the main model's last hidden states before its final norm
-    for the first layer); next_ids: [B, S] the token t_{i+k} at each position i (the token after the one the
-    previous depth predicted from); rope: (cos, sin) [B, S, D] of positions i; attention_mask: [B, S] (replaced
+    for the first layer); next_ids: [B, S] the token t_{i+k} at each position i (the token the previous depth, the
+    main model for k = 1, predicts there); rope: (cos, sin) [B, S, D] of positions i; attention_mask: [B, S] (replaced
     by the cache's mask with a cache). layer_cache / kv_view: the layer's cache arrays and their view, as
     `decoder.decoder_layer` takes them (None: attention over these S positions only)."""
     from .decoder import decoder_layer  # the decoder skeleton imports this module for its declarations

@@ -310,7 +310,8 @@ class TrainStep:
             statistics = terms["statistics"]
             totals = {
                 "ce_sum": totals["ce_sum"] + terms["ce_sum"], "aux_sum": totals["aux_sum"] + terms["aux"],
-                **{name: totals[name] + terms[name] for name in ("z_sum", "mtp_sums") if name in totals},
+                **{name: totals[name] + terms[term] for name, term in (("z_sum", "z"), ("mtp_sums", "mtp_sums"))
+                   if name in totals},
                 "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
                 "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
                 **{name: totals[name] + terms[name] for name in LOAD_METRICS if name in totals},
