@@ -82,3 +82,26 @@ def test_convert_writes_the_mtp_layers_back_bit_for_bit(checkpoint, tmp_path, ca
         written = read_checkpoint(exported)
         assert written.keys() == original.keys()
         assert not [key for key in original if not same_bits(written[key], original[key])]
+
+
+def test_an_fp8_checkpoint_keeps_its_mtp_layers_quantised_and_writes_them_back_bit_for_bit(checkpoint, tmp_path):
+    """The MTP blocks' linears are quantised as a decoder layer's; eh_proj, the embedding and the head stay as
+    stored (DeepSeek-V3's release keeps them in bf16)."""
+    from converters import SafetensorsCheckpoint
+    from tests.converters.fp8_checkpoints import write_fp8_checkpoint
+
+    directory, _, _ = checkpoint
+    quantised = write_fp8_checkpoint(directory, tmp_path / "fp8", (16, 16))
+    assert "model.layers.3.self_attn.o_proj.weight" in quantised
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", progress=False, devices=jax.devices()[:1],
+                                                dequantize=False)
+    assert kept.mtp_layers == MTP_LAYERS
+    assert kept.params["model.layers.3.self_attn.o_proj.weight"].dtype == "float8_e4m3fn"
+    assert kept.params["model.layers.3.eh_proj.weight"].dtype == "float32"
+    kept.save_pretrained(tmp_path / "out", progress=False)
+
+    def stored(path):   # float8 tensors read as bytes (safetensors' numpy backend cannot build them)
+        with SafetensorsCheckpoint(path) as files:
+            return {key: (str(info.dtype), files.read(key).tobytes()) for key, info in files.tensors.items()}
+
+    assert stored(tmp_path / "out") == stored(tmp_path / "fp8")
