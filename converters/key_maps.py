@@ -128,7 +128,8 @@ class KeyMap:
     one-way transform); they are read, never written: export uses `rules`, else the parameter's own name.
     A layout may extend another (an FP8 weight is the plain weight's key plus its `weight_scale_inv`): it is
     recognised by the keys the other lacks (`markers`). `ignored` are regular expressions of hub keys that
-    belong to no parameter on purpose (DeepSeek-V3's multi-token-prediction layer): loading skips them.
+    belong to no parameter on purpose (DeepSeek-V3's multi-token-prediction layers of a model that does not hold
+    them): loading skips them.
     `hub_prefix` is stripped from hub keys on load (a multimodal checkpoint's `language_model.`); exports
     write the text model's own keys, without it. `shared_reads` name parameters read from the same hub tensors.
     """
@@ -282,14 +283,22 @@ def fp8_rules(linear_modules: tuple[str, ...], block: tuple[int, int]) -> tuple[
     )
 
 
-def deepseek_v3_key_map(num_hidden_layers: int, mtp_layers: int, block: tuple[int, int] = DEFAULT_BLOCK) -> KeyMap:
+def mtp_layers_ignored(num_hidden_layers: int, mtp_layers: int, held_mtp_layers: int = 0) -> tuple[str, ...]:
+    """The hub keys of the multi-token-prediction layers a model does not hold: layers L + held .. L + mtp_layers - 1
+    of the `mtp_layers` stored after the L decoder layers (the model holds the first `held_mtp_layers`)."""
+    return tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(held_mtp_layers, mtp_layers))
+
+
+def deepseek_v3_key_map(num_hidden_layers: int, mtp_layers: int, block: tuple[int, int] = DEFAULT_BLOCK,
+                        held_mtp_layers: int = 0) -> KeyMap:
     """DeepSeek-V3's table: Qwen2-MoE's per-expert rules (the reference aliases its conversion), the FP8 layout
     in blocks of `block` (quantization_config.weight_block_size), and the `mtp_layers` multi-token-prediction
-    layers stored after the last decoder layer ignored. The reference ignores `model.layers.61.*`, right only
-    for 61-layer models; here the layers ignored are those of the config."""
-    ignored = tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(mtp_layers))
+    layers stored after the last decoder layer ignored, but for the first `held_mtp_layers` that the model holds
+    (their tensors are parameters under their own names; their blocks' experts and FP8 weights follow the same
+    rules as a decoder layer's). The reference ignores `model.layers.61.*`, right only for 61-layer models; here
+    the layers ignored are those of the config."""
     return KeyMap("deepseek_v3", QWEN2_MOE.rules, load_only=fp8_rules(DEEPSEEK_V3_FP8_LINEARS, tuple(block)),
-                  ignored=ignored)
+                  ignored=mtp_layers_ignored(num_hidden_layers, mtp_layers, held_mtp_layers))
 
 
 KEY_MAPS: dict[str, KeyMap] = {
@@ -311,10 +320,11 @@ KEY_MAPS: dict[str, KeyMap] = {
 
 # Families whose table depends on their config: model_type -> (the model's config object -> KeyMap). Here,
 # not on the model classes, so models/ never imports converters/ (the import layers of tests/test_layering.py).
-CONFIG_KEY_MAPS: dict[str, Callable[[Any], KeyMap]] = {
-    # The FP8 block of quantization_config; the MTP layers after the config's last layer skipped.
-    "deepseek_v3": lambda config: deepseek_v3_key_map(
-        config.num_hidden_layers, config.num_nextn_predict_layers, config.weight_block_size),
+# Each builder takes (config, held_mtp_layers): how many of the config's MTP layers the model holds.
+CONFIG_KEY_MAPS: dict[str, Callable[[Any, int], KeyMap]] = {
+    # The FP8 block of quantization_config; the MTP layers after the config's last layer skipped unless held.
+    "deepseek_v3": lambda config, held_mtp_layers=0: deepseek_v3_key_map(
+        config.num_hidden_layers, config.num_nextn_predict_layers, config.weight_block_size, held_mtp_layers),
 }
 
 
@@ -330,32 +340,39 @@ def with_fp8_scales(base: KeyMap) -> KeyMap:
     return KeyMap(base.architecture, base.rules + scale_rules, ignored=base.ignored, hub_prefix=base.hub_prefix)
 
 
-def deepseek_v3_kept_fp8_key_map(num_hidden_layers: int, mtp_layers: int) -> KeyMap:
+def deepseek_v3_kept_fp8_key_map(num_hidden_layers: int, mtp_layers: int, held_mtp_layers: int = 0) -> KeyMap:
     """DeepSeek-V3 with its FP8 weights kept (`dequantize=False`): the codes and their `weight_scale_inv` both ways
     under their hub names; the routed experts' per-expert codes and scales stacked and gate/up joined, as the
-    plain layout's weights are."""
-    ignored = tuple(rf"model\.layers\.{num_hidden_layers + i}\..*" for i in range(mtp_layers))
+    plain layout's weights are. MTP layers as `deepseek_v3_key_map`'s."""
+    ignored = mtp_layers_ignored(num_hidden_layers, mtp_layers, held_mtp_layers)
     return with_fp8_scales(KeyMap("deepseek_v3", QWEN2_MOE.rules, ignored=ignored))
 
 
 # (model_type, quant_method) -> the table of a model that keeps that checkpoint's weights quantised
 # (`from_pretrained(..., dequantize=False)`); absent: the family's usual table (gpt-oss's MXFP4 tensors are
 # parameters under their own names there).
-KEPT_KEY_MAPS: dict[tuple[str, str], Callable[[Any], KeyMap]] = {
-    ("deepseek_v3", "fp8"): lambda config: deepseek_v3_kept_fp8_key_map(config.num_hidden_layers,
-                                                                         config.num_nextn_predict_layers),
+KEPT_KEY_MAPS: dict[tuple[str, str], Callable[[Any, int], KeyMap]] = {
+    ("deepseek_v3", "fp8"): lambda config, held_mtp_layers=0: deepseek_v3_kept_fp8_key_map(
+        config.num_hidden_layers, config.num_nextn_predict_layers, held_mtp_layers),
 }
 
 
-def checkpoint_key_map(model_type: str, config: Any, kept_quantization: str | None = None) -> KeyMap:
+def checkpoint_key_map(model_type: str, config: Any, kept_quantization: str | None = None,
+                       held_mtp_layers: int = 0) -> KeyMap:
     """How a model of `model_type` with `config` (its config object) maps its parameters to hub keys: the
     kept-quantised table when it keeps `kept_quantization` weights (`KEPT_KEY_MAPS`), the family's config-built
-    table (`CONFIG_KEY_MAPS`), else its fixed one (`KEY_MAPS`)."""
+    table (`CONFIG_KEY_MAPS`), else its fixed one (`KEY_MAPS`). held_mtp_layers: the multi-token-prediction
+    layers the model holds (read and written; the config's others are skipped)."""
     kept = KEPT_KEY_MAPS.get((model_type, kept_quantization))
     if kept is not None:
-        return kept(config)
+        return kept(config, held_mtp_layers)
     build = CONFIG_KEY_MAPS.get(model_type)
-    return build(config) if build is not None else key_map_for(model_type)
+    if build is not None:
+        return build(config, held_mtp_layers)
+    if held_mtp_layers:
+        raise ValueError(f"{model_type} checkpoints hold no multi-token-prediction layers (held_mtp_layers="
+                         f"{held_mtp_layers}).")
+    return key_map_for(model_type)
 
 
 def key_map_for(key_map: KeyMap | str) -> KeyMap:

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 from converters import load_params, save_params
 from converters.key_maps import CONFIG_KEY_MAPS, checkpoint_key_map, with_fp8_scales
 from converters.quantize import dequantizing_fp8_key_map, quantizing_key_map
+from converters.safetensors_io import checkpoint_shards, read_header
 
 from .checkpoint_files import local_checkpoint, read_config
 from .inference.generation_config import GenerationConfig
+from .models.mtp import held_mtp_layers
 from .models.weight_only import (
     EXPERTS_TARGET,
     FP8_BLOCK,
@@ -54,6 +56,8 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
         (`models.weight_only`).
     On abstract target devices (`moe_jax.distributed.target_devices`) only config.json is read: the model is
     built for compiling, its parameters left unset.
+    A family with multi-token-prediction layers (DeepSeek-V3) holds those the checkpoint has (`models.mtp`;
+    `mtp_layers=` overrides): none for a checkpoint without them, whatever num_nextn_predict_layers says.
     """
     dtype = parameter_dtype(dtype) if dtype is not None else None
     directory = local_checkpoint(path)
@@ -63,6 +67,8 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
         model_kwargs["weight_quantization"] = weight_quantization(config, directory, quantize, quantize_modules)
     if not dequantize:
         model_kwargs["kept_quantization"] = quantization_method(config, directory)
+    if "mtp_layers" not in model_kwargs:
+        model_kwargs["mtp_layers"] = checkpoint_mtp_layers(config, directory, model_class)
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
@@ -71,6 +77,24 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
         # parameters are `training.state.abstract_parameters(model)`.
         return model
     return load_weights(model, directory, progress=progress)
+
+
+def checkpoint_mtp_layers(config: dict, directory, model_class=None) -> int:
+    """How many multi-token-prediction layers the checkpoint at `directory` holds (`models.mtp.held_mtp_layers`):
+    0 for a family without them, and for a directory without weights (a config to compile for). model_class: the
+    model's (default: config.json's model_type's)."""
+    if model_class is None:
+        from .causal_lm.families import model_class_for   # the model classes import this module
+
+        model_class = model_class_for(config)
+    values = model_class.config_class.from_dict(config)
+    if not model_class.family.max_mtp_layers(values):
+        return 0
+    try:
+        files, weight_map = checkpoint_shards(directory)
+    except FileNotFoundError:
+        return 0
+    return held_mtp_layers(values, weight_map if weight_map is not None else read_header(files[0]))
 
 
 def quantization_method(config: dict, directory) -> str:
@@ -105,7 +129,7 @@ def load_key_map(model):
     SwiGLU family: codes and scales under Transformers' names); the table quantising the chosen weights as they
     are read (`quantize=`); or, for an FP8 checkpoint dequantised on load, the family's table with its FP8 twins."""
     kept = getattr(model, "kept_quantization", None)
-    key_map = checkpoint_key_map(model.model_type, model.config, kept)
+    key_map = checkpoint_key_map(model.model_type, model.config, kept, getattr(model, "mtp_layers", 0))
     quantization = getattr(model, "weight_quantization", None)
     if quantization is not None:
         if kept is not None:
@@ -130,7 +154,8 @@ def load_weights(model, path, *, progress: bool = True):
 def export_key_map(model):
     """How the model's parameters are written: as `load_key_map`, with quantised-on-load FP8 codes and scales
     under Transformers' FineGrainedFP8 names; int8 has no format Transformers reads, and is refused."""
-    key_map = checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None))
+    key_map = checkpoint_key_map(model.model_type, model.config, getattr(model, "kept_quantization", None),
+                                 getattr(model, "mtp_layers", 0))
     quantization = getattr(model, "weight_quantization", None)
     if quantization is None:
         return key_map

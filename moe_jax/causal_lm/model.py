@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from ..distributed.activations import UNCONSTRAINED, ActivationLayouts, LogicalAxisRules
 from ..distributed.capacity import CapacitySchedule, CapacityTracker
 from ..distributed.config import DistributedConfig
-from ..distributed.experts import TENSOR_PARALLEL, ShardedExperts, experts_mode
+from ..distributed.experts import ShardedExperts
 from ..distributed.mesh import DeviceLayout, build_mesh
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
@@ -43,6 +43,7 @@ from ..models.core import ModelCore, model_axis_rules, nested_weights, step_math
 from ..models.decoder import declare_tree, head_logits
 from ..models.family import Family
 from ..models.layer_stack import LayerStack, resolve_scan_option
+from ..models.mtp import check_mtp_layers
 from ..models.outputs import DroplessOutput, ModelOutput
 from ..models.pipeline_layout import check_pipeline_options
 from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_params
@@ -80,7 +81,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                  scan_layers: bool | str | None = "auto", remat: str = "none",
                  pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
                  pipeline_repeats: int = 1, num_redundant_experts: int = 0, kept_quantization: str | None = None,
-                 weight_quantization: WeightQuantization | None = None):
+                 weight_quantization: WeightQuantization | None = None, mtp_layers: int = 0):
         """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
 
         scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
@@ -97,7 +98,9 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             devices (`from_pretrained(..., dequantize=False)` sets it): the family's kept-quantised declaration
             (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only.
         weight_quantization: weight-only int8 / fp8 of a plain checkpoint's experts (and `modules`), quantised as
-            it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only."""
+            it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only.
+        mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; DeepSeek-V3, at most
+            num_nextn_predict_layers): `from_pretrained` holds those the checkpoint has."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):
@@ -117,7 +120,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         elif weight_quantization is not None:
             self.family = weight_only_family(self.family, weight_quantization)
         family = self.family
-        self.module_tree: ModuleTree = declare_tree(family, config)
+        self.mtp_layers = check_mtp_layers(family, config, mtp_layers)
+        self.module_tree: ModuleTree = declare_tree(family, config, self.mtp_layers)
         if getattr(config, "tie_word_embeddings", False):
             self.tied_embedding_modules = ("model.embed_tokens", "lm_head")
         self.init_parallel_plans({"tp": family.tp_plan, "ep": family.ep_plan, "fsdp": family.fsdp_plan})
@@ -158,7 +162,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                               dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches,
                               ep_size=self.layout.ep_size if self.layout.ep_size > 1 and any(
                                   module.implementation is not None for module in self.sharded_experts.values())
-                              else 1, num_redundant_experts=self.num_redundant_experts)
+                              else 1, num_redundant_experts=self.num_redundant_experts, mtp_layers=self.mtp_layers)
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = self._new_apply_jit()
@@ -202,7 +206,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             for layer in range(built.num_hidden_layers))
         same_tie = bool(getattr(config, "tie_word_embeddings", False)) == bool(
             getattr(built, "tie_word_embeddings", False))
-        if not (layers and same_tie and declare_tree(self.family, config) == self.module_tree):
+        if not (layers and same_tie and declare_tree(self.family, config, self.mtp_layers) == self.module_tree):
             raise ValueError(
                 f"this change of model.config ({', '.join(changed)}) changes what the model was built from (its "
                 "parameters' shapes or its layers' kinds), which a built model cannot follow: build a new model "
@@ -210,7 +214,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                 "set_params / load_weights.")
 
     def _new_apply_jit(self):
-        return jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden", "compute_dtype"))
+        return jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden", "compute_dtype",
+                                                        "return_mtp_logits"))
 
     @property
     def capacity_schedule(self) -> CapacitySchedule:
@@ -323,33 +328,11 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         return save_pretrained(self, out_dir, **kwargs)
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _build_sharded_experts(self) -> dict[int, ShardedExperts]:
-        """One experts module per sparse layer, its mode read from the resolved plans."""
-        experts = {
-            layer: ShardedExperts(
-                mesh=self.mesh, layout=self.layout,
-                mode=experts_mode(f"model.layers.{layer}.{self.family.feed_forward_module}.experts",
-                                  self.resolved_plans.tp, self.resolved_plans.ep),
-                num_experts=self.config.num_experts, experts_forward=self.experts_forward,
-                ep_implementation=self.distributed_config.ep_implementation,
-                intermediate_dims=self.family.experts_intermediate_dims, schedule=self.capacity_schedule,
-                num_redundant_experts=self.num_redundant_experts,
-            )
-            for layer in self.sparse_layers()
-        }
-        quantized = self.kept_quantization or (self.weight_quantization and self.weight_quantization.scheme)
-        if quantized and any(module.mode == TENSOR_PARALLEL for module in experts.values()):
-            # The codes' blocks would be split inside a device's expert rows while their scales are not.
-            fix = "load with dequantize=True" if self.kept_quantization else "load without quantize="
-            raise ValueError(f"quantised ({quantized}) experts run whole on their devices: with "
-                             f"tp_size={self.distributed_config.tp_size} and ep_size=1 tensor parallelism would split "
-                             f"them; set ep_size (e.g. ep_size=tp_size) or {fix}.")
-        return experts
-
     def apply(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None, cache=None,
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
-              adapter: Mapping[str, Any] | None = None, expert_placement=None) -> ModelOutput:
+              adapter: Mapping[str, Any] | None = None, expert_placement=None,
+              return_mtp_logits: bool = False) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
         reads a device value on the host.
@@ -372,13 +355,16 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             storage layout of `model.adapter_layout` (e.g. `model.adapter`), applied beside the base weights, which
             are not copied (None: the base model alone). expert_placement: with redundant expert slots, the
             `ExpertPlacement` to run (e.g. `model.expert_placement`; None: the identity), an input: no recompile.
+            return_mtp_logits: also `output.mtp_logits` [D, B, S, V] of the multi-token-prediction layers
+            (`mtp_hidden_states` [D, B, S, H] with return_hidden; `models.core.step_math`).
         """
         capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
                                                   compute_dtype=compute_dtype, adapter=adapter)
         return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
                                cache=cache, capacity=capacity, rng=rng, inference=inference, segment_ids=segment_ids,
                                return_hidden=return_hidden, compute_dtype=compute_dtype, adapter=adapter,
-                               expert_placement=self._placement_argument(expert_placement))
+                               expert_placement=self._placement_argument(expert_placement),
+                               return_mtp_logits=return_mtp_logits)
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
                    compute_dtype=None, microbatches: int | None = None,
@@ -404,14 +390,15 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
-                  segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None) -> ModelOutput:
+                  segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None,
+                  return_mtp_logits: bool = False) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
                          compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter,
-                         expert_placement=expert_placement)
+                         expert_placement=expert_placement, return_mtp_logits=return_mtp_logits)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

@@ -21,12 +21,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distributed.eplb import ExpertPlacement, check_num_redundant_experts, identity_placement
+from ..distributed.experts import TENSOR_PARALLEL, ShardedExperts, experts_mode
 from ..distributed.host_arrays import host_to_global
+from ..models.mtp import mtp_sparse_layers
 
 
 class ExpertPlacementMixin:
     """num_redundant_experts, expert_placement, set_expert_placement, identity_expert_placement,
-    check_expert_placement."""
+    check_expert_placement, and the experts modules each step runs (`_build_sharded_experts`)."""
 
     num_redundant_experts: int = 0
 
@@ -50,6 +52,32 @@ class ExpertPlacementMixin:
             check_num_redundant_experts(self.config.num_experts, redundant, layout.ep_size)
         self.num_redundant_experts = redundant
         self._expert_placement: ExpertPlacement | None = None
+
+    def _build_sharded_experts(self) -> dict:
+        """One experts module (`distributed.experts.ShardedExperts`) per sparse layer, and per MoE block of the
+        multi-token-prediction layers (which run without redundant slots: their experts in the plain layout), its
+        mode read from the resolved plans."""
+        mtp = mtp_sparse_layers(self.family, self.config, getattr(self, "mtp_layers", 0))
+        experts = {
+            layer: ShardedExperts(
+                mesh=self.mesh, layout=self.layout,
+                mode=experts_mode(f"model.layers.{layer}.{self.family.feed_forward_module}.experts",
+                                  self.resolved_plans.tp, self.resolved_plans.ep),
+                num_experts=self.config.num_experts, experts_forward=self.experts_forward,
+                ep_implementation=self.distributed_config.ep_implementation,
+                intermediate_dims=self.family.experts_intermediate_dims, schedule=self.capacity_schedule,
+                num_redundant_experts=0 if layer in mtp else self.num_redundant_experts,
+            )
+            for layer in (*self.sparse_layers(), *mtp)
+        }
+        quantized = self.kept_quantization or (self.weight_quantization and self.weight_quantization.scheme)
+        if quantized and any(module.mode == TENSOR_PARALLEL for module in experts.values()):
+            # The codes' blocks would be split inside a device's expert rows while their scales are not.
+            fix = "load with dequantize=True" if self.kept_quantization else "load without quantize="
+            raise ValueError(f"quantised ({quantized}) experts run whole on their devices: with "
+                             f"tp_size={self.distributed_config.tp_size} and ep_size=1 tensor parallelism would split "
+                             f"them; set ep_size (e.g. ep_size=tp_size) or {fix}.")
+        return experts
 
     @property
     def num_sparse_layers(self) -> int:

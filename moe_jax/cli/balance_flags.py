@@ -1,14 +1,17 @@
-"""`moe-jax train`'s expert load balance flags (`moe_jax.training.balance`; both off by default):
+"""`moe-jax train`'s expert load balance flags (`moe_jax.training.balance`; both off by default), and its
+multi-token-prediction loss flag (`moe_jax.training.mtp_loss`; off by default):
 
     moe-jax train ... --router-z-loss-coef 1e-3          # ST-MoE's router z-loss joins the loss
     moe-jax train ... --router-bias-update-rate 1e-3     # DeepSeek-V3: move the router bias toward balance
     moe-jax train ... --ep 8 --num-redundant-experts 8 --rebalance-every 100   # EPLB: replicas of busy experts
     moe-jax serve ... --ep 8 --num-redundant-experts 8 --rebalance-every 1000  # the same, every 1000 engine steps
+    moe-jax train --model DeepSeek-V3/ ... --mtp-loss-coef 0.3   # DeepSeek-V3's MTP layers trained beside the model
 
 A negative value is refused with one `error:` line before anything starts; a bias update on a family without a
 router bias is refused, naming the families that have one, when the step is built (before the first step);
 --rebalance-every without --num-redundant-experts is refused before anything starts, and a number of redundant
-slots the layout cannot take when the model is built.
+slots the layout cannot take when the model is built; an MTP loss for a model without MTP layers (a checkpoint
+that holds none) when the step is built.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ def add_balance_flags(parser: argparse.ArgumentParser) -> None:
                               "e_score_correction_bias) by GAMMA x sign(mean load - load) per expert: "
                               "aux-loss-free balancing (default 0: the bias stays as loaded)")
     add_slot_flags(balance)
+    parser.add_argument_group("multi-token prediction").add_argument(
+        "--mtp-loss-coef", type=float, default=0.0, metavar="LAMBDA",
+        help="add LAMBDA x the mean over depths of the multi-token-prediction layers' cross entropies (DeepSeek-V3's "
+             "MTP loss; a checkpoint holding MTP layers) to the loss; reported as mtp_loss (default 0: off)")
 
 
 def add_slot_flags(parser, steps: str = "steps") -> None:
@@ -39,7 +46,7 @@ def add_slot_flags(parser, steps: str = "steps") -> None:
 
 
 def check_balance_flags(args) -> None:
-    for flag in ("router_z_loss_coef", "router_bias_update_rate"):
+    for flag in ("router_z_loss_coef", "router_bias_update_rate", "mtp_loss_coef"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
     check_slot_flags(args)
@@ -58,4 +65,5 @@ def check_slot_flags(args) -> None:
 
 def balance_options(args) -> dict:
     """`make_train_step`'s keyword arguments for the flags."""
-    return {"router_z_loss_coef": args.router_z_loss_coef, "router_bias_update_rate": args.router_bias_update_rate}
+    return {"router_z_loss_coef": args.router_z_loss_coef, "router_bias_update_rate": args.router_bias_update_rate,
+            "mtp_loss_coef": args.mtp_loss_coef}

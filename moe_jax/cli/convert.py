@@ -113,9 +113,11 @@ def _carry_companion_files(source: Path, destination: Path) -> list[str]:
 def load_model(source_format: str, source: Path, distributed_config, devices, *, dtype: str | None = None,
                progress: bool = True, dequantize: bool = True, quantize: str | None = None, quantize_modules=None):
     """The model of `source`, built on `devices` with `distributed_config`, its parameters read into place."""
-    from converters.orbax_params import read_orbax_config, restore_orbax_params
+    from converters.orbax_params import PARAMS_DIR_NAME, read_orbax_config, restore_orbax_params, stored_shapes
 
     from ..causal_lm.auto import AutoModelForCausalLM
+    from ..causal_lm.families import model_class_for
+    from ..models.mtp import held_mtp_layers
     from ..pretrained import checkpoint_dtype, quantization_method
 
     if source_format == "hf":
@@ -127,7 +129,10 @@ def load_model(source_format: str, source: Path, distributed_config, devices, *,
                          "it was written: convert it to hf first, then quantise that.")
     config = read_orbax_config(source)
     kept = None if dequantize else quantization_method(config, source)
-    model = AutoModelForCausalLM.from_config(config, distributed_config, devices=devices,
+    # The multi-token-prediction layers the parameters hold (`models.mtp`), as from_pretrained counts them.
+    values = model_class_for(config).config_class.from_dict(config)
+    mtp_layers = held_mtp_layers(values, stored_shapes(source / PARAMS_DIR_NAME))
+    model = AutoModelForCausalLM.from_config(config, distributed_config, devices=devices, mtp_layers=mtp_layers,
                                              dtype=dtype or checkpoint_dtype(config), kept_quantization=kept)
     model.set_params(restore_orbax_params(source, model))
     return model

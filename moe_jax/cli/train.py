@@ -6,16 +6,15 @@
     moe-jax train ... --resume                                  # continue from the latest checkpoint in ckpt/
     python scripts/train.py ...                                 # the same job without the installed command
 
-Data: `--data FILE.npy` (int token ids [num_sequences, seq_len]; step i trains on rows i*B .. i*B+B-1,
-wrapping around), `--text FILE` (tokenised with the checkpoint's tokenizer), or a synthetic stream.
-Labels are the inputs, shifted inside the loss as the reference does. Every bad request (data file,
-sequence length, batch size, checkpoint directory, layout) is refused with one `error:` line before any
-compute; the JSONL and TensorBoard files are opened only once the step has compiled for the first batch and the
-eval program has traced, and a run that fails later removes those that hold nothing and says what it kept
-(`train_progress`). The JSONL has one object per optimizer step: step, loss (of the batch, before that step's
-update; includes the router term when the config adds it), ce_loss, aux_loss, grad_norm, tokens_per_s,
-capacity, replayed, ...; a resume keeps each step once. A resume refuses, in one line, a checkpoint of
-another model or optimizer.
+Data: `--data FILE.npy` (int token ids [num_sequences, seq_len]; step i trains on rows i*B .. i*B+B-1, wrapping
+around), `--text FILE` (tokenised with the checkpoint's tokenizer), or a synthetic stream. Labels are the inputs,
+shifted inside the loss as the reference does. Every bad request (data file, sequence length, batch size,
+checkpoint directory, layout) is refused with one `error:` line before any compute; the JSONL and TensorBoard files
+are opened only once the step has compiled for the first batch and the eval program has traced, and a run that
+fails later removes those that hold nothing and says what it kept (`train_progress`). The JSONL has one object per
+optimizer step: step, loss (of the batch, before that step's update; includes the router term when the config adds
+it), ce_loss, aux_loss, grad_norm, tokens_per_s, capacity, replayed, ...; a resume keeps each step once. A resume
+refuses, in one line, a checkpoint of another model or optimizer.
 """
 
 from __future__ import annotations
@@ -186,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     initialize()  # only now: a request refused above ends this process before any peer waits on it
     from ..training.loop import TrainLoop
 
-    model, devices = _build_model(args, request.config)
+    model, devices = _build_model(args, request.config, request.model_dir)
     if request.lora is not None:
         model.add_adapter(request.lora, seed=args.seed)   # its targets matched here, before any step
     data, eval_data, packing_efficiency = _read_shares(args, model, request.data, request.eval_data)
@@ -263,12 +262,13 @@ def _checked_request(args) -> _Request:
     return _Request(config, model_dir, data, eval_data, schedules, lora)
 
 
-def _build_model(args, config: dict):
-    """(the model on the flags' layout, its devices); says which devices it trains on."""
+def _build_model(args, config: dict, model_dir=None):
+    """(the model on the flags' layout with model_dir's MTP layers, its devices); says which devices it trains on."""
     import jax
 
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..distributed.mesh import DeviceLayout
+    from ..pretrained import checkpoint_mtp_layers
     from ..reporting.picture import count_text
 
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
@@ -292,7 +292,8 @@ def _build_model(args, config: dict):
     model_options = dict(devices=devices, dtype=args.dtype, scan_layers=scan_layers_from_flags(args),
                          remat=args.remat, **pipeline_options_from_flags(args))
     model = AutoModelForCausalLM.from_config(config, distributed_config, **model_options,
-                                             num_redundant_experts=args.num_redundant_experts)
+                                             num_redundant_experts=args.num_redundant_experts,
+                                             mtp_layers=checkpoint_mtp_layers(config, model_dir) if model_dir else 0)
     warn_about_head_split(model)
     return model, devices
 
@@ -312,8 +313,7 @@ def _read_shares(args, model, data, eval_data):
         if share.count > 1:
             print(f"process {jax.process_index()} reads share {share.index + 1} of {share.count} of the corpus "
                   f"({len(share.rows)} of the {args.batch_size} rows of each batch)")
-    packing_efficiency = (corpus_packing_efficiency(data, share) if hasattr(data, "packing_efficiency")
-                          else None)
+    packing_efficiency = corpus_packing_efficiency(data, share) if hasattr(data, "packing_efficiency") else None
     return data, eval_data, packing_efficiency
 
 

@@ -22,9 +22,11 @@ from ..distributed.eplb import ExpertPlacement, identity_placement
 from ..distributed.mesh import DeviceLayout
 from ..nn.attention_core import segment_starts
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
-from .decoder import decoder_hidden, head_logits
+from ..nn.norms import rms_norm
+from .decoder import decoder_hidden, head_logits, rope_tables
 from .family import Family
 from .layer_stack import LayerStack
+from .mtp import mtp_forward
 from .outputs import ModelOutput
 from .pipeline import pipeline_hidden
 from .step_options import StepOptions
@@ -40,7 +42,8 @@ class ModelCore:
     adapter: the layout of the model's LoRA adapter, or None: `attach(nested params, adapter arrays)` returns the
     nested params with each adapted weight's factors beside it (`moe_jax.lora.AdapterLayout`).
     ep_size: the ranks experts are dispatched over (1: none), the width of `ModelOutput.ep_rank_load`.
-    num_redundant_experts: R extra expert slots per sparse layer; each step takes an `ExpertPlacement`."""
+    num_redundant_experts: R extra expert slots per sparse layer; each step takes an `ExpertPlacement`.
+    mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; 0: none)."""
 
     family: Family
     config: Any
@@ -53,6 +56,7 @@ class ModelCore:
     adapter: Any = None
     ep_size: int = 1
     num_redundant_experts: int = 0
+    mtp_layers: int = 0
 
 
 def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None,
@@ -102,8 +106,8 @@ def model_axis_rules(family: Family, layout: DeviceLayout, tp_plan: Mapping[str,
 def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
-              adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None
-              ) -> ModelOutput:
+              adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None,
+              return_mtp_logits: bool = False) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
@@ -113,7 +117,15 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
 
     segment_ids: [B, S] packed rows: several documents per row, numbered 1, 2, ... (0: padding). Tokens attend
     only within their document, positions restart at each document (unless given), and the router's aux loss
-    counts only real tokens; `attention_mask` is then ignored (the padding is segment 0)."""
+    counts only real tokens; `attention_mask` is then ignored (the padding is segment 0).
+
+    return_mtp_logits: also run the model's multi-token-prediction layers (`models.mtp`; ValueError without
+    them): `mtp_logits` [D, B, S, V], depth k's row k - 1 at position i predicting token i + k + 1, or, with
+    `return_hidden`, `mtp_hidden_states` [D, B, S, H] (each shared head's input) instead. Their dispatch counts
+    join `statistics`; their routing joins neither `router_logits` nor `expert_load`. Not with a cache or
+    pipeline stages."""
+    if return_mtp_logits:
+        check_mtp_step(core, cache)
     if not core.dispatches:
         capacity = None  # no dispatch buffers: one program whatever the caller holds
     compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
@@ -141,6 +153,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,
                                               num_redundant_experts=core.num_redundant_experts, ep_size=core.ep_size)
     nested = nested_weights(core, params, adapter, expert_placement if core.num_redundant_experts else None)
+    mtp = {}
     if core.layer_stack.pipeline is not None:
         aux_sums = family.has_router_aux_loss and bool(family.sparse_layers(config))
         hidden, sums, total, cache, expert_load = pipeline_hidden(
@@ -152,8 +165,18 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
                     else jnp.zeros((), jnp.float32))
     else:
         hidden, router_logits, statistics, cache = decoder_hidden(family, config, core.layer_stack.runs, nested,
-                                                                  input_ids, attention_mask, positions, step)
+                                                                  input_ids, attention_mask, positions, step,
+                                                                  final_norm=not return_mtp_logits)
         total = DispatchStatistics.zeros()
+        if return_mtp_logits:   # the MTP layers read the last hidden states before the final norm
+            stacked, mtp_statistics = mtp_forward(
+                family, config, nested["model"], hidden, input_ids,
+                rope_tables(family, config, positions, hidden.dtype), attention_mask, step, core.mtp_layers,
+                logits=not return_hidden)
+            mtp = {"mtp_hidden_states" if return_hidden else "mtp_logits": stacked}
+            hidden = rms_norm(nested["model"]["norm"], hidden, config.rms_norm_eps)
+            for layer_statistics in mtp_statistics:
+                total = total.combine(layer_statistics)
         for layer_statistics in statistics:
             total = total.combine(layer_statistics)
         loads = [layer_statistics.expert_load for layer_statistics in statistics]
@@ -169,10 +192,21 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         ep_rank_load = None if core.ep_size == 1 or expert_load is None else expert_load.reshape(
             expert_load.shape[0], core.ep_size, -1).sum(-1).astype(jnp.int32)
     if return_hidden:
-        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load, ep_rank_load)
+        return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load, ep_rank_load, **mtp)
     # The logits stay where the head's dot computes them: split over tp where tp splits the head's vocab rows,
     # colwise_gather_output included. A global jax.Array is whole to whoever reads it (np.asarray, an op inside
     # jit gathers what it needs); gathering [B, S, V] onto every device made XLA gather the weight instead and
     # run the whole dot on each: slower on tp layouts (docs/benchmarks.md, "Against the reference").
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "head_rows"))
-    return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load, ep_rank_load)
+    return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load, ep_rank_load, **mtp)
+
+
+def check_mtp_step(core: ModelCore, cache) -> None:
+    """Why a step cannot return MTP logits (ValueError), if it cannot."""
+    if not core.mtp_layers:
+        raise ValueError("return_mtp_logits=True needs multi-token-prediction layers, which this model does not hold: "
+                         "load a checkpoint that has them (DeepSeek-V3's model.layers.{num_hidden_layers}.*), or "
+                         "build the model with mtp_layers=N.")
+    if cache is not None or core.layer_stack.pipeline is not None:
+        raise ValueError("return_mtp_logits=True runs the MTP layers over the whole sequence: not with a KV cache "
+                         "nor with pipeline stages (pp_size > 1).")

@@ -25,11 +25,13 @@ from ..nn.rotary import rope_inverse_frequencies, rope_parameters_from_config, r
 from ..ops.routing import expert_load
 from .family import Family, declare_dense_mlp
 from .layer_stack import LayerRun
+from .mtp import declare_mtp_layer, mtp_layer_indices
 from .step_options import REMAT_POLICIES, StepOptions
 
 
-def declare_tree(family: Family, config) -> ModuleTree:
-    """Every module and parameter of the causal LM, with HF's names, in the order PyTorch lists them."""
+def declare_tree(family: Family, config, mtp_layers: int = 0) -> ModuleTree:
+    """Every module and parameter of the causal LM, with HF's names, in the order PyTorch lists them; with
+    `mtp_layers`, that many multi-token-prediction layers after the decoder layers (`models.mtp`)."""
     c, tree = config, ModuleTree()
     with tree.module("model"):
         with tree.module("embed_tokens"):
@@ -37,16 +39,11 @@ def declare_tree(family: Family, config) -> ModuleTree:
         with tree.module("layers"):
             for layer in range(c.num_hidden_layers):
                 with tree.module(layer):
-                    with tree.module("self_attn"):
-                        family.declare_attention(tree, c, layer)
-                    with tree.module(family.feed_forward_module):
-                        if family.is_sparse(c, layer):
-                            family.declare_sparse_mlp(tree, c, family.experts_intermediate_size(c))
-                        else:
-                            declare_dense_mlp(tree, c, family.dense_intermediate_size(c),
-                                              family.dense_activation_module)
-                    tree.norm("input_layernorm", c.hidden_size)
-                    tree.norm("post_attention_layernorm", c.hidden_size)
+                    declare_block(tree, family, c, layer)
+            for layer in mtp_layer_indices(c, mtp_layers):
+                with tree.module(layer):
+                    declare_mtp_layer(tree, c)
+                    declare_block(tree, family, c, layer)
         tree.norm("norm", c.hidden_size)
         tree.module_without_params("rotary_emb")
     with tree.module("lm_head"):
@@ -55,6 +52,19 @@ def declare_tree(family: Family, config) -> ModuleTree:
     if family.declare_storage is not None:
         family.declare_storage(tree, c)
     return tree
+
+
+def declare_block(tree: ModuleTree, family: Family, config, layer: int) -> None:
+    """A decoder block's modules (inside its `model.layers.{layer}` module): attention, MLP or MoE, norms."""
+    with tree.module("self_attn"):
+        family.declare_attention(tree, config, layer)
+    with tree.module(family.feed_forward_module):
+        if family.is_sparse(config, layer):
+            family.declare_sparse_mlp(tree, config, family.experts_intermediate_size(config))
+        else:
+            declare_dense_mlp(tree, config, family.dense_intermediate_size(config), family.dense_activation_module)
+    tree.norm("input_layernorm", config.hidden_size)
+    tree.norm("post_attention_layernorm", config.hidden_size)
 
 
 def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
@@ -136,13 +146,19 @@ def embedded_inputs(family: Family, config, model: dict, input_ids, positions, s
     if step.compute_dtype is not None:
         x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
     x = step.layouts.constrain(x, ("batch", "length", "embed"))
+    return x, rope_tables(family, config, positions, x.dtype)
+
+
+def rope_tables(family: Family, config, positions, dtype) -> tuple:
+    """positions: [B, S] -> RoPE's (cos, sin) [B, S, D] in the family's rope dtype, else `dtype`."""
     inv_freq, scaling = rope_inverse_frequencies(rope_parameters_from_config(config.to_dict()))
-    return x, rotary_cos_sin(positions, inv_freq, scaling, dtype=family.rope_dtype or x.dtype)
+    return rotary_cos_sin(positions, inv_freq, scaling, dtype=family.rope_dtype or dtype)
 
 
 def decoder_hidden(family: Family, config, runs: tuple[LayerRun, ...], params, input_ids, attention_mask, positions,
-                   step: StepOptions):
-    """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm, router logits
+                   step: StepOptions, final_norm: bool = True):
+    """input_ids, attention_mask, positions: [B, S] -> (hidden [B, S, H] after the final norm (before it with
+    `final_norm=False`: what the MTP layers read), router logits
     [B*S, E] per sparse layer, dispatch statistics per sparse layer, the updated `step.cache` (None without one)).
 
     params: nested by module (`LayerStack.nest`: each run's layers under `model.layers.<run key>`)."""
@@ -161,7 +177,8 @@ def decoder_hidden(family: Family, config, runs: tuple[LayerRun, ...], params, i
         if run_cache is not None:
             stored[run.key] = run_cache
     cache = None if cache_step is None else cache_step.finish(stored)
-    return rms_norm(model["norm"], x, config.rms_norm_eps), router_logits, statistics, cache
+    hidden = rms_norm(model["norm"], x, config.rms_norm_eps) if final_norm else x
+    return hidden, router_logits, statistics, cache
 
 
 def head_logits(config, params, hidden):

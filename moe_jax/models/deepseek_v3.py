@@ -12,8 +12,9 @@
 `e_score_correction_bias` is a persistent buffer: loaded and saved, never trained, float32 and replicated
 whatever the layout. The reference's TP plan covers the experts, the shared experts and the dense MLPs;
 MLA stays replicated under TP. Hub checkpoints may be FP8 block-quantised (`converters.fp8`, a load-only
-layout) and carry the multi-token-prediction layer(s) after the last decoder layer, which loading skips
-(the model has no MTP head, like the reference's): the key map built from the config is converters'
+layout) and carry num_nextn_predict_layers multi-token-prediction layers after the last decoder layer
+(`models.mtp`): a model loaded from such a checkpoint holds them (the reference skips them), one loaded from a
+checkpoint without them does not. The key map built from the config is converters'
 (`converters.key_maps.CONFIG_KEY_MAPS`).
 """
 
@@ -38,6 +39,7 @@ from ..ops.quantized import FP8Experts
 from ..ops.routing import group_limited_sigmoid_top_k
 from .config import HFConfigMixin
 from .family import Family, declare_dense_mlp, declare_experts, register_family, register_kept_quantized
+from .mtp import MTP_OWN_PARAMS
 
 # quantization_config's default weight_block_size (converters.fp8.DEFAULT_BLOCK; models import no converters).
 FP8_BLOCK = (128, 128)
@@ -230,6 +232,7 @@ FAMILY = register_family(Family(
     cache_heads=cache_heads,
     moe_block=moe_block,
     has_router_aux_loss=False,  # balanced by the router's bias instead; the reference reports none
+    max_mtp_layers=lambda config: config.num_nextn_predict_layers,
 ))
 
 
@@ -238,7 +241,8 @@ KEPT_FP8_EXPERTS = ("gate_up_proj", "down_proj")
 
 
 def declare_fp8_storage(tree: ModuleTree, config: DeepseekV3Config) -> None:
-    """Every linear weight of the layers but the router's (`mlp.gate`), and the routed experts' weights, as the
+    """Every linear weight of the layers but the router's (`mlp.gate`) and an MTP layer's own (its embedding,
+    eh_proj and shared head stay unquantised), and the routed experts' weights, as the
     hub's FP8 checkpoints hold them: float8_e4m3fn codes under the weight's name plus float32 block multipliers
     (`{weight}_scale_inv`: [ceil(O / bR), ceil(I / bC)] per matrix, [E, ...] for the experts)."""
     rows_block, columns_block = config.weight_block_size
@@ -246,7 +250,7 @@ def declare_fp8_storage(tree: ModuleTree, config: DeepseekV3Config) -> None:
     stored: dict[str, ParamSpec] = {}
     for name, spec in tree.params.items():
         linear_weight = (name.startswith("model.layers.") and name.endswith(".weight") and len(spec.shape) == 2
-                         and not name.endswith(".mlp.gate.weight"))
+                         and not name.endswith((".mlp.gate.weight", *MTP_OWN_PARAMS)))
         expert_weight = name.rpartition(".")[2] in KEPT_FP8_EXPERTS and ".mlp.experts." in name
         if not (linear_weight or expert_weight):
             stored[name] = spec

@@ -182,6 +182,9 @@ class Family:
     # A kept-quantised twin's rewrite of the declared parameters into the checkpoint's stored form (codes and
     # scales under the hub's names), run last by `declare_tree`; None for every plain family.
     declare_storage: Callable | None = None  # (tree, config)
+    # How many multi-token-prediction layers (`models.mtp`) a model of this config may hold (DeepSeek-V3:
+    # num_nextn_predict_layers); 0: none.
+    max_mtp_layers: Callable[[Any], int] = lambda config: 0
     # HF marks the experts' fused weights as [E, in, out] (`use_experts_implementation(is_transposed=True)`,
     # gpt-oss): PEFT's target_parameters then read their in / out features the other way round.
     experts_transposed: bool = False

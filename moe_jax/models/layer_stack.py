@@ -9,6 +9,9 @@ layer axis that is never sharded, under a storage name that spells the run's lay
     model.layers.2.mlp.experts.gate_up_proj [8, 32, 32] -> model.layers.1-2.mlp.experts.gate_up_proj [2, 8, 32, 32]
     model.layers.0.mlp.gate_proj.weight                 -> model.layers.0.mlp.gate_proj.weight (a run of one)
 
+Multi-token-prediction layers after the decoder layers (`models.mtp`) are never scanned nor pipelined: each is
+stored under its HF names.
+
 Everything HF-facing keeps per-layer names: the converters stack while loading (each device still reads
 only its slices) and unstack while exporting; `LayerStack.stack` / `unstack` convert in memory.
 
@@ -108,7 +111,7 @@ def layer_signatures(tree: ModuleTree, num_layers: int, layer_signature: Callabl
     shapes: dict[int, list] = {layer: [] for layer in range(num_layers)}
     for name, spec in tree.named_parameters():
         parts = split_layer_name(name)
-        if parts is not None:
+        if parts is not None and parts[0] < num_layers:   # not the MTP layers after them (`models.mtp`)
             shapes[parts[0]].append((parts[1], spec.shape, spec.dtype))
     return [(tuple(shapes[layer]), layer_signature(layer)) for layer in range(num_layers)]
 
@@ -197,6 +200,8 @@ class LayerStack:
         if parts is None:
             return name
         layer, rest = parts
+        if layer not in self._run_of_layer:
+            return name   # an MTP layer after the decoder layers (`models.mtp`): stored under its own name
         return f"{LAYERS_PREFIX}.{self._run_of_layer[layer].key}.{rest}"
 
     def storage_of(self, name: str) -> str:

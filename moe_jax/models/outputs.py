@@ -24,7 +24,10 @@ class ModelOutput:
     was given); expert_load: [L, E] per sparse layer, the real tokens its router sent to each expert (through
     pipeline stages too: each stage counts its own layers; None without sparse layers); ep_rank_load: [L, ep]
     int32, the real (token, expert) pairs each expert-parallel rank computed in each sparse layer under the
-    step's expert placement (None when experts are not dispatched over ep ranks).
+    step's expert placement (None when experts are not dispatched over ep ranks); mtp_logits: [D, B, S, V] of the
+    D multi-token-prediction layers (`models.mtp`), row k - 1 at position i predicting token i + k + 1 (None unless
+    `return_mtp_logits=True`); mtp_hidden_states: [D, B, S, H] their shared heads' inputs instead (with
+    `return_hidden=True` too).
     """
 
     logits: jax.Array | None
@@ -35,12 +38,14 @@ class ModelOutput:
     cache: Any = None
     expert_load: jax.Array | None = None
     ep_rank_load: jax.Array | None = None
+    mtp_logits: jax.Array | None = None
+    mtp_hidden_states: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     ModelOutput,
     data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load",
-                 "ep_rank_load"],
+                 "ep_rank_load", "mtp_logits", "mtp_hidden_states"],
     meta_fields=[],
 )
 

@@ -76,7 +76,9 @@ class RouterBiasUpdate:
         stack = model.layer_stack
         targets = []
         rows = {layer: row for row, layer in enumerate(model.sparse_layers())}
-        buffers = {name for name in model.module_tree.buffers() if name.endswith("." + ROUTER_BIAS)}
+        # The MTP layers' routers (`models.mtp`) report no expert load: their biases stay as loaded.
+        buffers = {name for name in model.module_tree.buffers()
+                   if name.endswith("." + ROUTER_BIAS) and int(name.split(".")[2]) in rows}
         for storage, members in stack.members.items():
             if any(name in buffers for name in members):
                 layers = [None if name is None else int(name.split(".")[2]) for name in members]

@@ -56,8 +56,8 @@ class TrainLoop:
     """Runs `train_step` over `data` with lag-one confirmation and exact replay.
 
     on_step(record): called once per applied optimizer step, in order, with a dict of floats/ints: step,
-        loss, ce_loss, aux_loss (and router_z_loss with a z-loss), grad_norm, tokens, tokens_per_s, capacity (that
-        the step ran at), required_capacity, padded (dispatch buffer rows that carried nothing), replayed (its
+        loss, ce_loss, aux_loss (router_z_loss with a z-loss, mtp_loss with an MTP loss), grad_norm, tokens,
+        tokens_per_s, capacity (that the step ran at), required_capacity, padded (dispatch buffer rows that carried nothing), replayed (its
         batch had overflowed and was run again), replays (replays so far), data_position, lr (the rate of that update)
         when `learning_rate` (the optimizer's schedule, or a constant) is given, and expert_load (per sparse
         layer, a list of the real tokens sent to each expert) with expert_load_layers (each row's layer index in
@@ -192,7 +192,7 @@ class TrainLoop:
             "required_capacity": float(values["required_capacity"]), "padded": int(values["padded"]),
             "replayed": entry.replayed, "replays": self.replays, "data_position": int(values["data_position"]),
             **({} if self.learning_rate is None else {"lr": self._learning_rate(int(values["step"]) - 1)}),
-            **({} if "router_z_loss" not in values else {"router_z_loss": float(values["router_z_loss"])}),
+            **{name: float(values[name]) for name in ("router_z_loss", "mtp_loss") if name in values},
             **({} if "expert_load" not in values else {"expert_load": values["expert_load"].tolist(),
                                                        "expert_load_layers": self._sparse_layers}),
             **({} if "ep_rank_load" not in values else {"ep_rank_load": values["ep_rank_load"].tolist()}),

@@ -19,6 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ..models.mtp import mtp_head_logits, mtp_layer_indices
 from ..ops.routing import router_z_loss
 
 IGNORE_INDEX = -100
@@ -110,6 +111,16 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
     return total, count
 
 
+def mtp_cross_entropy(model, nested: dict, mtp_hidden: jax.Array, mtp_targets: jax.Array, chunk: int) -> jax.Array:
+    """nested: the model's nested weights; mtp_hidden: [D, B, S, H] the MTP layers' shared heads' inputs
+    (`ModelOutput.mtp_hidden_states`); mtp_targets: [B, D, S] -> [D] each depth's summed cross entropy."""
+    sums = []
+    for depth, layer in enumerate(mtp_layer_indices(model.config, model.mtp_layers)):
+        head = partial(mtp_head_logits, nested["model"]["layers"][str(layer)])
+        sums.append(chunked_cross_entropy(mtp_hidden[depth], mtp_targets[:, depth], head, chunk)[0])
+    return jnp.stack(sums)
+
+
 def adds_aux_loss(config) -> bool:
     """Whether the reference adds the router loss to the LM loss: `output_router_logits` in the config."""
     return bool(getattr(config, "output_router_logits", False))
@@ -122,7 +133,8 @@ def aux_loss_coefficient(config) -> float:
 def model_loss(model, params, input_ids, attention_mask, targets, *, total_tokens, aux_weight: float,
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
-               positions=None, adapter=None, z_weight: float = 0.0, expert_placement=None) -> tuple[jax.Array, dict]:
+               positions=None, adapter=None, z_weight: float = 0.0, expert_placement=None, mtp_targets=None,
+               mtp_weights=None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss [+ z_weight *
     router_z_loss], terms).
 
@@ -135,19 +147,25 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     `model.step_math`, traced into the caller's jit (which checked the inputs with `model.check_step`);
     `model.apply` for an eager call. segment_ids, positions: packed rows (the targets come from the caller's
     `prediction_targets(input_ids, segment_ids)`). adapter: a LoRA adapter's arrays, applied beside params.
-    expert_placement: with redundant expert slots, the placement to run (None: the identity)."""
+    expert_placement: with redundant expert slots, the placement to run (None: the identity). mtp_targets: [B, D, S]
+    each multi-token-prediction depth's targets and mtp_weights: [D] their sums' weights (`training.mtp_loss`):
+    adds sum_k weights[k] * mtp_sums[k] to the loss, mtp_sums ([D] summed cross entropies) to the terms."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     adapted = ({} if adapter is None else {"adapter": adapter}) | (
-        {} if expert_placement is None else {"expert_placement": expert_placement})
+        {} if expert_placement is None else {"expert_placement": expert_placement}) | (
+        {} if mtp_targets is None else {"return_mtp_logits": True})
     output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
                   inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
                   **packed, **adapted)
-    head = partial(model.head_logits, model.nested_weights(params, adapter))
-    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
+    nested = model.nested_weights(params, adapter)
+    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, nested), loss_chunk)
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
     terms = {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
              "expert_load": output.expert_load, "ep_rank_load": output.ep_rank_load}
+    if mtp_targets is not None:
+        terms["mtp_sums"] = mtp_cross_entropy(model, nested, output.mtp_hidden_states, mtp_targets, loss_chunk)
+        loss = loss + jnp.sum(mtp_weights * terms["mtp_sums"])
     if z_weight:
         if not output.router_logits:
             raise ValueError("the router z-loss needs the router logits, which this step does not return (pipeline "

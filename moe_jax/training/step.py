@@ -10,8 +10,9 @@ its inputs checked by `model.check_step` at each call) and the chunked loss; gra
 in float32, clipped by their global norm over all parameters (PyTorch's `clip_grad_norm_` rule), and the
 optimizer is applied. The loss is the reference's: token cross entropy averaged over every predicted
 token of the global batch, plus `router_aux_loss_coef * aux_loss` (averaged over micro-batches) when the
-config has `output_router_logits=True`, plus `router_z_loss_coef * router_z_loss` when asked; with
-`router_bias_update_rate`, each applied step also moves DeepSeek-V3's router bias (`training.balance`).
+config has `output_router_logits=True`, plus `router_z_loss_coef * router_z_loss` and `mtp_loss_coef *
+mtp_loss` (DeepSeek-V3's multi-token prediction) when asked; with `router_bias_update_rate`, each applied step
+also moves DeepSeek-V3's router bias (`training.balance`).
 
 Dropless without a host round trip: a step whose dispatch dropped any (token, expert) pair returns its
 input state unchanged (an elementwise select; no `lax.cond` around collectives) and sets the sticky
@@ -22,7 +23,8 @@ Metrics (device scalars, read one step late): step, loss, ce_loss, aux_loss, gra
 (dispatch buffer rows that carried nothing), required_capacity, applied, data_position and, with sparse layers,
 expert_load [L, E]: the real tokens each sparse layer sent to each expert in this step; where experts are
 dispatched over ep ranks, ep_rank_load [L, ep]: the real (token, expert) pairs each rank computed (under the
-state's expert placement with redundant slots); router_z_loss with a z-loss coefficient.
+state's expert placement with redundant slots); router_z_loss with a z-loss coefficient; mtp_loss with an MTP loss
+coefficient (`training.mtp_loss`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from ..models.core import step_math
 from ..models.pipeline_layout import check_pipeline_options
 from .balance import RouterBiasUpdate, check_router_z_loss
 from .loss import DEFAULT_LOSS_CHUNK, aux_loss_coefficient, model_loss, predicted_tokens, prediction_targets
+from .mtp_loss import MtpLoss
 from .optimizers import freeze_buffers
+from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState, init_train_state, train_state_shardings
 from .step_checks import OFFLOAD_MEMORY_KIND, check_no_quantized_codes_trained, check_offload_supported
 from .trainable import Selection, TrainableParameters, resolve_trainable
@@ -65,7 +69,8 @@ class TrainStepOptions:
     model without dispatch buffers, capacity None, has nothing to check);
     offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
     pipeline stages, how many microbatches each micro-batch is cut into (None: the model's);
-    router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off)."""
+    router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off);
+    mtp_loss_coef: the multi-token-prediction loss's weight (`moe_jax.training.mtp_loss`; 0: off)."""
 
     grad_accum: int = 1
     grad_clip: float | None = None
@@ -76,29 +81,7 @@ class TrainStepOptions:
     pipeline_microbatches: int | None = None
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 0.0
-
-
-def _batch_signature(batch: dict) -> tuple:
-    """((name, shape, dtype), ...) of a batch's arrays (host or device, or ShapeDtypeStructs)."""
-    return tuple((name, tuple(np.shape(value)), jax.dtypes.canonicalize_dtype(
-        value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)) for name, value in sorted(batch.items()))
-
-
-class _Precompiled:
-    """A step compiled ahead (`TrainStep.precompile`) for batches of one signature; any other batch goes to the
-    jitted step, which compiles for it on first use as usual."""
-
-    def __init__(self, jitted, compiled, signature: tuple):
-        self.jitted, self.compiled, self.signature = jitted, compiled, signature
-
-    def __call__(self, state, batch, *frozen):
-        return (self.compiled if _batch_signature(batch) == self.signature else self.jitted)(state, batch, *frozen)
-
-
-def _holds_program(step, signature: tuple) -> bool:
-    """Whether a cached step already has a compiled program for batches of `signature` (a jitted step's own
-    cache is not inspected: precompiling over it builds the executable the next call would)."""
-    return isinstance(step, _Precompiled) and step.signature == signature
+    mtp_loss_coef: float = 0.0
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
@@ -143,6 +126,7 @@ class TrainStep:
         self.aux_coefficient = aux_loss_coefficient(model.config)
         self.z_coefficient = check_router_z_loss(model, options.router_z_loss_coef)
         self.bias_update = RouterBiasUpdate.of(model, options.router_bias_update_rate, self.trainable)
+        self.mtp_loss = MtpLoss.of(model, options.mtp_loss_coef)
         self._compiled: dict[tuple, callable] = {}
         self.pipeline_microbatches = model.pipeline_microbatches
         self._step_math = None   # the model's own step (`model.step_math`)
@@ -220,10 +204,10 @@ class TrainStep:
         sharding = self.model.batch_sharding()
         # Shapes, dtypes (as `__call__` puts host arrays on the devices) and shardings: lowering reads no data.
         batch_spec = {name: jax.ShapeDtypeStruct(shape_, dtype, sharding=sharding)
-                      for name, shape_, dtype in _batch_signature(batch)}
-        keys, signature = tuple(sorted(batch)), _batch_signature(batch_spec)
+                      for name, shape_, dtype in batch_signature(batch)}
+        keys, signature = tuple(sorted(batch)), batch_signature(batch_spec)
         todo = [capacity for capacity in dict.fromkeys(capacities)
-                if not _holds_program(self._compiled.get((capacity, keys)), signature)]
+                if not holds_program(self._compiled.get((capacity, keys)), signature)]
         seconds = {}
         for capacity in tqdm(todo, desc="Compiling the train step per capacity", unit="program",
                              disable=not progress or not todo):
@@ -232,7 +216,7 @@ class TrainStep:
             start = time.perf_counter()
             jitted = self._jit(capacity, keys)
             lowered = jitted.lower(at_capacity, batch_spec, *self._frozen_spec())
-            self._compiled[(capacity, keys)] = _Precompiled(jitted, lowered.compile(), signature)
+            self._compiled[(capacity, keys)] = Precompiled(jitted, lowered.compile(), signature)
             seconds[capacity] = time.perf_counter() - start
         return seconds
 
@@ -304,7 +288,10 @@ class TrainStep:
         segment_ids = batch.get("segment_ids")   # packed rows: documents 1, 2, ... per row (0: padding)
         targets = prediction_targets(input_ids, attention_mask if segment_ids is None else segment_ids, labels)
         total_tokens = predicted_tokens(targets)
-        micro = {"input_ids": input_ids, "targets": targets}
+        micro, mtp_weights = {"input_ids": input_ids, "targets": targets}, None
+        if self.mtp_loss is not None:   # each depth's targets, and weights from the tokens it predicts in the batch
+            micro["mtp_targets"], mtp_weights = self.mtp_loss.targets(
+                targets, attention_mask if segment_ids is None else segment_ids)
         for name in ("attention_mask", "segment_ids", "positions"):
             if batch.get(name) is not None:
                 micro[name] = batch[name]
@@ -312,7 +299,7 @@ class TrainStep:
         step_key = jax.random.fold_in(state.rng, state.step)
 
         loss_fn = partial(self._micro_loss, frozen=frozen, capacity=state.capacity, total_tokens=total_tokens,
-                          placement=state.expert_placement)   # redundant expert slots' placement: an input
+                          placement=state.expert_placement, mtp_weights=mtp_weights)   # placement: an input
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def accumulate(carry, inputs):
@@ -323,7 +310,8 @@ class TrainStep:
             statistics = terms["statistics"]
             totals = {
                 "ce_sum": totals["ce_sum"] + terms["ce_sum"], "aux_sum": totals["aux_sum"] + terms["aux"],
-                **({"z_sum": totals["z_sum"] + terms["z"]} if "z_sum" in totals else {}),
+                **{name: totals[name] + terms[term] for name, term in (("z_sum", "z"), ("mtp_sums", "mtp_sums"))
+                   if name in totals},
                 "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
                 "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
                 **{name: totals[name] + terms[name] for name in LOAD_METRICS if name in totals},
@@ -337,6 +325,8 @@ class TrainStep:
         zero_totals.update({name: jnp.zeros(shape, jnp.float32) for name, shape in self.load_shapes().items()})
         if self.z_coefficient:
             zero_totals["z_sum"] = jnp.zeros((), jnp.float32)
+        if self.mtp_loss is not None:
+            zero_totals["mtp_sums"] = jnp.zeros((self.mtp_loss.depths,), jnp.float32)
         (grads, totals), _ = jax.lax.scan(
             accumulate, (zero_grads, zero_totals), (jnp.arange(options.grad_accum), micro)
         )
@@ -383,12 +373,15 @@ class TrainStep:
         )
         ce_loss = totals["ce_sum"] / total_tokens
         aux_loss = totals["aux_sum"] / options.grad_accum
-        loss, z_loss = ce_loss + self.aux_coefficient * aux_loss, {}
+        loss, extra_losses = ce_loss + self.aux_coefficient * aux_loss, {}
         if self.z_coefficient:
-            z_loss["router_z_loss"] = totals["z_sum"] / options.grad_accum
-            loss = loss + self.z_coefficient * z_loss["router_z_loss"]
+            extra_losses["router_z_loss"] = totals["z_sum"] / options.grad_accum
+            loss = loss + self.z_coefficient * extra_losses["router_z_loss"]
+        if self.mtp_loss is not None:
+            extra_losses["mtp_loss"] = self.mtp_loss.mean_loss(totals["mtp_sums"], mtp_weights)
+            loss = loss + self.mtp_loss.coef * extra_losses["mtp_loss"]
         metrics = {
-            "step": state.step + 1, "loss": loss, "ce_loss": ce_loss, **z_loss,
+            "step": state.step + 1, "loss": loss, "ce_loss": ce_loss, **extra_losses,
             "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
             "dropped": totals["dropped"], "padded": totals["padded"], "required_capacity": totals["required_capacity"],
             "applied": applied, "data_position": state.data_position,
@@ -405,7 +398,8 @@ class TrainStep:
         return {"expert_load": (len(sparse), self.model.config.num_experts),
                 **({} if ep == 1 else {"ep_rank_load": (len(sparse), ep)})}
 
-    def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens, placement=None):
+    def _micro_loss(self, trained, micro_batch, rng, *, frozen, capacity, total_tokens, placement=None,
+                    mtp_weights=None):
         # Differentiated with respect to the trained arrays only: the frozen ones are constants of the loss.
         # Masters stay float32 here: each is cast where it is used, and its gradient is reduced in float32.
         params, adapter = (trained, None) if frozen is None else self.trainable.weights(self.model, trained, frozen)
@@ -415,7 +409,8 @@ class TrainStep:
                           compute_dtype=self.options.compute_dtype, loss_chunk=self.options.loss_chunk,
                           step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
                           positions=micro_batch.get("positions"), adapter=adapter,
-                          z_weight=self.z_coefficient / self.options.grad_accum, expert_placement=placement)
+                          z_weight=self.z_coefficient / self.options.grad_accum, expert_placement=placement,
+                          mtp_targets=micro_batch.get("mtp_targets"), mtp_weights=mtp_weights)
 
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
@@ -423,7 +418,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                     mixed_precision: bool | None = None, offload: bool | None = None,
                     check_overflow: bool = True, pipeline_microbatches: int | None = None,
                     trainable: Selection = None, router_z_loss_coef: float = 0.0,
-                    router_bias_update_rate: float = 0.0) -> TrainStep:
+                    router_bias_update_rate: float = 0.0, mtp_loss_coef: float = 0.0) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
@@ -433,7 +428,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     factors included); default: the model's LoRA adapter when it has one, else every parameter. The state holds
     only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`).
     router_z_loss_coef: adds ST-MoE's router z-loss times it; router_bias_update_rate: moves DeepSeek-V3's router
-    bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default)."""
+    bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default). mtp_loss_coef: adds
+    DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`; a model holding MTP layers)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -446,5 +442,6 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                                compute_dtype=jnp.bfloat16 if mixed_precision else None,
                                check_overflow=check_overflow, offload=offload,
                                pipeline_microbatches=pipeline_microbatches,
-                               router_z_loss_coef=router_z_loss_coef, router_bias_update_rate=router_bias_update_rate)
+                               router_z_loss_coef=router_z_loss_coef, router_bias_update_rate=router_bias_update_rate,
+                               mtp_loss_coef=mtp_loss_coef)
     return TrainStep(model, optimizer, options, selected)

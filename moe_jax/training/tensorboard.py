@@ -5,10 +5,10 @@ TensorFlow nor torch), beside the JSONL.
     writer(record)                             # every numeric field of a TrainLoop record, at record["step"]
     writer.close()
 
-Scalars are grouped as TensorBoard shows them: train/* (loss, ce_loss, aux_loss, router_z_loss, grad_norm, lr), eval/*
-(eval_loss, eval_perplexity), throughput/* (tokens_per_s, per device, model TFLOP/s per device, mfu, packing
-efficiency) and dispatch/* (capacity, required_capacity, padded buffer rows, replays). A record with
-`expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer index: the record's
+Scalars are grouped as TensorBoard shows them: train/* (loss, ce_loss, aux_loss, router_z_loss, mtp_loss,
+grad_norm, lr), eval/* (eval_loss, eval_perplexity), throughput/* (tokens_per_s, per device, model TFLOP/s per
+device, mfu, packing efficiency) and dispatch/* (capacity, required_capacity, padded buffer rows, replays). A
+record with `expert_load` (per sparse layer, tokens per expert) adds, per layer L (the model's layer index: the record's
 `expert_load_layers`, else `sparse_layers`, else the row's position), the histogram router_load/layer_L (one bucket per expert: its x axis is the expert
 id, its height the tokens routed there) and the scalar router_load/layer_L_max_over_mean (1.0: perfectly
 balanced; E / K: every token on the same K experts). A record with `ep_rank_load` (per sparse layer, the (token,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 GROUPS = {
-    "train": ("loss", "ce_loss", "aux_loss", "router_z_loss", "grad_norm", "lr"),
+    "train": ("loss", "ce_loss", "aux_loss", "router_z_loss", "mtp_loss", "grad_norm", "lr"),
     "eval": ("eval_loss", "eval_perplexity"),
     "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu",
                    "packing_efficiency"),
