@@ -1,6 +1,7 @@
 """The engine's host side: which requests hold which slots and pages, what each step's rows carry, and what the
 new ids mean for each request. No device program runs here: a step's filled inputs go to `run(kind, inputs) ->
-new ids [rows]` (the engine's `StepPrograms.run`; in tests, a fake step).
+new ids [rows]` or (new ids, their log probabilities or None) (the engine's `StepPrograms.run`; in tests, a fake
+step).
 
     scheduler = Scheduler(config, groups=G, vocab_size=V, run=run)
     scheduler.add(Request("a", prompt_ids, RequestSettings(max_new_tokens=32)))
@@ -11,8 +12,8 @@ Admission: first come, first served; a request takes a free slot of the group wi
 pages its prompt and `max_new_tokens` need (up to max_model_len), or waits, so a running request never waits for
 memory. Chunked prefill: each step takes up to `prefill_rows` pieces of `prefill_chunk` prompt tokens per group,
 oldest slot first. Decode: each group's decoding requests packed into the fewest decode rows that hold them. A
-request ends on an EOS id, a stop string (the text's tail, decoded incrementally), `max_new_tokens` or the context;
-its slot and pages are free for the next step.
+request ends on an EOS id or one of its stop_token_ids, a stop string (the text's tail, decoded incrementally; none
+of these before its min_tokens), `max_new_tokens` or the context; its slot and pages are free for the next step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ import numpy as np
 from ..kv_cache import PageBook
 from .detokenize import IncrementalDecoder
 from .requests import ContinuousBatchingConfig, Request, RequestStatus, StepEvent
-from .step_inputs import blank_row, host_inputs, write_sampling
+from .step_inputs import (
+    PENALTY_DECODE,
+    PENALTY_FIRST_PROMPT,
+    PENALTY_PROMPT,
+    blank_row,
+    host_inputs,
+    write_penalty_row,
+    write_sampling,
+)
 
 
 class Scheduler:
@@ -79,6 +88,11 @@ class Scheduler:
         if request.settings.stop and self.decode_text is None:
             raise ValueError("stop strings need a tokenizer: build the engine with decode=tokenizer.decode.")
         self.check_prompt(request.prompt_ids)
+        settings, vocab = request.settings, self.vocab_size
+        ids = [token for token, _ in settings.logit_bias] + list(settings.stop_token_ids)
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"request {request.request_id!r}: token id {max(ids)} (logit_bias / stop_token_ids) "
+                             f"is outside the vocabulary [0, {vocab}).")
         try:   # the settings must fit the step's input arrays (int32 top_k, uint32 seed bits, float32)
             self._sampling_inputs(self._host_inputs(1, 1), 0, request)
         except (OverflowError, ValueError, TypeError) as error:
@@ -226,7 +240,7 @@ class Scheduler:
         placed = self._place_prefill(inputs, self._prefill_pieces(prefilling), rows_per_group)
         if not placed:
             return []
-        tokens = self._run("prefill", inputs)
+        tokens = self._run_step("prefill", inputs)
         self.steps["prefill"] += 1
         return self._prefilled(placed, tokens)
 
@@ -247,9 +261,9 @@ class Scheduler:
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not decoding:
             return []
-        tokens = self._run("decode", inputs)
+        tokens = self._run_step("decode", inputs)
         self.steps["decode"] += 1
-        return [self._emit(request, int(tokens[rows[request.request_id]])) for request in decoding]
+        return [self._emit(request, tokens, rows[request.request_id]) for request in decoding]
 
     def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
         """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
@@ -269,10 +283,10 @@ class Scheduler:
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not placed and not decoding:
             return []
-        tokens = self._run("mixed", inputs)
+        tokens = self._run_step("mixed", inputs)
         self.steps["mixed"] += 1
         events = self._prefilled(placed, tokens)
-        return events + [self._emit(request, int(tokens[decode_rows[request.request_id]])) for request in decoding]
+        return events + [self._emit(request, tokens, decode_rows[request.request_id]) for request in decoding]
 
     @property
     def mixed_prompt_rows(self) -> list[int]:
@@ -295,6 +309,9 @@ class Scheduler:
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = start
         self._sampling_inputs(inputs, row, request)
+        if request.settings.penalized:
+            write_penalty_row(inputs, row, request.slot, PENALTY_PROMPT if request.counted else PENALTY_FIRST_PROMPT)
+            request.counted = True
 
     def _decode_row(self, inputs: dict, row: int, request: Request) -> None:
         """Put `request`'s last token in row `row`, to store it and sample the next."""
@@ -303,8 +320,10 @@ class Scheduler:
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
         self._sampling_inputs(inputs, row, request)
+        if request.settings.penalized:
+            write_penalty_row(inputs, row, request.slot, PENALTY_DECODE)
 
-    def _prefilled(self, placed: list[tuple[int, Request, int]], tokens: np.ndarray) -> list[StepEvent]:
+    def _prefilled(self, placed: list[tuple[int, Request, int]], tokens: tuple) -> list[StepEvent]:
         """Advance each prefilled prompt by its pieces; one that is whole now decodes and gets its first token
         (sampled at its last piece's row)."""
         events = []
@@ -312,7 +331,7 @@ class Scheduler:
             request.prefilled += count
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
-                events.append(self._emit(request, int(tokens[row])))
+                events.append(self._emit(request, tokens, row))
         return events
 
     def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:
@@ -322,16 +341,29 @@ class Scheduler:
     def _sampling_inputs(inputs: dict, row: int, request: Request) -> None:
         write_sampling(inputs, row, request.settings, len(request.output.generated_tokens))
 
-    def _emit(self, request: Request, token: int) -> StepEvent:
-        output = request.output
+    def _run_step(self, kind: str, inputs: dict) -> tuple[np.ndarray, tuple | None]:
+        """Run a step -> (new ids [rows], (log probabilities [rows], top ids [rows, K], theirs [rows, K]) or None)."""
+        result = self._run(kind, inputs)
+        return result if isinstance(result, tuple) else (result, None)
+
+    def _emit(self, request: Request, step: tuple, row: int) -> StepEvent:
+        """`request` gets row `row`'s token of the step's (new ids, log probabilities) `step`."""
+        output, s = request.output, request.settings
+        token = int(step[0][row])
         output.generated_tokens.append(token)
         output.timestamps.append(time.perf_counter())
+        if s.logprobs and step[1] is not None:
+            logprobs, top_ids, top_logprobs = step[1]
+            output.logprobs.append(float(logprobs[row]))
+            if s.top_logprobs:
+                output.top_logprobs.append([(int(i), float(v)) for i, v in zip(top_ids[row, :s.top_logprobs],
+                                                                                top_logprobs[row, :s.top_logprobs])])
         self.generated_tokens += 1
-        s = request.settings
         reason = None
-        if token in s.eos_token_id:
+        held = len(output.generated_tokens) < s.min_tokens   # min_tokens: no stop condition but the length yet
+        if not held and (token in s.eos_token_id or token in s.stop_token_ids):
             reason = "stop"
-        elif s.stop and self.decode_text is not None and self._hit_stop_string(request):
+        elif not held and s.stop and self.decode_text is not None and self._hit_stop_string(request):
             reason = "stop"
         elif len(output.generated_tokens) >= s.max_new_tokens:
             reason = "length"
