@@ -238,9 +238,10 @@ class StepPrograms:
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
         top = min(MAX_TOP_LOGPROBS, raw.shape[-1])
+        rows = raw.shape[0]
         logprobs = jax.lax.cond(
             jnp.any(inputs["logprobs"] > 0), lambda: token_logprobs(raw, new_ids, top),
-            lambda: (jnp.zeros(raw.shape[:1]), jnp.zeros((raw.shape[0], top), jnp.int32), jnp.zeros((raw.shape[0], top))))
+            lambda: (jnp.zeros(rows), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top))))
         logprobs = jax.lax.with_sharding_constraint(logprobs, self._replicated)
         loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
             (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
@@ -249,8 +250,8 @@ class StepPrograms:
     def _controlled(self, logits: jax.Array, counts: tuple, inputs: dict) -> tuple[jax.Array, tuple]:
         """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens).
         Each part runs only when some row uses it."""
-        logits = jax.lax.cond(jnp.any(inputs["bias"] != 0), lambda: add_bias(logits, inputs["bias_ids"], inputs["bias"]),
-                              lambda: logits)
+        logits = jax.lax.cond(jnp.any(inputs["bias"] != 0),
+                              lambda: add_bias(logits, inputs["bias_ids"], inputs["bias"]), lambda: logits)
         return jax.lax.cond(jnp.any(inputs["penalty"] > 0), partial(self._penalized, inputs), lambda l, c: (l, c),
                             logits, counts)
 
