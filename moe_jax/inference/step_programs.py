@@ -10,8 +10,9 @@ per kind of sequence (`kv_cache.SegmentedPagedKV`). Every program samples each r
 returns the new ids [rows] (replicated: what the host reads) and the pools, donated and updated in place.
 
 Each row's logits controls (`RequestSettings`: logit_bias and min_tokens' masked ids, the penalties, log
-probabilities) run in the same programs; each runs under a `lax.cond` on whether any row of the step uses it, so
-a step where none does pays for none (as greedy steps skip the warpers' sorts). The penalties read per-slot token
+probabilities) run in the same programs, under a `lax.cond` on whether any row of the step uses them (the bias
+and the penalties share one, the log probabilities have theirs), so a step where none does pays for none (as
+greedy steps skip the warpers' sorts). The penalties read per-slot token
 counts kept on the device between steps (`counts`: generated [slots, V] int32, each id's count among the slot's
 generated tokens, and in_prompt [slots, V] bool, its prompt's ids; replicated, donated like the pools): a
 penalized request's first prompt row resets its slot's, its prompt rows mark their ids, and each decode row
@@ -248,17 +249,18 @@ class StepPrograms:
         return new_ids, logprobs, out.cache.keys, out.cache.values, counts, *loads
 
     def _controlled(self, logits: jax.Array, counts: tuple, inputs: dict) -> tuple[jax.Array, tuple]:
-        """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens).
-        Each part runs only when some row uses it."""
-        logits = jax.lax.cond(jnp.any(inputs["bias"] != 0),
-                              lambda: add_bias(logits, inputs["bias_ids"], inputs["bias"]), lambda: logits)
-        return jax.lax.cond(jnp.any(inputs["penalty"] > 0), partial(self._penalized, inputs), lambda l, c: (l, c),
-                            logits, counts)
+        """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens):
+        one `lax.cond` for both (a branch costs the step a read of its predicate), run only when some row has a bias
+        or a penalty (a row without adds zeros and is penalized by nothing)."""
+        used = jnp.any(inputs["bias"] != 0) | jnp.any(inputs["penalty"] > 0)
+        return jax.lax.cond(used, partial(self._biased_and_penalized, inputs), lambda l, c: (l, c), logits, counts)
 
     @staticmethod
-    def _penalized(inputs: dict, logits: jax.Array, counts: tuple) -> tuple[jax.Array, tuple]:
-        """The counts updated by the penalized rows (`penalty`: a first prompt row resets its slot's, prompt rows
-        mark their ids, decode rows count their input id), then every row's logits penalized by its slot's."""
+    def _biased_and_penalized(inputs: dict, logits: jax.Array, counts: tuple) -> tuple[jax.Array, tuple]:
+        """Each row's biases added; the counts updated by the penalized rows (`penalty`: a first prompt row resets
+        its slot's, prompt rows mark their ids, decode rows count their input id); then every row's logits
+        penalized by its slot's."""
+        logits = add_bias(logits, inputs["bias_ids"], inputs["bias"])
         generated, in_prompt = counts
         slots, kind, ids = inputs["slots"], inputs["penalty"], inputs["ids"]
         nowhere = generated.shape[0]   # an out-of-range slot: the scatter drops the row's update
