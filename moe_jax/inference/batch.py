@@ -37,7 +37,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
                    continuous_batching_config: ContinuousBatchingConfig | None = None, *,
                    progress_bar: bool = False, params=None, **kwargs) -> dict[str, GenerationOutput]:
     """inputs: prompts as token-id lists -> {request id: GenerationOutput}, in input order. kwargs: max_new_tokens,
-    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop."""
+    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop, and the logits
+    controls of `RequestSettings` (logprobs, logit_bias, penalties, min_tokens, stop_token_ids)."""
     if not inputs:
         return {}
     seed = kwargs.pop("seed", 0)
