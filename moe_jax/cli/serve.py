@@ -95,11 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="a step that prefills a prompt chunk also decodes the running requests, in one program "
                              "(default on; --no-mixed-steps: a prefill program, then a decode program)")
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the keys and values of every full page of the longest prompt prefix an earlier "
                              "request computed (a shared system prompt, a resent conversation) and prefill only the "
-                             "rest (default on; /metrics reports the hit rate; --no-prefix-caching: every prompt is "
-                             "prefilled whole)")
+                             "rest (default: on where a prompt can fill a page, --page-size <= --max-model-len - 2; "
+                             "--prefix-caching: on, refusing a page size no prompt fills; /metrics reports the hit "
+                             "rate; --no-prefix-caching: every prompt is prefilled whole)")
     add_speculative_flags(parser)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the engine's programs before listening (default on)")

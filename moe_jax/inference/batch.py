@@ -40,8 +40,9 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
                    progress_bar: bool = False, params=None, speculative: str | None = None,
                    num_speculative_tokens: int = 4, **kwargs) -> dict[str, GenerationOutput]:
     """inputs: prompts as token-id lists -> {request id: GenerationOutput}, in input order. kwargs: max_new_tokens,
-    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop.
-    speculative, num_speculative_tokens: speculative decoding (`ContinuousBatchingConfig`'s; ignored when
+    eos_token_id, do_sample, temperature, top_k, top_p, seed (request i samples with seed + i), stop, and the logits
+    controls of `RequestSettings` (logprobs, logit_bias, penalties, min_tokens, stop_token_ids). speculative,
+    num_speculative_tokens: speculative decoding (`ContinuousBatchingConfig`'s; ignored when
     `continuous_batching_config` is given)."""
     if not inputs:
         return {}

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
+from .step_inputs import FLOAT_COLUMNS
+
 PROGRAM_CODES = {"prefill": 0, "decode": 1, "mixed": 2}
 STOP_CODE = -1
 IDLE_CODE = -2   # nothing to run: keeps the followers' collective from timing out while the server waits
@@ -51,6 +53,6 @@ def follow(execute: Callable[[str, np.ndarray, np.ndarray, int], object]) -> int
             return steps
         if code == IDLE_CODE:
             continue
-        ints, floats = broadcast_one_to_all((np.zeros((rows, columns), np.int32), np.zeros((rows, 2), np.float32)))
+        ints, floats = broadcast_one_to_all((np.zeros((rows, columns), np.int32), np.zeros((rows, FLOAT_COLUMNS), np.float32)))
         execute(names[code], np.asarray(ints), np.asarray(floats), tokens)
         steps += 1

@@ -41,6 +41,7 @@ from .continuous import (
     ServingEngine,
 )
 from .generation_config import GenerationConfig, eos_tuple
+from .requests import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS  # noqa: F401 - the request bounds the server checks, here
 
 # Seconds of history behind the tokens/s figure of `metrics()`.
 RATE_WINDOW_S = 10.0
@@ -54,8 +55,11 @@ class QueueFull(RuntimeError):
 
 def request_settings(generation_config: GenerationConfig, max_new_tokens: int | None = None, eos_token_id=None, *,
                      do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
-                     top_p: float | None = None, seed: int = 0, stop=None, prompt_length: int = 0) -> RequestSettings:
-    """A request's settings: the call's values over `generation_config` (Transformers' -1 EOS means none)."""
+                     top_p: float | None = None, seed: int = 0, stop=None, prompt_length: int = 0,
+                     **controls) -> RequestSettings:
+    """A request's settings: the call's values over `generation_config` (Transformers' -1 EOS means none).
+    controls: `RequestSettings`' logits controls (logprobs, top_logprobs, logit_bias, presence_penalty,
+    frequency_penalty, repetition_penalty, min_tokens, stop_token_ids)."""
     config = generation_config.updated(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                        top_k=top_k, top_p=top_p)
     eos = config.eos_token_id if eos_token_id is None else eos_tuple(eos_token_id)
@@ -63,7 +67,7 @@ def request_settings(generation_config: GenerationConfig, max_new_tokens: int | 
     stops = () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
     return RequestSettings(max_new_tokens=config.new_tokens(prompt_length), eos_token_id=eos,
                            do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
-                           top_p=config.top_p, seed=seed, stop=stops)
+                           top_p=config.top_p, seed=seed, stop=stops, **controls)
 
 
 class ContinuousBatchingManager:
@@ -150,7 +154,9 @@ class ContinuousBatchingManager:
                     handler: Callable[[GenerationOutput], None] | None = None, incremental: bool = False,
                     **sampling) -> str:
         """Queue a prompt (token ids) -> its request id. sampling: do_sample, temperature, top_k, top_p, seed,
-        stop (strings; the manager needs `decode`). handler: receives this request's outputs (on the engine's
+        stop (strings; the manager needs `decode`) and the logits controls of `RequestSettings` (logprobs,
+        top_logprobs, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
+        stop_token_ids). handler: receives this request's outputs (on the engine's
         thread, in order) instead of its queue, from the first one. incremental: a streaming request's unfinished
         outputs carry only their new tokens (`GenerationOutput.offset` says where they start); the finished one
         carries all. Raises ValueError for a request the engine cannot serve, `QueueFull` when `max_queued`
@@ -344,15 +350,19 @@ class ContinuousBatchingManager:
             start = self._delivered.get(request_id, 0)
             self._delivered[request_id] = end
             snapshot = dataclasses.replace(output, generated_tokens=output.generated_tokens[start:end],
-                                           timestamps=output.timestamps[start:end], logprobs=[], offset=start,
+                                           timestamps=output.timestamps[start:end],
+                                           logprobs=output.logprobs[start:end],
+                                           top_logprobs=output.top_logprobs[start:end], offset=start,
                                            status=RequestStatus.DECODING, finish_reason=None)
         else:
             # A snapshot: the lists that grow are copied; the prompt is never changed, so it is shared.
             snapshot = dataclasses.replace(output, generated_tokens=list(output.generated_tokens),
-                                           timestamps=list(output.timestamps), logprobs=list(output.logprobs))
+                                           timestamps=list(output.timestamps), logprobs=list(output.logprobs),
+                                           top_logprobs=list(output.top_logprobs))
             if not finished and generated is not None:   # a later event of the same step already extended it
                 snapshot.generated_tokens = snapshot.generated_tokens[:generated]
                 snapshot.timestamps = snapshot.timestamps[:generated]
+                snapshot.logprobs, snapshot.top_logprobs = snapshot.logprobs[:generated], snapshot.top_logprobs[:generated]
                 snapshot.status, snapshot.finish_reason = RequestStatus.DECODING, None
         if finished:
             self.finished_requests += 1

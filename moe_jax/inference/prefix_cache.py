@@ -26,8 +26,9 @@ class PrefixCache:
 
     def reusable(self, request: Request) -> list[bytes]:
         """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply:
-        the last token is always prefilled, to sample the first new one); none when caching is off."""
-        if not self.enabled:
+        the last token is always prefilled, to sample the first new one); none when caching is off, or for a
+        request with a repetition penalty (its prompt's ids are marked on the device as its prompt is prefilled)."""
+        if not self.enabled or request.settings.repetition_penalty != 1.0:
             return []
         reusable = (len(request.prompt_ids) - 1) // self.page_size
         page_digests(request.prompt_ids[:reusable * self.page_size], self.page_size, self.root(request),

@@ -13,6 +13,13 @@ from .detokenize import IncrementalDecoder
 from .sampling import Sampling
 from .speculative import check_speculative
 
+# Per-request bounds of the controls that travel in every step's rows (fixed-size columns: one compiled program
+# serves every request): logit_bias entries (OpenAI's bound), top log probabilities (OpenAI's bound), and the ids
+# min_tokens holds back (eos_token_id and stop_token_ids together).
+MAX_LOGIT_BIAS = 300
+MAX_TOP_LOGPROBS = 20
+MAX_MIN_TOKENS_STOP_IDS = 32
+
 
 class RequestStatus(IntEnum):
     """Transformers' request lifecycle (`transformers.generation.continuous_batching.RequestStatus`)."""
@@ -28,7 +35,18 @@ class RequestStatus(IntEnum):
 class RequestSettings:
     """One request's generation settings. eos_token_id: ids that end it (kept in its tokens, as Transformers);
     stop: strings that end it (needs the engine's `decode`); seed: its sampling stream (tokens are drawn by
-    `fold_in(key(seed), index)`, so a request's draws do not depend on what else is batched)."""
+    `fold_in(key(seed), index)`, so a request's draws do not depend on what else is batched).
+
+    The logits controls run on the device, each row by its own request's values, in vLLM's order: min_tokens and
+    logit_bias, then the penalties (repetition, frequency, presence), then temperature, top-k, top-p and the draw
+    (or the argmax). logprobs: report each generated token's log probability, and top_logprobs (<=
+    `MAX_TOP_LOGPROBS`) of the likeliest tokens, under the model's raw distribution (log_softmax of its logits
+    before any control: vLLM's default `logprobs_mode="raw_logprobs"`); logit_bias: (token id, bias) pairs
+    (a dict is taken too) added to the logits, at most `MAX_LOGIT_BIAS`; presence_penalty / frequency_penalty:
+    OpenAI's, subtracted per token id generated so far (presence once, frequency per occurrence); repetition_penalty:
+    Transformers' / vLLM's, dividing positive logits and multiplying negative ones of every id in the prompt or
+    generated so far (1.0: off); min_tokens: eos_token_id and stop_token_ids are masked, and no stop condition but
+    the length ends the request, until it has that many tokens; stop_token_ids: more ids that end it (as EOS)."""
 
     max_new_tokens: int = 20
     eos_token_id: tuple[int, ...] = ()
@@ -38,11 +56,77 @@ class RequestSettings:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1.")
         Sampling(self.do_sample, self.temperature, self.top_k, self.top_p)   # its checks and error texts
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs={self.logprobs!r} must be a bool.")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, {MAX_TOP_LOGPROBS}].")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True.")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple((token, value) for token, value in bias)
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must be a dict or (token id, bias) pairs.") from None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries: at most {MAX_LOGIT_BIAS} are allowed.")
+        for token, value in bias:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: token id {token!r} must be an int >= 0.")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: the bias {value!r} of token {token} must be a number in [-100, 100].")
+        object.__setattr__(self, "logit_bias", bias)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number in [-2, 2] (0: off).")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 100] "
+                             "(1.0: off).")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_new_tokens="
+                             f"{self.max_new_tokens}].")
+        stop_ids = tuple(self.stop_token_ids)
+        if any(not _is_int(token) or token < 0 for token in stop_ids):
+            raise ValueError(f"stop_token_ids={list(stop_ids)!r} must be ints >= 0.")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if self.min_tokens and len(set(self.eos_token_id) | set(stop_ids)) > MAX_MIN_TOKENS_STOP_IDS:
+            raise ValueError(f"min_tokens holds back eos_token_id and stop_token_ids: at most "
+                             f"{MAX_MIN_TOKENS_STOP_IDS} ids together.")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (the step keeps this request's token counts)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def controls_logits(self, generated: int) -> bool:
+        """Whether the step changes this request's logits (a bias, a penalty, min_tokens holding its stop ids back
+        after `generated` tokens) or reads them (log probabilities): its rows are not verified speculatively."""
+        return bool(self.logit_bias or self.penalized or self.logprobs or generated < self.min_tokens)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end the request: eos_token_id, then the stop_token_ids not among them."""
+        return self.eos_token_id + tuple(token for token in self.stop_token_ids if token not in self.eos_token_id)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and (
+        bool(np.isfinite(value)))
 
 
 @dataclass
@@ -55,12 +139,15 @@ class GenerationOutput:
     longer than the manager's queue timeout) or "shutdown" (the manager stopped before it finished).
     offset: the index of `generated_tokens[0]` among the request's tokens (an incremental output carries only
     the tokens new since the previous one; 0 otherwise). cached_tokens: the prompt's tokens whose keys and values
-    came from the prefix cache (not computed for it)."""
+    came from the prefix cache (not computed for it). logprobs: with the request's `logprobs`, each generated
+    token's log probability; top_logprobs: with its `top_logprobs`, each token's likeliest [(token id, log
+    probability)], most likely first (both under the model's raw distribution, `RequestSettings`)."""
 
     request_id: str
     prompt_ids: list[int] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     created_time: float = field(default_factory=time.perf_counter)
@@ -100,6 +187,7 @@ class Request:
     text: IncrementalDecoder | None = None   # its tokens' text so far, when it has stop strings
     page_digests: list[bytes] = field(default_factory=list)   # its full pages' prefix digests, as far as known
     registered: int = 0                      # its first pages whose keys and values are stored and registered
+    counted: bool = False   # its slot's token counts were reset by a row of its (penalties)
 
     def __post_init__(self):
         if self.output is None:
@@ -122,7 +210,9 @@ class ContinuousBatchingConfig:
     rebalance_every: with redundant expert slots (`num_redundant_experts`), re-place the experts after every that
     many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never);
     prefix_caching: a request reuses the stored keys and values of every full page of its longest prefix that an
-    earlier request computed (`kv_cache.page_book`), and prefills only the rest;
+    earlier request computed (`kv_cache.page_book`), and prefills only the rest (None, the default: on wherever a
+    prompt can fill a page, `page_size <= max_model_len - 2`; True: on, and a page size no prompt can fill is
+    refused; False: off);
     speculative: None, or "ngram" (prompt lookup: drafts copied from the request's own context after the latest
     earlier occurrence of its last `ngram_max` .. `ngram_min` tokens) or "mtp" (the checkpoint's multi-token-
     prediction layers draft): a decode step scores up to `num_speculative_tokens` drafts per request at once
@@ -137,7 +227,7 @@ class ContinuousBatchingConfig:
     mixed_steps: bool = True
     decode_rows: tuple[int, ...] | None = None
     rebalance_every: int | None = None
-    prefix_caching: bool = True
+    prefix_caching: bool | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 2
@@ -162,6 +252,13 @@ class ContinuousBatchingConfig:
                              f"(max_slots per data-parallel group); {bad} is not. E.g. decode_rows=({per_group},) for "
                              "one decode program.")
         return sorted(set(self.decode_rows) | {per_group})
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether prefix caching is on (`prefix_caching`, None resolved)."""
+        if self.prefix_caching is None:
+            return self.page_size <= self.max_model_len - 2
+        return self.prefix_caching
 
     @property
     def pages_per_slot(self) -> int:

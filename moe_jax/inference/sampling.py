@@ -98,3 +98,34 @@ def next_tokens_per_row(logits: jax.Array, keys: jax.Array, do_sample: jax.Array
     warped = warp_per_row(logits, jnp.where(do_sample, temperature, 1.0), top_k, top_p)
     sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, warped).astype(jnp.int32)
     return jnp.where(do_sample, sampled, greedy)
+
+
+def add_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """logits: [R, V]; bias_ids: [R, B] token ids; bias: [R, B] -> logits with each row's biases added at its ids
+    (a repeated id adds each; an unused pair is id 0 with bias 0; -inf masks the id)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.astype(jnp.float32).at[rows, bias_ids].add(bias, mode="drop")
+
+
+def penalize(logits: jax.Array, generated: jax.Array, in_prompt: jax.Array, presence: jax.Array,
+             frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """vLLM's penalties in its order. logits: [R, V]; generated: [R, V] int each id's count among the row's generated
+    tokens; in_prompt: [R, V] bool the ids of its prompt; presence, frequency, repetition: [R] (0, 0, 1.0: off)
+    -> [R, V] float32. Repetition (Transformers / vLLM): a positive logit of an id in the prompt or generated is
+    divided by the penalty, any other multiplied; then OpenAI's frequency (times the id's count) and presence
+    (once, if generated) penalties are subtracted."""
+    logits = logits.astype(jnp.float32)
+    seen = in_prompt | (generated > 0)
+    repetition = repetition[:, None]
+    logits = jnp.where(seen & (repetition != 1.0),
+                       jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency[:, None] * generated - presence[:, None] * (generated > 0)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits: [R, V] (the model's raw logits); tokens: [R] the chosen ids -> (their log probabilities [R], the
+    `top` likeliest ids [R, top] int32 and theirs [R, top], most likely first), under log_softmax(logits)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(logprobs, min(top, logprobs.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_values

@@ -1,6 +1,7 @@
 """The engine's host side: which requests hold which slots and pages, what each step's rows carry, and what the
 new ids mean for each request. No device program runs here: a step's filled inputs go to `run(kind, inputs) ->
-new ids [rows]` (the engine's `StepPrograms.run`; in tests, a fake step).
+new ids [rows]` or (new ids, their log probabilities or None) (the engine's `StepPrograms.run`; in tests, a fake
+step).
 
     scheduler = Scheduler(config, groups=G, vocab_size=V, run=run)
     scheduler.add(Request("a", prompt_ids, RequestSettings(max_new_tokens=32)))
@@ -12,10 +13,10 @@ its prompt (then: with the most free pages) and the pages its prompt and `max_ne
 max_model_len), or waits, so a running request never waits for memory. Prefix caching (`prefix_caching`, on by
 default): the request's first pages are the cached pages of its prompt's longest cached prefix (at least one
 prompt token is left to prefill, to sample from), and every page it fills, prompt or generated, is registered
-once its keys and values are stored (`kv_cache.page_book`). Chunked prefill: each step takes up to `prefill_rows` pieces of `prefill_chunk` prompt tokens per group,
-oldest slot first. Decode: each group's decoding requests packed into the fewest decode rows that hold them. A
-request ends on an EOS id, a stop string (the text's tail, decoded incrementally), `max_new_tokens` or the context;
-its slot and pages are free for the next step.
+once its keys and values are stored (`kv_cache.page_book`). Chunked prefill: each step takes up to
+`prefill_rows` pieces of `prefill_chunk` prompt tokens per group, oldest slot first. Decode: each group's decoding requests packed into the fewest decode rows that hold them. A
+request ends on an EOS id or one of its stop_token_ids, a stop string (the text's tail, decoded incrementally; none
+of these before its min_tokens), `max_new_tokens` or the context; its slot and pages are free for the next step.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ from ..kv_cache import PageBook
 from .detokenize import IncrementalDecoder
 from .requests import ContinuousBatchingConfig, Request, RequestStatus, StepEvent
 from .prefix_cache import PrefixCache
-from .speculative import request_drafts
-from .step_inputs import blank_row, host_inputs, write_sampling
+from .speculative_steps import SpeculativeSteps
+from .step_inputs import (
+    PENALTY_DECODE,
+    PENALTY_FIRST_PROMPT,
+    PENALTY_PROMPT,
+    blank_row,
+    host_inputs,
+    write_penalty_row,
+    write_sampling,
+)
 
 
-class Scheduler:
+class Scheduler(SpeculativeSteps):
     """Slots, pages, admission, chunked prefill, decode packing and stop conditions, on the host."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, groups: int, vocab_size: int,
@@ -64,13 +73,13 @@ class Scheduler:
             raise ValueError(f"num_pages={total} must be a multiple of the {groups} data-parallel groups and give "
                              f"each group at least {self.pages_per_slot} pages (one slot at max_model_len="
                              f"{config.max_model_len} with page_size={config.page_size}).")
-        if config.prefix_caching and config.page_size > config.max_model_len - 2:
+        if config.prefix_caching is True and config.page_size > config.max_model_len - 2:
             raise ValueError(f"prefix_caching=True cannot use page_size={config.page_size} with max_model_len="
                              f"{config.max_model_len}: only full pages before a prompt's last token are reused, and "
                              f"no prompt (at most {config.max_model_len - 1} tokens) fills one. Use a page_size of "
                              f"at most {max(config.max_model_len - 2, 1)}, or prefix_caching=False.")
-        self.book = PageBook(groups, total // groups, config.page_size, caching=config.prefix_caching)
-        self.prefix_cache = PrefixCache(self.book, page_size=config.page_size, enabled=config.prefix_caching,
+        self.book = PageBook(groups, total // groups, config.page_size, caching=config.caches_prefixes)
+        self.prefix_cache = PrefixCache(self.book, page_size=config.page_size, enabled=config.caches_prefixes,
                                         namespace=namespace)
         self.slots: list[Request | None] = [None] * config.max_slots
         self.waiting: deque[Request] = deque()
@@ -95,6 +104,11 @@ class Scheduler:
         if request.settings.stop and self.decode_text is None:
             raise ValueError("stop strings need a tokenizer: build the engine with decode=tokenizer.decode.")
         self.check_prompt(request.prompt_ids)
+        settings, vocab = request.settings, self.vocab_size
+        ids = [token for token, _ in settings.logit_bias] + list(settings.stop_token_ids)
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"request {request.request_id!r}: token id {max(ids)} (logit_bias / stop_token_ids) "
+                             f"is outside the vocabulary [0, {vocab}).")
         try:   # the settings must fit the step's input arrays (int32 top_k, uint32 seed bits, float32)
             self._sampling_inputs(self._host_inputs(1, 1), 0, request)
         except (OverflowError, ValueError, TypeError) as error:
@@ -247,7 +261,7 @@ class Scheduler:
         placed = self._place_prefill(inputs, self._prefill_pieces(prefilling), rows_per_group)
         if not placed:
             return []
-        tokens = self._run("prefill", inputs)
+        tokens = self._run_step("prefill", inputs)
         self.steps["prefill"] += 1
         return self._prefilled(placed, tokens)
 
@@ -255,8 +269,7 @@ class Scheduler:
         """One token for each decoding request (with speculation, when some request has drafts: its accepted
         drafts and one more, `_verify`), each group's requests packed into its first rows of the smallest decode
         program that holds them (`decode_row_counts`)."""
-        drafts = {request.request_id: request_drafts(request, self.config) for request in decoding} \
-            if self.config.speculative else {}
+        drafts = self._drafts(decoding)
         if any(drafts.values()):
             return self._verify(decoding, drafts)
         per_group, rows = self._decode_rows(decoding)
@@ -267,9 +280,9 @@ class Scheduler:
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not decoding:
             return []
-        tokens = self._run("decode", inputs)
+        tokens = self._run_step("decode", inputs)
         self.steps["decode"] += 1
-        return [self._emit(request, int(tokens[rows[request.request_id]])) for request in decoding]
+        return [self._emit(request, tokens, rows[request.request_id]) for request in decoding]
 
     def _decode_rows(self, decoding: list[Request]) -> tuple[int, dict[str, int]]:
         """-> (rows per group of the smallest decode program holding every group's decoding requests, each
@@ -280,43 +293,6 @@ class Scheduler:
         per_group = next(rows for rows in self.decode_row_counts if rows >= max(map(len, by_group)))
         return per_group, {request.request_id: group * per_group + i for group, requests in enumerate(by_group)
                            for i, request in enumerate(requests)}
-
-    def _verify(self, decoding: list[Request], drafts: dict[str, list[int]]) -> list[StepEvent]:
-        """One verification step: each decoding request's last token and its drafts in a row of 1 +
-        `num_speculative_tokens` tokens (`decode_row_counts` rows per group) -> what each got: its accepted drafts
-        and one token more."""
-        per_group, rows = self._decode_rows(decoding)
-        inputs = self._host_inputs(self.groups * per_group, 1 + self.config.num_speculative_tokens)
-        for request in decoding:
-            self._write_row(inputs, rows[request.request_id], request, partial(
-                self._decode_row, inputs, rows[request.request_id], request, drafts[request.request_id]))
-        decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
-        if not decoding:
-            return []
-        verified = self._run("verify", inputs)
-        self.steps["verify"] += 1
-        events = []
-        for request in decoding:
-            count, *tokens = verified[rows[request.request_id]]
-            self.draft_tokens += len(drafts[request.request_id])
-            self.accepted_draft_tokens += int(count) - 1
-            events.append(self._emit_tokens(request, [int(token) for token in tokens[:count]]))
-        return events
-
-    def _emit_tokens(self, request: Request, tokens: list[int]) -> StepEvent:
-        """`_emit` each of a step's tokens for `request` in order, up to one that ends it -> one event."""
-        emitted = []
-        for token in tokens:
-            event = self._emit(request, token)
-            emitted.append(token)
-            if event.finished:
-                break
-        return StepEvent(request, emitted, event.finished, event.generated)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Speculative drafts accepted / drafts verified (0 before any)."""
-        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
         """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
@@ -336,10 +312,10 @@ class Scheduler:
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not placed and not decoding:
             return []
-        tokens = self._run("mixed", inputs)
+        tokens = self._run_step("mixed", inputs)
         self.steps["mixed"] += 1
         events = self._prefilled(placed, tokens)
-        return events + [self._emit(request, int(tokens[decode_rows[request.request_id]])) for request in decoding]
+        return events + [self._emit(request, tokens, decode_rows[request.request_id]) for request in decoding]
 
     @property
     def mixed_prompt_rows(self) -> list[int]:
@@ -362,6 +338,9 @@ class Scheduler:
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = start
         self._sampling_inputs(inputs, row, request)
+        if request.settings.penalized:
+            write_penalty_row(inputs, row, request.slot, PENALTY_PROMPT if request.counted else PENALTY_FIRST_PROMPT)
+            request.counted = True
 
     def _decode_row(self, inputs: dict, row: int, request: Request, drafts: list[int] = ()) -> None:
         """Put `request`'s last token (and its drafts, in a verification step) in row `row`, to store them and
@@ -372,8 +351,10 @@ class Scheduler:
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
         self._sampling_inputs(inputs, row, request)
+        if request.settings.penalized:
+            write_penalty_row(inputs, row, request.slot, PENALTY_DECODE)
 
-    def _prefilled(self, placed: list[tuple[int, Request, int]], tokens: np.ndarray) -> list[StepEvent]:
+    def _prefilled(self, placed: list[tuple[int, Request, int]], tokens: tuple) -> list[StepEvent]:
         """Advance each prefilled prompt by its pieces; one that is whole now decodes and gets its first token
         (sampled at its last piece's row)."""
         events = []
@@ -382,7 +363,7 @@ class Scheduler:
             self.prefix_cache.stored(request, request.prefilled)
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
-                events.append(self._emit(request, int(tokens[row])))
+                events.append(self._emit(request, tokens, row))
         return events
 
     def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:
@@ -392,18 +373,31 @@ class Scheduler:
     def _sampling_inputs(inputs: dict, row: int, request: Request) -> None:
         write_sampling(inputs, row, request.settings, len(request.output.generated_tokens))
 
-    def _emit(self, request: Request, token: int) -> StepEvent:
-        output = request.output
+    def _run_step(self, kind: str, inputs: dict) -> tuple[np.ndarray, tuple | None]:
+        """Run a step -> (new ids [rows], (log probabilities [rows], top ids [rows, K], theirs [rows, K]) or None)."""
+        result = self._run(kind, inputs)
+        return result if isinstance(result, tuple) else (result, None)
+
+    def _emit(self, request: Request, step: tuple, row: int) -> StepEvent:
+        """`request` gets row `row`'s token of the step's (new ids, log probabilities) `step`."""
+        output, s = request.output, request.settings
+        token = int(step[0][row])
         output.generated_tokens.append(token)
         output.timestamps.append(time.perf_counter())
+        if s.logprobs and step[1] is not None:
+            logprobs, top_ids, top_logprobs = step[1]
+            output.logprobs.append(float(logprobs[row]))
+            if s.top_logprobs:
+                output.top_logprobs.append([(int(i), float(v)) for i, v in zip(top_ids[row, :s.top_logprobs],
+                                                                                top_logprobs[row, :s.top_logprobs])])
         self.generated_tokens += 1
         # Stored now: the prompt and every generated token but the new one (it is stored when it is decoded).
         self.prefix_cache.stored(request, len(request.prompt_ids) + len(output.generated_tokens) - 1)
-        s = request.settings
         reason = None
-        if token in s.eos_token_id:
+        held = len(output.generated_tokens) < s.min_tokens   # min_tokens: no stop condition but the length yet
+        if not held and (token in s.eos_token_id or token in s.stop_token_ids):
             reason = "stop"
-        elif s.stop and self.decode_text is not None and self._hit_stop_string(request):
+        elif not held and s.stop and self.decode_text is not None and self._hit_stop_string(request):
             reason = "stop"
         elif len(output.generated_tokens) >= s.max_new_tokens:
             reason = "length"

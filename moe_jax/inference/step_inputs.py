@@ -2,8 +2,13 @@
 transfer, and their unpacking inside the compiled step. The layout lives here only.
 
     inputs = host_inputs(rows, tokens, pages)      # ids, mask [rows, S]; page_table [rows, pages]; per-row scalars
-    ints, floats = packed(inputs, width)           # [rows, 2S + W + 5] int32, [rows, 2] float32
+    ints, floats = packed(inputs, width)           # [rows, 2S + W + 8 + B] int32, [rows, 5 + B] float32
     unpacked(ints, floats, tokens)                 # on device: the same names, page_table [rows, W]
+
+Each row also carries its request's logits controls (`RequestSettings`): B = `BIAS_WIDTH` (token id, bias) pairs
+added to its logits (logit_bias, and -inf on the stop ids while min_tokens holds them back; unused pairs: id 0,
+bias 0), its penalties, whether it reports log probabilities, and for the penalties' token counts (kept on the
+device per slot, `StepPrograms`) its slot and what its tokens are (`PENALTY_*`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The per-row scalars after ids, mask and the page table, in the int array's order.
-INT_SCALARS = ("lengths", "do_sample", "top_k", "seeds", "counters")
+from .requests import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
+
+# The per-row scalars after ids, mask and the page table, in the int array's order (then the bias ids).
+INT_SCALARS = ("lengths", "do_sample", "top_k", "seeds", "counters", "slots", "penalty", "logprobs")
+# The per-row scalars of the float array, in its order (then the bias values).
+FLOAT_SCALARS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# (token id, bias) pairs per row: a request's logit_bias and the stop ids min_tokens masks.
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS
+# A row's `penalty`: no penalty (its slot's counts untouched); a generated token (its input id is counted); a
+# prompt piece (its ids are marked as the prompt's); the request's first prompt piece (its slot's counts reset).
+PENALTY_OFF, PENALTY_DECODE, PENALTY_PROMPT, PENALTY_FIRST_PROMPT = 0, 1, 2, 3
+FLOAT_COLUMNS = len(FLOAT_SCALARS) + BIAS_WIDTH
 
 
 def host_inputs(rows: int, tokens: int, pages: int) -> dict[str, np.ndarray]:
@@ -22,7 +37,11 @@ def host_inputs(rows: int, tokens: int, pages: int) -> dict[str, np.ndarray]:
                 page_table=np.zeros((rows, pages), np.int32), lengths=np.zeros(rows, np.int32),
                 do_sample=np.zeros(rows, bool), temperature=np.ones(rows, np.float32),
                 top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
-                seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32))
+                seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32), slots=np.zeros(rows, np.int32),
+                penalty=np.zeros(rows, np.int32), logprobs=np.zeros(rows, np.int32),
+                presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
+                repetition_penalty=np.ones(rows, np.float32), bias_ids=np.zeros((rows, BIAS_WIDTH), np.int32),
+                bias=np.zeros((rows, BIAS_WIDTH), np.float32))
 
 
 def write_sampling(inputs: dict, row: int, settings, drawn: int) -> None:
@@ -34,6 +53,26 @@ def write_sampling(inputs: dict, row: int, settings, drawn: int) -> None:
     inputs["top_p"][row] = settings.top_p
     inputs["seeds"][row] = settings.seed % (1 << 32)
     inputs["counters"][row] = drawn
+    inputs["logprobs"][row] = settings.logprobs
+    inputs["presence_penalty"][row] = settings.presence_penalty
+    inputs["frequency_penalty"][row] = settings.frequency_penalty
+    inputs["repetition_penalty"][row] = settings.repetition_penalty
+    held_back = settings.stop_ids() if drawn < settings.min_tokens else ()
+    pairs = list(settings.logit_bias) + [(token, -np.inf) for token in held_back]
+    if len(pairs) > BIAS_WIDTH:
+        raise ValueError(f"{len(pairs)} logit_bias entries and min_tokens stop ids: at most {BIAS_WIDTH}.")
+    inputs["bias_ids"][row] = 0
+    inputs["bias"][row] = 0
+    if pairs:
+        inputs["bias_ids"][row, :len(pairs)] = [token for token, _ in pairs]
+        inputs["bias"][row, :len(pairs)] = [value for _, value in pairs]
+
+
+def write_penalty_row(inputs: dict, row: int, slot: int, kind: int) -> None:
+    """Row `row` is slot `slot`'s, its tokens of kind `kind` (`PENALTY_DECODE`, `PENALTY_PROMPT`,
+    `PENALTY_FIRST_PROMPT`): the step keeps the slot's token counts for its penalties."""
+    inputs["slots"][row] = slot
+    inputs["penalty"][row] = kind
 
 
 def blank_row(inputs: dict, row: int) -> None:
@@ -44,28 +83,31 @@ def blank_row(inputs: dict, row: int) -> None:
 
 
 def packed(inputs: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The host inputs as two arrays (one transfer each, not ten): ints [rows, 2S + W + 5] (ids, mask, page table
-    cut to `width`, then INT_SCALARS) and floats [rows, 2] (temperature, top_p)."""
+    """The host inputs as two arrays (one transfer each, not twenty): ints [rows, 2S + W + 8 + B] (ids, mask, page
+    table cut to `width`, INT_SCALARS, then the bias ids) and floats [rows, 5 + B] (FLOAT_SCALARS, then the
+    biases)."""
     scalars = dict(inputs, do_sample=inputs["do_sample"].astype(np.int32), seeds=inputs["seeds"].view(np.int32))
     ints = np.concatenate([inputs["ids"], inputs["mask"], inputs["page_table"][:, :width],
-                           np.stack([scalars[name] for name in INT_SCALARS], axis=1)], axis=1)
+                           np.stack([scalars[name] for name in INT_SCALARS], axis=1), inputs["bias_ids"]], axis=1)
     floats = np.stack([inputs["temperature"], inputs["top_p"]], axis=1).astype(np.float32)
+    floats = np.concatenate([floats, np.stack([inputs[name] for name in FLOAT_SCALARS[2:]], axis=1),
+                             inputs["bias"]], axis=1, dtype=np.float32)
     return ints.astype(np.int32), floats
 
 
 def packed_width(ints_columns: int, tokens: int) -> int:
     """The page-table width of a packed int array of `ints_columns` columns for rows of `tokens` tokens."""
-    return ints_columns - 2 * tokens - len(INT_SCALARS)
+    return ints_columns - 2 * tokens - len(INT_SCALARS) - BIAS_WIDTH
 
 
 def unpacked(ints: jax.Array, floats: jax.Array, tokens: int) -> dict[str, jax.Array]:
     """`packed`'s arrays, inside the step -> the inputs by name (ids, mask [rows, S]; page_table [rows, W]; the
-    per-row scalars [rows])."""
+    per-row scalars [rows]; bias_ids, bias [rows, B])."""
     width = packed_width(ints.shape[1], tokens)
     columns = [tokens, tokens, width] + [1] * len(INT_SCALARS)
-    ids, mask, page_table, *scalars = jnp.split(ints, np.cumsum(columns)[:-1], axis=1)
+    ids, mask, page_table, *scalars, bias_ids = jnp.split(ints, np.cumsum(columns), axis=1)
     per_row = {name: column[:, 0] for name, column in zip(INT_SCALARS, scalars)}
-    return dict(ids=ids, mask=mask, page_table=page_table, lengths=per_row["lengths"],
-                do_sample=per_row["do_sample"] > 0, top_k=per_row["top_k"],
-                seeds=jax.lax.bitcast_convert_type(per_row["seeds"], jnp.uint32), counters=per_row["counters"],
-                temperature=floats[:, 0], top_p=floats[:, 1])
+    per_row_floats = {name: floats[:, i] for i, name in enumerate(FLOAT_SCALARS)}
+    return dict(per_row, **per_row_floats, ids=ids, mask=mask, page_table=page_table,
+                do_sample=per_row["do_sample"] > 0, seeds=jax.lax.bitcast_convert_type(per_row["seeds"], jnp.uint32),
+                bias_ids=bias_ids, bias=floats[:, len(FLOAT_SCALARS):])

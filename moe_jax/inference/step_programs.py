@@ -2,7 +2,7 @@
 first use or all at once, and run on a step's host inputs.
 
     programs = StepPrograms(model, params, config, groups=G, pages_per_group=N)
-    tokens = programs.run("decode", inputs)        # inputs: `step_inputs.host_inputs` filled by the scheduler
+    tokens, logprobs = programs.run("decode", inputs)   # inputs: `step_inputs.host_inputs` filled by the scheduler
 
 Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (prompt rows + slots per group),
 chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
@@ -10,7 +10,18 @@ per kind of sequence (`kv_cache.SegmentedPagedKV`); "verify" [rows, 1 + num_spec
 decoding: each row's last token and its drafts, scored at every position, `speculative.accepted_tokens`). Every
 program samples each row by its own settings and returns the new ids [rows] (verify: [rows, 1 + T], each row's
 count of new tokens then the tokens) (replicated: what the host reads) and the pools, donated and updated in
-place. Experts
+place.
+
+Each row's logits controls (`RequestSettings`: logit_bias and min_tokens' masked ids, the penalties, log
+probabilities) run in the same programs, under a `lax.cond` on whether any row of the step uses them (the bias
+and the penalties share one, the log probabilities have theirs), so a step where none does pays for none (as
+greedy steps skip the warpers' sorts). The penalties read per-slot token
+counts kept on the device between steps (`counts`: generated [slots, V] int32, each id's count among the slot's
+generated tokens, and in_prompt [slots, V] bool, its prompt's ids; replicated, donated like the pools): a
+penalized request's first prompt row resets its slot's, its prompt rows mark their ids, and each decode row
+counts its input id (the token generated before it), before the row's logits are penalized. Log probabilities
+are the raw model distribution's (`sampling.token_logprobs`): the chosen id's and the `MAX_TOP_LOGPROBS`
+likeliest, read by the host only for a step where some row asked for them. Experts
 run at the largest dispatch capacity (`capacity=None`), which never drops a pair, under the model's expert
 placement as it is at each step; with `config.rebalance_every` the programs also return the step's `expert_load`,
 summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
@@ -35,9 +46,18 @@ from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
-from .sampling import next_tokens_per_row
+from .requests import MAX_TOP_LOGPROBS
+from .sampling import add_bias, next_tokens_per_row, penalize, token_logprobs
 from .speculative import accepted_tokens
-from .step_inputs import host_inputs, packed, packed_width, unpacked
+from .step_inputs import (
+    PENALTY_DECODE,
+    PENALTY_FIRST_PROMPT,
+    PENALTY_PROMPT,
+    host_inputs,
+    packed,
+    packed_width,
+    unpacked,
+)
 
 
 class StepPrograms:
@@ -55,6 +75,8 @@ class StepPrograms:
         mesh, axes = model.mesh, model.layout.batch_axes
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
         self._replicated = NamedSharding(mesh, P())
+        self.counts = self._zero_counts(config.max_slots, model.config.vocab_size,
+                                        abstract=getattr(model, "compiles_only", False))
         self.leading = False   # process 0 sends each step's inputs to the others (`lead_follow`)
         self.rebalance_every = config.rebalance_every
         if self.rebalance_every is not None and (self.rebalance_every < 1 or not model.num_redundant_experts):
@@ -87,25 +109,32 @@ class StepPrograms:
         """The programs compiled so far: (name, [rows, tokens], page-table width)."""
         return sorted(self._programs)
 
-    def run(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Pack the host inputs, run the program (compiled on first use), keep the pools, read the new ids [rows]."""
+    def run(self, name: str, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, tuple | None]:
+        """Pack the host inputs, run the program (compiled on first use), keep the pools -> the new ids [rows] and,
+        when a row asked for them, (the ids' log probabilities [rows], the top ids [rows, K], their log
+        probabilities [rows, K]) (else None)."""
         width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
         ints, floats = packed(inputs, width)
         tokens = inputs["ids"].shape[1]
         if self.leading:
             lead_follow.send_step(name, ints, floats, tokens)
-        return self.execute(name, ints, floats, tokens)
+        new_ids, logprobs = self.execute(name, ints, floats, tokens)
+        if not inputs["logprobs"].any():
+            return new_ids, None
+        return new_ids, tuple(np.asarray(values) for values in jax.device_get(logprobs))
 
-    def execute(self, name: str, ints: np.ndarray, floats: np.ndarray, tokens: int) -> np.ndarray:
-        """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows]."""
+    def execute(self, name: str, ints: np.ndarray, floats: np.ndarray, tokens: int) -> tuple[np.ndarray, tuple]:
+        """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows] and the log
+        probabilities' device arrays (`run`)."""
         placed = self._placed(ints, floats)
         program = self._program(name, placed, tokens)
-        new_ids, self.keys, self.values, *loads = program(self._weights(), self.keys, self.values, *placed)
+        new_ids, logprobs, self.keys, self.values, self.counts, *loads = program(
+            self._weights(), self.keys, self.values, self.counts, *placed)
         if self.counts_rank_load:
             self._count_rank_load(loads.pop())
         if loads:
             self._rebalance_after(loads[0])
-        return np.asarray(jax.device_get(new_ids))   # replicated: every process reads the same ids
+        return np.asarray(jax.device_get(new_ids)), logprobs   # replicated: every process reads the same ids
 
     def _count_rank_load(self, rank_load: jax.Array) -> None:
         total, placed = self._rank_load_total, self._rank_load_placed
@@ -141,6 +170,13 @@ class StepPrograms:
         steps runs the same programs)."""
         return self.params, self.adapter, self.model.expert_placement
 
+    def _zero_counts(self, slots: int, vocab: int, *, abstract: bool) -> tuple:
+        """The penalties' per-slot token counts, zeroed: (generated [slots, V] int32, in_prompt [slots, V] bool)."""
+        shapes = (((slots, vocab), jnp.int32), ((slots, vocab), jnp.bool_))
+        if abstract:
+            return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated) for shape, dtype in shapes)
+        return tuple(jnp.zeros(shape, dtype, device=self._replicated) for shape, dtype in shapes)
+
     def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
 
@@ -158,7 +194,7 @@ class StepPrograms:
         rows = placed[0].shape[0]
         prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
         return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=name == "verify"),
-                       donate_argnums=(1, 2)).lower(self._weights(), self.keys, self.values, *placed)
+                       donate_argnums=(1, 2, 3)).lower(self._weights(), self.keys, self.values, self.counts, *placed)
 
     def lower(self, name: str, rows: int, tokens: int, width: int):
         """Program `name` for `rows` rows of `tokens` tokens at page width `width`, lowered on abstract inputs (not
@@ -169,12 +205,14 @@ class StepPrograms:
         return self._lowered(name, placed, tokens)
 
     # ---- the step's math (traced) ----------------------------------------------------------------------------
-    def _step_math(self, weights, keys, values, ints, floats, *, tokens: int, prompt_rows: int | None = None,
+    def _step_math(self, weights, keys, values, counts, ints, floats, *, tokens: int, prompt_rows: int | None = None,
                    verify: bool = False):
-        """The pools and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids [rows], the pools with the
-        new tokens stored). weights: (params, the adapter's arrays or None, the expert placement or None).
+        """The pools, the penalties' counts and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids
+        [rows], (their log probabilities [rows], top ids [rows, K], theirs [rows, K]), the pools with the new tokens
+        stored, the counts). weights: (params, the adapter's arrays or None, the expert placement or None).
         prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots' one token each, run
-        as flat tokens. verify: every position is scored and each row's drafts accepted or not (-> [rows, 1 + S])."""
+        as flat tokens. verify: every position is scored and each row's drafts kept or not (new ids: [rows, 1 + S],
+        `_verified`; the scheduler verifies only steps whose rows use no logits controls)."""
         params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens)
         mask = inputs["mask"]
@@ -197,10 +235,14 @@ class StepPrograms:
         loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
             (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
         logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)
+        top = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+        rows = logits.shape[0]
+        no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top)))
         if verify:
-            return (self._verified(logits, inputs), out.cache.keys, out.cache.values, *loads)
-        logits = logits[:, 0]
-        logits = jax.lax.with_sharding_constraint(logits, self._rows_2d)   # whole rows: sampling sorts them
+            no_logprobs = jax.lax.with_sharding_constraint(no_logprobs, self._replicated)
+            return (self._verified(logits, inputs), no_logprobs, out.cache.keys, out.cache.values, counts, *loads)
+        raw = jax.lax.with_sharding_constraint(logits[:, 0], self._rows_2d).astype(jnp.float32)   # whole rows: sorted
+        logits, counts = self._controlled(raw, counts, inputs)
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
             inputs["seeds"], inputs["counters"])
         # The warpers sort every row's logits: only when some row samples (a greedy batch skips them).
@@ -210,7 +252,36 @@ class StepPrograms:
                                         inputs["top_k"], inputs["top_p"]),
             lambda: jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32))
         new_ids = jax.lax.with_sharding_constraint(new_ids, self._replicated)
-        return new_ids, out.cache.keys, out.cache.values, *loads
+        logprobs = jax.lax.cond(jnp.any(inputs["logprobs"] > 0), lambda: token_logprobs(raw, new_ids, top),
+                                lambda: no_logprobs)
+        logprobs = jax.lax.with_sharding_constraint(logprobs, self._replicated)
+        return new_ids, logprobs, out.cache.keys, out.cache.values, counts, *loads
+
+    def _controlled(self, logits: jax.Array, counts: tuple, inputs: dict) -> tuple[jax.Array, tuple]:
+        """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens):
+        one `lax.cond` for both (a branch costs the step a read of its predicate), run only when some row has a bias
+        or a penalty (a row without adds zeros and is penalized by nothing)."""
+        used = jnp.any(inputs["bias"] != 0) | jnp.any(inputs["penalty"] > 0)
+        return jax.lax.cond(used, partial(self._biased_and_penalized, inputs), lambda l, c: (l, c), logits, counts)
+
+    @staticmethod
+    def _biased_and_penalized(inputs: dict, logits: jax.Array, counts: tuple) -> tuple[jax.Array, tuple]:
+        """Each row's biases added; the counts updated by the penalized rows (`penalty`: a first prompt row resets
+        its slot's, prompt rows mark their ids, decode rows count their input id); then every row's logits
+        penalized by its slot's."""
+        logits = add_bias(logits, inputs["bias_ids"], inputs["bias"])
+        generated, in_prompt = counts
+        slots, kind, ids = inputs["slots"], inputs["penalty"], inputs["ids"]
+        nowhere = generated.shape[0]   # an out-of-range slot: the scatter drops the row's update
+        reset = jnp.where(kind == PENALTY_FIRST_PROMPT, slots, nowhere)
+        generated = generated.at[reset].set(0, mode="drop")
+        in_prompt = in_prompt.at[reset].set(False, mode="drop")
+        prompt = ((kind == PENALTY_PROMPT) | (kind == PENALTY_FIRST_PROMPT))[:, None] & (inputs["mask"] > 0)
+        in_prompt = in_prompt.at[jnp.where(prompt, slots[:, None], nowhere), ids].set(True, mode="drop")
+        generated = generated.at[jnp.where(kind == PENALTY_DECODE, slots, nowhere), ids[:, 0]].add(1, mode="drop")
+        logits = penalize(logits, generated[slots], in_prompt[slots], inputs["presence_penalty"],
+                          inputs["frequency_penalty"], inputs["repetition_penalty"])
+        return logits, (generated, in_prompt)
 
     def _verified(self, logits: jax.Array, inputs: dict) -> jax.Array:
         """logits: [R, S, V] a verification step's -> [R, 1 + S] each row's count of new tokens, then the tokens

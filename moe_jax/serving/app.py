@@ -7,7 +7,8 @@
                                  while draining)
     GET  /metrics                Prometheus text: slots, pages, requests, tokens/s, latency summaries
 
-Each HTTP request is one manager request (its id is the response's id). The engine's thread hands outputs to
+Each choice of an HTTP request (`n`) is one manager request (the first's id is the response's id; the
+responses and events are `choices.py`'s). The engine's thread hands outputs to
 the request's asyncio queue through `loop.call_soon_threadsafe`; a streaming request gets one output per token
 and sends the new text of each (`TextStream`: whole-sequence decoding, incomplete characters and possible
 stop-string starts held back), a plain request waits for the finished output. A client that goes away
@@ -32,7 +33,6 @@ context has room for stops at the context with finish_reason "length".
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (`Request`, imported inside
 # build_app to keep FastAPI optional) at runtime.
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from ..inference.manager import QueueFull
+from .choices import Generation, chat_body, completion_body, failure, finished_outputs, stream
 from .guard import AccessGuard, GuardSettings
 from .metrics import LatencyStats, prometheus_text
 from .protocol import (
@@ -52,11 +53,9 @@ from .protocol import (
     parse_json,
     parse_request,
 )
-from .text import TextStream, cut_at_stop
 
 # Seconds the lifespan's shutdown waits for the manager to finish the requests it holds.
 DRAIN_TIMEOUT_S = 30.0
-FINISH_REASONS = {"stop": "stop", "length": "length"}
 # Threads that parse requests, tokenize prompts and render chat templates (off the event loop).
 TEXT_WORKERS = 4
 # A prompt may have at most max_model_len x the longest token's characters x this many characters (slack for
@@ -66,78 +65,7 @@ PROMPT_CHARS_SLACK = 2
 FALLBACK_TOKEN_CHARS = 64
 # Retry-After of a 429: seconds a client should wait before asking again.
 RETRY_AFTER_S = 1
-# The failures the engine reports for a request, as HTTP statuses.
-FAILURE_STATUS = {"queue_timeout": 503, "shutdown": 503, "error": 500, "engine_error": 500}
 logger = logging.getLogger("moe_jax.serving")
-
-
-def _finish_reason(output) -> str:
-    return FINISH_REASONS.get(output.finish_reason, "stop")
-
-
-def _sse(payload) -> str:
-    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n"
-
-
-class _Generation:
-    """One HTTP request's manager request: its id, its queue of outputs, and how it ends."""
-
-    def __init__(self, server: "_Server", request_id: str, prompt: list[int], stops: list[str], streaming: bool):
-        self.server, self.request_id, self.prompt, self.stops = server, request_id, prompt, stops
-        self.streaming = streaming
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-        self.tokens: list[int] = []   # the generated tokens so far (incremental outputs put together)
-
-    def close(self) -> None:
-        """Cancel the manager's request unless it finished (idempotent): the client is gone."""
-        if not self.finished:
-            self.finished = True
-            self.server.manager.cancel_request(self.request_id)
-
-    async def next_output(self):
-        """The latest output once something new arrived: every output waiting in the queue is taken (a reader
-        that fell behind catches up in one go), their tokens added to `tokens`."""
-        latest = None
-        while latest is None or (not latest.is_finished() and not self.queue.empty()):
-            output = await self.queue.get()
-            if output.is_finished():
-                self.finished = True
-                self.tokens = list(output.generated_tokens)
-                return output
-            end = output.offset + len(output.generated_tokens)
-            if end > len(self.tokens):
-                self.tokens[output.offset:] = output.generated_tokens
-                latest = output
-        return latest
-
-    async def finished_output(self, http_request):
-        """The finished output; the request is cancelled if the client disconnects first."""
-        gone = asyncio.ensure_future(_disconnected(http_request))
-        getter = None
-        try:
-            while True:
-                getter = asyncio.ensure_future(self.next_output())
-                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    return None
-                output = getter.result()
-                if output.is_finished():
-                    return output
-        finally:
-            for task in (gone, getter):
-                if task is not None and not task.done():
-                    task.cancel()
-            self.close()
-
-
-async def _disconnected(http_request) -> None:
-    """Returns when the client has disconnected (the body is read: the next ASGI message is the disconnect)."""
-    while True:
-        message = await http_request.receive()
-        if message.get("type") == "http.disconnect":
-            return
 
 
 class _Server:
@@ -162,10 +90,18 @@ class _Server:
                                  f"`{self.model_name}`.", param="model", code="model_not_found", status=404)
 
     def check_sampling(self, body: SamplingFields) -> None:
-        """What the protocol cannot check alone: top_k within the vocabulary."""
+        """What the protocol cannot check alone: top_k and token ids within the vocabulary."""
         if body.top_k is not None and body.top_k > self.vocab_size:
             raise InvalidRequest(f"top_k={body.top_k} is larger than the vocabulary ({self.vocab_size} tokens); use "
                                  "0 or -1 for no top-k filter.", param="top_k")
+        for name, ids in (("logit_bias", map(int, body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids)):
+            if (outside := [token for token in ids or () if token >= self.vocab_size]):
+                raise InvalidRequest(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size}).",
+                                     param=name)
+
+    def echo_text(self, body: CompletionRequest, prompt: list[int]) -> str:
+        """With echo, the prompt's text, which the choices' text begins with ("" without)."""
+        return "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
 
     def check_prompt_chars(self, chars: int, what: str) -> None:
         """Refuse text that could not fit the context whatever its tokens, before tokenizing it."""
@@ -175,8 +111,24 @@ class _Server:
                                  param=what, code="context_length_exceeded")
 
     def submit(self, prefix: str, prompt: list[int], max_tokens: int | None, body: SamplingFields,
-               *, what: str) -> _Generation:
-        """Queue the request in the manager and route its outputs to a new `_Generation`'s queue."""
+               *, what: str) -> list[Generation]:
+        """Queue the request's n choices in the manager (choice i: request id `id-i` but the first's `id`, seed +
+        i) and route each one's outputs to a new `Generation`'s queue; if one is refused, none runs."""
+        seed = body.seed if body.seed is not None else secrets.randbits(32)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        generations = []
+        try:
+            for i in range(body.n or 1):
+                generations.append(self._submit_one(f"{request_id}-{i}" if i else request_id, i, prompt,
+                                                    max_tokens, body, seed + i, what=what))
+        except InvalidRequest:
+            for generation in generations:
+                generation.close()
+            raise
+        return generations
+
+    def _submit_one(self, request_id: str, index: int, prompt: list[int], max_tokens: int | None,
+                    body: SamplingFields, seed: int, *, what: str) -> Generation:
         if len(prompt) >= self.max_model_len:
             raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; the "
                                  f"{what} has {len(prompt)}, which leaves no room for a new token.",
@@ -184,9 +136,7 @@ class _Server:
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)
         streaming = bool(body.stream)
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        generation = _Generation(self, request_id, prompt, body.stop_strings(), streaming)
-        seed = body.seed if body.seed is not None else secrets.randbits(32)
+        generation = Generation(self, request_id, prompt, body.stop_strings(), streaming, index)
         loop = asyncio.get_running_loop()
         stats = self.stats
 
@@ -204,7 +154,7 @@ class _Server:
         try:
             self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming,
                                      stop=generation.stops or None, seed=seed, handler=deliver, incremental=True,
-                                     **body.sampling())
+                                     **body.sampling(), **body.controls())
         except ValueError as error:
             raise InvalidRequest(str(error), param=what if "prompt" in str(error) else None) from None
         except QueueFull as error:
@@ -214,80 +164,6 @@ class _Server:
             raise InvalidRequest("the server is shutting down or restarting and takes no new requests; retry.",
                                  status=503, kind="server_error") from None
         return generation
-
-    # ---- responses ------------------------------------------------------------------------------------
-    def usage(self, generation: _Generation, output) -> dict:
-        prompt, completion = len(generation.prompt), len(output.generated_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
-
-    def text(self, generation: _Generation, output) -> str:
-        return cut_at_stop(self.tokenizer.decode(list(output.generated_tokens)), generation.stops)
-
-    @staticmethod
-    def failure(output):
-        """A FAILED output as the error the client gets (an engine failure's details stay in the log)."""
-        if output.status.name != "FAILED":
-            return None
-        reason = output.finish_reason or "engine_error"
-        status = FAILURE_STATUS.get(reason, 500)
-        if reason == "engine_error":
-            return InvalidRequest("the engine failed while running this request; the server is restarting.",
-                                  status=500, kind="server_error", code="engine_error")
-        return InvalidRequest(f"the request failed: {output.error}" if reason == "error" else output.error,
-                              status=status, kind="server_error" if status >= 500 else "invalid_request_error",
-                              code=reason)
-
-    async def stream(self, generation: _Generation, *, chat: bool, include_usage: bool):
-        """The server-sent events of a streaming request, ending with `data: [DONE]`."""
-        created, request_id = int(time.time()), generation.request_id
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            return {"id": request_id, "object": kind, "created": created, "model": self.model_name,
-                    "choices": [choice]}
-
-        text = TextStream(self.tokenizer.decode, generation.stops)
-        try:
-            if chat:
-                yield _sse(chunk(None, role=True))
-            while True:
-                output = await generation.next_output()
-                if (failure := self.failure(output)) is not None:
-                    yield _sse(failure.body())
-                    break
-                delta = text.update(generation.tokens, output.is_finished())   # a few tokens decoded: inline
-                if delta:
-                    yield _sse(chunk(delta))
-                if output.is_finished():
-                    yield _sse(chunk(None, _finish_reason(output)))
-                    if include_usage:
-                        yield _sse({"id": request_id, "object": kind, "created": created, "model": self.model_name,
-                                    "choices": [], "usage": self.usage(generation, output)})
-                    break
-            yield _sse("[DONE]")
-        finally:
-            generation.close()
-
-    def completion_body(self, generation: _Generation, output) -> dict:
-        return {"id": generation.request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "text": self.text(generation, output), "logprobs": None,
-                             "finish_reason": _finish_reason(output)}],
-                "usage": self.usage(generation, output)}
-
-    def chat_body(self, generation: _Generation, output) -> dict:
-        message = {"role": "assistant", "content": self.text(generation, output)}
-        return {"id": generation.request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": _finish_reason(output)}],
-                "usage": self.usage(generation, output)}
 
     # ---- requests' inputs (on the text pool) -------------------------------------------------------------
     def completion_input(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
@@ -355,16 +231,17 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     class CancellingStream(StreamingResponse):
         """Cancels the generation however the response ends (the stream task can be cancelled mid-send)."""
 
-        def __init__(self, content, generation: _Generation):
+        def __init__(self, content, generations: list[Generation]):
             super().__init__(content, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.generation = generation
+            self.generations = generations
 
         async def __call__(self, scope, receive, send):
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                self.generation.close()
+                for generation in self.generations:
+                    generation.close()
 
     def error_response(error: InvalidRequest):
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
@@ -392,30 +269,31 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     @app.post("/v1/completions")
     async def completions(request: Request):
         body, prompt = await server.off_loop(server.completion_input, await request.body())
-        generation = server.submit("cmpl", prompt, body.max_tokens, body, what="prompt")
+        generations = server.submit("cmpl", prompt, body.max_tokens, body, what="prompt")
+        echo = server.echo_text(body, prompt)
         if body.stream:
-            return CancellingStream(server.stream(generation, chat=False, include_usage=body.include_usage()),
-                                    generation)
-        output = await generation.finished_output(request)
-        if output is None:   # the client is gone: nobody reads a response
+            return CancellingStream(stream(server, generations, chat=False, include_usage=body.include_usage(),
+                                           top=body.logprob_count(), echo=echo), generations)
+        outputs = await finished_outputs(generations, request)
+        if outputs is None:   # the client is gone: nobody reads a response
             return PlainTextResponse("", status_code=499)
-        if (failure := server.failure(output)) is not None:
-            return error_response(failure)
-        return JSONResponse(server.completion_body(generation, output))
+        if (failed := next(filter(None, map(failure, outputs)), None)) is not None:
+            return error_response(failed)
+        return JSONResponse(completion_body(server, generations, outputs, top=body.logprob_count(), echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body, prompt = await server.off_loop(server.chat_input, await request.body())
-        generation = server.submit("chatcmpl", prompt, body.new_tokens(), body, what="messages")
+        generations = server.submit("chatcmpl", prompt, body.new_tokens(), body, what="messages")
         if body.stream:
-            return CancellingStream(server.stream(generation, chat=True, include_usage=body.include_usage()),
-                                    generation)
-        output = await generation.finished_output(request)
-        if output is None:
+            return CancellingStream(stream(server, generations, chat=True, include_usage=body.include_usage(),
+                                           top=body.logprob_count()), generations)
+        outputs = await finished_outputs(generations, request)
+        if outputs is None:
             return PlainTextResponse("", status_code=499)
-        if (failure := server.failure(output)) is not None:
-            return error_response(failure)
-        return JSONResponse(server.chat_body(generation, output))
+        if (failed := next(filter(None, map(failure, outputs)), None)) is not None:
+            return error_response(failed)
+        return JSONResponse(chat_body(server, generations, outputs, top=body.logprob_count()))
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moe_jax",

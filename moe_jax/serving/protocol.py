@@ -4,11 +4,16 @@
     ChatCompletionRequest   POST /v1/chat/completions     messages, max_completion_tokens / max_tokens
 
 Sampling as OpenAI: temperature (default 1.0; 0, or below 1e-5 as vLLM, is greedy), top_p in (0, 1], seed (a
-64-bit integer), stop (a string or a list: at most 16 strings of at most 256 characters); top_k is an extension
-(0 or -1: off, as OpenAI has none; at most the vocabulary, which the server checks). Every bound is checked here,
-so nothing out of range reaches the engine. One choice per request: n != 1, best_of != 1, echo, logprobs,
-top_logprobs and a list of several prompts are refused with a 400 that says so. Fields this server does not use
-and that change nothing in the output (user, presence_penalty 0, ...) are read and ignored, as unknown fields are.
+64-bit integer), stop (a string or a list: at most 16 strings of at most 256 characters), presence_penalty and
+frequency_penalty in [-2, 2], logit_bias ({"token id": bias in [-100, 100]}, at most 300 entries), n choices (at
+most 16; each samples with seed + its index), log probabilities (completions: logprobs = how many top tokens, at
+most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; not with logprobs: the prompt's
+log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
+supported). vLLM's extensions: top_k (0 or -1: off; at most the vocabulary, which the server checks),
+repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at most 16). Every bound is checked here,
+so nothing out of range reaches the engine; a boolean where a number is due is refused. A list of several
+prompts is refused with a 400 that says so. Fields this server does not use and that change nothing in the
+output (user, ...) are read and ignored, as unknown fields are.
 
 `parse_json` turns a body into JSON for these models: malformed JSON, NaN / Infinity, integers of thousands of
 digits, nesting deeper than Python's recursion and text with lone UTF-16 surrogates are all 400s.
@@ -18,8 +23,9 @@ from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
+from ..inference.manager import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from ..inference.sampling import MIN_TEMPERATURE
 
 # Stop strings per request and characters per stop string (the engine scans every new token's text for them).
@@ -29,6 +35,12 @@ INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 INT32_MAX = (1 << 31) - 1
 # completions' max_tokens when absent or null (OpenAI's default).
 DEFAULT_COMPLETION_TOKENS = 16
+# Choices per request (n; each is one engine request) and stop_token_ids per request.
+MAX_CHOICES = 16
+MAX_STOP_TOKEN_IDS = 16
+# The numeric fields a JSON boolean must not stand for (pydantic would read true as 1).
+NUMBERS = ("temperature", "top_p", "top_k", "seed", "n", "best_of", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_tokens", "top_logprobs", "max_tokens", "max_completion_tokens")
 
 
 class InvalidRequest(ValueError):
@@ -69,26 +81,66 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    best_of: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)   # extensions (vLLM's)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
 
-    @field_validator("n", "best_of")
+    @field_validator(*NUMBERS, mode="before", check_fields=False)
     @classmethod
-    def _one_choice(cls, value, info):
-        if value is not None and value != 1:
-            raise ValueError(f"{info.field_name}={value} is not supported: this server returns one choice per "
-                             "request (n=1).")
+    def _not_a_boolean(cls, value, info):
+        if isinstance(value, bool):
+            raise ValueError(f"{info.field_name} must be a number, not a boolean.")
         return value
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logprobs(cls, value, info):
-        if value is not None and value is not False:
-            raise ValueError(f"{info.field_name}={value!r} is not supported: this server returns no log "
-                             "probabilities.")
-        return value
+    def _logit_bias(cls, bias):
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError('logit_bias must be an object {"token id": bias}.')
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{len(bias)} entries: at most {MAX_LOGIT_BIAS} are allowed.")
+        for token, value in bias.items():
+            if not token.isascii() or not token.isdigit() or len(token) > 10:
+                raise ValueError(f"the key {token[:20]!r} is not a token id (a non-negative integer).")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {token} must be a number in [-100, 100].")
+        return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, ids):
+        if any(token < 0 or token > INT32_MAX for token in ids or ()):
+            raise ValueError("token ids must be non-negative integers.")
+        return ids
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        limit = getattr(self, "max_tokens", None)
+        limit = getattr(self, "max_completion_tokens", None) or limit
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise InvalidRequest(f"min_tokens={self.min_tokens} is more than the {limit} tokens asked for.",
+                                 param="min_tokens")
+        return self
+
+    def logprob_count(self) -> int | None:
+        """None: no log probabilities; k: each token's and the k likeliest tokens'."""
+        raise NotImplementedError
+
+    def controls(self) -> dict:
+        """The manager's logits-control keywords (`RequestSettings`) this request sets."""
+        top = self.logprob_count()
+        controls = dict(logprobs=top is not None, top_logprobs=top or 0,
+                        logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+                        presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                        repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                        min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()))
+        return controls
 
     @field_validator("stop")
     @classmethod
@@ -124,19 +176,35 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool | None = False
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value):
+        if isinstance(value, bool):
+            raise ValueError(f"logprobs is a count of top tokens in [0, {MAX_TOP_LOGPROBS}] here (completions), "
+                             "not a boolean.")
+        return value
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidRequest(f"best_of={self.best_of} with n={self.n or 1}: best_of other than n is not "
+                                 "supported (every choice generated is returned).", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported: this server does not compute the prompt's "
+                                 "log probabilities.", param="echo")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("max_tokens")
     @classmethod
     def _default_tokens(cls, max_tokens):
         """null is the default (OpenAI's 16), not "up to the context"."""
         return DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo):
-        if echo:
-            raise ValueError("echo=true is not supported.")
-        return echo
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -190,12 +258,19 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _text_only(self):
         for message in self.messages:
             message.as_template_input()
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true.", param="top_logprobs")
         return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def new_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) over max_tokens; None: up to the context."""
@@ -234,6 +309,9 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):   # a check across fields, naming the field it refuses
+            raise InvalidRequest(f"{cause.param}: {cause.message}", param=cause.param) from None
         where = [str(part) for part in first.get("loc", ())]
         param = where[0] if where else None
         message = first.get("msg", "invalid value")

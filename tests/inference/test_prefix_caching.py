@@ -128,10 +128,14 @@ def test_two_groups_place_a_request_where_its_prefix_is_cached():
     assert follower.output.status == RequestStatus.FINISHED
 
 
-def test_a_page_size_no_prompt_can_fill_is_refused_with_the_fix():
+def test_a_page_size_no_prompt_can_fill_is_refused_when_caching_is_asked_for_and_off_by_default():
     with pytest.raises(ValueError, match=r"page_size=16 with max_model_len=16.*at most 14, or prefix_caching=False"):
-        Scheduler(ContinuousBatchingConfig(max_slots=1, page_size=16, max_model_len=16), groups=1,
-                  vocab_size=VOCAB, run=FakeStep())
+        Scheduler(ContinuousBatchingConfig(max_slots=1, page_size=16, max_model_len=16, prefix_caching=True),
+                  groups=1, vocab_size=VOCAB, run=FakeStep())
+    default = Scheduler(ContinuousBatchingConfig(max_slots=1, page_size=16, max_model_len=16), groups=1,
+                        vocab_size=VOCAB, run=FakeStep())
+    assert not default.book.caching and not default.prefix_cache.enabled
+    assert ContinuousBatchingConfig().caches_prefixes
 
 
 # ---- on a model: the tokens with prefix caching are the tokens without -----------------------------------------

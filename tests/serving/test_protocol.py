@@ -46,12 +46,41 @@ def test_malformed_bodies_are_400s_that_say_why(raw, message):
 
 @pytest.mark.parametrize("field, value", [
     ("top_k", 2 ** 31), ("top_k", -2), ("temperature", -0.5), ("temperature", 1e999), ("top_p", 0), ("top_p", 1.5),
-    ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("max_tokens", 0), ("n", 2), ("best_of", 3), ("logprobs", 1),
-    ("logprobs", True), ("top_logprobs", 2), ("echo", True), ("stop", [""]), ("stop", ["x"] * 17),
-    ("stop", "y" * 257),
+    ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("max_tokens", 0), ("n", 17), ("n", 0), ("n", True),
+    ("best_of", 3), ("logprobs", 21), ("logprobs", True), ("logprobs", -1), ("stop", [""]), ("stop", ["x"] * 17),
+    ("stop", "y" * 257), ("temperature", True), ("seed", False), ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.1), ("presence_penalty", True), ("logit_bias", {"a": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"1": 100.5}), ("logit_bias", {"1": True}), ("logit_bias", {str(i): 1 for i in range(301)}),
+    ("logit_bias", [1]), ("repetition_penalty", 0), ("min_tokens", -1), ("min_tokens", 17),
+    ("stop_token_ids", [-1]), ("stop_token_ids", list(range(17))),
 ])
 def test_out_of_range_fields_are_refused_by_name(field, value):
     assert refused(CompletionRequest, {"prompt": "a", field: value}).param == field
+
+
+def test_sampling_controls_reach_the_manager_by_name():
+    body = completion(logprobs=4, n=3, best_of=3, presence_penalty=-2, frequency_penalty=2,
+                      logit_bias={"7": -100, "0": 100}, repetition_penalty=1.3, min_tokens=16, stop_token_ids=[5])
+    assert body.n == 3 and completion(echo=True).echo
+    assert body.controls() == dict(logprobs=True, top_logprobs=4, logit_bias={7: -100.0, 0: 100.0},
+                                   presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_tokens=16,
+                                   stop_token_ids=(5,))
+    assert completion().controls() == dict(logprobs=False, top_logprobs=0, logit_bias={}, presence_penalty=0.0,
+                                           frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0,
+                                           stop_token_ids=())
+    messages = [{"role": "user", "content": "hi"}]
+    chat = parse_request(ChatCompletionRequest, {"messages": messages, "logprobs": True, "top_logprobs": 20})
+    assert (chat.controls()["logprobs"], chat.controls()["top_logprobs"]) == (True, 20)
+    assert parse_request(ChatCompletionRequest, {"messages": messages, "logprobs": True}).logprob_count() == 0
+    assert parse_request(ChatCompletionRequest, {"messages": messages}).logprob_count() is None
+    for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                       ({"max_tokens": 3, "min_tokens": 4}, "min_tokens")]:
+        with pytest.raises(InvalidRequest) as caught:
+            parse_request(ChatCompletionRequest, {"messages": messages, **bad})
+        assert caught.value.param == param
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(CompletionRequest, {"prompt": "a", "echo": True, "logprobs": 0})
+    assert caught.value.param == "echo" and "prompt's log probabilities" in caught.value.message
 
 
 def test_the_largest_values_in_range_are_accepted():

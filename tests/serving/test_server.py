@@ -145,7 +145,7 @@ def test_bad_requests_are_openai_errors(served):
     assert (status, error["code"]) == (400, "context_length_exceeded") and "256 tokens" in error["message"]
     status, error = post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 300}]})
     assert (status, error["code"]) == (400, "context_length_exceeded")
-    invalid = {"max_tokens": 0, "temperature": -0.5, "top_p": 1.5, "n": 2, "echo": True, "prompt": ["a", "b"],
+    invalid = {"max_tokens": 0, "temperature": -0.5, "top_p": 1.5, "n": 17, "best_of": 2, "prompt": ["a", "b"],
                "stop": [""], "top_k": -2, "stream": "maybe"}
     for param, value in invalid.items():
         status, error = post("/v1/completions", json={"prompt": "a"} | {param: value})
@@ -157,7 +157,7 @@ def test_bad_requests_are_openai_errors(served):
     with pytest.raises(openai.NotFoundError):
         served.client.completions.create(model="other", prompt="a", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="not supported"):
-        served.client.completions.create(model=NAME, prompt="a", n=3)
+        served.client.completions.create(model=NAME, prompt="a", n=2, best_of=3)
 
 
 def test_chat_without_a_template_is_a_400(served):
@@ -319,7 +319,7 @@ HOSTILE_BODIES = {
     "top_k beyond the vocabulary": b'{"prompt": "hi", "max_tokens": 4, "top_k": 257}',
     "NaN temperature": b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}',
     "1,000 stop strings": json.dumps({"prompt": "hi", "stop": ["s" * 1000] * 1000}).encode(),
-    "logprobs": b'{"prompt": "hi", "logprobs": 2}',
+    "logprobs beyond 20": b'{"prompt": "hi", "logprobs": 21}',
     "a chat message with a lone surrogate": b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
 }
 
@@ -425,3 +425,105 @@ def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(served):
     assert metrics["moe_jax_prompt_tokens_cached_total"] >= cached and metrics["moe_jax_pages_cached"] >= 1
     assert 0 < metrics["moe_jax_prefix_cache_hit_rate"] == pytest.approx(
         metrics["moe_jax_prompt_tokens_cached_total"] / metrics["moe_jax_prompt_tokens_total"])
+
+
+# ---- sampling controls: log probabilities, n, echo, logit_bias, penalties, min_tokens, stop_token_ids -----------
+def raw_logprobs(served, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """[len(tokens), V]: log_softmax of the served model's logits before each of `tokens`."""
+    sequence = np.asarray([prompt + tokens[:-1]] * 2)   # a row per data-parallel group of the served layout
+    logits = np.asarray(served.model.apply(served.model.params, sequence).logits[0], np.float64)[len(prompt) - 1:]
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_logprobs_equal_log_softmax_of_the_models_logits_plain_and_streamed(served):
+    messages = [{"role": "user", "content": "Logs"}]
+    ids = served.tokenizer.apply_chat_template(messages)
+    tokens = served.model.generate(np.array([ids]), max_new_tokens=6)[0, len(ids):].tolist()
+    reference = raw_logprobs(served, ids, tokens)
+    text = [served.tokenizer.decode([token]) for token in tokens]
+    chat = served.client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=5)
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content] == text
+    np.testing.assert_allclose([entry.logprob for entry in content], reference[np.arange(6), tokens], atol=1e-5)
+    for entry, row in zip(content, reference):
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 5
+        np.testing.assert_allclose([top.logprob for top in entry.top_logprobs], np.sort(row)[::-1][:5], atol=1e-5)
+    streamed = [entry for chunk in served.client.chat.completions.create(
+        model=NAME, messages=messages, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True) if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [entry.token for entry in streamed] == text and all(len(entry.top_logprobs) == 2 for entry in streamed)
+    np.testing.assert_allclose([entry.logprob for entry in streamed], reference[np.arange(6), tokens], atol=1e-5)
+    # Completions: logprobs = the top count; token ids as the prompt.
+    completion = served.client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == text and logprobs.text_offset == [sum(map(len, text[:i])) for i in range(6)]
+    np.testing.assert_allclose(logprobs.token_logprobs, reference[np.arange(6), tokens], atol=1e-5)
+    assert [len(top) for top in logprobs.top_logprobs] == [len({served.tokenizer.decode([int(i)]) for i in
+                                                                np.argsort(-row)[:3]}) for row in reference]
+    chunks = list(served.client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=0,
+                                                   stream=True))
+    streamed = [token for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for token in chunk.choices[0].logprobs.token_logprobs]
+    np.testing.assert_allclose(streamed, reference[np.arange(6), tokens], atol=1e-5)
+    assert served.client.completions.create(model=NAME, prompt=ids, max_tokens=2).choices[0].logprobs is None
+
+
+def test_n_choices_each_sample_with_their_own_seed_plain_and_streamed(served):
+    kwargs = dict(model=NAME, prompt="many", max_tokens=6, temperature=1.0)
+    response = served.client.completions.create(**kwargs, n=4, seed=10)
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    texts = [choice.text for choice in response.choices]
+    assert texts == [served.client.completions.create(**kwargs, seed=10 + i).choices[0].text for i in range(4)]
+    assert len(set(texts)) > 1 and response.usage.completion_tokens == 24
+    chunks = list(served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=5, n=3, seed=4, stream=True,
+                                                        stream_options={"include_usage": True}))
+    streamed = {i: "".join(chunk.choices[0].delta.content or "" for chunk in chunks
+                           if chunk.choices and chunk.choices[0].index == i) for i in range(3)}
+    plain = served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=5, n=3, seed=4)
+    assert streamed == {choice.index: choice.message.content for choice in plain.choices}
+    assert chunks[-1].usage.completion_tokens == 15
+    assert sum(chunk.choices[0].finish_reason is not None for chunk in chunks if chunk.choices) == 3
+
+
+def test_echo_logit_bias_penalties_min_tokens_and_stop_token_ids(served):
+    prompt = "Echo"
+    ids = served.tokenizer.encode(prompt)
+    greedy = served.model.generate(np.array([ids]), max_new_tokens=8)[0, len(ids):].tolist()
+    expected = served.tokenizer.decode(greedy)
+
+    def complete(**kwargs):
+        return served.client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, **kwargs)
+
+    assert complete(echo=True).choices[0].text == prompt + expected
+    assert "".join(chunk.choices[0].text for chunk in complete(echo=True, stream=True)) == prompt + expected
+    assert complete(logit_bias={"65": 100}).choices[0].text == served.tokenizer.decode([65] * 8)
+    assert complete(logit_bias={str(token): -100 for token in set(greedy)}).choices[0].text != expected
+    unbiased = complete(logprobs=0, logit_bias={str(token): -100 for token in set(greedy)}).choices[0].logprobs
+    assert not set(unbiased.tokens) & ({served.tokenizer.decode([token]) for token in greedy} - {"\ufffd"})
+    assert complete(frequency_penalty=2.0, presence_penalty=2.0).choices[0].text != expected
+    assert complete(extra_body={"repetition_penalty": 3.0}).choices[0].text != expected
+    stop_at = greedy[3]
+    stopped = complete(extra_body={"stop_token_ids": [stop_at]}).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == served.tokenizer.decode(greedy[:greedy.index(stop_at) + 1])
+    held = complete(extra_body={"stop_token_ids": [greedy[0]], "min_tokens": 4}).choices[0]
+    assert held.finish_reason in ("stop", "length") and len(served.tokenizer.encode(held.text)) >= 4
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"), ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"), ({"prompt": "a", "n": 17}, "n"),
+    ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias"),
+    ({"prompt": "a", "stop_token_ids": [300]}, "stop_token_ids"),
+    ({"prompt": "a", "presence_penalty": True}, "presence_penalty"), ({"prompt": "a", "min_tokens": 17}, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_sampling_controls_are_400s_naming_the_field(served, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(f"{served.url}{path}", json={"model": NAME, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
