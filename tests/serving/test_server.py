@@ -274,7 +274,12 @@ def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
         started = lines[-1] if lines else ""
         assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
         assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "4 pages of 16 tokens" in started
-        assert "decode [2, 1]" in started and "mixed [3, 16]" in started
+        # A line for each program as it compiles, then the ready line with the URL.
+        compiling = [line for line in lines if line.startswith("compiling program ")]
+        assert len(compiling) == 6 and "6 programs compiled" in started
+        assert [line.split(":")[0] for line in compiling] == [f"compiling program {i} of 6" for i in range(1, 7)]
+        assert re.fullmatch(r"compiling program 1 of 6: mixed \[3 x 16\] width 1 \.\.\. \d+\.\d s\n", compiling[0])
+        assert any("decode [2 x 1] width 2" in line for line in compiling)
         url = re.search(r"(http://\S+/v1)", started).group(1)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         response = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0)
