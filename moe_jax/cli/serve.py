@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import time
@@ -252,17 +253,19 @@ def run(args: argparse.Namespace) -> int:
     config = read_config(local_checkpoint(directory))
     check_adapter_dir(args.adapter)
     max_model_len = _check_request(args, config.get("max_position_embeddings"))
-    cache = use_compilation_cache(False if args.no_compile_cache else args.compile_cache)
     tokenizer = load_checkpoint_tokenizer(
         directory, instead="moe-jax serve reads and writes text, so the checkpoint needs its tokenizer files")
     distributed_config = (distributed_config_from_flags(args) if layout_given(args) else
                           _one_device_config(args))
     # Before anything starts JAX: on CPU, layout_devices asks for the virtual devices the layout needs.
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "serve")
+    cache = False if args.no_compile_cache else args.compile_cache   # set before anything compiles
     if jax.process_index() != 0:   # a multi-process job: process 0 serves, the others run its steps
+        use_compilation_cache(cache)
         return _follow(args, directory, distributed_config, devices, max_model_len)
     sock = _listening_socket(args.host, args.port)
     try:
+        cache = use_compilation_cache(cache)
         return _serve(args, directory, config, tokenizer, distributed_config, devices, max_model_len, sock, cache)
     finally:
         sock.close()
@@ -279,8 +282,6 @@ def _engine_config(args, max_model_len: int):
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:
     """Processes 1.. of a multi-process `serve`: the same model and engine, every step process 0 runs."""
-    import signal
-
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.continuous import ServingEngine
 
@@ -357,6 +358,10 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=header_timeout_protocol(),
                                 **CONFIG_LIMITS)
         server = draining_server_class()(config, manager, drain_timeout=args.drain_timeout)
+        # uvicorn handles SIGINT / SIGTERM while it runs and restores these handlers after: a signal that arrives
+        # while the engine stops is then ignored instead of raising KeyboardInterrupt into its shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.run(sockets=[sock])
         if not server.started:
             return 1
