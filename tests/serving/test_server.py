@@ -301,6 +301,16 @@ def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
     assert "must be in [2, 256]" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint), "--max-slots", "4", "--decode-rows", "1,8"]) == 2
     assert "--decode-rows 1,8: each must be in [1, --max-slots 4]" in capsys.readouterr().err
+    # Settings that would open the server wider than asked: one `error:` line each, exit 2, before loading.
+    monkeypatch.delenv("MOE_JAX_API_KEY", raising=False)
+    assert main(["serve", "--model", str(checkpoint), "--allowed-origins", "*"]) == 2
+    assert capsys.readouterr().err.startswith("error: --allowed-origins '*' lets any web page call the server")
+    assert main(["serve", "--model", str(checkpoint), "--api-key", " "]) == 2
+    assert capsys.readouterr().err.startswith("error: --api-key is empty")
+    monkeypatch.setenv("MOE_JAX_API_KEY", "")
+    assert main(["serve", "--model", str(checkpoint), "--allowed-origins", "*"]) == 2
+    assert capsys.readouterr().err.count("error:") == 1   # the empty key, said once
+    monkeypatch.delenv("MOE_JAX_API_KEY")
     taken = free_socket()
     taken.listen()
     try:
