@@ -17,8 +17,8 @@ compilation, a line on stderr for each (bench_serve's 16 slots: 24 programs, abo
 --decode-rows 16 halves that); then the "serving ... at URL" line says it is ready. Compiled programs are kept in
 JAX's persistent compilation cache (`moe_jax.compilation_cache`: --compile-cache DIR, else
 $JAX_COMPILATION_CACHE_DIR, else ~/.cache/moe_jax/jax_compilation_cache; --no-compile-cache: none), so a later
-start on the same checkpoint and flags reads them back instead of compiling them. Memory: --num-pages pages of --page-size tokens of keys and values per layer
-(default: every slot at --max-model-len).
+start on the same checkpoint and flags reads them back instead of compiling them. Memory: --num-pages pages of
+--page-size tokens of keys and values per layer (default: every slot at --max-model-len).
 
 In production (docs/inference.md): --api-key (or MOE_JAX_API_KEY; empty: an error) requires `Authorization:
 Bearer KEY` on every endpoint but /health (and /metrics with --metrics-public); browsers' cross-origin calls are
@@ -120,8 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "https://app.example.com; '*' allows any and needs an API key (default: none, every "
                              "cross-origin request is refused)")
     parser.add_argument("--max-request-bytes", type=int, default=None,
-                        help="the largest request body; larger ones get 413 (default: the most a request the "
-                             "context can use takes in JSON, at most 8 MiB)")
+                        help="the largest request body; larger ones get 413 (default 8 MiB; never more than the "
+                             "largest body a request the context can use takes in JSON, every character escaped)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="requests that may wait for a slot; beyond it a request gets 429 with Retry-After "
                              f"(default {QUEUED_PER_SLOT} x --max-slots)")

@@ -325,7 +325,8 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     """The FastAPI app serving `manager` (started at the app's startup if it is not running; stopped at its
     shutdown, after finishing the requests it holds, up to `drain_timeout` seconds). tokenizer: a
     `CheckpointTokenizer` (decode; encode for text prompts; apply_chat_template for chat). guard: the access
-    rules (`GuardSettings`: API key, origins, hosts, body size; default: none but the body size `limits` allow);
+    rules (`GuardSettings`: API key, origins, hosts, body size, at most what `limits` allow; default: none but
+    those);
     max_prompt_chars: the longest text prompt tokenized (default: max_model_len x the longest token x 2)."""
     try:
         from fastapi import FastAPI, Request
@@ -346,9 +347,9 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
 
     app = FastAPI(title="moe_jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    guard = guard or GuardSettings()
-    if guard.max_request_bytes is None:   # no longer than a body within the request limits can be
-        guard = replace(guard, max_request_bytes=min(DEFAULT_MAX_REQUEST_BYTES, server.limits.body_bytes))
+    guard = guard or GuardSettings()   # no more than a request within the limits can be: more would be refused
+    guard = replace(guard, max_body_commas=server.limits.max_commas, max_request_bytes=min(
+        guard.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES, server.limits.body_bytes))
     app.add_middleware(AccessGuard, settings=guard)
 
     class CancellingStream(StreamingResponse):

@@ -6,11 +6,12 @@ In order: the headers themselves (at most `max_headers`, 431; Host, Authorizatio
 Content-Length at most once each, 400), the Host header (when `allowed_hosts` is set: a server bound to loopback
 answers only to loopback names, so a page that rebinds its own domain's DNS to 127.0.0.1 cannot drive it), the
 Origin header (a browser names the page's origin on every cross-origin request; none is allowed unless listed,
-character for character, and listed origins get CORS headers), the API key (`Authorization: Bearer KEY`, compared in constant time; /health is open, /metrics
-too when `metrics_public`), a JSON content type on POSTs (a cross-origin form or `text/plain` POST needs no CORS
-preflight: refusing it closes that door), and the body: at most `max_request_bytes` (413 from Content-Length alone,
-before reading) and read within `body_timeout` seconds (408). The body is read here and replayed to the app.
-Every refusal is OpenAI's error object.
+character for character, and listed origins get CORS headers), the API key (`Authorization: Bearer KEY`,
+compared in constant time; /health is open, /metrics too when `metrics_public`), a JSON content type on POSTs (a
+cross-origin form or `text/plain` POST needs no CORS preflight: refusing it closes that door), and the body: at
+most `max_request_bytes` (413 from Content-Length alone, before reading), at most `max_body_commas` commas (400
+as soon as they arrive) and read within `body_timeout` seconds (408). The body is read here and replayed to the
+app. Every refusal is OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ SINGLE_HEADERS = ("host", "authorization", "origin", "content-type", "content-le
 class GuardSettings:
     """api_key: None (no key needed) or the key clients send as a bearer token; metrics_public: /metrics without
     the key; allowed_origins: browser origins allowed to call the API ("*": any); allowed_hosts: Host header names
-    answered (None: any); max_request_bytes: the largest body (None: `build_app`'s
-    choice, at most DEFAULT_MAX_REQUEST_BYTES); body_timeout: seconds to receive it; max_headers:
-    the most headers a request may have."""
+    answered (None: any); max_request_bytes: the largest body (None: DEFAULT_MAX_REQUEST_BYTES; `build_app` lowers
+    it to what its request limits allow); body_timeout: seconds to receive it; max_headers: the most headers a
+    request may have; max_body_commas: the most commas a body may hold (None: any), counted as it arrives
+    (`limits.RequestLimits.max_commas`: a body of token ids past the context is refused before the rest of it is
+    read)."""
 
     api_key: str | None = None
     metrics_public: bool = False
@@ -48,6 +51,7 @@ class GuardSettings:
     max_request_bytes: int | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     max_headers: int = DEFAULT_MAX_HEADERS
+    max_body_commas: int | None = None
     open_paths: frozenset[str] = field(default=frozenset({"/health"}))
 
 
@@ -138,7 +142,8 @@ class AccessGuard:
                 raise Refusal(400, f"Content-Length {shown(content_length)!r} is not a byte count.")
             if int(content_length) > limit:
                 raise Refusal(413, _too_large(int(content_length), limit), code="request_too_large")
-        chunks, size, more = [], 0, True
+        chunks, size, commas, more = [], 0, 0, True
+        max_commas = self.settings.max_body_commas
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.body_timeout
         try:
@@ -150,6 +155,9 @@ class AccessGuard:
                 size += len(chunk)
                 if size > limit:
                     raise Refusal(413, _too_large(size, limit), code="request_too_large")
+                if max_commas is not None and (commas := commas + chunk.count(b",")) > max_commas:
+                    raise Refusal(400, f"the request body holds more than {max_commas} commas: more values and text "
+                                       "than a request to this server can use.", code="context_length_exceeded")
                 chunks.append(chunk)
                 more = message.get("more_body", False)
         except asyncio.TimeoutError:

@@ -12,7 +12,8 @@ levels of nesting, numbers of at most `max_number_chars` characters. Each bound 
 request can use more, since a prompt of max_model_len tokens holds at most max_model_len ids, or max_model_len x
 the longest token's characters of text. The parse stops at the first value over a bound, so the work and memory a
 refused body costs are those of the values before it. `body_bytes` is the largest body such a request can take
-in JSON (every character escaped): the guard refuses longer bodies before reading them.
+in JSON (every character escaped): the guard refuses longer bodies before reading them, and bodies with more than
+`max_commas` commas as soon as they have arrived, before reading the rest (megabytes of token ids).
 
 Malformed JSON, NaN / Infinity, lone UTF-16 surrogates and text that is not UTF-8 are 400s, as `protocol.parse_json`
 has them.
@@ -70,6 +71,11 @@ class RequestLimits:
         prompt_chars = prompt_chars or max_model_len * token_chars * PROMPT_CHARS_SLACK
         return cls(max_values=VALUES_PER_TOKEN * max_model_len + EXTRA_VALUES, max_items=max(max_model_len, 1024),
                    max_chars=prompt_chars + EXTRA_CHARS, prompt_chars=prompt_chars)
+
+    @property
+    def max_commas(self) -> int:
+        """The most commas a body within these bounds holds: one between two values, or one character of text."""
+        return self.max_values + self.max_chars
 
     @property
     def body_bytes(self) -> int:

@@ -87,7 +87,8 @@ def draining_server_class():
     return DrainingServer
 
 
-def header_timeout_protocol(seconds: float = DEFAULT_HEADER_TIMEOUT_S, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
+def header_timeout_protocol(seconds: float = DEFAULT_HEADER_TIMEOUT_S,
+                            max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
     """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) that bounds each request's head: a
     connection whose next request's headers have not all arrived `seconds` after it opened, or after its previous
     response ended, is closed (uvicorn waits forever once a byte has come); a request whose request line and

@@ -154,3 +154,20 @@ def test_more_headers_than_the_limit_are_431_and_echoed_values_are_cut():
     assert response.status_code == 431 and error_of(response)["code"] == "request_header_fields_too_large"
     response = ask(GuardSettings(allowed_hosts=LOOPBACK_HOSTS), "GET", "/v1/models", headers={"host": "h" * 20_000})
     assert response.status_code == 403 and len(error_of(response)["message"]) < 300
+
+
+def test_a_body_with_more_commas_than_a_request_can_use_is_refused_before_the_rest_arrives():
+    """Megabytes of token ids: counted as they arrive (each comma separates two values or is a character)."""
+    sent = []
+
+    async def token_ids():
+        yield b'{"prompt": ['
+        for _ in range(100):
+            sent.append(1)
+            yield b"1," * 1000
+
+    response = ask(GuardSettings(max_body_commas=5000), "POST", "/v1/completions", content=token_ids(), headers=JSON)
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    assert len(sent) <= 7   # the rest was never read
+    assert ask(GuardSettings(max_body_commas=5000), "POST", "/v1/completions", content=b'{"p": [' + b"1," * 4999
+               + b"1]}", headers=JSON).status_code == 200

@@ -124,9 +124,11 @@ def test_the_app_refuses_what_the_bounds_refuse_before_the_engine():
     assert response.status_code == 400 and "the messages has 1002 characters" in response.json()["error"]["message"]
     many = ask(app, "POST", "/v1/chat/completions", json={"messages": [{}] * 100_000})
     assert many.status_code == 400 and many.json()["error"]["code"] == "context_length_exceeded"
-    ids = ask(app, "POST", "/v1/completions", content=b'{"prompt": [' + b"1," * 100_000 + b"1]}",
-              headers={"content-type": "application/json"})
-    assert ids.status_code == 400 and "more than 1024 items" in ids.json()["error"]["message"]
+    for count, refusal in ((2000, "an array of more than 1024 items"),
+                           (100_000, f"more than {limits.max_commas} commas")):
+        ids = ask(app, "POST", "/v1/completions", content=b'{"prompt": [' + b"1," * count + b"1]}",
+                  headers={"content-type": "application/json"})   # the longer read only up to the commas' bound
+        assert ids.status_code == 400 and refusal in ids.json()["error"]["message"], count
     too_big = ask(app, "POST", "/v1/completions", content=b" " * (limits.body_bytes + 1),
                   headers={"content-type": "application/json"})
     assert too_big.status_code == 413   # the default body limit is the bounds' largest body
