@@ -1,11 +1,11 @@
 """`moe-jax serve` against a hostile client: each attack runs while a stream is generating, and must be refused
 (4xx, or the connection closed) without stalling that stream or keeping memory.
 
-    python scripts/checks/check_serve_edges.py [--workdir DIR] [--cold]
+    python scripts/checks/check_serve_edges.py [--workdir DIR] [--cold] [--serve-flags "--max-slots 8"]
 
 Starts the real command in a subprocess on a tiny random Qwen3-MoE (tests/serving/live.py's, a byte tokenizer)
 with an API key and one allowed origin; with --cold, first once with an empty compilation cache, to time a cold
-start against the warm one. A thread keeps streams running back to back; for each attack the script prints the
+start against the warm one. A subprocess keeps streams running back to back; for each attack the script prints the
 status it got, the seconds until it was refused, the longest gap between two tokens of the concurrent stream
 while it ran, and the server's resident memory before and after. Last, two SIGINTs while streams run: each
 stream must end with an error event and `data: [DONE]`, and the command must exit 0 without a traceback. Exits 1
@@ -19,6 +19,8 @@ import argparse
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -204,10 +206,12 @@ def attacks(port: int, checkpoint: Path):
     yield "600 KB of tool schemas", "400", lambda: post(port, "/v1/chat/completions", body)
     body = chat([{}] * 100_000)
     yield "100k empty messages", "400", lambda: post(port, "/v1/chat/completions", body)
-    tokens = b'{"prompt": [' + b"1," * (4 << 20) + b'1], "max_tokens": 1}'
+    tokens = b'{"prompt": [' + b"1," * ((8 << 20) // 2 - 64) + b'1], "max_tokens": 1}'   # just under 8 MiB
     yield "16 x 8 MB token-id prompts", "4", lambda: parallel(16, lambda: post(port, "/v1/completions", tokens))
     yield "16 x 8 MB token-id prompts, chunked", "4", lambda: parallel(
         16, lambda: post(port, "/v1/completions", tokens, chunked=True))
+    text = b'{"prompt": "' + b"x" * ((8 << 20) - 64) + b'", "max_tokens": 1}'
+    yield "16 x 8 MB text prompts", "4", lambda: parallel(16, lambda: post(port, "/v1/completions", text))
     small = b'{"prompt": [' + b"1," * 300_000 + b'1], "max_tokens": 1}'
     yield "16 x 600 KB token-id prompts", "400", lambda: parallel(16, lambda: post(port, "/v1/completions", small))
     big = b"a" * (32 << 20)
@@ -300,7 +304,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--cold", action="store_true", help="first start once with an empty compilation cache")
+    parser.add_argument("--serve-flags", default="", help="more flags for the server (after the script's own)")
     args = parser.parse_args()
+    flags = FLAGS + tuple(shlex.split(args.serve_flags))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="serve_edges_"))
     checkpoint, cache = workdir / "tiny", workdir / "compile_cache"
     if not checkpoint.exists():
@@ -309,11 +315,12 @@ def main() -> int:
         write_checkpoint(checkpoint)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.cold:
-        process, _, seconds, _ = start(checkpoint, cache, *FLAGS)
+        shutil.rmtree(cache, ignore_errors=True)
+        process, _, seconds, _ = start(checkpoint, cache, *flags)
         print(f"cold start (empty compilation cache): ready after {seconds:.1f} s")
         process.send_signal(signal.SIGTERM)
         process.wait(60)
-    process, port, seconds, lines = start(checkpoint, cache, *FLAGS)
+    process, port, seconds, lines = start(checkpoint, cache, *flags)
     print(f"{'warm' if args.cold else 'this'} start: ready after {seconds:.1f} s ({lines[-1].strip()[-40:]}")
     streamer = Streamer(port)
     time.sleep(5.0)
