@@ -205,7 +205,7 @@ class ChatCompletionRequest(SamplingFields):
 
 def parse_json(raw: bytes, limits=None) -> object:
     """The request body as JSON, or InvalidRequest (400) saying what is wrong with it; parsed within `limits`
-    (`limits.RequestLimits`; default: bounds no request under 8 MiB reaches but its nesting)."""
+    (`limits.RequestLimits`; default: its generous defaults, which bound nesting to 64 levels)."""
     from .limits import RequestLimits, parse_bounded
 
     return parse_bounded(raw, limits or RequestLimits())
@@ -231,5 +231,6 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
 
 def _numeric(annotation) -> bool:
     """Whether a field of this type takes a number and not a boolean (e.g. `int | None`, not `bool | int`)."""
-    kinds = set(typing.get_args(annotation)) or {annotation}
+    kinds = {typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
+             for kind in typing.get_args(annotation) or (annotation,)}
     return bool(kinds & {int, float}) and bool not in kinds
