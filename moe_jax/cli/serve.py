@@ -185,15 +185,17 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else MOE_JAX_API_KEY, else None (no key)."""
-    return args.api_key if args.api_key is not None else os.environ.get("MOE_JAX_API_KEY")
+    """--api-key, else MOE_JAX_API_KEY, else None (no key); without surrounding whitespace (a key file's newline),
+    which a bearer token cannot carry."""
+    key = args.api_key if args.api_key is not None else os.environ.get("MOE_JAX_API_KEY")
+    return None if key is None else key.strip()
 
 
 def _check_access(args: argparse.Namespace) -> None:
     """Settings that would open the server wider than asked: an empty key (which would turn the key check off),
     and any browser origin without a key (any web page the user visits could drive it)."""
     key = api_key(args)
-    if key is not None and not key.strip():
+    if key == "":
         where = "--api-key" if args.api_key is not None else "MOE_JAX_API_KEY"
         raise ValueError(f"{where} is empty: give a key (e.g. `openssl rand -hex 24`), or unset it to run without "
                          "one.")
