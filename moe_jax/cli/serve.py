@@ -13,20 +13,23 @@ separate prefill [groups x --prefill-rows, --prefill-chunk] instead) and decode 
 --decode-rows (a decode step packs its requests into the fewest rows that hold them: default --max-slots per
 group and its quarters down to 1), each for every page-table width the engine uses (`ServingEngine.page_widths`).
 With --warmup (the default) all of them compile before the port accepts connections, so no client waits for a
-compilation; the startup line lists them (bench_serve's 16 slots: 24 programs, about a minute on a 2-core CPU;
---decode-rows 16 halves that). JAX's persistent compilation cache makes later starts quick:
-`JAX_COMPILATION_CACHE_DIR=~/.cache/jax moe-jax serve ...` (a later start reads the programs back instead of
-compiling them). Memory: --num-pages pages of --page-size tokens of keys and values per layer
-(default: every slot at --max-model-len).
+compilation, a line on stderr for each (bench_serve's 16 slots: 24 programs, about a minute on a 2-core CPU;
+--decode-rows 16 halves that); then the "serving ... at URL" line says it is ready. Compiled programs are kept in
+JAX's persistent compilation cache (`moe_jax.compilation_cache`: --compile-cache DIR, else
+$JAX_COMPILATION_CACHE_DIR, else ~/.cache/moe_jax/jax_compilation_cache; --no-compile-cache: none), so a later
+start on the same checkpoint and flags reads them back instead of compiling them. Memory: --num-pages pages of
+--page-size tokens of keys and values per layer (default: every slot at --max-model-len).
 
-In production (docs/inference.md): --api-key (or MOE_JAX_API_KEY) requires `Authorization: Bearer KEY` on every
-endpoint but /health (and /metrics with --metrics-public); browsers' cross-origin calls are refused unless
---allowed-origins lists the page's origin; bound to a loopback address, the server answers only to loopback Host
-names. Bodies over --max-request-bytes get 413; more than --max-queued-requests waiting for a slot get 429 with
-Retry-After; a request waiting longer than --queue-timeout gets 503. SIGTERM or Ctrl-C drains: no new
-connections or requests, the queued ones refused (503), the running ones given --drain-timeout seconds, then
-ended with an error event; the command exits 0 after a clean drain and 1 if the engine failed (a supervisor
-restarts it).
+In production (docs/inference.md): --api-key (or MOE_JAX_API_KEY; empty: an error) requires `Authorization:
+Bearer KEY` on every endpoint but /health (and /metrics with --metrics-public); browsers' cross-origin calls are
+refused unless --allowed-origins lists the page's origin exactly ('*' only with a key); bound to a loopback
+address, the server answers only to loopback Host names. Requests are bounded before any costly work: headers
+(32 KiB, 100 of them, each due within 10 s, keep-alive requests included), bodies (--max-request-bytes: 413), and
+what a body holds, counted as it is parsed (values, text, nesting: no more than the context can use). More than
+--max-queued-requests waiting for a slot get 429 with Retry-After; a request waiting longer than --queue-timeout
+gets 503. SIGTERM or Ctrl-C drains: no new connections or requests, the queued ones refused (503), the running
+ones given --drain-timeout seconds, then ended with an error event (a second Ctrl-C ends them at once, the same
+way); the command exits 0 after a clean drain and 1 if the engine failed (a supervisor restarts it).
 
 Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
 each step's inputs to the other processes, which run the same programs on their devices until it stops. There are
@@ -38,11 +41,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
+from ..compilation_cache import use_compilation_cache
 from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
 from .balance_flags import add_slot_flags, check_slot_flags
 from .speculative_flags import add_speculative_flags, speculative_fields
@@ -65,7 +71,6 @@ SHUTDOWN_TIMEOUT_S = 30
 DEFAULT_MAX_MODEL_LEN = 2048
 # --max-queued-requests when not given: this many per slot (a queue a few batches deep: deeper only adds latency).
 QUEUED_PER_SLOT = 4
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,20 +108,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rate; --no-prefix-caching: every prompt is prefilled whole)")
     add_speculative_flags(parser)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="compile the engine's programs before listening (default on)")
+                        help="compile the engine's programs before listening, a line for each (default on)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="keep compiled programs in DIR, so a later start reads them back instead of compiling "
+                            "them (default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                            "$XDG_CACHE_HOME/moe_jax/jax_compilation_cache or ~/.cache/moe_jax/...)")
+    cache.add_argument("--no-compile-cache", action="store_true",
+                       help="compile every program at every start, keeping none")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (info logs each request; default info)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the "
-                             "MOE_JAX_API_KEY environment variable; unset: no key)")
+                             "MOE_JAX_API_KEY environment variable; unset: no key; an empty key is an error)")
     parser.add_argument("--metrics-public", action="store_true",
                         help="serve /metrics without the API key (for a scraper that sends none)")
     parser.add_argument("--allowed-origins", type=parse_origins, default=(), metavar="ORIGIN[,ORIGIN...]",
-                        help="browser origins allowed to call the API (CORS), e.g. https://app.example.com; '*' "
-                             "allows any (default: none, every cross-origin request is refused)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"the largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, "
-                             "8 MiB)")
+                        help="browser origins allowed to call the API (CORS), each matched exactly, e.g. "
+                             "https://app.example.com; '*' allows any and needs an API key (default: none, every "
+                             "cross-origin request is refused)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="the largest request body; larger ones get 413 (default 8 MiB; never more than the "
+                             "largest body a request the context can use takes in JSON, every character escaped)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="requests that may wait for a slot; beyond it a request gets 429 with Retry-After "
                              f"(default {QUEUED_PER_SLOT} x --max-slots)")
@@ -124,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a request waiting longer than this for a slot gets 503 (default: no limit)")
     parser.add_argument("--drain-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                         help="on SIGTERM / Ctrl-C, how long the running requests may go on before they are ended "
-                             f"with an error event (default {SHUTDOWN_TIMEOUT_S})")
+                             f"with an error event (a second signal ends them at once; default {SHUTDOWN_TIMEOUT_S})")
     add_layout_flags(parser, pipeline=False, ep_implementation=True)
     add_slot_flags(parser.add_argument_group("expert load balance"), "engine steps")
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
@@ -157,7 +170,7 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
         raise ValueError(f'moe-jax serve needs {" and ".join(missing)}, not installed: '
                          f'pip install "moe_jax[serve]"')
     for flag in ("max_slots", "page_size", "prefill_chunk", "prefill_rows", "max_request_bytes"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1.")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0.")
@@ -170,6 +183,7 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
                          f"{args.max_slots}] (rows per data-parallel group).")
     check_slot_flags(args)
     speculative_fields(args)
+    _check_access(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535].")
     max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)
@@ -177,6 +191,26 @@ def _check_request(args: argparse.Namespace, limit: int | None) -> int:
         raise ValueError(f"--max-model-len {max_model_len} must be in [2, {limit}] (the model's "
                          "max_position_embeddings).")
     return max_model_len
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else MOE_JAX_API_KEY, else None (no key); without surrounding whitespace (a key file's newline),
+    which a bearer token cannot carry."""
+    key = args.api_key if args.api_key is not None else os.environ.get("MOE_JAX_API_KEY")
+    return None if key is None else key.strip()
+
+
+def _check_access(args: argparse.Namespace) -> None:
+    """Settings that would open the server wider than asked: an empty key (which would turn the key check off),
+    and any browser origin without a key (any web page the user visits could drive it)."""
+    key = api_key(args)
+    if key == "":
+        where = "--api-key" if args.api_key is not None else "MOE_JAX_API_KEY"
+        raise ValueError(f"{where} is empty: give a key (e.g. `openssl rand -hex 24`), or unset it to run without "
+                         "one.")
+    if "*" in args.allowed_origins and key is None:
+        raise ValueError("--allowed-origins '*' lets any web page call the server: it needs an API key (--api-key "
+                         "or MOE_JAX_API_KEY); or list the origins allowed.")
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -196,25 +230,24 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _warm_up(manager) -> float:
+def _warm_up(engine, cache: str | None) -> float:
     """Compile every program the engine can run (`ServingEngine.compile_all`: mixed (or prefill) and decode at
-    each page-table width) before the port listens. Returns the seconds it took."""
-    start = time.perf_counter()
-    manager.engine.compile_all()
+    each page-table width) before the port listens, a line on stderr for each. Returns the seconds it took."""
+    work = engine.programs_to_compile()
+    print(f"compiling {len(work)} programs ({f'compilation cache {cache}' if cache else 'no compilation cache'})",
+          file=sys.stderr, flush=True)
+    start = last = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        name, rows, tokens, width = work[done - 1]
+        now = time.perf_counter()
+        print(f"compiling program {done} of {total}: {name} [{rows} x {tokens}] width {width} ... {now - last:.1f} s",
+              file=sys.stderr, flush=True)
+        last = now
+
+    engine.compile_all(progress=progress)
     return time.perf_counter() - start
-
-
-def compiled_programs(engine) -> str:
-    """The engine's compiled programs, e.g. "mixed [9, 128], decode [8, 1]" (with the page-table widths
-    each is compiled for, when the engine compiles per width)."""
-    widths: dict[tuple, list[int]] = {}
-    for name, shape, *rest in engine.compiled_shapes:
-        widths.setdefault((name, tuple(shape)), []).extend(rest[:1])
-    parts = []
-    for (name, shape), found in sorted(widths.items(), key=lambda item: item[0][0] == "decode"):
-        pages = f" x page-table widths {', '.join(str(w) for w in sorted(found))}" if found else ""
-        parts.append(f"{name} {list(shape)}{pages}")
-    return ", ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,11 +270,14 @@ def run(args: argparse.Namespace) -> int:
                           _one_device_config(args))
     # Before anything starts JAX: on CPU, layout_devices asks for the virtual devices the layout needs.
     devices = layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "serve")
+    cache = False if args.no_compile_cache else args.compile_cache   # set before anything compiles
     if jax.process_index() != 0:   # a multi-process job: process 0 serves, the others run its steps
+        use_compilation_cache(cache)
         return _follow(args, directory, distributed_config, devices, max_model_len)
     sock = _listening_socket(args.host, args.port)
     try:
-        return _serve(args, directory, config, tokenizer, distributed_config, devices, max_model_len, sock)
+        cache = use_compilation_cache(cache)
+        return _serve(args, directory, config, tokenizer, distributed_config, devices, max_model_len, sock, cache)
     finally:
         sock.close()
 
@@ -258,8 +294,6 @@ def _engine_config(args, max_model_len: int):
 
 def _follow(args, directory: Path, distributed_config, devices, max_model_len: int) -> int:
     """Processes 1.. of a multi-process `serve`: the same model and engine, every step process 0 runs."""
-    import signal
-
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.continuous import ServingEngine
 
@@ -287,16 +321,14 @@ def _one_device_config(args):
 
 
 def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, devices, max_model_len: int,
-           sock) -> int:
-    import os
-
+           sock, cache: str | None) -> int:
     import uvicorn
 
     from ..causal_lm.auto import AutoModelForCausalLM
     from ..inference.generation_config import GenerationConfig
     from ..serving import build_app
     from ..serving.guard import LOOPBACK_HOSTS, GuardSettings
-    from ..serving.server import draining_server_class, header_timeout_protocol
+    from ..serving.server import CONFIG_LIMITS, draining_server_class, header_timeout_protocol
     from .layout_flags import warn_about_head_split
 
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config, devices=devices, progress=False,
@@ -314,14 +346,14 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
     try:
         compiled = "programs compile on the first request (--no-warmup)"
         if args.warmup:
-            seconds = _warm_up(manager)
-            compiled = f"compiled {compiled_programs(manager.engine)} in {seconds:.1f} s"
+            seconds = _warm_up(manager.engine, cache)
+            compiled = f"{len(manager.engine.compiled_shapes)} programs compiled in {seconds:.1f} s"
         # The followers' first collective, now that both have compiled; from here on only the engine's thread
         # (started next) talks to them.
         manager.engine.keep_followers_alive()
         manager.start()
         name = args.served_model_name or directory.resolve().name
-        guard = GuardSettings(api_key=args.api_key or os.environ.get("MOE_JAX_API_KEY") or None,
+        guard = GuardSettings(api_key=api_key(args),
                               metrics_public=args.metrics_public, allowed_origins=args.allowed_origins,
                               allowed_hosts=LOOPBACK_HOSTS if _is_loopback(sock.getsockname()[0]) else None,
                               max_request_bytes=args.max_request_bytes)
@@ -335,8 +367,13 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
               f"{len(devices)} {devices[0].platform} device(s); {engine.config.max_slots} slots, max_model_len "
               f"{max_model_len}, {engine.book.total_pages} pages of {engine.config.page_size} tokens; {compiled})",
               file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=header_timeout_protocol())
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=header_timeout_protocol(),
+                                **CONFIG_LIMITS)
         server = draining_server_class()(config, manager, drain_timeout=args.drain_timeout)
+        # uvicorn handles SIGINT / SIGTERM while it runs and restores these handlers after: a signal that arrives
+        # while the engine stops is then ignored instead of raising KeyboardInterrupt into its shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.run(sockets=[sock])
         if not server.started:
             return 1

@@ -109,12 +109,16 @@ class ServingEngine(Scheduler):
                   if config.speculative else [])
         return shapes + [("decode", self.groups * rows, 1) for rows in self.decode_row_counts] + verify
 
+    def programs_to_compile(self) -> list[tuple[str, int, int, int]]:
+        """(name, rows, tokens, page width) of every program `compile_all` compiles, in its order."""
+        return [(name, rows, tokens, width) for name, rows, tokens in self.program_shapes()
+                for width in self.page_widths]
+
     def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
-        each page width) now, so no request waits for a compilation; `progress(done, total)` after each. Returns
-        how many were compiled."""
-        work = [(name, rows, tokens, width) for name, rows, tokens in self.program_shapes()
-                for width in self.page_widths]
+        each page width; `programs_to_compile`) now, so no request waits for a compilation; `progress(done,
+        total)` after each. Returns how many were compiled."""
+        work = self.programs_to_compile()
         for done, (name, rows, tokens, width) in enumerate(work, 1):
             self.programs.compile(name, rows, tokens, width)
             if progress is not None:

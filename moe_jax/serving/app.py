@@ -16,13 +16,12 @@ stop-string starts held back), a plain request waits for the finished output. A 
 serve the next one. Client errors are OpenAI's error object with 400 (bad JSON, bad parameters, a prompt the
 context cannot hold) or 404 (an unknown model), never a 500.
 
-Under hostile or heavy traffic (docs/inference.md, "Running it in production"): `AccessGuard` checks the Host,
-Origin, API key, content type and body size before a handler runs; every bound of a request is checked before it
-reaches the engine; parsing, tokenizing and chat templates run on a small thread pool, never on the event loop,
-and streams detokenize a few tokens at a time, so a large request does not stall other streams; a prompt longer
-than the context could hold in characters is refused before it is tokenized; beyond the manager's queue bound a
-request gets 429 with Retry-After, past its queue timeout 503; a request that fails alone gets its own error,
-and only an engine failure (its message kept in the server's log, not in response bodies) fails them all.
+Under hostile or heavy traffic (docs/inference.md, "Running it in production"): `AccessGuard` checks the headers,
+Host, Origin, API key, content type and body size before a handler runs; a body is parsed within bounds the context
+sets (`limits`), every bound checked before the engine; parsing, tokenizing and chat templates run on a small
+thread pool and streams detokenize a few tokens at a time, so a large request does not stall other streams; text
+longer than the context could hold is refused before it is tokenized; beyond the manager's queue bound a request
+gets 429 with Retry-After, past its queue timeout 503; only an engine failure (logged, not in responses) fails all.
 
 OpenAI's semantics where they differ from `generate`'s defaults: temperature 1.0 unless given (0: greedy),
 no top-k (the `top_k` extension sets one), max_tokens 16 for completions and up to the context for chat, a
@@ -39,10 +38,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from ..inference.manager import QueueFull
 from .choices import Generation, chat_body, completion_body, failure, finished_outputs, stream
-from .guard import AccessGuard, GuardSettings
+from .guard import DEFAULT_MAX_REQUEST_BYTES, AccessGuard, GuardSettings
+from .limits import RequestLimits, shown
 from .metrics import LatencyStats, prometheus_text
 from .protocol import (
     ChatCompletionRequest,
@@ -58,11 +59,6 @@ from .protocol import (
 DRAIN_TIMEOUT_S = 30.0
 # Threads that parse requests, tokenize prompts and render chat templates (off the event loop).
 TEXT_WORKERS = 4
-# A prompt may have at most max_model_len x the longest token's characters x this many characters (slack for
-# normalizers that fold several characters into one) before it is refused without tokenizing.
-PROMPT_CHARS_SLACK = 2
-# Characters per token assumed when the tokenizer cannot tell its longest token.
-FALLBACK_TOKEN_CHARS = 64
 # Retry-After of a 429: seconds a client should wait before asking again.
 RETRY_AFTER_S = 1
 logger = logging.getLogger("moe_jax.serving")
@@ -73,8 +69,9 @@ class _Server:
         self.manager, self.tokenizer = manager, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size = manager.engine.model.config.vocab_size
-        token_chars = getattr(tokenizer, "max_token_chars", None) or FALLBACK_TOKEN_CHARS
-        self.max_prompt_chars = max_prompt_chars or max_model_len * token_chars * PROMPT_CHARS_SLACK
+        self.limits = RequestLimits.for_context(max_model_len, getattr(tokenizer, "max_token_chars", None),
+                                                prompt_chars=max_prompt_chars)
+        self.max_prompt_chars = self.limits.prompt_chars
         self.stats = LatencyStats()
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="moe-jax-text")
@@ -86,7 +83,7 @@ class _Server:
     # ---- requests -------------------------------------------------------------------------------------
     def check_model(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise InvalidRequest(f"The model `{body.model}` does not exist: this server serves "
+            raise InvalidRequest(f"The model `{shown(body.model)}` does not exist: this server serves "
                                  f"`{self.model_name}`.", param="model", code="model_not_found", status=404)
 
     def check_sampling(self, body: SamplingFields) -> None:
@@ -168,13 +165,13 @@ class _Server:
     # ---- requests' inputs (on the text pool) -------------------------------------------------------------
     def completion_input(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
         """A completion request's body -> the request and its prompt's ids, or InvalidRequest."""
-        body = parse_request(CompletionRequest, parse_json(raw))
+        body = parse_request(CompletionRequest, parse_json(raw, self.limits))
         self.check_model(body)
         self.check_sampling(body)
         return body, self.completion_prompt(body)
 
     def chat_input(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-        body = parse_request(ChatCompletionRequest, parse_json(raw))
+        body = parse_request(ChatCompletionRequest, parse_json(raw, self.limits))
         self.check_model(body)
         self.check_sampling(body)
         return body, self.chat_prompt(body)
@@ -192,7 +189,7 @@ class _Server:
                                  "sets no chat_template, or Transformers, which applies templates, is not "
                                  "installed); use /v1/completions with a prompt instead.", param="messages")
         messages = [message.as_template_input() for message in body.messages]
-        self.check_prompt_chars(sum(len(message["content"]) for message in messages), "messages")
+        self.check_prompt_chars(sum(len(text) for message in messages for text in message.values()), "messages")
         try:
             return list(apply(messages))
         except Exception as error:  # noqa: BLE001 - the template's own checks (roles, order) reject the messages
@@ -205,7 +202,8 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     """The FastAPI app serving `manager` (started at the app's startup if it is not running; stopped at its
     shutdown, after finishing the requests it holds, up to `drain_timeout` seconds). tokenizer: a
     `CheckpointTokenizer` (decode; encode for text prompts; apply_chat_template for chat). guard: the access
-    rules (`GuardSettings`: API key, origins, hosts, body size; default: none but the 8 MiB body limit);
+    rules (`GuardSettings`: API key, origins, hosts, body size, at most what `limits` allow; default: none but
+    those);
     max_prompt_chars: the longest text prompt tokenized (default: max_model_len x the longest token x 2)."""
     try:
         from fastapi import FastAPI, Request
@@ -226,7 +224,10 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
 
     app = FastAPI(title="moe_jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(AccessGuard, settings=guard or GuardSettings())
+    guard = guard or GuardSettings()   # no more than a request within the limits can be: more would be refused
+    guard = replace(guard, max_body_commas=server.limits.max_commas, max_request_bytes=min(
+        guard.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES, server.limits.body_bytes))
+    app.add_middleware(AccessGuard, settings=guard)
 
     class CancellingStream(StreamingResponse):
         """Cancels the generation however the response ends (the stream task can be cancelled mid-send)."""
@@ -306,7 +307,7 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_name:
-            raise InvalidRequest(f"The model `{name}` does not exist: this server serves `{model_name}`.",
+            raise InvalidRequest(f"The model `{shown(name)}` does not exist: this server serves `{model_name}`.",
                                  param="model", code="model_not_found", status=404)
         return model_card()
 

@@ -2,14 +2,16 @@
 
     app = AccessGuard(app, GuardSettings(api_key="sk-...", allowed_hosts=LOOPBACK_HOSTS))
 
-In order: the Host header (when `allowed_hosts` is set: a server bound to loopback answers only to loopback
-names, so a page that rebinds its own domain's DNS to 127.0.0.1 cannot drive it), the Origin header (a browser
-names the page's origin on every cross-origin request; none is allowed unless listed, and listed origins get
-CORS headers), the API key (`Authorization: Bearer KEY`, compared in constant time; /health is open, /metrics
-too when `metrics_public`), a JSON content type on POSTs (a cross-origin form or `text/plain` POST needs no CORS
-preflight: refusing it closes that door), and the body: at most `max_request_bytes` (413 from Content-Length alone,
-before reading) and read within `body_timeout` seconds (408). The body is read here and replayed to the app.
-Every refusal is OpenAI's error object.
+In order: the headers themselves (at most `max_headers`, 431; Host, Authorization, Origin, Content-Type and
+Content-Length at most once each, 400), the Host header (when `allowed_hosts` is set: a server bound to loopback
+answers only to loopback names, so a page that rebinds its own domain's DNS to 127.0.0.1 cannot drive it), the
+Origin header (a browser names the page's origin on every cross-origin request; none is allowed unless listed,
+character for character, and listed origins get CORS headers), the API key (`Authorization: Bearer KEY`,
+compared in constant time; /health is open, /metrics too when `metrics_public`), a JSON content type on POSTs (a
+cross-origin form or `text/plain` POST needs no CORS preflight: refusing it closes that door), and the body: at
+most `max_request_bytes` (413 from Content-Length alone, before reading), at most `max_body_commas` commas (400
+as soon as they arrive) and read within `body_timeout` seconds (408). The body is read here and replayed to the
+app. Every refusal is OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -19,26 +21,37 @@ import hmac
 import json
 from dataclasses import dataclass, field
 
+from .limits import shown
 from .protocol import error_body
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 # Seconds a client has to send its whole body (a slow-body client holds a connection and a task meanwhile).
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# Headers a request may have (their bytes are bounded before this, by the server's HTTP protocol).
+DEFAULT_MAX_HEADERS = 100
+# Headers a request must not repeat: each decides who is asking or what the body is.
+SINGLE_HEADERS = ("host", "authorization", "origin", "content-type", "content-length")
 
 
 @dataclass(frozen=True)
 class GuardSettings:
     """api_key: None (no key needed) or the key clients send as a bearer token; metrics_public: /metrics without
     the key; allowed_origins: browser origins allowed to call the API ("*": any); allowed_hosts: Host header names
-    answered (None: any); max_request_bytes: the largest body; body_timeout: seconds to receive it."""
+    answered (None: any); max_request_bytes: the largest body (None: DEFAULT_MAX_REQUEST_BYTES; `build_app` lowers
+    it to what its request limits allow); body_timeout: seconds to receive it; max_headers: the most headers a
+    request may have; max_body_commas: the most commas a body may hold (None: any), counted as it arrives
+    (`limits.RequestLimits.max_commas`: a body of token ids past the context is refused before the rest of it is
+    read)."""
 
     api_key: str | None = None
     metrics_public: bool = False
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: int | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    max_headers: int = DEFAULT_MAX_HEADERS
+    max_body_commas: int | None = None
     open_paths: frozenset[str] = field(default=frozenset({"/health"}))
 
 
@@ -59,6 +72,7 @@ class AccessGuard:
             return await self.app(scope, receive, send)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         try:
+            self._check_headers(scope["headers"], headers)
             self._check_host(headers.get("host"))
             origin = headers.get("origin")
             self._check_origin(origin)
@@ -75,20 +89,33 @@ class AccessGuard:
         return await self.app(scope, receive, send)
 
     # ---- checks ---------------------------------------------------------------------------------------
+    def _check_headers(self, raw: list, headers: dict) -> None:
+        """At most `max_headers`, and each of SINGLE_HEADERS at most once (with two, which one counts would be up
+        to whoever reads them: a proxy may have checked the first, this guard would read the last)."""
+        if len(raw) > self.settings.max_headers:
+            raise Refusal(431, f"the request has {len(raw)} headers; this server reads at most "
+                               f"{self.settings.max_headers}.", code="request_header_fields_too_large")
+        if len(headers) < len(raw):
+            names = [name.decode("latin-1").lower() for name, _ in raw]
+            twice = sorted({name for name in SINGLE_HEADERS if names.count(name) > 1})
+            if twice:
+                raise Refusal(400, f"the request has more than one {', '.join(twice)} header; send each once.",
+                              code="duplicate_header")
+
     def _check_host(self, host: str | None) -> None:
         allowed = self.settings.allowed_hosts
         if allowed is None:
             return
         name = _host_name(host or "")
         if name not in allowed:
-            raise Refusal(403, f"Host {host!r} is not a name of this server (it answers to "
+            raise Refusal(403, f"Host {shown(host or '')!r} is not a name of this server (it answers to "
                                f"{', '.join(allowed)}); a proxy in front of it must pass one of them.",
                           code="host_not_allowed")
 
     def _check_origin(self, origin: str | None) -> None:
         if origin is None or self.any_origin or origin in self.settings.allowed_origins:
             return
-        raise Refusal(403, f"cross-origin requests from {origin!r} are not allowed (start the server with "
+        raise Refusal(403, f"cross-origin requests from {shown(origin)!r} are not allowed (start the server with "
                            "--allowed-origins to allow a browser origin).", code="origin_not_allowed")
 
     def _check_key(self, path: str, authorization: str | None) -> None:
@@ -104,18 +131,19 @@ class AccessGuard:
     def _check_json(content_type: str | None) -> None:
         media_type = (content_type or "").split(";")[0].strip().lower()
         if media_type != "application/json":
-            raise Refusal(415, f"Content-Type {content_type or 'none'!r}: the API reads JSON bodies; send "
+            raise Refusal(415, f"Content-Type {shown(content_type or 'none')!r}: the API reads JSON bodies; send "
                                "`Content-Type: application/json`.", code="unsupported_media_type")
 
     async def _read_body(self, content_length: str | None, receive):
         """The whole body within the limits -> a `receive` that replays it, then passes the rest through."""
-        limit = self.settings.max_request_bytes
+        limit = self.settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
         if content_length is not None:
             if not content_length.isdigit():
-                raise Refusal(400, f"Content-Length {content_length!r} is not a byte count.")
+                raise Refusal(400, f"Content-Length {shown(content_length)!r} is not a byte count.")
             if int(content_length) > limit:
                 raise Refusal(413, _too_large(int(content_length), limit), code="request_too_large")
-        chunks, size, more = [], 0, True
+        chunks, size, commas, more = [], 0, 0, True
+        max_commas = self.settings.max_body_commas
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.body_timeout
         try:
@@ -127,6 +155,9 @@ class AccessGuard:
                 size += len(chunk)
                 if size > limit:
                     raise Refusal(413, _too_large(size, limit), code="request_too_large")
+                if max_commas is not None and (commas := commas + chunk.count(b",")) > max_commas:
+                    raise Refusal(400, f"the request body holds more than {max_commas} commas: more values and text "
+                                       "than a request to this server can use.", code="context_length_exceeded")
                 chunks.append(chunk)
                 more = message.get("more_body", False)
         except asyncio.TimeoutError:

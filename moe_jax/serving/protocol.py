@@ -15,13 +15,14 @@ so nothing out of range reaches the engine; a boolean where a number is due is r
 prompts is refused with a 400 that says so. Fields this server does not use and that change nothing in the
 output (user, ...) are read and ignored, as unknown fields are.
 
-`parse_json` turns a body into JSON for these models: malformed JSON, NaN / Infinity, integers of thousands of
-digits, nesting deeper than Python's recursion and text with lone UTF-16 surrogates are all 400s.
+`parse_json` turns a body into JSON for these models (`limits.parse_bounded`, which bounds what it may hold):
+malformed JSON, NaN / Infinity, numbers of more than 64 characters, nesting deeper than 64 levels and text with lone
+UTF-16 surrogates are all 400s, and so is `true` or `false` where a number is due (pydantic would take true for 1).
 """
 
 from __future__ import annotations
 
-import json
+import typing
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -277,34 +278,21 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse_json(raw: bytes) -> object:
-    """The request body as JSON, or InvalidRequest (400) saying what is wrong with it."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except UnicodeDecodeError as error:
-        raise InvalidRequest(f"the request body is not UTF-8: {error}") from None
-    except ValueError as error:   # JSONDecodeError, NaN / Infinity, an integer of too many digits
-        raise InvalidRequest(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise InvalidRequest("the request body nests too deeply.") from None
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest("the request body holds text with a lone UTF-16 surrogate (e.g. \\ud800 unpaired): "
-                             "text must be valid Unicode.") from None
-    except RecursionError:
-        raise InvalidRequest("the request body nests too deeply.") from None
-    return body
+def parse_json(raw: bytes, limits=None) -> object:
+    """The request body as JSON, or InvalidRequest (400) saying what is wrong with it; parsed within `limits`
+    (`limits.RequestLimits`; default: its generous defaults, which bound nesting to 64 levels)."""
+    from .limits import RequestLimits, parse_bounded
 
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+    return parse_bounded(raw, limits or RequestLimits())
 
 
 def parse_request(model: type[BaseModel], body: object) -> BaseModel:
     """`body` (parsed JSON) as `model`, or InvalidRequest with the first problem, as OpenAI reports it."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object.")
+    for name, field in model.model_fields.items():   # pydantic takes true for 1 where a number is due
+        if isinstance(body.get(name), bool) and _numeric(field.annotation):
+            raise InvalidRequest(f"{name}: a number is due, not {str(body[name]).lower()}.", param=name)
     try:
         return model.model_validate(body)
     except ValidationError as error:
@@ -317,3 +305,10 @@ def parse_request(model: type[BaseModel], body: object) -> BaseModel:
         message = first.get("msg", "invalid value")
         message = message.removeprefix("Value error, ")
         raise InvalidRequest(f"{'.'.join(where) or 'body'}: {message}", param=param) from None
+
+
+def _numeric(annotation) -> bool:
+    """Whether a field of this type takes a number and not a boolean (e.g. `int | None`, not `bool | int`)."""
+    kinds = {typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
+             for kind in typing.get_args(annotation) or (annotation,)}
+    return bool(kinds & {int, float}) and bool not in kinds

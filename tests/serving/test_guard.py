@@ -120,3 +120,54 @@ def test_a_body_that_does_not_arrive_in_time_is_408():
     assert response.status_code == 408 and error_of(response)["code"] == "request_timeout"
     assert json.loads(ask(GuardSettings(body_timeout=5), "POST", "/v1/completions", content=slow(),
                           headers=JSON).content) == {"prompt": "late"}
+
+
+def test_an_allowed_origin_is_matched_exactly():
+    """A prefix, an extension or another scheme or port of an allowed origin is another origin."""
+    settings = GuardSettings(allowed_origins=("https://a.com",))
+    for origin in ("https://a.com.evil.net", "https://a.co", "https://a.com:8443", "http://a.com", "https://b.a.com",
+                   "https://a.com/", "null"):
+        response = ask(settings, "POST", "/v1/completions", content=b"{}", headers=JSON | {"origin": origin})
+        assert response.status_code == 403 and "access-control-allow-origin" not in response.headers, origin
+    assert ask(settings, "POST", "/v1/completions", content=b"{}",
+               headers=JSON | {"origin": "https://a.com"}).status_code == 200
+
+
+def test_a_repeated_host_or_authorization_header_is_refused_not_last_wins():
+    settings = GuardSettings(api_key=KEY, allowed_hosts=LOOPBACK_HOSTS)
+    good = [("host", "127.0.0.1"), ("authorization", f"Bearer {KEY}")]
+    assert ask(settings, "GET", "/v1/models", headers=good).status_code == 200
+    for repeated in (("host", "rebound.example"), ("authorization", "Bearer other"), ("host", "127.0.0.1")):
+        response = ask(settings, "GET", "/v1/models", headers=good + [repeated])
+        assert response.status_code == 400 and error_of(response)["code"] == "duplicate_header", repeated
+        assert f"more than one {repeated[0]} header" in error_of(response)["message"]
+    response = ask(GuardSettings(), "POST", "/v1/completions", content=b"{}",
+                   headers=[("content-type", "application/json"), ("content-type", "text/plain")])
+    assert response.status_code == 400
+    assert ask(GuardSettings(), "GET", "/v1/models", headers=[("x-a", "1"), ("x-a", "2")]).status_code == 200
+
+
+def test_more_headers_than_the_limit_are_431_and_echoed_values_are_cut():
+    headers = [(f"x-h{i}", "v") for i in range(10)]
+    assert ask(GuardSettings(max_headers=20), "GET", "/v1/models", headers=headers).status_code == 200
+    response = ask(GuardSettings(max_headers=10), "GET", "/v1/models", headers=headers)   # and httpx's own
+    assert response.status_code == 431 and error_of(response)["code"] == "request_header_fields_too_large"
+    response = ask(GuardSettings(allowed_hosts=LOOPBACK_HOSTS), "GET", "/v1/models", headers={"host": "h" * 20_000})
+    assert response.status_code == 403 and len(error_of(response)["message"]) < 300
+
+
+def test_a_body_with_more_commas_than_a_request_can_use_is_refused_before_the_rest_arrives():
+    """Megabytes of token ids: counted as they arrive (each comma separates two values or is a character)."""
+    sent = []
+
+    async def token_ids():
+        yield b'{"prompt": ['
+        for _ in range(100):
+            sent.append(1)
+            yield b"1," * 1000
+
+    response = ask(GuardSettings(max_body_commas=5000), "POST", "/v1/completions", content=token_ids(), headers=JSON)
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    assert len(sent) <= 7   # the rest was never read
+    assert ask(GuardSettings(max_body_commas=5000), "POST", "/v1/completions", content=b'{"p": [' + b"1," * 4999
+               + b"1]}", headers=JSON).status_code == 200

@@ -120,3 +120,23 @@ def test_max_completion_tokens_wins_over_max_tokens_in_chat():
 def test_a_body_that_is_not_an_object_is_refused():
     with pytest.raises(InvalidRequest, match="must be a JSON object"):
         parse_request(CompletionRequest, [1, 2])
+
+
+@pytest.mark.parametrize("model, field", [
+    (CompletionRequest, "max_tokens"), (CompletionRequest, "temperature"), (CompletionRequest, "top_p"),
+    (CompletionRequest, "top_k"), (CompletionRequest, "seed"), (CompletionRequest, "n"),
+    (CompletionRequest, "best_of"), (ChatCompletionRequest, "max_completion_tokens"),
+    (ChatCompletionRequest, "max_tokens"),
+])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_where_a_number_is_due_is_refused(model, field, value):
+    """pydantic would take `true` for 1 (`max_tokens: true`: one token)."""
+    body = {"prompt": "a"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "a"}]}
+    error = refused(model, body | {field: value})
+    assert error.param == field and "a number is due" in error.message
+
+
+def test_booleans_stay_booleans_where_they_are_due():
+    assert completion(stream=True, echo=False).stream is True
+    with pytest.raises(InvalidRequest, match="logprobs: a number is due, not false"):   # completions': a count
+        completion(logprobs=False)

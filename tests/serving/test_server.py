@@ -274,7 +274,12 @@ def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
         started = lines[-1] if lines else ""
         assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
         assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "4 pages of 16 tokens" in started
-        assert "decode [2, 1]" in started and "mixed [3, 16]" in started
+        # A line for each program as it compiles, then the ready line with the URL.
+        compiling = [line for line in lines if line.startswith("compiling program ")]
+        assert len(compiling) == 6 and "6 programs compiled" in started
+        assert [line.split(":")[0] for line in compiling] == [f"compiling program {i} of 6" for i in range(1, 7)]
+        assert re.fullmatch(r"compiling program 1 of 6: mixed \[3 x 16\] width 1 \.\.\. \d+\.\d s\n", compiling[0])
+        assert any("decode [2 x 1] width 2" in line for line in compiling)
         url = re.search(r"(http://\S+/v1)", started).group(1)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
         response = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0)
@@ -296,6 +301,16 @@ def test_serve_refuses_what_it_cannot_do(checkpoint, capsys, monkeypatch):
     assert "must be in [2, 256]" in capsys.readouterr().err
     assert main(["serve", "--model", str(checkpoint), "--max-slots", "4", "--decode-rows", "1,8"]) == 2
     assert "--decode-rows 1,8: each must be in [1, --max-slots 4]" in capsys.readouterr().err
+    # Settings that would open the server wider than asked: one `error:` line each, exit 2, before loading.
+    monkeypatch.delenv("MOE_JAX_API_KEY", raising=False)
+    assert main(["serve", "--model", str(checkpoint), "--allowed-origins", "*"]) == 2
+    assert capsys.readouterr().err.startswith("error: --allowed-origins '*' lets any web page call the server")
+    assert main(["serve", "--model", str(checkpoint), "--api-key", " "]) == 2
+    assert capsys.readouterr().err.startswith("error: --api-key is empty")
+    monkeypatch.setenv("MOE_JAX_API_KEY", "")
+    assert main(["serve", "--model", str(checkpoint), "--allowed-origins", "*"]) == 2
+    assert capsys.readouterr().err.count("error:") == 1   # the empty key, said once
+    monkeypatch.delenv("MOE_JAX_API_KEY")
     taken = free_socket()
     taken.listen()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -143,33 +144,82 @@ def test_an_engine_failure_stops_the_server_with_exit_code_1(model_and_tokenizer
 
 
 def test_a_connection_that_trickles_its_headers_is_closed(model_and_tokenizer):
-    """A slow-headers client (slowloris) holds a connection only as long as the header timeout."""
+    """A slow-headers client (slowloris) holds a connection only as long as the header timeout, on a keep-alive
+    connection's later requests too; a request whose head passes its byte bound gets 431 before more is read."""
     import socket
 
     model, tokenizer = model_and_tokenizer
     manager = model.init_continuous_batching(decode=tokenizer.decode, **FLAGS)
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with serving(model, manager, tokenizer, header_timeout=0.3) as served:
-        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as client:
+        def connect():
+            return socket.create_connection(("127.0.0.1", served.port), timeout=5)
+
+        with connect() as client:
             client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # never ends its headers
             started = time.monotonic()
             assert client.recv(1024) == b""   # closed by the server
             assert 0.2 < time.monotonic() - started < 3
+        with connect() as client:   # keep-alive: two whole requests are answered, a trickled third is closed
+            for request in range(2):
+                time.sleep(0.2 * request)   # the time since the previous response counts, not the connection's
+                client.sendall(health)
+                assert client.recv(4096).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            client.sendall(b"GET /health HTTP/1.1\r\n")
+            time.sleep(0.1)
+            client.sendall(b"Host: 127.0.0.1\r\n")
+            assert client.recv(1024) == b"" and 0.2 < time.monotonic() - started < 3
+        for first in (b"", health):   # 64 KiB of headers, on a new connection or a keep-alive one's next request
+            with connect() as client:
+                if first:
+                    client.sendall(first)
+                    client.recv(4096)
+                try:
+                    client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nx-big: " + b"a" * (64 << 10))
+                except OSError:   # closed while sending
+                    pass
+                reply = client.recv(4096)
+                assert reply.startswith(b"HTTP/1.1 431") and b"request_header_fields_too_large" in reply, reply
+        with connect() as client:   # a body arriving with its headers is not counted as headers
+            body = json.dumps({"model": "other", "prompt": "x" * (100 << 10)}).encode()
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert client.recv(4096).startswith(b"HTTP/1.1 400")
         assert httpx.get(f"{served.url}/health").status_code == 200   # whole headers are answered
 
 
-def test_the_serve_command_drains_streams_and_a_queue_on_sigterm(tmp_path):
-    """The real command: SIGTERM while two streams run and two wait; each ends with `[DONE]` (after an error event
-    if it was cut or refused), and the command exits 0."""
+def test_the_serve_command_drains_on_sigterm_and_ends_streams_at_a_second_signal(tmp_path):
+    """The real command: SIGTERM while two streams run and two wait refuses the waiting ones; a Ctrl-C then ends
+    the running ones at once instead of after the 30 s drain. Each stream ends with an error event and `[DONE]`,
+    and the command exits 0 without a traceback."""
     flags = ("--max-slots", "2", "--page-size", "16", "--max-model-len", "256", "--prefill-chunk", "16",
-             "--log-level", "warning", "--drain-timeout", "0.3", "--decode-rows", "2")
+             "--log-level", "warning", "--drain-timeout", "30", "--decode-rows", "2")
     with serve_command(write_checkpoint(tmp_path / "tiny"), *flags) as (process, lines):
         url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)
+        first_tokens = threading.Semaphore(0)
+
+        def stream(i: int) -> list:
+            events = []
+            body = {"model": "tiny", "prompt": f"p{i}", "max_tokens": 250, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                        if len(events) == 1:
+                            first_tokens.release()
+            return events
+
         with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(stream_events, url, {"model": "tiny", "prompt": f"p{i}", "max_tokens": 250})
-                       for i in range(4)]
-            time.sleep(1.0)
+            streams = [pool.submit(stream, i) for i in range(4)]
+            for _ in range(2):   # the two in slots have started (the queued two send nothing before the signal)
+                assert first_tokens.acquire(timeout=60)
             process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(0.1)
+            process.send_signal(signal.SIGINT)
             results = [future.result(60) for future in streams]
-        assert process.wait(60) == 0
-        assert all(events[-1] == "[DONE]" for events in results)
-        assert re.search(r"stopped: \d+ requests finished", process.stderr.read())
+        assert process.wait(60) == 0 and time.monotonic() - signalled < 15
+        assert all(events[-1] == "[DONE]" and "error" in events[-2] for events in results)
+        stderr = process.stderr.read()
+        assert re.search(r"stopped: \d+ requests finished", stderr) and "Traceback" not in stderr
