@@ -48,8 +48,8 @@ A/B of the server itself: `--baseline-tree DIR` (another checkout, e.g. `git wor
 and / or `--baseline-flags=FLAGS` (e.g. =--no-prefix-caching; ours gets `--server-flags=FLAGS`) start a second
 `moe-jax serve`, of DIR or this tree, beside ours on the same checkpoint, and each repeat times both on the same
 requests, alternating which goes first; printed: ours / baseline tokens/s, TTFT / ITL and prefill tokens computed
-per repeat and their medians. `--api-key KEY` starts ours with the key and has the clients send it (the baseline gets it only if it
-knows the flag: pass a tree that does, or compare the cost of the checks themselves).
+per repeat and their medians. `--api-key KEY` starts ours with the key and has the clients send it (the baseline
+gets it only if it knows the flag: pass a tree that does, or compare the cost of the checks themselves).
 """
 
 from __future__ import annotations
