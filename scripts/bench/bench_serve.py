@@ -81,6 +81,7 @@ from serve_workloads import (  # noqa: E402
     conversations,
     drive,
     longest,
+    lookup_hits,
     requests_count,
     transcripts,
 )
@@ -194,7 +195,8 @@ def run_ours(base: str, server: subprocess.Popen, convs: list[list[dict]], args,
     results = drive(base, convs, args.clients, api_key)
     seconds = time.perf_counter() - start
     client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
-    after = metric_values(httpx.get(f"{base}/metrics", timeout=10, headers=headers).text)
+    text = httpx.get(f"{base}/metrics", timeout=10, headers=headers).text
+    after, kinds = metric_values(text), metric_kinds(text)
     wrong = [i for i, got in enumerate(results) if got["tokens"] != got["max_tokens"]
              or len(got["answer"]) != got["max_tokens"]]
     if wrong:
@@ -208,16 +210,25 @@ def run_ours(base: str, server: subprocess.Popen, convs: list[list[dict]], args,
     cached = delta.get("moe_jax_prompt_tokens_cached_total", float("nan"))
     out["cache"] = {"prompt": prompt, "cached": cached, "computed": prompt - cached,
                     "hit_rate": cached / prompt if prompt else float("nan")}
-    # Speculative decoding's counters, whatever the server names them (none where it does not speculate).
-    out["speculative"] = {name: value for name, value in delta.items() if "spec" in name}
+    # Speculative decoding's metrics, whatever the server names them (none where it does not speculate): counters
+    # over the pass, gauges as they stand after it.
+    out["speculative"] = {name: delta[name] if kinds.get(name.split("{")[0]) == "counter" else after[name]
+                          for name in after if "spec" in name}
+    out["prompt_lookup"] = lookup_hits(results)
     out["transcripts"] = transcripts(convs, results)
     return out
 
 
 def metric_values(metrics: str) -> dict[str, float]:
-    """The unlabelled samples of a /metrics text: name -> value."""
+    """The samples of a /metrics text whose labels hold no space: name{labels} -> value."""
     return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
             if line and not line.startswith("#") and len(line.split()) == 2}
+
+
+def metric_kinds(metrics: str) -> dict[str, str]:
+    """Metric name -> its # TYPE (counter, gauge, summary...)."""
+    return {line.split()[2]: line.split()[3] for line in metrics.splitlines()
+            if line.startswith("# TYPE ") and len(line.split()) == 4}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -518,6 +529,11 @@ def main() -> int:
                                       for rows in passes)
             print(f"ours / {other}: {ratio:.3f}x prefill tokens computed")
     for name, row in passes[-1].items():
+        lookup = row.get("prompt_lookup")
+        if lookup and (args.workload == "code-edit" or row.get("speculative")):
+            print(f"# {name}'s answers, {'last ' if len(passes) > 1 else ''}pass: 3-gram prompt lookup would have "
+                  f"proposed a token at {lookup['proposed']:.1%} of the {lookup['tokens']} generated tokens, "
+                  f"{lookup['right']:.1%} of them right")
         if row.get("speculative"):
             print(f"# {name}'s speculative decoding counters over its {'last ' if len(passes) > 1 else ''}pass: "
                   + ", ".join(f"{metric} {value:g}" for metric, value in row["speculative"].items()))

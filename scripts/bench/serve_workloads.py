@@ -17,7 +17,10 @@ static and reference sides replay.
   decoding. A request asks for `output` tokens; a model trained on code would copy long spans of the file there,
   but the random-weight checkpoint's greedy output does not follow the prompt, so what speculation's proposals
   find here is the file's own repeats and whatever loops the model falls into: the acceptance the server reports
-  on this checkpoint is a property of the random model, not a forecast for real models.
+  on this checkpoint is a property of the random model, not a forecast for real models. bench_serve prints the
+  server's speculative-decoding metrics (any named "spec") and, at the client, what 3-gram prompt lookup would
+  have proposed on the answers given (`lookup_hits`): an estimate, made at the client, of how often these answers
+  let a proposal be accepted (the server's proposer may match other n-gram lengths and propose several tokens).
 
 Lengths are drawn from `seed` alone; token ids from (`seed`, the pass), so every timed pass does the same work on
 fresh prompts and none meets the prefix cache's pages of an earlier pass (the warm-up is pass -1), except the
@@ -162,3 +165,24 @@ def transcripts(convs: list[list[dict]], results: list[dict]) -> list[list[dict]
     sides to replay)."""
     flat = iter(results)
     return [[{"prompt": next(flat)["prompt"], "max_tokens": turn["max_tokens"]} for turn in conv] for conv in convs]
+
+
+def lookup_hits(results: list[dict], ngram: int = 3) -> dict:
+    """What prompt lookup (n-gram speculation) would have proposed for the answers the server gave: at each
+    generated token, the token that followed the latest earlier occurrence of the last `ngram` tokens of the context
+    (prompt and answer so far) -> the share of generated tokens with such a proposal and the share of those right.
+    Measured at the client on greedy answers, whatever the server runs: what a one-token proposal could accept."""
+    proposed = right = tokens = 0
+    for result in results:
+        context = list(result["prompt"])
+        for token in result["answer"]:
+            tokens += 1
+            key = tuple(context[-ngram:])
+            for start in range(len(context) - ngram - 1, -1, -1):
+                if tuple(context[start:start + ngram]) == key:
+                    proposed += 1
+                    right += context[start + ngram] == token
+                    break
+            context.append(token)
+    return {"tokens": tokens, "proposed": proposed / tokens if tokens else float("nan"),
+            "right": right / proposed if proposed else float("nan")}

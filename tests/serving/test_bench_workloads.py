@@ -54,3 +54,9 @@ def test_transcripts_and_the_word_level_text():
     assert sw.transcripts(convs, results) == [
         [{"prompt": [0] * 3, "max_tokens": 2}, {"prompt": [1] * 3, "max_tokens": 2}],
         [{"prompt": [2] * 3, "max_tokens": 2}, {"prompt": [3] * 3, "max_tokens": 2}]]
+
+
+def test_prompt_lookup_hits_on_the_answers_given():
+    # After (1, 2, 3): 4 proposed, right; after (2, 3, 4): 5, right; after (3, 4, 5): 1, wrong; then no match.
+    hits = sw.lookup_hits([{"prompt": [1, 2, 3, 4, 5, 1, 2, 3], "answer": [4, 5, 9, 2, 3, 4]}])
+    assert hits == {"tokens": 6, "proposed": 0.5, "right": pytest.approx(2 / 3)}
