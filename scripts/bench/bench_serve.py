@@ -175,7 +175,8 @@ def served(workdir: Path, warm_up: list[list[dict]], args, flags: list[str], tre
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: see {log_path}")
+                log.flush()   # the log goes with the work directory: its end in the error
+                raise RuntimeError(f"the {label} server did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
         drive(base, warm_up, args.clients, api_key)   # the server's first steps and the clients' connections warmed
         yield base, server
