@@ -211,10 +211,13 @@ def run_ours(base: str, server: subprocess.Popen, convs: list[list[dict]], args,
     cached = delta.get("moe_jax_prompt_tokens_cached_total", float("nan"))
     out["cache"] = {"prompt": prompt, "cached": cached, "computed": prompt - cached,
                     "hit_rate": cached / prompt if prompt else float("nan")}
-    # Speculative decoding's metrics, whatever the server names them (none where it does not speculate): counters
-    # over the pass, gauges as they stand after it.
-    out["speculative"] = {name: delta[name] if kinds.get(name.split("{")[0]) == "counter" else after[name]
-                          for name in after if "spec" in name}
+    # Speculative decoding's metrics (none where the server does not speculate): counters over the pass, gauges
+    # (the acceptance rate since the start) as they stand after it; the acceptance over the pass from the counters.
+    spec = out["speculative"] = {name: delta[name] if kinds.get(name.split("{")[0]) == "counter" else after[name]
+                                 for name in after if "spec" in name or "verify" in name}
+    if spec.get("moe_jax_spec_draft_tokens_total"):
+        spec["accepted / draft tokens over the pass"] = (spec["moe_jax_spec_accepted_tokens_total"]
+                                                         / spec["moe_jax_spec_draft_tokens_total"])
     out["prompt_lookup"] = lookup_hits(results)
     out["transcripts"] = transcripts(convs, results)
     return out

@@ -18,9 +18,10 @@ static and reference sides replay.
   but the random-weight checkpoint's greedy output does not follow the prompt, so what speculation's proposals
   find here is the file's own repeats and whatever loops the model falls into: the acceptance the server reports
   on this checkpoint is a property of the random model, not a forecast for real models. bench_serve prints the
-  server's speculative-decoding metrics (any named "spec") and, at the client, what 3-gram prompt lookup would
-  have proposed on the answers given (`lookup_hits`): an estimate, made at the client, of how often these answers
-  let a proposal be accepted (the server's proposer may match other n-gram lengths and propose several tokens).
+  server's speculative-decoding metrics (moe_jax_spec_*, verify steps; `--server-flags="--speculative ngram"`)
+  and what 3-gram prompt lookup would have proposed on the answers given (`lookup_hits`): an estimate, made at
+  the client, of how often these answers let a proposal be accepted (the server's proposer matches other n-gram
+  lengths too and proposes several tokens).
 
 Lengths are drawn from `seed` alone; token ids from (`seed`, the pass), so every timed pass does the same work on
 fresh prompts and none meets the prefix cache's pages of an earlier pass (the warm-up is pass -1), except the
