@@ -22,8 +22,9 @@ shared system prompt), then measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
   (aiohttp on asyncio in one thread, as vLLM's benchmark client; each sends its next request, or its
   conversation's next turn, when the last one ends); time to first token and inter-token latency are measured at
-  the client, from sending the request; the clients share the machine; the prefix cache's counters are read from
-  /metrics before and after the timed pass;
+  the client, from sending the request (ITL: between streamed chunks; with speculative decoding a chunk may carry
+  several tokens); the clients share the machine; the prefix cache's counters are read from /metrics before and
+  after the timed pass;
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
   request's own tokens count); compilation excluded (every batch shape runs once before the timed pass); static
@@ -534,12 +535,12 @@ def main() -> int:
             print(f"ours / {other}: {ratio:.3f}x prefill tokens computed")
     for name, row in passes[-1].items():
         lookup = row.get("prompt_lookup")
-        if lookup and (args.workload == "code-edit" or row.get("speculative")):
+        if lookup and (args.workload == "code-edit" or any(row.get("speculative", {}).values())):
             print(f"# {name}'s answers, {'last ' if len(passes) > 1 else ''}pass: 3-gram prompt lookup would have "
                   f"proposed a token at {lookup['proposed']:.1%} of the {lookup['tokens']} generated tokens, "
                   f"{lookup['right']:.1%} of them right")
-        if row.get("speculative"):
-            print(f"# {name}'s speculative decoding counters over its {'last ' if len(passes) > 1 else ''}pass: "
+        if any(row.get("speculative", {}).values()):
+            print(f"# {name}'s speculative decoding metrics over its {'last ' if len(passes) > 1 else ''}pass: "
                   + ", ".join(f"{metric} {value:g}" for metric, value in row["speculative"].items()))
     print(json.dumps(passes))
     return 0
