@@ -2,31 +2,41 @@
 Transformers' continuous batching, on the same checkpoint, requests and machine, in one run.
 
     pip install "moe_jax[serve,bench]" torch==2.13.0 transformers==5.23.0   # the reference side needs torch
-    python scripts/bench/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS] [--prompt 16-256]
-                                  [--output 16-128] [--output-distribution uniform|lognormal]
+    python scripts/bench/bench_serve.py [--requests 48] [--clients 16] [--max-slots CLIENTS]
+                                  [--workload random|shared-prefix|multi-turn|code-edit] [--system-tokens 1024]
+                                  [--turns 4] [--prompt LOW-HIGH] [--output LOW-HIGH]
+                                  [--output-distribution uniform|lognormal]
                                   [--size default|large] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
                                   [--decode-rows ROWS[,ROWS...]] [--prefill-rows N] [--repeats 1]
                                   [--api-key KEY] [--baseline-tree DIR] [--skip-static]
+                                  [--server-flags="FLAGS"] [--baseline-flags="FLAGS"]
 
-Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes; no EOS id, so every request generates exactly its
-`max_tokens`) with a word-level tokenizer, draws the requests (prompt lengths uniform in the given range, output
-lengths uniform or, with `--output-distribution lognormal`, long-tailed in theirs; token ids random), then
-measures, each in a fresh process:
+Builds one Qwen3-MoE checkpoint (bench_vs_reference's sizes, its positions raised where the workload needs more; no
+EOS id, so every request generates exactly its `max_tokens`) with a word-level tokenizer, draws the requests of
+`--workload` (serve_workloads.py: random prompts, the default; one shared system prompt; multi-turn conversations
+resending the answers ours gave; code edits for n-gram speculation; lengths as `--prompt` / `--output` say, or
+the workload's defaults; fresh token ids each repeat, so no pass meets the prefix cache of another beyond a
+shared system prompt), then measures, each in a fresh process:
 - ours: `moe-jax serve` on 127.0.0.1 (warmed up), driven by `--clients` concurrent streaming clients over HTTP
-  (aiohttp on asyncio in one thread, as vLLM's benchmark client; each sends its next request when the last one
-  ends); time to first token and inter-token latency are measured at the client, from sending the request; the
-  clients share the machine;
+  (aiohttp on asyncio in one thread, as vLLM's benchmark client; each sends its next request, or its
+  conversation's next turn, when the last one ends); time to first token and inter-token latency are measured at
+  the client, from sending the request (ITL: between streamed chunks; with speculative decoding a chunk may carry
+  several tokens); the clients share the machine; the prefix cache's counters are read from /metrics before and
+  after the timed pass;
 - static: `model.generate` on the same requests in arrival order, `--max-slots` at a time, each batch left-padded
   to its longest prompt and run to its longest output (a static batch ends with its longest request; only each
-  request's own tokens count); compilation excluded (every batch shape runs once before the timed pass);
+  request's own tokens count); compilation excluded (every batch shape runs once before the timed pass); static
+  and reference replay the prompts ours sent in the same repeat (multi-turn: ours' answers in them);
 - reference: Transformers' `init_continuous_batching` manager (its default config; one warm-up request first),
   each request with its own `max_new_tokens`: `--clients` requests in flight, the next added in arrival order as
   one finishes (the closed loop our clients run; default), or with `--reference-arrival all` every request added
   at once (`generate_batch`'s way: run ours with `--clients` = `--requests` to compare at equal arrival).
 Prints tokens/s (generated tokens of every request / wall seconds of the whole pass), p50 / p99 TTFT and ITL,
-and the ratios ours / static and ours / reference. `--repeats N` times every side N times, alternated (ours,
+for servers the prompt tokens, those served from the prefix cache, those computed (prompt - cached) and the hit
+rate over the timed pass (server-side counters; speculative decoding's, where the server has any), and the ratios
+ours / static and ours / reference. `--repeats N` times every side N times, alternated (ours,
 static, reference, ours, ...; the server starts once), prints each repeat's line and the medians (ratios: the
 median of each repeat's ratio): this machine's figures move 10-20% between passes. Greedy on every side.
 `--huge-pages on` (default) runs all three processes with glibc's hugetlb tunable where it applies (as the
@@ -36,10 +46,11 @@ static batches for these requests, at equal batch width (static batch decode ste
 continuous batching cannot beat it by scheduling alone when a step costs the same whatever rows it holds.
 
 A/B of the server itself: `--baseline-tree DIR` (another checkout, e.g. `git worktree add /tmp/base COMMIT`)
-starts that tree's `moe-jax serve` beside ours on the same checkpoint and flags, and each repeat times both on the
-same requests, alternating which goes first; printed: ours / baseline tokens/s and TTFT / ITL per repeat and their
-medians. `--api-key KEY` starts ours with the key and has the clients send it (the baseline gets it only if it
-knows the flag: pass a tree that does, or compare the cost of the checks themselves).
+and / or `--baseline-flags=FLAGS` (e.g. =--no-prefix-caching; ours gets `--server-flags=FLAGS`) start a second
+`moe-jax serve`, of DIR or this tree, beside ours on the same checkpoint, and each repeat times both on the same
+requests, alternating which goes first; printed: ours / baseline tokens/s, TTFT / ITL and prefill tokens computed
+per repeat and their medians. `--api-key KEY` starts ours with the key and has the clients send it (the baseline
+gets it only if it knows the flag: pass a tree that does, or compare the cost of the checks themselves).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -63,6 +75,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 from bench_vs_reference import SIZES, host_memory_environ  # noqa: E402
 
+from serve_workloads import (  # noqa: E402
+    DEFAULT_LENGTHS,
+    OUTPUT_DISTRIBUTIONS,
+    WORKLOADS,
+    conversations,
+    drive,
+    longest,
+    lookup_hits,
+    requests_count,
+    transcripts,
+)
+
 from moe_jax.cli.layout_flags import SCAN_CHOICES, decode_scan_layers  # noqa: E402
 from moe_jax.cli.serve import parse_row_counts  # noqa: E402
 
@@ -72,11 +96,13 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def build(workdir: Path, size: str) -> None:
+def build(workdir: Path, size: str, positions: int) -> None:
+    """The checkpoint, its positions raised to `positions` where the workload needs more."""
     import torch
     import transformers
 
     config = dict(SIZES[size], eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], positions)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config), dtype=torch.float32)
     model.generation_config.eos_token_id = None
@@ -89,29 +115,6 @@ def build(workdir: Path, size: str) -> None:
     (workdir / "checkpoint" / "tokenizer.json").write_text(json.dumps(tokenizer))
     (workdir / "checkpoint" / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
-
-
-OUTPUT_DISTRIBUTIONS = ("uniform", "lognormal")
-
-
-def draw_output_length(rng: np.random.Generator, output: tuple[int, int], distribution: str) -> int:
-    """One request's output length in [low, high]: uniform, or lognormal with its median at sqrt(low * high) and
-    sigma ln(high / low) / 4 (about 95% of draws inside the range before clipping): chat traffic's long tail,
-    many short answers and a few long ones (vLLM's ShareGPT runs have that shape)."""
-    low, high = output
-    if distribution == "uniform":
-        return int(rng.integers(low, high + 1))
-    if distribution == "lognormal":
-        draw = rng.lognormal(np.log(np.sqrt(low * high)), np.log(high / low) / 4)
-        return int(np.clip(np.round(draw), low, high))
-    raise ValueError(f"output distribution {distribution!r}: expected one of {OUTPUT_DISTRIBUTIONS}")
-
-
-def draw_requests(count: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int,
-                  output_distribution: str = "uniform"):
-    rng = np.random.default_rng(seed)
-    return [dict(prompt=[int(t) for t in rng.integers(3, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))],
-                 max_tokens=draw_output_length(rng, output, output_distribution)) for _ in range(count)]
 
 
 def static_ceiling(requests: list[dict], slots: int) -> float:
@@ -142,27 +145,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(workdir: Path, requests: list[dict], args, tree: Path = ROOT, api_key: str | None = None):
-    """`moe-jax serve` of checkout `tree` on a free port, healthy and warmed up (one short pass of the clients) ->
-    (base URL, its process); terminated on exit."""
+def served(workdir: Path, warm_up: list[list[dict]], args, flags: list[str], tree: Path = ROOT,
+           label: str = "ours", api_key: str | None = None):
+    """`moe-jax serve` of checkout `tree` with extra `flags` on a free port, healthy and warmed up (the clients run
+    `warm_up` once) -> (base URL, its process); terminated on exit."""
     import httpx
 
     port = free_port()
-    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in requests) + 1
     command = [sys.executable, "-m", "moe_jax.cli", "serve", "--model", str(workdir / "checkpoint"),
                "--port", str(port), "--max-slots", str(args.max_slots), "--page-size", "16",
-               "--max-model-len", str(max_len), "--served-model-name", "bench", "--scan-layers", args.scan_layers,
-               "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
+               "--max-model-len", str(args.max_model_len), "--served-model-name", "bench",
+               "--scan-layers", args.scan_layers, "--mixed-steps" if args.mixed_steps else "--no-mixed-steps"]
     if args.decode_rows:
         command += ["--decode-rows", ",".join(map(str, args.decode_rows))]
     if args.prefill_rows:
         command += ["--prefill-rows", str(args.prefill_rows)]
     if api_key:
         command += ["--api-key", api_key]
-    log_path = workdir / f"server-{'ours' if tree == ROOT else 'baseline'}.log"
+    log_path = workdir / f"server-{label}.log"
     log = open(log_path, "w")
     # `python -m` from the tree's root imports that tree's moe_jax first, whatever is installed.
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=args.environ)
+    server = subprocess.Popen(command + flags, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=args.environ)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -173,10 +176,10 @@ def served(workdir: Path, requests: list[dict], args, tree: Path = ROOT, api_key
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: see {log_path}")
+                log.flush()   # the log goes with the work directory: its end in the error
+                raise RuntimeError(f"the {label} server did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
-        # One short pass first: the server's first steps and the clients' connections warmed.
-        drive(base, requests[:args.clients], args.clients, api_key)
+        drive(base, warm_up, args.clients, api_key)   # the server's first steps and the clients' connections warmed
         yield base, server
     finally:
         server.terminate()
@@ -184,37 +187,53 @@ def served(workdir: Path, requests: list[dict], args, tree: Path = ROOT, api_key
         log.close()
 
 
-def run_ours(base: str, server: subprocess.Popen, requests: list[dict], args, api_key: str | None = None) -> dict:
+def run_ours(base: str, server: subprocess.Popen, convs: list[list[dict]], args, api_key: str | None = None) -> dict:
     """One timed pass of the clients against the running server."""
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    before = step_counts(httpx.get(f"{base}/metrics", timeout=10, headers=headers).text)
+    before = metric_values(httpx.get(f"{base}/metrics", timeout=10, headers=headers).text)
     start, client_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
-    results = drive(base, requests, args.clients, api_key)
+    results = drive(base, convs, args.clients, api_key)
     seconds = time.perf_counter() - start
     client_cpu, server_cpu = time.process_time() - client_cpu, cpu_seconds(server.pid) - server_cpu
-    metrics = httpx.get(f"{base}/metrics", timeout=10, headers=headers).text
-    steps = {kind: count - before[kind] for kind, count in step_counts(metrics).items()}
-    wrong = [i for i, (r, got) in enumerate(zip(requests, results)) if got["tokens"] != r["max_tokens"]]
+    text = httpx.get(f"{base}/metrics", timeout=10, headers=headers).text
+    after, kinds = metric_values(text), metric_kinds(text)
+    wrong = [i for i, got in enumerate(results) if got["tokens"] != got["max_tokens"]
+             or len(got["answer"]) != got["max_tokens"]]
     if wrong:
         raise RuntimeError(f"requests {wrong[:5]} got the wrong number of tokens")
     out = summary(sum(r["tokens"] for r in results), seconds, [r["ttft"] for r in results],
                   [gap for r in results for gap in r["gaps"]])
     out["cpu_seconds"] = {"clients": client_cpu, "server": server_cpu}
-    out["steps"] = steps
-    out["server_metrics"] = {line.split()[0]: line.split()[1] for line in metrics.splitlines()
-                             if line and not line.startswith("#") and len(line.split()) == 2}
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    out["steps"] = {kind: int(delta[f"moe_jax_{kind}_steps_total"]) for kind in ("prefill", "decode", "mixed")}
+    prompt = delta.get("moe_jax_prompt_tokens_total", float("nan"))
+    cached = delta.get("moe_jax_prompt_tokens_cached_total", float("nan"))
+    out["cache"] = {"prompt": prompt, "cached": cached, "computed": prompt - cached,
+                    "hit_rate": cached / prompt if prompt else float("nan")}
+    # Speculative decoding's metrics (none where the server does not speculate): counters over the pass, gauges
+    # (the acceptance rate since the start) as they stand after it; the acceptance over the pass from the counters.
+    spec = out["speculative"] = {name: delta[name] if kinds.get(name.split("{")[0]) == "counter" else after[name]
+                                 for name in after if "spec" in name or "verify" in name}
+    if spec.get("moe_jax_spec_draft_tokens_total"):
+        spec["accepted / draft tokens over the pass"] = (spec["moe_jax_spec_accepted_tokens_total"]
+                                                         / spec["moe_jax_spec_draft_tokens_total"])
+    out["prompt_lookup"] = lookup_hits(results)
+    out["transcripts"] = transcripts(convs, results)
     return out
 
 
-def step_counts(metrics: str) -> dict[str, int]:
-    """The server's steps so far by kind, from its /metrics text."""
-    counts = {}
-    for kind in ("prefill", "decode", "mixed"):
-        line = next(line for line in metrics.splitlines() if line.startswith(f"moe_jax_{kind}_steps_total "))
-        counts[kind] = int(float(line.split()[1]))
-    return counts
+def metric_values(metrics: str) -> dict[str, float]:
+    """The samples of a /metrics text whose labels hold no space: name{labels} -> value."""
+    return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+            if line and not line.startswith("#") and len(line.split()) == 2}
+
+
+def metric_kinds(metrics: str) -> dict[str, str]:
+    """Metric name -> its # TYPE (counter, gauge, summary...)."""
+    return {line.split()[2]: line.split()[3] for line in metrics.splitlines()
+            if line.startswith("# TYPE ") and len(line.split()) == 4}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -224,49 +243,6 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def drive(base: str, requests: list[dict], clients: int, api_key: str | None = None) -> list[dict]:
-    """`clients` concurrent streaming clients (asyncio and aiohttp in one thread, as vLLM's benchmark client: the
-    clients share the machine with the server, so they take as little of its CPU as they can), each sending its
-    next request when the last one ended -> per request: tokens, time to first token, gaps between tokens
-    (seconds, at the client)."""
-    import asyncio
-
-    import aiohttp
-
-    results: list[dict | None] = [None] * len(requests)
-
-    async def one(session: aiohttp.ClientSession, index: int) -> None:
-        request = requests[index]
-        body = {"model": "bench", "prompt": request["prompt"], "max_tokens": request["max_tokens"],
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        sent, stamps, tokens = time.perf_counter(), [], 0
-        async with session.post(f"{base}/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.content:   # the server-sent events, a line at a time
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                if b'"usage":{' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                elif b'"text":""' not in line:
-                    stamps.append(time.perf_counter())
-        results[index] = {"tokens": tokens, "ttft": stamps[0] - sent if stamps else float("nan"),
-                          "gaps": list(np.diff(stamps))}
-
-    async def main() -> None:
-        cursor = iter(range(len(requests)))
-        connector = aiohttp.TCPConnector(limit=clients)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
-                                         headers=headers) as session:
-            async def client() -> None:
-                for index in cursor:
-                    await one(session, index)
-            await asyncio.gather(*(client() for _ in range(clients)))
-
-    asyncio.run(main())
-    return results
 
 
 # ---- static generate ---------------------------------------------------------------------------------------
@@ -308,44 +284,51 @@ def static_worker(workdir: Path, max_slots: int, scan_layers: str) -> None:
 
 # ---- the reference ---------------------------------------------------------------------------------------
 def reference_worker(workdir: Path, clients: int | None) -> None:
-    """Transformers' CB manager on the requests: `clients` of them in flight at a time (a new one added, in arrival
-    order, as each finishes: the closed loop our clients run), or every one added at once (None:
-    `generate_batch`'s way). Times to first token count from each request's adding."""
+    """Transformers' CB manager on the conversations our clients sent (one-turn ones: plain requests): `clients`
+    conversations in flight at a time (a conversation's next turn added as its last one finishes, the next
+    conversation, in arrival order, as one ends: the closed loop our clients run), or every conversation at once
+    (None: `generate_batch`'s way). Times to first token count from each request's adding."""
     import torch
     import transformers
 
-    requests = json.loads((workdir / "requests.json").read_text())
+    plan = json.loads((workdir / "conversations.json").read_text())
+    convs = plan["conversations"]
     model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", dtype=torch.float32).eval()
     config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
-    in_flight = len(requests) if clients is None else clients
+    in_flight = len(convs) if clients is None else clients
     with torch.no_grad():
         manager = model.init_continuous_batching(generation_config=config)
         manager.start()
-        warm = manager.add_request(requests[0]["prompt"], max_new_tokens=4, record_timestamps=True)
+        warm = manager.add_request(plan["warm_up"], max_new_tokens=4, record_timestamps=True)
         while not (manager.get_result(warm, timeout=60) or _Never).is_finished():
             pass
         start = time.perf_counter()
-        added, ids, finished = {}, [], {}
+        added, turn_of, finished, started = {}, {}, {}, 0
 
-        def add_next() -> None:
-            r = requests[len(ids)]
+        def add(conv: int, turn: int) -> None:
+            r = convs[conv][turn]
             added_at = time.perf_counter()
-            ids.append(manager.add_request(r["prompt"], max_new_tokens=r["max_tokens"], record_timestamps=True))
-            added[ids[-1]] = added_at
+            request_id = manager.add_request(r["prompt"], max_new_tokens=r["max_tokens"], record_timestamps=True)
+            added[request_id], turn_of[request_id] = added_at, (conv, turn)
 
-        while len(ids) < min(in_flight, len(requests)):
-            add_next()
-        while len(finished) < len(requests):
+        while started < min(in_flight, len(convs)):
+            add(started, 0)
+            started += 1
+        while len(finished) < len(added) or started < len(convs):
             result = manager.get_result(timeout=600)
             if result is not None and result.is_finished():
                 finished[result.request_id] = result
-                if len(ids) < len(requests):
-                    add_next()
+                conv, turn = turn_of[result.request_id]
+                if turn + 1 < len(convs[conv]):
+                    add(conv, turn + 1)
+                elif started < len(convs):
+                    add(started, 0)
+                    started += 1
         seconds = time.perf_counter() - start
         manager.stop(block=True)
-    outputs = [finished[i] for i in ids]
+    outputs = list(finished.values())
     tokens = sum(len(o.generated_tokens) for o in outputs)
-    ttft = [o.timestamps[0] - added[i] for i, o in zip(ids, outputs) if o.timestamps]
+    ttft = [o.timestamps[0] - added[o.request_id] for o in outputs if o.timestamps]
     itl = [gap for o in outputs for gap in np.diff(o.timestamps)]
     print(json.dumps(summary(tokens, seconds, ttft, itl)))
 
@@ -376,7 +359,9 @@ def median_rows(passes: list[dict]) -> dict:
 
     return {name: {"tokens_per_s": median_of(name, "tokens_per_s"),
                    "ttft": {q: median_of(name, "ttft", q) for q in ("p50", "p99")},
-                   "itl": {q: median_of(name, "itl", q) for q in ("p50", "p99")}}
+                   "itl": {q: median_of(name, "itl", q) for q in ("p50", "p99")},
+                   **({"cache": {k: median_of(name, "cache", k) for k in passes[0][name]["cache"]}}
+                      if "cache" in passes[0][name] else {})}
             for name in passes[0]}
 
 
@@ -395,8 +380,25 @@ def main() -> int:
     parser.add_argument("--max-slots", type=int, default=None,
                         help="the server's slots and the static batches' width (default: --clients, a server sized "
                              "for the requests in flight)")
-    parser.add_argument("--prompt", type=parse_range, default=(16, 256), help="prompt lengths, LOW-HIGH")
-    parser.add_argument("--output", type=parse_range, default=(16, 128), help="output lengths, LOW-HIGH")
+    parser.add_argument("--workload", choices=WORKLOADS, default="random",
+                        help="what the requests look like (serve_workloads.py): random prompts, one shared system "
+                             "prompt, multi-turn conversations, or code edits (for n-gram speculation)")
+    parser.add_argument("--prompt", type=parse_range, default=None,
+                        help="prompt lengths, LOW-HIGH (shared-prefix: the question after the system prompt; "
+                             "multi-turn: each user message; code-edit: the code); default per workload: "
+                             + ", ".join(f"{w} {p[0]}-{p[1]}" for w, (p, _) in DEFAULT_LENGTHS.items()))
+    parser.add_argument("--output", type=parse_range, default=None,
+                        help="output lengths, LOW-HIGH; default per workload: "
+                             + ", ".join(f"{w} {o[0]}-{o[1]}" for w, (_, o) in DEFAULT_LENGTHS.items()))
+    parser.add_argument("--system-tokens", type=int, default=1024, help="shared-prefix: the system prompt's tokens")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="multi-turn: turns per conversation (--requests / TURNS conversations)")
+    parser.add_argument("--server-flags", default="",
+                        help="extra `moe-jax serve` flags for ours, e.g. --server-flags=\"--speculative ngram "
+                             "--num-speculative-tokens 4\" (with '=': the value starts with a dash)")
+    parser.add_argument("--baseline-flags", default=None,
+                        help="start a baseline server beside ours (this tree, or --baseline-tree) with these extra "
+                             "flags instead of --server-flags, e.g. --baseline-flags=--no-prefix-caching")
     parser.add_argument("--output-distribution", choices=OUTPUT_DISTRIBUTIONS, default="uniform",
                         help="output lengths uniform in --output, or lognormal (median sqrt(LOW * HIGH), a long "
                              "tail, clipped to the range)")
@@ -423,7 +425,8 @@ def main() -> int:
                              "clients' closed loop), or every request added at once (generate_batch's way)")
     parser.add_argument("--api-key", default=None, help="start our server with this API key; the clients send it")
     parser.add_argument("--baseline-tree", type=Path, default=None,
-                        help="another checkout whose `moe-jax serve` runs beside ours, alternated with it each repeat")
+                        help="another checkout whose `moe-jax serve` runs beside ours, alternated with it each repeat "
+                             "(its flags: --baseline-flags, or else --server-flags)")
     parser.add_argument("--skip-static", action="store_true", help="do not time static generate batches")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -439,33 +442,55 @@ def main() -> int:
 
     environ, host_memory = host_memory_environ(dict(os.environ), args.huge_pages == "on")
     args.environ = {**environ, "MOE_JAX_HUGE_PAGES": "0"}   # the tunable is set (or not) here, for every side
+    args.prompt = args.prompt or DEFAULT_LENGTHS[args.workload][0]
+    args.output = args.output or DEFAULT_LENGTHS[args.workload][1]
+
+    def workload(pass_index: int) -> list[list[dict]]:
+        return conversations(args.workload, args.requests, args.prompt, args.output, SIZES[args.size]["vocab_size"],
+                             args.seed, pass_index, output_distribution=args.output_distribution,
+                             system_tokens=args.system_tokens, turns=args.turns)
+
+    warm_up, first = workload(-1)[:args.clients], workload(0)
+    args.max_model_len = longest(first) + 1   # every pass has the same lengths
+    with_baseline = args.baseline_tree is not None or args.baseline_flags is not None
+    baseline_flags = shlex.split(args.server_flags if args.baseline_flags is None else args.baseline_flags)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        build(workdir, args.size)
-        requests = draw_requests(args.requests, args.prompt, args.output, SIZES[args.size]["vocab_size"], args.seed,
-                                 args.output_distribution)
-        (workdir / "requests.json").write_text(json.dumps(requests))
-        print(f"# {args.requests} requests, prompts {args.prompt[0]}-{args.prompt[1]}, outputs "
-              f"{args.output[0]}-{args.output[1]} tokens ({args.output_distribution}); {args.clients} clients, {args.max_slots} slots; "
+        build(workdir, args.size, args.max_model_len)
+        print(f"# workload {args.workload}: {requests_count(first)} requests"
+              + (f" in {len(first)} conversations of {args.turns} turns" if args.workload == "multi-turn" else "")
+              + (f", a {args.system_tokens}-token system prompt" if args.workload == "shared-prefix" else "")
+              + f", prompts {args.prompt[0]}-{args.prompt[1]}, outputs {args.output[0]}-{args.output[1]} tokens "
+              f"({args.output_distribution}); max model len {args.max_model_len}; {args.clients} clients, "
+              f"{args.max_slots} slots; ours' flags {args.server_flags!r}"
+              + (f", the baseline's {shlex.join(baseline_flags)!r} from {args.baseline_tree or 'this tree'}"
+                 if with_baseline else "") + "; "
               f"Transformers' CB: {'every request at once' if args.reference_arrival == 'all' else 'as many in flight'}; "
               f"size {args.size}; scan layers {args.scan_layers}; mixed steps {'on' if args.mixed_steps else 'off'}; "
               f"decode rows {','.join(map(str, args.decode_rows)) if args.decode_rows else 'the server default'}; "
               f"prefill rows {args.prefill_rows or 'the server default'}; "
               f"{host_memory}; {os.cpu_count()} CPUs", flush=True)
         print(f"# decode-step ceiling of ours / static at {args.max_slots} slots: "
-              f"{static_ceiling(requests, args.max_slots):.2f}x", flush=True)
+              f"{static_ceiling([t for conv in first for t in conv], args.max_slots):.2f}x", flush=True)
         passes = []
         with contextlib.ExitStack() as servers:
-            base, server = servers.enter_context(served(workdir, requests, args, api_key=args.api_key))
-            if args.baseline_tree is not None:
-                baseline = servers.enter_context(served(workdir, requests, args, tree=args.baseline_tree.resolve()))
+            sides = [("moe_jax serve", servers.enter_context(
+                served(workdir, warm_up, args, shlex.split(args.server_flags), api_key=args.api_key)), args.api_key)]
+            if with_baseline:
+                sides.append(("baseline serve", servers.enter_context(
+                    served(workdir, warm_up, args, baseline_flags, tree=(args.baseline_tree or ROOT).resolve(),
+                           label="baseline")), None))
             for repeat in range(args.repeats):
-                rows = {}
-                if args.baseline_tree is not None and repeat % 2:   # alternate which server goes first
-                    rows["baseline serve"] = run_ours(*baseline, requests, args)
-                rows["moe_jax serve"] = run_ours(base, server, requests, args, args.api_key)
-                if args.baseline_tree is not None and not repeat % 2:
-                    rows["baseline serve"] = run_ours(*baseline, requests, args)
+                convs, rows = first if repeat == 0 else workload(repeat), {}
+                for name, server, api_key in sides[::-1] if repeat % 2 else sides:   # alternate which goes first
+                    rows[name] = run_ours(*server, convs, args, api_key)
+                plan = rows["moe_jax serve"]["transcripts"]   # the prompts ours sent, for the other sides
+                for row in rows.values():
+                    row.pop("transcripts")
+                (workdir / "requests.json").write_text(json.dumps([turn for conv in plan for turn in conv]))
+                (workdir / "conversations.json").write_text(json.dumps(
+                    {"warm_up": warm_up[0][0]["user"], "conversations": plan}))
+                rows = {"moe_jax serve": rows.pop("moe_jax serve"), **rows}
                 if not args.skip_static:
                     rows["static generate"] = in_fresh_process("static", workdir, args.environ, "--max-slots",
                                                                str(args.max_slots), "--scan-layers", args.scan_layers)
@@ -482,10 +507,14 @@ def main() -> int:
     rows = passes[0] if len(passes) == 1 else median_rows(passes)
     if len(passes) > 1:
         print(f"# medians of {len(passes)} repeats (ours / static and ours / reference: medians of each repeat's ratio)")
-    print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
+    print(f"{'':18}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"
+          f"{'prompt':>9}{'cached':>9}{'computed':>9}{'hit rate':>9}")
     for name, row in rows.items():
+        cache = row.get("cache")
         print(f"{name:18}{row['tokens_per_s']:10.1f}{row['ttft']['p50']:10.3f}{row['ttft']['p99']:10.3f}"
-              f"{row['itl']['p50'] * 1e3:9.1f}m{row['itl']['p99'] * 1e3:9.1f}m")
+              f"{row['itl']['p50'] * 1e3:9.1f}m{row['itl']['p99'] * 1e3:9.1f}m"
+              + (f"{cache['prompt']:9.0f}{cache['cached']:9.0f}{cache['computed']:9.0f}{cache['hit_rate']:9.3f}"
+                 if cache else ""))
     cpu = passes[-1]["moe_jax serve"]["cpu_seconds"]
     print(f"# during our {'last ' if len(passes) > 1 else ''}pass ({passes[-1]['moe_jax serve']['seconds']:.1f} s on "
           f"{os.cpu_count()} CPUs): server process {cpu['server']:.1f} CPU s, clients {cpu['clients']:.1f} CPU s; "
@@ -493,14 +522,27 @@ def main() -> int:
     each = [ratios(rows) for rows in passes]
     for name in each[0]:
         print(f"ours / {name}: {statistics.median(r[name] for r in each):.2f}x throughput")
-    if "baseline serve" in passes[0]:
+    for other in ("baseline serve", "transformers CB"):
+        if other not in passes[0]:
+            continue
         for what in ("ttft", "itl"):
             for q in ("p50", "p99"):
-                ratio = statistics.median(rows["moe_jax serve"][what][q] / rows["baseline serve"][what][q]
-                                          for rows in passes)
-                print(f"ours / baseline serve: {ratio:.3f}x {what.upper()} {q}")
-    print(json.dumps([{name: {k: v for k, v in row.items() if k != "server_metrics"} for name, row in rows.items()}
-                      for rows in passes]))
+                ratio = statistics.median(rows["moe_jax serve"][what][q] / rows[other][what][q] for rows in passes)
+                print(f"ours / {other}: {ratio:.3f}x {what.upper()} {q}")
+        if "cache" in passes[0][other]:
+            ratio = statistics.median(rows["moe_jax serve"]["cache"]["computed"] / rows[other]["cache"]["computed"]
+                                      for rows in passes)
+            print(f"ours / {other}: {ratio:.3f}x prefill tokens computed")
+    for name, row in passes[-1].items():
+        lookup = row.get("prompt_lookup")
+        if lookup and (args.workload == "code-edit" or any(row.get("speculative", {}).values())):
+            print(f"# {name}'s answers, {'last ' if len(passes) > 1 else ''}pass: 3-gram prompt lookup would have "
+                  f"proposed a token at {lookup['proposed']:.1%} of the {lookup['tokens']} generated tokens, "
+                  f"{lookup['right']:.1%} of them right")
+        if any(row.get("speculative", {}).values()):
+            print(f"# {name}'s speculative decoding metrics over its {'last ' if len(passes) > 1 else ''}pass: "
+                  + ", ".join(f"{metric} {value:g}" for metric, value in row["speculative"].items()))
+    print(json.dumps(passes))
     return 0
 
 
