@@ -14,8 +14,8 @@ max_model_len), or waits, so a running request never waits for memory. Prefix ca
 default): the request's first pages are the cached pages of its prompt's longest cached prefix (at least one
 prompt token is left to prefill, to sample from), and every page it fills, prompt or generated, is registered
 once its keys and values are stored (`kv_cache.page_book`). Chunked prefill: each step takes up to
-`prefill_rows` pieces of `prefill_chunk` prompt tokens per group, oldest slot first. Decode: each group's decoding requests packed into the fewest decode rows that hold them. A
-request ends on an EOS id or one of its stop_token_ids, a stop string (the text's tail, decoded incrementally; none
+`prefill_rows` pieces of `prefill_chunk` prompt tokens per group, the earliest admitted prompt first. Decode: each
+group's decoding requests packed into the fewest decode rows that hold them. A request ends on an EOS id or one of its stop_token_ids, a stop string (the text's tail, decoded incrementally; none
 of these before its min_tokens), `max_new_tokens` or the context; its slot and pages are free for the next step.
 """
 
@@ -152,7 +152,9 @@ class Scheduler(SpeculativeSteps):
         without it; an error of the program itself raises (every request in it is lost with the pools)."""
         self._admit()
         events = []
-        prefilling = [r for r in self.slots if r is not None and r.output.status == RequestStatus.PREFILLING]
+        # Oldest admission first: a prompt in a high slot must not wait while lower slots keep refilling.
+        prefilling = sorted((r for r in self.slots if r is not None and r.output.status == RequestStatus.PREFILLING),
+                            key=lambda r: r.output.lifespan[0])
         if prefilling and self.config.mixed_steps:
             decoding = [r for r in self.slots if r is not None and r.output.status == RequestStatus.DECODING]
             events = self._mixed(prefilling, decoding)
@@ -226,7 +228,7 @@ class Scheduler(SpeculativeSteps):
 
     def _prefill_pieces(self, prefilling: list[Request]) -> list[list[tuple[Request, int, int]]]:
         """Per data-parallel group, this step's prompt pieces (request, first token, tokens), one per prefill row:
-        the prompts' next tokens oldest slot first, each prompt taking as many rows of `prefill_chunk` tokens as
+        the prompts' next tokens in the order given (the earliest admitted first), each prompt taking as many rows of `prefill_chunk` tokens as
         its remaining tokens fill, so a prompt's short last piece leaves the next rows to the next prompt."""
         pieces: list[list[tuple[Request, int, int]]] = [[] for _ in range(self.groups)]
         chunk, rows = self.config.prefill_chunk, self.config.prefill_rows

@@ -86,8 +86,13 @@ def accepted_tokens(logits: jax.Array, ids: jax.Array, mask: jax.Array, keys: ja
     repeat = lambda values: jnp.repeat(values, length)   # noqa: E731 - a row's settings at each of its positions
     # Every position's token as plain decoding draws it at that output index (greedy: the argmax); a draft is
     # accepted while it equals them.
-    drawn = next_tokens_per_row(logits.reshape(rows * length, vocab), keys.reshape(-1), repeat(do_sample),
-                                repeat(temperature), repeat(top_k), repeat(top_p)).reshape(rows, length)
+    flat = logits.reshape(rows * length, vocab)
+    # The warpers sort every position's logits: only when some row samples (a greedy step takes the argmax).
+    drawn = jax.lax.cond(
+        jnp.any(do_sample),
+        lambda: next_tokens_per_row(flat, keys.reshape(-1), repeat(do_sample), repeat(temperature), repeat(top_k),
+                                    repeat(top_p)),
+        lambda: jnp.argmax(flat.astype(jnp.float32), axis=-1).astype(jnp.int32)).reshape(rows, length)
     drafts, draft_counts = ids[:, 1:], jnp.sum(mask, axis=1) - 1
     accept = (drafts == drawn[:, :-1]) & (jnp.arange(length - 1)[None, :] < draft_counts[:, None])
     accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)

@@ -165,3 +165,19 @@ def test_bad_configurations_and_requests_are_refused_by_name():
         engine.add(Request("vocab", [VOCAB]))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         engine.add(Request("stop", [1], RequestSettings(stop=("x",))))
+
+
+def test_prompts_are_prefilled_in_admission_order_not_slot_order():
+    """A prompt admitted into a high slot is prefilled before a later one that took a lower slot freed meanwhile."""
+    step = FakeStep()
+    engine = scheduler(step, max_slots=2, page_size=4, max_model_len=64, prefill_chunk=4)
+    short = Request("short", [1, 2], RequestSettings(max_new_tokens=1))
+    long = Request("long", list(range(1, 21)), RequestSettings(max_new_tokens=1))
+    engine.add(short)
+    engine.add(long)
+    engine.step()                                            # short (slot 0) done; long (slot 1) waits
+    assert short.output.is_finished() and long.slot == 1
+    later = Request("later", list(range(30, 50)), RequestSettings(max_new_tokens=1))
+    engine.add(later)                                        # takes slot 0
+    engine.step()
+    assert later.slot == 0 and long.prefilled == 4 and later.prefilled == 0
