@@ -391,14 +391,15 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
                   segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None,
-                  return_mtp_logits: bool = False) -> ModelOutput:
+                  return_mtp_logits: bool = False, final_norm: bool = True) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
                          compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter,
-                         expert_placement=expert_placement, return_mtp_logits=return_mtp_logits)
+                         expert_placement=expert_placement, return_mtp_logits=return_mtp_logits,
+                         final_norm=final_norm)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

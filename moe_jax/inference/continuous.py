@@ -71,10 +71,10 @@ class ServingEngine(Scheduler):
     def __init__(self, model, config: ContinuousBatchingConfig | None = None, *, params=None,
                  decode: Callable[[list[int]], str] | None = None):
         config = config or ContinuousBatchingConfig()
-        if config.speculative == "mtp":
-            raise ValueError("speculative='mtp' drafts with the checkpoint's multi-token-prediction layers, which "
-                             f"this engine cannot run yet for {type(model).__name__}; use speculative='ngram' "
-                             "(prompt lookup) or None.")
+        if config.speculative == "mtp" and not getattr(model, "mtp_layers", 0):
+            raise ValueError("speculative='mtp' drafts with the checkpoint's multi-token-prediction layers, which this "
+                             f"{type(model).__name__} does not hold (DeepSeek-V3's model.layers.{{num_hidden_layers}}.*"
+                             "); use speculative='ngram' (prompt lookup), or load a checkpoint that has them.")
         super().__init__(config, groups=model.data_parallel_size, vocab_size=model.config.vocab_size,
                          max_positions=getattr(model.config, "max_position_embeddings", None),
                          run=self._run_program, decode=decode, namespace=_cache_namespace(model))
@@ -84,7 +84,9 @@ class ServingEngine(Scheduler):
                                      pages_per_group=self.book.pages_per_group)
 
     def _run_program(self, name: str, inputs) -> object:
-        return self.programs.run(name, inputs)
+        result = self.programs.run(name, inputs)
+        self.step_drafts = self.programs.drafts
+        return result
 
     # ---- the device programs --------------------------------------------------------------------------
     def page_width(self, tokens: int) -> int:

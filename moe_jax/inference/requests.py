@@ -187,6 +187,7 @@ class Request:
     text: IncrementalDecoder | None = None   # its tokens' text so far, when it has stop strings
     page_digests: list[bytes] = field(default_factory=list)   # its full pages' prefix digests, as far as known
     registered: int = 0                      # its first pages whose keys and values are stored and registered
+    drafts: list[int] = field(default_factory=list)   # speculative="mtp": its next tokens as last drafted
     counted: bool = False   # its slot's token counts were reset by a row of its (penalties)
 
     def __post_init__(self):
@@ -235,6 +236,9 @@ class ContinuousBatchingConfig:
 
     def __post_init__(self):
         check_speculative(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+        if self.speculative == "mtp" and self.mixed_steps:
+            raise ValueError("speculative='mtp' runs the MTP layer in every step's program: use mixed_steps=False "
+                             "(moe-jax serve --no-mixed-steps), a prefill program then a decode program.")
 
     def decode_row_counts(self, groups: int) -> list[int]:
         """The decode programs' rows per data-parallel group, ascending: `decode_rows` (checked) or max_slots /

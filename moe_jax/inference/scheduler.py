@@ -86,6 +86,7 @@ class Scheduler(SpeculativeSteps):
         self.requests: dict[str, Request] = {}
         self.steps = {"prefill": 0, "decode": 0, "mixed": 0, "verify": 0}
         self.generated_tokens = 0
+        self.step_drafts = None         # speculative="mtp": the last step's drafts per row (its runner sets them)
         self.draft_tokens = 0           # speculative drafts verified
         self.accepted_draft_tokens = 0  # of those, the drafts accepted
         self._failed: list[StepEvent] = []   # requests whose own inputs failed while a step was built
@@ -284,7 +285,10 @@ class Scheduler(SpeculativeSteps):
             return []
         tokens = self._run_step("decode", inputs)
         self.steps["decode"] += 1
-        return [self._emit(request, tokens, rows[request.request_id]) for request in decoding]
+        events = [self._emit(request, tokens, rows[request.request_id]) for request in decoding]
+        for request in decoding:
+            self._keep_drafts(request, rows[request.request_id])
+        return events
 
     def _decode_rows(self, decoding: list[Request]) -> tuple[int, dict[str, int]]:
         """-> (rows per group of the smallest decode program holding every group's decoding requests, each
@@ -339,6 +343,8 @@ class Scheduler(SpeculativeSteps):
         inputs["mask"][row, :count] = 1
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = start
+        inputs["next_id"][row] = request.prompt_ids[start + count] if start + count < len(request.prompt_ids) else -1
+        inputs["capacity"][row] = len(request.pages) * self.config.page_size
         self._sampling_inputs(inputs, row, request)
         if request.settings.penalized:
             write_penalty_row(inputs, row, request.slot, PENALTY_PROMPT if request.counted else PENALTY_FIRST_PROMPT)
@@ -352,6 +358,7 @@ class Scheduler(SpeculativeSteps):
         inputs["mask"][row, :1 + len(drafts)] = 1
         inputs["page_table"][row] = self._page_row(request)
         inputs["lengths"][row] = len(request.prompt_ids) + len(request.output.generated_tokens) - 1
+        inputs["capacity"][row] = len(request.pages) * self.config.page_size
         self._sampling_inputs(inputs, row, request)
         if request.settings.penalized:
             write_penalty_row(inputs, row, request.slot, PENALTY_DECODE)
@@ -366,6 +373,7 @@ class Scheduler(SpeculativeSteps):
             if request.prefilled == len(request.prompt_ids):
                 request.output.status = RequestStatus.DECODING
                 events.append(self._emit(request, tokens, row))
+                self._keep_drafts(request, row)
         return events
 
     def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:

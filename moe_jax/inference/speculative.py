@@ -69,6 +69,8 @@ def request_drafts(request, config) -> list[int]:
     count = min(config.num_speculative_tokens, room)
     if count < 1:
         return []
+    if config.speculative == "mtp":   # what the MTP layer drafted in the request's last step
+        return request.drafts[:count]
     return ngram_drafts(request.prompt_ids + request.output.generated_tokens, count, config.ngram_min,
                         config.ngram_max)
 

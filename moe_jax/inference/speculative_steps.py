@@ -45,7 +45,13 @@ class SpeculativeSteps:
             self.draft_tokens += len(drafts[request.request_id])
             self.accepted_draft_tokens += int(count) - 1
             events.append(self._emit_tokens(request, [int(token) for token in tokens[:count]]))
+            self._keep_drafts(request, rows[request.request_id])
         return events
+
+    def _keep_drafts(self, request: Request, row: int) -> None:
+        """Drafting with MTP layers: `request` keeps its row's drafts of the step just run, for its next step."""
+        if self.step_drafts is not None:
+            request.drafts = [int(token) for token in self.step_drafts[row]]
 
     def _emit_tokens(self, request: Request, tokens: list[int]) -> StepEvent:
         """`_emit` each of a step's tokens for `request` in order, up to one that ends it -> one event."""

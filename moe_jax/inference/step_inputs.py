@@ -2,13 +2,15 @@
 transfer, and their unpacking inside the compiled step. The layout lives here only.
 
     inputs = host_inputs(rows, tokens, pages)      # ids, mask [rows, S]; page_table [rows, pages]; per-row scalars
-    ints, floats = packed(inputs, width)           # [rows, 2S + W + 8 + B] int32, [rows, 5 + B] float32
+    ints, floats = packed(inputs, width)           # [rows, 2S + W + 10 + B] int32, [rows, 5 + B] float32
     unpacked(ints, floats, tokens)                 # on device: the same names, page_table [rows, W]
 
 Each row also carries its request's logits controls (`RequestSettings`): B = `BIAS_WIDTH` (token id, bias) pairs
 added to its logits (logit_bias, and -inf on the stop ids while min_tokens holds them back; unused pairs: id 0,
 bias 0), its penalties, whether it reports log probabilities, and for the penalties' token counts (kept on the
-device per slot, `StepPrograms`) its slot and what its tokens are (`PENALTY_*`).
+device per slot, `StepPrograms`) its slot and what its tokens are (`PENALTY_*`). For drafting with MTP layers,
+`next_id`: the token after the row's last one when the host knows it (a prompt piece before the prompt's end),
+else -1 (the token the step samples); `capacity`: the tokens its pages hold.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 from .requests import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 # The per-row scalars after ids, mask and the page table, in the int array's order (then the bias ids).
-INT_SCALARS = ("lengths", "do_sample", "top_k", "seeds", "counters", "slots", "penalty", "logprobs")
+INT_SCALARS = ("lengths", "do_sample", "top_k", "seeds", "counters", "slots", "penalty", "logprobs", "next_id",
+               "capacity")
 # The per-row scalars of the float array, in its order (then the bias values).
 FLOAT_SCALARS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # (token id, bias) pairs per row: a request's logit_bias and the stop ids min_tokens masks.
@@ -39,6 +42,7 @@ def host_inputs(rows: int, tokens: int, pages: int) -> dict[str, np.ndarray]:
                 top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
                 seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32), slots=np.zeros(rows, np.int32),
                 penalty=np.zeros(rows, np.int32), logprobs=np.zeros(rows, np.int32),
+                next_id=np.full(rows, -1, np.int32), capacity=np.zeros(rows, np.int32),
                 presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
                 repetition_penalty=np.ones(rows, np.float32), bias_ids=np.zeros((rows, BIAS_WIDTH), np.int32),
                 bias=np.zeros((rows, BIAS_WIDTH), np.float32))
@@ -83,7 +87,7 @@ def blank_row(inputs: dict, row: int) -> None:
 
 
 def packed(inputs: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The host inputs as two arrays (one transfer each, not twenty): ints [rows, 2S + W + 8 + B] (ids, mask, page
+    """The host inputs as two arrays (one transfer each, not twenty): ints [rows, 2S + W + 10 + B] (ids, mask, page
     table cut to `width`, INT_SCALARS, then the bias ids) and floats [rows, 5 + B] (FLOAT_SCALARS, then the
     biases)."""
     scalars = dict(inputs, do_sample=inputs["do_sample"].astype(np.int32), seeds=inputs["seeds"].view(np.int32))

@@ -44,10 +44,12 @@ from ..distributed.eplb import balanced_placement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
+from ..models.core import final_normed
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
 from .requests import MAX_TOP_LOGPROBS
 from .sampling import add_bias, next_tokens_per_row, penalize, token_logprobs
+from .mtp_drafts import mtp_drafts, next_tokens
 from .speculative import accepted_tokens
 from .step_inputs import (
     PENALTY_DECODE,
@@ -70,6 +72,13 @@ class StepPrograms:
         # On abstract target devices (`model.compiles_only`) the pools are shapes: programs lower, none runs.
         self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size,
                                                  abstract=getattr(model, "compiles_only", False))
+        # speculative="mtp": the MTP layer's own pools (run "mtp"), and each step's drafts for the next.
+        self.mtp, self.drafts = config.speculative == "mtp", None
+        if self.mtp:
+            mtp_keys, mtp_values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size,
+                                                   abstract=getattr(model, "compiles_only", False),
+                                                   entries=[("mtp", None, 1)])
+            self.keys, self.values = {**self.keys, **mtp_keys}, {**self.values, **mtp_values}
         self._programs: dict[tuple, Callable] = {}
         self.compilations = 0
         mesh, axes = model.mesh, model.layout.batch_axes
@@ -130,6 +139,8 @@ class StepPrograms:
         program = self._program(name, placed, tokens)
         new_ids, logprobs, self.keys, self.values, self.counts, *loads = program(
             self._weights(), self.keys, self.values, self.counts, *placed)
+        if self.mtp:   # [rows, num_speculative_tokens]: each row's drafts for its next step
+            self.drafts = np.asarray(jax.device_get(loads.pop(0)))
         if self.counts_rank_load:
             self._count_rank_load(loads.pop())
         if loads:
@@ -227,20 +238,33 @@ class StepPrograms:
                                        expert_placement=placement)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
+            keys, values = dict(keys), dict(values)
+            mtp_pools = (keys.pop("mtp"), values.pop("mtp")) if self.mtp else None
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
-                                       inference=True, return_hidden=True, adapter=adapter, expert_placement=placement)
-            hidden = out.hidden_states if verify else jnp.take_along_axis(out.hidden_states, last[:, None, None], axis=1)
+                                       inference=True, return_hidden=True, adapter=adapter, expert_placement=placement,
+                                       final_norm=not self.mtp)
+            before_norm = out.hidden_states
+            hidden = (final_normed(self.model.core, self.model.nested_weights(params, adapter), before_norm)
+                      if self.mtp else before_norm)
+            hidden = hidden if verify else jnp.take_along_axis(hidden, last[:, None, None], axis=1)
         loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
             (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
+        if self.mtp:
+            drafting = partial(self._drafted, params, adapter, before_norm, mtp_pools, inputs)
         logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)
         top = min(MAX_TOP_LOGPROBS, logits.shape[-1])
         rows = logits.shape[0]
         no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top)))
         if verify:
             no_logprobs = jax.lax.with_sharding_constraint(no_logprobs, self._replicated)
-            return (self._verified(logits, inputs), no_logprobs, out.cache.keys, out.cache.values, counts, *loads)
+            verified = self._verified(logits, inputs)
+            keys, values = out.cache.keys, out.cache.values
+            if self.mtp:   # the kept drafts, then the token drawn after them, follow each position
+                mtp_keys, mtp_values, drafts = drafting(jnp.maximum(verified[:, 1:], 0), verified[:, 0] - 1)
+                keys, values, loads = {**keys, "mtp": mtp_keys}, {**values, "mtp": mtp_values}, (drafts, *loads)
+            return (verified, no_logprobs, keys, values, counts, *loads)
         raw = jax.lax.with_sharding_constraint(logits[:, 0], self._rows_2d).astype(jnp.float32)   # whole rows: sorted
         logits, counts = self._controlled(raw, counts, inputs)
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
@@ -255,7 +279,18 @@ class StepPrograms:
         logprobs = jax.lax.cond(jnp.any(inputs["logprobs"] > 0), lambda: token_logprobs(raw, new_ids, top),
                                 lambda: no_logprobs)
         logprobs = jax.lax.with_sharding_constraint(logprobs, self._replicated)
-        return new_ids, logprobs, out.cache.keys, out.cache.values, counts, *loads
+        keys, values = out.cache.keys, out.cache.values
+        if self.mtp:
+            mtp_keys, mtp_values, drafts = drafting(next_tokens(inputs["ids"], last, inputs["next_id"], new_ids), last)
+            keys, values, loads = {**keys, "mtp": mtp_keys}, {**values, "mtp": mtp_values}, (drafts, *loads)
+        return new_ids, logprobs, keys, values, counts, *loads
+
+    def _drafted(self, params, adapter, before_norm, pools: tuple, inputs: dict, next_ids, start) -> tuple:
+        """The MTP layer's step (`mtp_drafts`) -> (its keys and values pools, drafts [rows, num_speculative_tokens]
+        replicated)."""
+        drafts, mtp_keys, mtp_values = mtp_drafts(self.model, params, adapter, before_norm, next_ids, pools, inputs,
+                                                  start, self.config.num_speculative_tokens)
+        return mtp_keys, mtp_values, jax.lax.with_sharding_constraint(drafts, self._replicated)
 
     def _controlled(self, logits: jax.Array, counts: tuple, inputs: dict) -> tuple[jax.Array, tuple]:
         """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens):

@@ -28,11 +28,12 @@ def pool_sharding(model, heads: int) -> NamedSharding:
     return NamedSharding(model.mesh, P(spec_entry(layout.batch_axes), None, None, None, heads_entry, None))
 
 
-def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None,
-                    abstract: bool = False) -> tuple[dict, dict]:
+def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None, abstract: bool = False,
+                    entries: list[tuple[str, int | None, int]] | None = None) -> tuple[dict, dict]:
     """Zeroed (keys, values) pools per layer run: [G, L, pages_per_group, page_size, K, D], G the model's
     data-parallel size, in the model's dtype (or `dtype`), placed by `pool_sharding`. abstract: their shapes in
-    their shardings, nothing allocated (a model on abstract target devices, compiled but not run)."""
+    their shardings, nothing allocated (a model on abstract target devices, compiled but not run). entries: (key,
+    a layer, rows) of the pools to make (default: the layer runs', `cache_entries`; e.g. the MTP layer's)."""
     if model.layer_stack.pipeline is not None:
         raise ValueError("continuous batching needs pp_size=1 (a paged cache does not run through pipeline "
                          "stages); serve with tp / ep / fsdp / dp_replicate, or use generate().")
@@ -48,7 +49,7 @@ def init_page_pools(model, *, pages_per_group: int, page_size: int, dtype=None,
             return jax.ShapeDtypeStruct(shape, dtype, sharding=pool_sharding(model, heads))
         return jnp.zeros(shape, dtype, device=pool_sharding(model, heads))
 
-    entries = model.layer_stack.cache_entries()
+    entries = model.layer_stack.cache_entries() if entries is None else entries
     return ({key: pool(rows, key_heads, key_dim) for key, _, rows in entries},
             {key: pool(rows, value_heads, value_dim) for key, _, rows in entries})
 

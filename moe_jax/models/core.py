@@ -26,7 +26,7 @@ from ..nn.norms import rms_norm
 from .decoder import decoder_hidden, head_logits, rope_tables
 from .family import Family
 from .layer_stack import LayerStack
-from .mtp import mtp_forward
+from .mtp import mtp_forward, mtp_step
 from .outputs import ModelOutput
 from .pipeline import pipeline_hidden
 from .step_options import StepOptions
@@ -107,7 +107,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
               adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None,
-              return_mtp_logits: bool = False) -> ModelOutput:
+              return_mtp_logits: bool = False, final_norm: bool = True) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
@@ -123,7 +123,10 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     them): `mtp_logits` [D, B, S, V], depth k's row k - 1 at position i predicting token i + k + 1, or, with
     `return_hidden`, `mtp_hidden_states` [D, B, S, H] (each shared head's input) instead. Their dispatch counts
     join `statistics`; their routing joins neither `router_logits` nor `expert_load`. Not with a cache or
-    pipeline stages."""
+    pipeline stages.
+
+    final_norm=False (with `return_hidden`, no pipeline stages): the hidden states before the final norm (what the
+    MTP layers read; `final_normed` applies it)."""
     if return_mtp_logits:
         check_mtp_step(core, cache)
     if not core.dispatches:
@@ -166,7 +169,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     else:
         hidden, router_logits, statistics, cache = decoder_hidden(family, config, core.layer_stack.runs, nested,
                                                                   input_ids, attention_mask, positions, step,
-                                                                  final_norm=not return_mtp_logits)
+                                                                  final_norm=final_norm and not return_mtp_logits)
         total = DispatchStatistics.zeros()
         if return_mtp_logits:   # the MTP layers read the last hidden states before the final norm
             stacked, mtp_statistics = mtp_forward(
@@ -210,3 +213,30 @@ def check_mtp_step(core: ModelCore, cache) -> None:
     if cache is not None or core.layer_stack.pipeline is not None:
         raise ValueError("return_mtp_logits=True runs the MTP layers over the whole sequence: not with a KV cache "
                          "nor with pipeline stages (pp_size > 1).")
+
+
+def final_normed(core: ModelCore, params: dict, hidden):
+    """params: nested; hidden: [B, S, H] before the final norm (`step_math(..., final_norm=False)`) -> after it."""
+    return rms_norm(params["model"]["norm"], hidden, core.config.rms_norm_eps)
+
+
+def mtp_cache_step(core: ModelCore, params: Mapping[str, Any], hidden, next_ids, *, cache, attention_mask,
+                   adapter: Mapping[str, Any] | None = None):
+    """The first MTP layer at a step's positions, with its own paged cache (drafting, `inference.speculative`).
+
+    hidden: [B, S, H] the main model's last hidden states before its final norm at these positions (or this
+    layer's own output, drafting further ahead); next_ids: [B, S] the token after each position; attention_mask:
+    [B, S] the real positions (only theirs are stored); cache: a `PagedKVCache` whose pools are the MTP layer's, as
+    one run keyed "mtp" ([G, 1, pages, P, K, D]) -> (its hidden states [B, S, H], logits [B, S, V], the cache with
+    these positions stored). Its MoE block runs the plain expert placement."""
+    family, config = core.family, core.config
+    positions = cache.next_index + jnp.arange(next_ids.shape[1], dtype=jnp.int32)[None, :]
+    step = StepOptions(sharded_experts=core.sharded_experts, capacity=None, inference=True, rng=None, remat="none",
+                       layouts=core.layouts, cache=cache)
+    layer = config.num_hidden_layers
+    weights = nested_weights(core, params, adapter)["model"]["layers"][str(layer)]
+    cache_step = cache.begin(attention_mask)
+    rope = rope_tables(family, config, positions, hidden.dtype)
+    out = mtp_step(family, config, weights, layer, hidden, next_ids, rope, attention_mask, step,
+                   layer_cache=cache_step.arrays("mtp"), kv_view=cache_step.view("mtp"))
+    return out.hidden, out.logits, cache_step.finish({"mtp": out.cache})

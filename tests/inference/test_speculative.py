@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax import AutoModelForCausalLM
 from moe_jax.inference import ServingEngine
 from moe_jax.inference.requests import ContinuousBatchingConfig, Request, RequestSettings
 from moe_jax.inference.sampling import next_tokens_per_row, warp_per_row
@@ -184,8 +185,8 @@ def test_sampled_tokens_are_plain_samplings_with_ngram_speculation():
 
 
 def test_mtp_speculation_needs_mtp_layers():
-    with pytest.raises(ValueError, match="speculative='mtp'"):
-        ServingEngine(load("qwen3_moe"), ContinuousBatchingConfig(speculative="mtp"))
+    with pytest.raises(ValueError, match="speculative='mtp' drafts with .* does not hold"):
+        ServingEngine(load("qwen3_moe"), ContinuousBatchingConfig(speculative="mtp", mixed_steps=False))
 
 
 def test_generate_with_ngram_speculation_returns_generates_greedy_sequences():
@@ -202,3 +203,44 @@ def test_generate_with_ngram_speculation_returns_generates_greedy_sequences():
     assert np.array_equal(np.asarray(plain), speculated)
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         model.generate(ids, mask, max_new_tokens=4, speculative="ngram", num_speculative_tokens=0)
+
+
+# ---- drafting with a DeepSeek-V3 checkpoint's MTP layers --------------------------------------------------------
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    from tests.models.mtp_checkpoints import write_mtp_checkpoint
+    directory = tmp_path_factory.mktemp("mtp") / "checkpoint"
+    write_mtp_checkpoint(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, devices=jax.devices()[:1], progress=False)
+    assert model.mtp_layers == 2
+    return model
+
+
+def test_mtp_drafts_are_the_mtp_layers_predictions_and_greedy_tokens_are_plain_decodings(mtp_model):
+    """Drafts are verified and the greedy tokens are plain decoding's; a request's last drafts are the straight-line
+    MTP logits' argmax after its whole sequence (the MTP layer's paged keys and values, written over prefill and
+    verification steps, rejected drafts' overwritten, are what a forward pass computes)."""
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(1, mtp_model.config.vocab_size, n)] for n in (9, 5)]
+    fields = dict(max_slots=2, page_size=4, max_model_len=48, prefill_chunk=4, mixed_steps=False)
+    outputs, engines = {}, {}
+    for speculative in (None, "mtp"):
+        engine = engines[speculative] = ServingEngine(mtp_model, ContinuousBatchingConfig(
+            **fields, speculative=speculative, num_speculative_tokens=3))
+        requests = [Request(f"r{i}", prompt, RequestSettings(max_new_tokens=12)) for i, prompt in enumerate(prompts)]
+        for request in requests:
+            engine.add(request)
+        run_all(engine)
+        outputs[speculative] = [request.output.generated_tokens for request in requests]
+        last_drafts = [request.drafts for request in requests]
+    assert outputs["mtp"] == outputs[None]
+    assert engines["mtp"].steps["verify"] > 0 and engines["mtp"].draft_tokens > 0
+    for prompt, tokens, drafts in zip(prompts, outputs[None], last_drafts):
+        sequence = np.asarray([prompt + tokens])
+        mtp_logits = np.asarray(mtp_model.apply(mtp_model.params, sequence, return_mtp_logits=True).mtp_logits)
+        assert len(drafts) == 3 and drafts[0] == int(np.argmax(mtp_logits[0, 0, sequence.shape[1] - 2]))
+
+
+def test_mtp_speculation_needs_separate_prefill_and_decode_programs():
+    with pytest.raises(ValueError, match="speculative='mtp' .* mixed_steps=False"):
+        ContinuousBatchingConfig(speculative="mtp")
