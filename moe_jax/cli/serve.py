@@ -97,9 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the fewest that hold its requests, so a few long requests left do not pay for every "
                              "slot (default: --max-slots per group and its quarters down to 1; the largest is always "
                              "included)")
-    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="a step that prefills a prompt chunk also decodes the running requests, in one program "
-                             "(default on; --no-mixed-steps: a prefill program, then a decode program)")
+                             "(default on, off with --speculative mtp; --no-mixed-steps: a prefill program, then a "
+                             "decode program)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the keys and values of every full page of the longest prompt prefix an earlier "
                              "request computed (a shared system prompt, a resent conversation) and prefill only the "
@@ -282,12 +283,18 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def _mixed_steps(args) -> bool:
+    """--mixed-steps as given; unset: on, except with --speculative mtp (its MTP layer runs in separate prefill and
+    decode programs)."""
+    return args.mixed_steps if args.mixed_steps is not None else args.speculative != "mtp"
+
+
 def _engine_config(args, max_model_len: int):
     from ..inference.continuous import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(max_slots=args.max_slots, page_size=args.page_size, max_model_len=max_model_len,
                                     num_pages=args.num_pages, prefill_chunk=args.prefill_chunk,
-                                    prefill_rows=args.prefill_rows, mixed_steps=args.mixed_steps,
+                                    prefill_rows=args.prefill_rows, mixed_steps=_mixed_steps(args),
                                     decode_rows=args.decode_rows, rebalance_every=args.rebalance_every,
                                     prefix_caching=args.prefix_caching, **speculative_fields(args))
 

@@ -31,6 +31,8 @@ def batch_config(model, inputs: list[list[int]], new_tokens: int, **fields) -> C
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
         length = min(length, limit)
+    # Drafting with MTP layers runs them in separate prefill and decode programs.
+    fields = {"mixed_steps": fields.get("speculative") != "mtp", **fields}
     return ContinuousBatchingConfig(max_slots=slots, page_size=16, max_model_len=length,
                                     prefill_chunk=min(128, length), **fields)
 

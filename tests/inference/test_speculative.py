@@ -241,6 +241,13 @@ def test_mtp_drafts_are_the_mtp_layers_predictions_and_greedy_tokens_are_plain_d
         assert len(drafts) == 3 and drafts[0] == int(np.argmax(mtp_logits[0, 0, sequence.shape[1] - 2]))
 
 
+def test_generate_with_mtp_speculation_returns_generates_greedy_sequences(mtp_model):
+    ids = np.random.default_rng(4).integers(1, mtp_model.config.vocab_size, (1, 7))
+    plain = mtp_model.generate(ids, max_new_tokens=8)
+    assert np.array_equal(np.asarray(plain), mtp_model.generate(ids, max_new_tokens=8, speculative="mtp",
+                                                                num_speculative_tokens=2))
+
+
 def test_mtp_speculation_needs_separate_prefill_and_decode_programs():
     with pytest.raises(ValueError, match="speculative='mtp' .* mixed_steps=False"):
         ContinuousBatchingConfig(speculative="mtp")
