@@ -69,16 +69,22 @@ class ToolCallParser:
     """starts: the markers that may begin the calls (streaming holds the text back from one on); anchored: they
     begin the calls only at the start of the output; ends: a marker that ends one call (streaming sends the
     calls complete up to the last one; none: at the end); special_tokens: the markers are special tokens, so
-    the text is decoded with them."""
+    the text is decoded with them, and `clean` takes the other special tokens out of the content (streaming holds
+    back a tail from an unclosed `special_open` on, which may begin one)."""
 
     name: ClassVar[str]
     starts: ClassVar[tuple[str, ...]]
     ends: ClassVar[tuple[str, ...]] = ()
     anchored: ClassVar[bool] = False
     special_tokens: ClassVar[bool] = False
+    special_open: ClassVar[str | None] = None
+    special_close: ClassVar[str] = ""
 
     def parse(self, text: str) -> Parsed:
         raise NotImplementedError
+
+    def clean(self, content: str) -> str:
+        return content
 
 
 def _arguments(value) -> str | None:
@@ -140,6 +146,7 @@ class DeepSeekV3Parser(ToolCallParser):
     starts = (BEGIN,)
     ends = ("<｜tool▁call▁end｜>",)
     special_tokens = True
+    special_open, special_close = "<｜", "｜>"
     CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<arguments>.*?)\n```"
                       r"<｜tool▁call▁end｜>", re.S)
     # Special tokens other than the calls' (the end of the sentence, ...): not content.
@@ -160,6 +167,9 @@ class DeepSeekV3Parser(ToolCallParser):
             return Parsed(self.SPECIAL.sub("", text))
         rest = "".join(pieces).replace(self.BEGIN, "", 1).replace(self.END, "", 1)
         return Parsed(self.SPECIAL.sub("", text[:begin] + rest), calls)
+
+    def clean(self, content: str) -> str:
+        return self.SPECIAL.sub("", content)
 
 
 @register
@@ -277,10 +287,14 @@ class ToolCallStream:
             start, hold = self._start()
             if start is None:
                 end = len(self.text) if finished else len(self.text) - hold
-                content, self.sent = self.text[self.sent:end], end
+                opener = self.parser.special_open
+                if opener and not finished and (cut := self.text.rfind(opener, self.sent, end)) >= 0 and \
+                        self.parser.special_close not in self.text[cut + len(opener):]:
+                    end = cut   # maybe a special token's beginning
+                content, self.sent = self.parser.clean(self.text[self.sent:end]), end
                 return content, []
             self.start = start
-            content, self.sent = self.text[self.sent:start], start
+            content, self.sent = self.parser.clean(self.text[self.sent:start]), start
         section = self.text[self.start:]
         if finished:
             parsed = self.parser.parse(section)
