@@ -23,13 +23,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclass(frozen=True)
 class CheckpointTokenizer:
-    """encode: text -> ids; decode: ids -> text (special tokens skipped); decode_special: ids -> text with the
-    special tokens (tool-call markers may be special tokens); apply_chat_template: chat messages
-    ([{"role": ..., "content": ...}], optionally with `tools=` OpenAI's function tools) -> the prompt's ids,
-    ending with the assistant's turn (Transformers' `apply_chat_template(messages, tools=tools,
-    add_generation_prompt=True)`); None when the checkpoint has no chat template. max_token_chars: the most characters one token of the vocabulary spells (a bound on the text a
-    number of tokens can hold: the server refuses a prompt too long for its context before tokenizing it);
-    None when unknown."""
+    """encode: text -> ids; decode: ids -> text (special tokens skipped); decode_special: ids -> text with the special
+    tokens (tool-call markers may be special tokens); apply_chat_template: chat messages ([{"role": ...,
+    "content": ...}], optionally with `tools=` OpenAI's function tools) -> the prompt's ids, ending with the
+    assistant's turn (Transformers' `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`);
+    None when the checkpoint has no chat template. max_token_chars: the most characters one token of the
+    vocabulary spells (a bound on the text a number of tokens can hold: the server refuses a prompt too long
+    for its context before tokenizing it); None when unknown."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]

@@ -9,14 +9,14 @@ frequency_penalty in [-2, 2], logit_bias ({"token id": bias in [-100, 100]}, at 
 most 16; each samples with seed + its index), log probabilities (completions: logprobs = how many top tokens, at
 most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; not with logprobs: the prompt's
 log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
-supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with
-tool_choice "auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it
-does not; "required" and a named function need guided decoding, which this server does not do yet: a 400.
-Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
-(0 or -1: off; at most the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at most 16). Every bound is checked here,
-so nothing out of range reaches the engine; a boolean where a number is due is refused. A list of several
-prompts is refused with a 400 that says so. Fields this server does not use and that change nothing in the
-output (user, ...) are read and ignored, as unknown fields are.
+supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with tool_choice
+"auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it does not;
+"required" and a named function need guided decoding, which this server does not do yet: a 400. Messages may hold
+an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k (0 or -1: off; at most
+the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at
+most 16). Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is due
+is refused. A list of several prompts is refused with a 400 that says so. Fields this server does not use and that
+change nothing in the output (user, ...) are read and ignored, as unknown fields are.
 
 `parse_json` turns a body into JSON for these models (`limits.parse_bounded`, which bounds what it may hold):
 malformed JSON, NaN / Infinity, numbers of more than 64 characters, nesting deeper than 64 levels and text with lone
