@@ -7,6 +7,7 @@ prompts are recorded, so the round trip call -> tool message -> next prompt is c
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -172,8 +173,11 @@ def template_messages(messages):
     return [m.as_template_input() for m in parse_request(ChatCompletionRequest, {"messages": messages}).messages]
 
 
-def test_tools_and_tool_messages_render_as_the_template_expects(tmp_path):
+@pytest.mark.parametrize("transformers", [True, False], ids=["transformers", "tokenizers-only"])
+def test_tools_and_tool_messages_render_as_the_template_expects(tmp_path, monkeypatch, transformers):
     pytest.importorskip("jinja2")
+    if not transformers:
+        monkeypatch.setitem(sys.modules, "transformers", None)   # as if transformers were not installed
     messages = template_messages(CONVERSATION)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}   # JSON text -> an object
     assert render_chat_template(QWEN3_TEMPLATE, messages, tools=TOOLS) == RENDERED
@@ -182,6 +186,7 @@ def test_tools_and_tool_messages_render_as_the_template_expects(tmp_path):
     assert tokenizer.decode(tokenizer.apply_chat_template(messages, tools=TOOLS)) == RENDERED
     no_tools = tokenizer.decode(tokenizer.apply_chat_template(messages[:1]))
     assert no_tools == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode_special(list(b"<x>")) == "<x>"
 
 
 # ---- end to end, over a scripted manager ------------------------------------------------------------------------
