@@ -190,10 +190,11 @@ def chat_body(server, generations: list[Generation], outputs, *, top: int | None
     for generation, output in zip(generations, outputs):
         logprobs = None if top is None else _logprobs(server, generation, 0, len(generation.tokens), chat=True)
         message = {"role": "assistant", "content": _text(server, generation, output, _decode(server, tools))}
-        parsed = tools.parse(message["content"]) if tools is not None else None
-        if parsed is not None and parsed.calls:
-            message = {"role": "assistant", "content": parsed.content if parsed.content.strip() else None,
-                       "tool_calls": tool_call_entries(parsed.calls, call_ids(len(parsed.calls)))}
+        if tools is not None:   # the content: the text outside the calls (as streamed)
+            parsed = tools.parse(message["content"])
+            message["content"] = parsed.content if parsed.content.strip() or not parsed.calls else None
+            if parsed.calls:
+                message["tool_calls"] = tool_call_entries(parsed.calls, call_ids(len(parsed.calls)))
         choices.append({"index": generation.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason(output, "tool_calls" in message)})
     return {"id": generations[0].request_id, "object": "chat.completion", "created": int(time.time()),

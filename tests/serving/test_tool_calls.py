@@ -331,3 +331,25 @@ def test_without_a_parser_auto_is_refused_and_none_is_served(tmp_path):
 
     response = asyncio.run(ask())
     assert response.status_code == 400 and "--tool-call-parser" in response.json()["error"]["message"]
+
+
+def test_special_token_markers_are_read_from_the_text_with_special_tokens():
+    """DeepSeek-V3's markers are special tokens, which the shown text skips: its calls are parsed from the text
+    decoded with them, and its other special tokens stay out of the content."""
+    pytest.importorskip("fastapi")
+    from moe_jax.serving.choices import Generation, chat_body
+
+    special = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+               '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+    tokenizer = SimpleNamespace(decode=lambda ids: "Sure.function get_weather", decode_special=lambda ids: special)
+    server = SimpleNamespace(tokenizer=tokenizer, model_name="m")
+    output = Output([1, 2, 3], finished=True, finish_reason="stop")
+    for tools, expected in ((tool_call_parser("deepseek_v3"), "Sure."), (None, "Sure.function get_weather")):
+        body = chat_body(server, [Generation(server, "chatcmpl-1", [0], [], False)], [output], top=None,
+                         tools=tools)
+        (choice,) = body["choices"]
+        assert choice["message"]["content"] == expected
+        if tools is not None:
+            assert choice["finish_reason"] == "tool_calls"
+            assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}
