@@ -4,6 +4,7 @@ inputs that Transformers' `apply_chat_template` gives a template, so `moe-jax se
 
     template = read_chat_template("ckpt/")                       # None when the checkpoint has none
     text = render_chat_template(template, messages, special_tokens("ckpt/"))
+    text = render_chat_template(template, messages, tokens, tools=[{"type": "function", "function": {...}}])
 
 Chat templates come from the hub and are untrusted code: they run in Jinja's immutable sandbox, and everything
 they see is plain JSON data.
@@ -50,12 +51,14 @@ def special_tokens(directory) -> dict[str, str]:
 
 
 def render_chat_template(template: str, messages: list[dict], tokens: dict[str, str] | None = None, *,
-                         add_generation_prompt: bool = True) -> str:
-    """The prompt text `template` makes of `messages` ([{"role", "content"}]), ending with the assistant's turn
-    when `add_generation_prompt`. A template's own `raise_exception` raises `jinja2.TemplateError`."""
+                         add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    """The prompt text `template` makes of `messages` ([{"role", "content"}], an assistant's with "tool_calls",
+    a tool's with "tool_call_id"), ending with the assistant's turn when `add_generation_prompt`; `tools`: the
+    function tools ([{"type": "function", "function": {"name", "description", "parameters"}}]), None as
+    Transformers passes when there are none. A template's own `raise_exception` raises `jinja2.TemplateError`."""
     compiled = _compile(template)
     return compiled.render(messages=_plain(messages), add_generation_prompt=add_generation_prompt,
-                           **_plain(dict(tokens or {})))
+                           tools=_plain(tools), **_plain(dict(tokens or {})))
 
 
 def _tokenizer_config(directory: Path) -> dict:

@@ -5,6 +5,7 @@ by `moe_jax.chat_template` (jinja2).
     tokenizer = load_checkpoint_tokenizer("ckpt/", instead="give token ids with --data FILE.npy")
     ids = tokenizer.encode("hello world"); text = tokenizer.decode(ids)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])   # None without a chat template
+    ids = tokenizer.apply_chat_template(messages, tools=[{"type": "function", "function": {...}}])
     write_byte_tokenizer("ckpt/")        # a 256-id byte-level tokenizer (the demo's vocabulary)
     copy_tokenizer_files("ckpt/", "trained/")
 """
@@ -22,17 +23,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclass(frozen=True)
 class CheckpointTokenizer:
-    """encode: text -> ids; decode: ids -> text (special tokens skipped); apply_chat_template: chat messages
-    ([{"role": ..., "content": ...}]) -> the prompt's ids, ending with the assistant's turn (Transformers'
-    `apply_chat_template(messages, add_generation_prompt=True)`); None when the checkpoint has no chat
-    template. max_token_chars: the most characters one token of the vocabulary spells (a bound on the text a
-    number of tokens can hold: the server refuses a prompt too long for its context before tokenizing it);
-    None when unknown."""
+    """encode: text -> ids; decode: ids -> text (special tokens skipped); decode_special: ids -> text with the special
+    tokens (tool-call markers may be special tokens); apply_chat_template: chat messages ([{"role": ...,
+    "content": ...}], optionally with `tools=` OpenAI's function tools) -> the prompt's ids, ending with the
+    assistant's turn (Transformers' `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`);
+    None when the checkpoint has no chat template. max_token_chars: the most characters one token of the
+    vocabulary spells (a bound on the text a number of tokens can hold: the server refuses a prompt too long
+    for its context before tokenizing it); None when unknown."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    apply_chat_template: Callable[[list[dict]], list[int]] | None = None
+    apply_chat_template: Callable[..., list[int]] | None = None
     max_token_chars: int | None = None
+    decode_special: Callable[[list[int]], str] | None = None
 
 
 def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer:
@@ -56,7 +59,8 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
         return CheckpointTokenizer(encode=lambda text: tokenizer(text)["input_ids"],
                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                    apply_chat_template=_chat_template(tokenizer),
-                                   max_token_chars=_longest_token(tokenizer.get_vocab()))
+                                   max_token_chars=_longest_token(tokenizer.get_vocab()),
+                                   decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
@@ -70,7 +74,8 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
     return CheckpointTokenizer(encode=lambda text: tokenizer.encode(text).ids,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                apply_chat_template=_rendered_chat_template(directory, tokenizer),
-                               max_token_chars=_longest_token(tokenizer.get_vocab()))
+                               max_token_chars=_longest_token(tokenizer.get_vocab()),
+                               decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def _longest_token(vocabulary: dict[str, int]) -> int | None:
@@ -79,7 +84,7 @@ def _longest_token(vocabulary: dict[str, int]) -> int | None:
     return max(map(len, vocabulary), default=None)
 
 
-def _rendered_chat_template(directory: Path, tokenizer) -> Callable[[list[dict]], list[int]] | None:
+def _rendered_chat_template(directory: Path, tokenizer) -> Callable[..., list[int]] | None:
     """The checkpoint's chat template through `moe_jax.chat_template` (as Transformers renders it), the text
     encoded without added special tokens (the template writes the ones it wants); None without a template."""
     from .chat_template import read_chat_template, render_chat_template, special_tokens
@@ -89,20 +94,21 @@ def _rendered_chat_template(directory: Path, tokenizer) -> Callable[[list[dict]]
         return None
     tokens = special_tokens(directory)
 
-    def apply(messages: list[dict]) -> list[int]:
-        return tokenizer.encode(render_chat_template(template, messages, tokens), add_special_tokens=False).ids
+    def apply(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = render_chat_template(template, messages, tokens, tools=tools)
+        return tokenizer.encode(text, add_special_tokens=False).ids
 
     return apply
 
 
-def _chat_template(tokenizer) -> Callable[[list[dict]], list[int]] | None:
+def _chat_template(tokenizer) -> Callable[..., list[int]] | None:
     """A Transformers tokenizer's chat template as messages -> ids, or None when it has none. The template's
     text holds the special tokens it wants (BOS among them), so it is encoded without adding any."""
     if not getattr(tokenizer, "chat_template", None):
         return None
 
-    def apply(messages: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def apply(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     return apply

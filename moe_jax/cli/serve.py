@@ -31,6 +31,9 @@ gets 503. SIGTERM or Ctrl-C drains: no new connections or requests, the queued o
 ones given --drain-timeout seconds, then ended with an error event (a second Ctrl-C ends them at once, the same
 way); the command exits 0 after a clean drain and 1 if the engine failed (a supervisor restarts it).
 
+Tool calls: chat requests' `tools` reach the chat template, and with tool_choice "auto" the model's calls are parsed
+into `tool_calls` in the syntax --tool-call-parser names (default: the checkpoint's family's, where known).
+
 Multi-process (`moe-jax launch --nproc N -- moe-jax serve ...`): process 0 listens and schedules, and sends
 each step's inputs to the other processes, which run the same programs on their devices until it stops. There are
 no pipeline flags (a paged cache does not run through pipeline stages). Needs the `serve` extra (fastapi, uvicorn,
@@ -71,6 +74,8 @@ SHUTDOWN_TIMEOUT_S = 30
 DEFAULT_MAX_MODEL_LEN = 2048
 # --max-queued-requests when not given: this many per slot (a queue a few batches deep: deeper only adds latency).
 QUEUED_PER_SLOT = 4
+# `moe_jax.serving.tool_calls.PARSERS`' names (the serving package needs the `serve` extra; --help must not).
+TOOL_CALL_PARSERS = ("hermes", "deepseek_v3", "harmony", "llama4_pythonic", "llama4_json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "$XDG_CACHE_HOME/moe_jax/jax_compilation_cache or ~/.cache/moe_jax/...)")
     cache.add_argument("--no-compile-cache", action="store_true",
                        help="compile every program at every start, keeping none")
+    parser.add_argument("--tool-call-parser", default=None, choices=(*TOOL_CALL_PARSERS, "none"),
+                        help="the syntax of the model's tool calls, parsed into chat's tool_calls with tool_choice "
+                             "\"auto\" (default: the checkpoint's model_type's: hermes for Qwen3 / Qwen2-MoE / OLMoE, "
+                             "deepseek_v3, harmony for gpt-oss, llama4_json for Llama 4; none: not parsed)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (info logs each request; default info)")
     parser.add_argument("--api-key", default=None,
@@ -365,7 +374,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
                               allowed_hosts=LOOPBACK_HOSTS if _is_loopback(sock.getsockname()[0]) else None,
                               max_request_bytes=args.max_request_bytes)
         app = build_app(manager, tokenizer, model_name=name, max_model_len=max_model_len,
-                        drain_timeout=args.drain_timeout, guard=guard)
+                        drain_timeout=args.drain_timeout, guard=guard, tool_call_parser=args.tool_call_parser)
         sock.listen(2048)   # connections wait in the backlog from now on, until uvicorn accepts them
         host, port = sock.getsockname()[:2]
         engine = manager.engine

@@ -17,7 +17,8 @@ or several (process 0 serves HTTP and leads: `ServingEngine.lead` / `follow`); n
 
 Modules: `app` (routes, streaming, disconnects), `protocol` (request bodies and their bounds, OpenAI's error
 shape), `guard` (Host, Origin, API key, content type, body size), `server` (uvicorn with a drain on SIGTERM and
-an exit when the engine fails), `text` (ids -> streamed text, stop strings), `metrics` (Prometheus text). FastAPI, uvicorn and pydantic are the
+an exit when the engine fails), `text` (ids -> streamed text, stop strings), `tool_calls` (each family's tool-call
+syntax -> OpenAI's `tool_calls`, plain and streamed), `metrics` (Prometheus text). FastAPI, uvicorn and pydantic are the
 optional `serve` extra (pip install "moe_jax[serve]"); nothing else in moe_jax imports this package.
 """
 

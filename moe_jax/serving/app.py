@@ -1,7 +1,8 @@
 """`build_app`: the OpenAI-compatible HTTP API (FastAPI) over a `ContinuousBatchingManager`.
 
     POST /v1/completions         prompt (text or token ids) -> text; streamed as server-sent events with stream
-    POST /v1/chat/completions    messages through the checkpoint's chat template -> the assistant's message
+    POST /v1/chat/completions    messages (and tools) through the checkpoint's chat template -> the assistant's
+                                 message; its tool calls parsed into `tool_calls` (`tool_calls.py`)
     GET  /v1/models              the one served model
     GET  /health                 200 {"status": "ok"} while the engine's thread runs (503 after it failed, and
                                  while draining)
@@ -54,6 +55,7 @@ from .protocol import (
     parse_json,
     parse_request,
 )
+from .tool_calls import default_parser, tool_call_parser
 
 # Seconds the lifespan's shutdown waits for the manager to finish the requests it holds.
 DRAIN_TIMEOUT_S = 30.0
@@ -65,8 +67,12 @@ logger = logging.getLogger("moe_jax.serving")
 
 
 class _Server:
-    def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, max_prompt_chars: int | None = None):
+    def __init__(self, manager, tokenizer, model_name: str, max_model_len: int, max_prompt_chars: int | None = None,
+                 tool_parser: str | None = None):
         self.manager, self.tokenizer = manager, tokenizer
+        if tool_parser is None:   # the model's family's syntax, where known
+            tool_parser = default_parser(getattr(manager.engine.model.config, "model_type", None))
+        self.tool_parser = None if tool_parser in (None, "none") else tool_call_parser(tool_parser)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size = manager.engine.model.config.vocab_size
         self.limits = RequestLimits.for_context(max_model_len, getattr(tokenizer, "max_token_chars", None),
@@ -174,7 +180,15 @@ class _Server:
         body = parse_request(ChatCompletionRequest, parse_json(raw, self.limits))
         self.check_model(body)
         self.check_sampling(body)
+        if body.parses_tool_calls() and self.tool_parser is None:
+            raise InvalidRequest('tool_choice "auto" needs a tool-call parser for this model\'s output: start the '
+                                 "server with --tool-call-parser NAME (or send tool_choice \"none\").",
+                                 param="tool_choice")
         return body, self.chat_prompt(body)
+
+    def chat_tools(self, body: ChatCompletionRequest):
+        """The parser of the output's tool calls, None where they are not parsed."""
+        return self.tool_parser if body.parses_tool_calls() else None
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
@@ -188,23 +202,37 @@ class _Server:
             raise InvalidRequest(f"The model `{self.model_name}` has no chat template (its tokenizer_config.json "
                                  "sets no chat_template, or Transformers, which applies templates, is not "
                                  "installed); use /v1/completions with a prompt instead.", param="messages")
-        messages = [message.as_template_input() for message in body.messages]
-        self.check_prompt_chars(sum(len(text) for message in messages for text in message.values()), "messages")
+        messages, tools = [message.as_template_input() for message in body.messages], body.tool_dicts()
+        self.check_prompt_chars(_characters(messages) + _characters(tools), "messages")
         try:
-            return list(apply(messages))
+            return list(apply(messages, tools=tools) if tools else apply(messages))
         except Exception as error:  # noqa: BLE001 - the template's own checks (roles, order) reject the messages
             raise InvalidRequest(f"the chat template cannot render these messages: {error}",
                                  param="messages") from None
 
 
+def _characters(value) -> int:
+    """The characters of the text in `value` (strings in nested lists and dicts, keys included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_characters(key) + _characters(item) for key, item in value.items())
+    if isinstance(value, list):
+        return sum(map(_characters, value))
+    return 0
+
+
 def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_timeout: float = DRAIN_TIMEOUT_S,
-              guard: GuardSettings | None = None, max_prompt_chars: int | None = None):
+              guard: GuardSettings | None = None, max_prompt_chars: int | None = None,
+              tool_call_parser: str | None = None):
     """The FastAPI app serving `manager` (started at the app's startup if it is not running; stopped at its
     shutdown, after finishing the requests it holds, up to `drain_timeout` seconds). tokenizer: a
     `CheckpointTokenizer` (decode; encode for text prompts; apply_chat_template for chat). guard: the access
     rules (`GuardSettings`: API key, origins, hosts, body size, at most what `limits` allow; default: none but
     those);
-    max_prompt_chars: the longest text prompt tokenized (default: max_model_len x the longest token x 2)."""
+    max_prompt_chars: the longest text prompt tokenized (default: max_model_len x the longest token x 2);
+    tool_call_parser: the syntax of the model's tool calls (`tool_calls.PARSERS`; default: its model_type's, if
+    known; "none": tool calls are not parsed, and tool_choice "auto" is refused)."""
     try:
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
@@ -213,7 +241,7 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
     except ImportError as error:
         raise ImportError(f'the server needs fastapi and uvicorn: pip install "moe_jax[serve]" ({error})') from None
 
-    server = _Server(manager, tokenizer, model_name, max_model_len, max_prompt_chars)
+    server = _Server(manager, tokenizer, model_name, max_model_len, max_prompt_chars, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -288,13 +316,14 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
         generations = server.submit("chatcmpl", prompt, body.new_tokens(), body, what="messages")
         if body.stream:
             return CancellingStream(stream(server, generations, chat=True, include_usage=body.include_usage(),
-                                           top=body.logprob_count()), generations)
+                                           top=body.logprob_count(), tools=server.chat_tools(body)), generations)
         outputs = await finished_outputs(generations, request)
         if outputs is None:
             return PlainTextResponse("", status_code=499)
         if (failed := next(filter(None, map(failure, outputs)), None)) is not None:
             return error_response(failed)
-        return JSONResponse(chat_body(server, generations, outputs, top=body.logprob_count()))
+        return JSONResponse(chat_body(server, generations, outputs, top=body.logprob_count(),
+                                      tools=server.chat_tools(body)))
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moe_jax",

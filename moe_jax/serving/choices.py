@@ -11,23 +11,42 @@ completions `{"tokens", "token_logprobs", "top_logprobs": [{token text: logprob}
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`; a token's text
 is the tokenizer's decoding of it alone, its bytes that text's UTF-8. A streamed chunk carries the log
 probabilities of the tokens that arrived since the previous chunk (its text may be held back for later ones).
+
+Tool calls (chat, with a `tool_calls.ToolCallParser`): the text is parsed into the message's `content` (the text
+outside the calls, null when only calls) and `tool_calls` ([{"id": "call_...", "type": "function", "function":
+{"name", "arguments": JSON text}}]), finish_reason "tool_calls"; streamed, each call is one delta
+{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]} once the call is complete.
 """
 
 # No `from __future__ import annotations`, as app.py.
 import asyncio
 import json
+import secrets
 import time
 
 from .protocol import InvalidRequest
 from .text import TextStream, cut_at_stop
+from .tool_calls import ToolCallStream, tool_call_entries
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 # The failures the engine reports for a request, as HTTP statuses.
 FAILURE_STATUS = {"queue_timeout": 503, "shutdown": 503, "error": 500, "engine_error": 500}
 
 
-def finish_reason(output) -> str:
-    return FINISH_REASONS.get(output.finish_reason, "stop")
+def finish_reason(output, called: bool = False) -> str:
+    """OpenAI's finish_reason; `called`: the choice made tool calls ("tool_calls" where it stopped by itself)."""
+    reason = FINISH_REASONS.get(output.finish_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def call_ids(count: int) -> list[str]:
+    return [f"call_{secrets.token_hex(12)}" for _ in range(count)]
+
+
+def _decode(server, tools):
+    """The decoding the text is shown with: with the special tokens where the tool-call markers are some."""
+    special = getattr(server.tokenizer, "decode_special", None)
+    return special if tools is not None and tools.special_tokens and special is not None else server.tokenizer.decode
 
 
 def sse(payload) -> str:
@@ -123,8 +142,8 @@ def usage(generations: list[Generation], outputs) -> dict:
             "prompt_tokens_details": {"cached_tokens": outputs[0].cached_tokens}}
 
 
-def _text(server, generation: Generation, output) -> str:
-    return cut_at_stop(server.tokenizer.decode(list(output.generated_tokens)), generation.stops)
+def _text(server, generation: Generation, output, decode=None) -> str:
+    return cut_at_stop((decode or server.tokenizer.decode)(list(output.generated_tokens)), generation.stops)
 
 
 def completion_logprobs(decode, tokens: list[int], logprobs: list[float], top: list, offset: int = 0) -> dict:
@@ -165,34 +184,44 @@ def completion_body(server, generations: list[Generation], outputs, *, top: int 
             "model": server.model_name, "choices": choices, "usage": usage(generations, outputs)}
 
 
-def chat_body(server, generations: list[Generation], outputs, *, top: int | None) -> dict:
+def chat_body(server, generations: list[Generation], outputs, *, top: int | None, tools=None) -> dict:
+    """tools: the `ToolCallParser` whose calls become `tool_calls` (None: the text is the content)."""
     choices = []
     for generation, output in zip(generations, outputs):
         logprobs = None if top is None else _logprobs(server, generation, 0, len(generation.tokens), chat=True)
-        choices.append({"index": generation.index, "message": {"role": "assistant",
-                                                                "content": _text(server, generation, output)},
-                        "logprobs": logprobs, "finish_reason": finish_reason(output)})
+        message = {"role": "assistant", "content": _text(server, generation, output, _decode(server, tools))}
+        if tools is not None:   # the content: the text outside the calls (as streamed)
+            parsed = tools.parse(message["content"])
+            message["content"] = parsed.content if parsed.content.strip() or not parsed.calls else None
+            if parsed.calls:
+                message["tool_calls"] = tool_call_entries(parsed.calls, call_ids(len(parsed.calls)))
+        choices.append({"index": generation.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason(output, "tool_calls" in message)})
     return {"id": generations[0].request_id, "object": "chat.completion", "created": int(time.time()),
             "model": server.model_name, "choices": choices, "usage": usage(generations, outputs)}
 
 
 async def stream(server, generations: list[Generation], *, chat: bool, include_usage: bool, top: int | None = None,
-                 echo: str = ""):
+                 echo: str = "", tools=None):
     """The server-sent events of a streaming request (its choices' chunks as they come), ending with
-    `data: [DONE]`."""
+    `data: [DONE]`; tools: chat's `ToolCallParser` (None: no tool calls parsed)."""
     created, request_id = int(time.time()), generations[0].request_id
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, text: str | None, finish: str | None = None, *, role: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, calls: list | None = None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": request_id, "object": kind, "created": created, "model": server.model_name, "choices": [choice]}
 
-    texts = [TextStream(server.tokenizer.decode, generation.stops) for generation in generations]
+    texts = [TextStream(_decode(server, tools), generation.stops) for generation in generations]
+    parsers = [ToolCallStream(tools) if tools is not None else None for _ in generations]
+    called = [0] * len(generations)    # tool calls sent, per choice
     sent = [0] * len(generations)      # tokens whose log probabilities were sent, per choice
     offsets = [len(echo)] * len(generations)   # completions' text_offset of the next token, per choice
     pending: dict = {}
@@ -214,6 +243,11 @@ async def stream(server, generations: list[Generation], *, chat: bool, include_u
                     include_usage = False
                     break
                 delta = texts[i].update(generation.tokens, output.is_finished())   # a few tokens decoded: inline
+                calls = None
+                if parsers[i] is not None:
+                    delta, new_calls = parsers[i].feed(delta, output.is_finished())
+                    calls = tool_call_entries(new_calls, call_ids(len(new_calls)), called[i], streamed=True)
+                    called[i] += len(new_calls)
                 logprobs = None
                 if top is not None and len(generation.tokens) > sent[i]:
                     logprobs = _logprobs(server, generation, sent[i], len(generation.tokens), chat=chat,
@@ -221,10 +255,10 @@ async def stream(server, generations: list[Generation], *, chat: bool, include_u
                     if not chat:
                         offsets[i] += sum(map(len, logprobs["tokens"]))
                     sent[i] = len(generation.tokens)
-                if delta or logprobs is not None:
-                    yield sse(chunk(i, delta, logprobs=logprobs))
+                if delta or logprobs is not None or calls:
+                    yield sse(chunk(i, delta or (None if calls else delta), logprobs=logprobs, calls=calls))
                 if output.is_finished():
-                    yield sse(chunk(i, None, finish_reason(output)))
+                    yield sse(chunk(i, None, finish_reason(output, called[i] > 0)))
                     finished.append(output)
                 else:
                     pending[asyncio.ensure_future(generation.next_output())] = generation

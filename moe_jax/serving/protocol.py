@@ -9,11 +9,14 @@ frequency_penalty in [-2, 2], logit_bias ({"token id": bias in [-100, 100]}, at 
 most 16; each samples with seed + its index), log probabilities (completions: logprobs = how many top tokens, at
 most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; not with logprobs: the prompt's
 log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
-supported). vLLM's extensions: top_k (0 or -1: off; at most the vocabulary, which the server checks),
-repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at most 16). Every bound is checked here,
-so nothing out of range reaches the engine; a boolean where a number is due is refused. A list of several
-prompts is refused with a 400 that says so. Fields this server does not use and that change nothing in the
-output (user, ...) are read and ignored, as unknown fields are.
+supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with tool_choice
+"auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it does not;
+"required" and a named function need guided decoding, which this server does not do yet: a 400. Messages may hold
+an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k (0 or -1: off; at most
+the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at
+most 16). Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is due
+is refused. A list of several prompts is refused with a 400 that says so. Fields this server does not use and that
+change nothing in the output (user, ...) are read and ignored, as unknown fields are.
 
 `parse_json` turns a body into JSON for these models (`limits.parse_bounded`, which bounds what it may hold):
 malformed JSON, NaN / Infinity, numbers of more than 64 characters, nesting deeper than 64 levels and text with lone
@@ -22,6 +25,7 @@ UTF-16 surrogates are all 400s, and so is `true` or `false` where a number is du
 
 from __future__ import annotations
 
+import json
 import typing
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
@@ -39,6 +43,9 @@ DEFAULT_COMPLETION_TOKENS = 16
 # Choices per request (n; each is one engine request) and stop_token_ids per request.
 MAX_CHOICES = 16
 MAX_STOP_TOKEN_IDS = 16
+# Tools per chat request, and characters of a tool's name.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 256
 # The numeric fields a JSON boolean must not stand for (pydantic would read true as 1).
 NUMBERS = ("temperature", "top_p", "top_k", "seed", "n", "best_of", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "min_tokens", "top_logprobs", "max_tokens", "max_completion_tokens")
@@ -234,12 +241,62 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, typing.Any] | None = None   # a JSON schema
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """{"type": "function", "function": {"name", "description", "parameters"}}."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: typing.Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, typing.Any] = "{}"   # OpenAI's: JSON text
+
+
+class ToolCallEntry(BaseModel):
+    """An assistant message's call: {"id", "type": "function", "function": {"name", "arguments"}}."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+    def as_template_input(self) -> dict:
+        """As Transformers' templates read a call: the arguments an object where they are JSON text of one (as
+        vLLM passes them; a template may write `arguments | tojson`), else the text as given."""
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except (ValueError, RecursionError):
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        entry = {"type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+        return entry if self.id is None else {"id": self.id, **entry}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallEntry] | None = None   # an assistant's calls
+    tool_call_id: str | None = None                 # a "tool" message: the call it answers
 
     def as_template_input(self) -> dict:
         """{"role", "content"} as chat templates read it (text parts joined; only text is supported)."""
@@ -252,6 +309,10 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -261,6 +322,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, typing.Any] | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
+        if choice == "auto":
+            return self
+        if choice == "required" or isinstance(choice, dict):
+            raise InvalidRequest(f"tool_choice={json.dumps(choice)[:100]} needs guided decoding (structured output) to "
+                                 'make the model call a tool, which this server does not do yet; use "auto".',
+                                 param="tool_choice")
+        raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", ...}.',
+                             param="tool_choice")
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template reads them (`tools`); None without any."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def parses_tool_calls(self) -> bool:
+        """Whether the output's tool calls become `tool_calls` (tools given, tool_choice "auto")."""
+        return bool(self.tools) and (self.tool_choice or "auto") == "auto"
 
     @model_validator(mode="after")
     def _text_only(self):
