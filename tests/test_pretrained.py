@@ -108,3 +108,10 @@ def test_too_few_devices_for_the_layout_says_how_to_get_virtual_ones():
                                                      progress=False)
     assert "requires 16 devices, but world_size is 8" in str(caught.value)
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=16 is set before it starts" in str(caught.value)
+
+
+def test_a_smaller_layout_takes_the_first_devices_by_default():
+    """devices=None on more devices than the layout needs: the first N (as jax.devices()[:N]), not an error."""
+    model = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", DistributedConfig(fsdp_size=2),
+                                                         progress=False)
+    assert list(model.mesh.devices.flat) == jax.devices()[:2]
