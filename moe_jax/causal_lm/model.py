@@ -320,7 +320,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
     # ---- checkpoints (moe_jax.pretrained: converters/ applied to a model) -----------------------------
     @classmethod
     def from_pretrained(cls, path, distributed_config=None, **kwargs) -> MoeForCausalLM:
-        """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`."""
+        """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`; the options
+        are `AutoModelForCausalLM.from_pretrained`'s."""
         return from_pretrained(path, distributed_config, model_class=cls, **kwargs)
 
     def save_pretrained(self, out_dir, **kwargs):
