@@ -166,7 +166,8 @@ def run_generate(args: argparse.Namespace) -> int:
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens"
-          + quantization_note(model) + ("" if args.adapter is None else f", adapter {args.adapter}" + (" merged" if args.merge_adapter else "")),
+          + quantization_note(model)
+          + ("" if args.adapter is None else f", adapter {args.adapter}" + (" merged" if args.merge_adapter else "")),
           file=sys.stderr)
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
     # In a multi-process job every process generates the same ids; process 0 prints them.
