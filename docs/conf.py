@@ -23,7 +23,8 @@ exclude_patterns = ["_build"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
+# Types in the signature; a parameter's entry only where its docstring describes it (no type-only entries).
+autodoc_typehints = "signature"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": True}
 # Type annotations name JAX, NumPy and Optax types that this build does not link (no intersphinx: the build runs
 # offline); unresolved annotation targets are not warnings unless nitpicky.

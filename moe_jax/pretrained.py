@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from converters import load_params, save_params
@@ -20,7 +21,7 @@ from converters.key_maps import CONFIG_KEY_MAPS, checkpoint_key_map, with_fp8_sc
 from converters.quantize import dequantizing_fp8_key_map, quantizing_key_map
 from converters.safetensors_io import checkpoint_shards, read_header
 
-from .checkpoint_files import local_checkpoint, read_config
+from .checkpoint_files import copy_companion_files, local_checkpoint, read_config
 from .inference.generation_config import GenerationConfig
 from .models.mtp import held_mtp_layers
 from .models.weight_only import (
@@ -72,6 +73,7 @@ def from_pretrained(path, distributed_config=None, *, model_class, dtype=None, p
     model = model_class(config, distributed_config, dtype=dtype, **model_kwargs)
     model.generation_config = GenerationConfig.for_checkpoint(directory, config)
     model.name_or_path = str(path)   # Transformers' attribute; an adapter's base_model_name_or_path
+    model.source_checkpoint = directory   # whose tokenizer and generation files `save_pretrained` carries over
     if model.compiles_only:
         # Abstract target devices (`target_devices`) hold nothing: the config is all a compile needs, the
         # parameters are `training.state.abstract_parameters(model)`.
@@ -169,15 +171,20 @@ def export_key_map(model):
 def save_pretrained(model, out_dir: str | os.PathLike, *, params=None, max_shard_bytes: int = 5 * 2**30,
                     progress: bool = True) -> Path:
     """Write `params` (default `model.params`; storage layout) as an HF checkpoint (hub key layout) into
-    `out_dir`, atomically."""
+    `out_dir`, atomically, with the tokenizer, chat template and generation config of the checkpoint the model was
+    loaded from (`checkpoint_files.copy_companion_files`)."""
     params = model.params if params is None else params
     if params is None:
         raise ValueError("The model has no parameters to save: call init_params() or from_pretrained() first.")
     key_map = export_key_map(model)
     config = saved_config(model)
     json.dumps(config)
-    return save_params(model.hf_params(params), key_map, out_dir,
-                       config=config, max_shard_bytes=max_shard_bytes, progress=progress)
+    out_dir = save_params(model.hf_params(params), key_map, out_dir,
+                          config=config, max_shard_bytes=max_shard_bytes, progress=progress)
+    source = getattr(model, "source_checkpoint", None)
+    if source is not None and jax.process_index() == 0 and Path(source).resolve() != Path(out_dir).resolve():
+        copy_companion_files(source, out_dir)   # quantised or not: `generate --prompt` reads the tokenizer
+    return out_dir
 
 
 def saved_config(model) -> dict:

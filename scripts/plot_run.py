@@ -2,12 +2,14 @@
 
     python scripts/plot_run.py metrics.jsonl [-o run.png]
 
-Panels: loss (train, and eval where the run evaluated), learning rate, tokens/s per device (and MFU when the run
-had --peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse
-layer (the busiest expert's tokens over the mean, each step; dashed, where the run dispatched experts over ep, the
-busiest ep rank's work over the mean, from `ep_rank_load`) and the last step's tokens per expert and layer; layers
-are named by their index in the model (the records' `expert_load_layers`), as TensorBoard's router_load/layer_L.
-Needs matplotlib.
+Panels: loss (train, and eval where the run evaluated), learning rate, gradient norm, the router terms (aux loss,
+router z-loss, MTP loss, where the records hold them), tokens/s per device (and MFU when the run had
+--peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse layer
+(the busiest expert's tokens over the mean, each step; dashed, where the run dispatched experts over ep, the
+busiest ep rank's work over the mean, from `ep_rank_load`; dotted verticals at the experts' re-placements,
+`rebalanced`) and the last step's tokens per expert and layer; layers are named by their index in the model (the
+records' `expert_load_layers`), as TensorBoard's router_load/layer_L. A resumed run's first step (`resumed`) is a
+dashed vertical on every panel over steps. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def router_load_panels(records: list[dict], balance, heat, figure) -> None:
     """Per sparse layer, max / mean tokens per expert over the steps; the last step's loads as a heat map, a row
     per layer named by its index in the model."""
     loaded = [r for r in records if r.get("expert_load")]
-    balance.set_title("router load: busiest expert / mean, per layer")
+    balance.set_title("router load: busiest expert / mean,\nper layer")
     heat.set_title("tokens per expert (last step)")
     if not loaded:
         for axis in (balance, heat):
@@ -67,11 +69,13 @@ def router_load_panels(records: list[dict], balance, heat, figure) -> None:
     lines = [balance.plot(steps, curve, label=f"{label} {name}")[0] for name, curve in zip(names, zip(*ratios))]
     ranked = [r for r in loaded if r.get("ep_rank_load")]
     if ranked:   # each layer's busiest ep rank over the mean, dashed in its layer's colour
-        balance.set_title("router load: busiest expert (solid) / ep rank (dashed) over mean, per layer")
+        balance.set_title("router load over mean, per layer:\nbusiest expert (solid), busiest ep rank (dashed)")
         rank_ratios = [max_over_mean(r["ep_rank_load"]) for r in ranked]
         for name, line, curve in zip(names, lines, zip(*rank_ratios)):
             balance.plot([r["step"] for r in ranked], curve, "--", color=line.get_color(),
                          label=f"{label} {name} ep ranks")
+    for index, step in enumerate(r["step"] for r in records if r.get("rebalanced")):
+        balance.axvline(step, color="tab:green", linestyle=":", label=None if index else "re-placement")
     if len(ratios[0]) <= 8:
         balance.legend(fontsize="small")
     from matplotlib.ticker import FuncFormatter, MaxNLocator
@@ -88,13 +92,22 @@ def router_load_panels(records: list[dict], balance, heat, figure) -> None:
 
 
 def plot(records: list[dict], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = draw(records)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+
+
+def draw(records: list[dict]):
+    """The run's figure (matplotlib's Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
-    loss, lr, speed, capacity, balance, heat = axes.flat
+    figure, axes = plt.subplots(4, 2, figsize=(11, 13), constrained_layout=True)
+    loss, lr, grad_norm, terms, speed, capacity, balance, heat = axes.flat
     loss.plot(*series(records, "loss"), label="train")
     if series(records, "eval_loss")[0]:
         loss.plot(*series(records, "eval_loss"), "o-", label="eval")
@@ -103,6 +116,17 @@ def plot(records: list[dict], out: Path) -> None:
     if series(records, "lr")[0]:
         lr.plot(*series(records, "lr"))
     lr.set_title("learning rate")
+    grad_norm.plot(*series(records, "grad_norm"))
+    grad_norm.set_title("gradient norm")
+    drawn = [name for name in ("aux_loss", "router_z_loss", "mtp_loss") if any(series(records, name)[1])]
+    for name in drawn:
+        terms.plot(*series(records, name), label=name.replace("_", " "))
+    if drawn:
+        terms.legend()
+    else:
+        terms.text(0.5, 0.5, "no aux, z- or MTP loss in the records", ha="center", va="center",
+                   transform=terms.transAxes)
+    terms.set_title("router and MTP loss terms")
     name = "tokens_per_s_per_device" if series(records, "tokens_per_s_per_device")[0] else "tokens_per_s"
     speed.plot(*series(records, name), label=name.replace("_", " "))
     if series(records, "mfu")[0]:
@@ -121,11 +145,14 @@ def plot(records: list[dict], out: Path) -> None:
     else:
         capacity.text(0.5, 0.5, "no dispatch buffers (ep 1)", ha="center", va="center", transform=capacity.transAxes)
     capacity.set_title("dispatch capacity")
-    for axis in axes.flat[:5]:
+    for axis in axes.flat[:7]:
         axis.set_xlabel("step")
     router_load_panels(records, balance, heat, figure)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    for step in (r["step"] for r in records if r.get("resumed")):
+        for axis in axes.flat[:7]:
+            axis.axvline(step, color="gray", linestyle="--", label="resumed")
+        loss.legend()
+    return figure
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,3 +28,22 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     assert 'id="moe_jax.training.make_train_step"' in reference   # rendered from the docstrings, not empty
     for page in ("parallelism", "training", "inference", "checkpoints", "multihost", "design", "benchmarks"):
         assert (tmp_path / "html" / f"{page}.html").exists(), page
+
+
+def test_the_auto_entry_points_document_every_option_on_one_line():
+    """Every keyword of from_pretrained / from_config (the loader's and the model's) has its own line."""
+    import inspect
+
+    from moe_jax import AutoModelForCausalLM
+    from moe_jax.causal_lm import MoeForCausalLM
+    from moe_jax.pretrained import from_pretrained
+
+    model_options = [name for name in inspect.signature(MoeForCausalLM.__init__).parameters
+                     if name not in ("self", "config", "distributed_config")]
+    loading = [name for name in inspect.signature(from_pretrained).parameters if name not in ("model_class",
+                                                                                               "model_kwargs")]
+    for method, options in ((AutoModelForCausalLM.from_config, ["config", "distributed_config", *model_options]),
+                            (AutoModelForCausalLM.from_pretrained, [*loading, *model_options])):
+        lines = [line.strip() for line in inspect.getdoc(method).splitlines()]
+        for option in options:
+            assert sum(line.startswith(f"{option}: ") for line in lines) == 1, (method.__name__, option)

@@ -17,6 +17,7 @@ def test_demo_console_command_in_a_fresh_process(tmp_path, capsys):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "agreement: OK" in result.stdout and "dropped pairs 0" in result.stdout
+    assert f"reuse it with --model, e.g. moe-jax generate --model {tmp_path} --prompt Hi" in result.stdout
     written = sorted(path.name for path in tmp_path.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(written)
     assert main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "1"]) == 0

@@ -97,3 +97,10 @@ def test_a_bad_request_is_one_error_line(checkpoint, capsys, case):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ")
     assert message in err
+
+
+def test_the_summary_line_says_the_weights_are_quantised(capsys):
+    assert main(["generate", "--model", str(MODELS / "qwen3_moe"), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                 "--quantize", "int8"]) == 0
+    err = capsys.readouterr().err
+    assert "up to 2 new tokens, int8 weight-only quantised (experts)" in err

@@ -108,3 +108,25 @@ def test_too_few_devices_for_the_layout_says_how_to_get_virtual_ones():
                                                      progress=False)
     assert "requires 16 devices, but world_size is 8" in str(caught.value)
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=16 is set before it starts" in str(caught.value)
+
+
+def test_a_smaller_layout_takes_the_first_devices_by_default():
+    """devices=None on more devices than the layout needs: the first N (as jax.devices()[:N]), not an error."""
+    model = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", DistributedConfig(fsdp_size=2),
+                                                         progress=False)
+    assert list(model.mesh.devices.flat) == jax.devices()[:2]
+
+
+def test_save_pretrained_of_a_quantised_model_carries_the_tokenizer(tmp_path):
+    """fp8 on load, then saved: the tokenizer and generation config come along, so `generate --prompt` reads text."""
+    from moe_jax.tokenization import write_byte_tokenizer
+
+    source = tmp_path / "source"
+    shutil.copytree(FIXTURES / "qwen3_moe", source)
+    write_byte_tokenizer(source)
+    model = moe_jax.AutoModelForCausalLM.from_pretrained(source, devices=jax.devices()[:1], quantize="fp8",
+                                                         progress=False)
+    out = model.save_pretrained(tmp_path / "fp8", progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"

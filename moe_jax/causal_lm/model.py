@@ -32,7 +32,7 @@ from ..distributed.activations import UNCONSTRAINED, ActivationLayouts, LogicalA
 from ..distributed.capacity import CapacitySchedule, CapacityTracker
 from ..distributed.config import DistributedConfig
 from ..distributed.experts import ShardedExperts
-from ..distributed.mesh import DeviceLayout, build_mesh
+from ..distributed.mesh import DeviceLayout, build_mesh, model_devices
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
 from ..distributed.sharding import parameter_shardings
 from ..distributed.targets import is_compile_only
@@ -128,7 +128,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         self.distributed_config = distributed_config or DistributedConfig()
         self.layout = DeviceLayout.from_config(self.distributed_config)
         self._init_expert_placement(num_redundant_experts)
-        self.mesh = None if abstract else build_mesh(self.distributed_config, devices)
+        self.mesh = None if abstract else build_mesh(self.distributed_config,
+                                                       model_devices(self.distributed_config, devices))
         if self.mesh is not None and self.mesh.devices.flat[0].platform == "cpu":
             warn_without_huge_pages()  # XLA:CPU's buffers on 4 KiB pages: say how to start Python (host_memory)
         self.resolved_plans = resolve_parallel_plans(self, self.distributed_config)
@@ -319,7 +320,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
     # ---- checkpoints (moe_jax.pretrained: converters/ applied to a model) -----------------------------
     @classmethod
     def from_pretrained(cls, path, distributed_config=None, **kwargs) -> MoeForCausalLM:
-        """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`."""
+        """Load an HF checkpoint directory (or hub repo id) onto the mesh of `distributed_config`; the options
+        are `AutoModelForCausalLM.from_pretrained`'s."""
         return from_pretrained(path, distributed_config, model_class=cls, **kwargs)
 
     def save_pretrained(self, out_dir, **kwargs):

@@ -8,7 +8,7 @@ multi-token-prediction loss flag (`moe_jax.training.mtp_loss`; off by default):
     moe-jax train --model DeepSeek-V3/ ... --mtp-loss-coef 0.3   # DeepSeek-V3's MTP layers trained beside the model
 
 A negative value is refused with one `error:` line before anything starts; a bias update on a family without a
-router bias is refused, naming the families that have one, when the step is built (before the first step);
+router bias is refused, naming the families that have one, from config.json before any weight is read;
 --rebalance-every without --num-redundant-experts is refused before anything starts, and a number of redundant
 slots the layout cannot take when the model is built; an MTP loss for a model without MTP layers (a checkpoint
 that holds none) when the step is built.
@@ -45,11 +45,15 @@ def add_slot_flags(parser, steps: str = "steps") -> None:
                              "got in the last N (DeepSeek's EPLB; needs --num-redundant-experts)")
 
 
-def check_balance_flags(args) -> None:
+def check_balance_flags(args, config: dict) -> None:
+    """The flags' values, and a router bias update against the family of config.json's values `config`."""
+    from ..training.balance import check_router_bias
+
     for flag in ("router_z_loss_coef", "router_bias_update_rate", "mtp_loss_coef"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
     check_slot_flags(args)
+    check_router_bias(config, args.router_bias_update_rate)
 
 
 def check_slot_flags(args) -> None:

@@ -109,4 +109,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0) -> float:
     print(f"      dispatch: dropped pairs {int(output.statistics.dropped)}, padded slots "
           f"{int(output.statistics.padded)}, largest buffer {int(output.statistics.buffer_rows)} rows")
     print("      agreement: " + ("OK" if difference <= 1e-4 else "MISMATCH"))
+    print(f"\nThe checkpoint stays in {checkpoint}: reuse it with --model, e.g. moe-jax generate --model "
+          f"{checkpoint} --prompt Hi (or serve, train, plan)" + ("" if output_dir else "; --output-dir DIR keeps "
+                                                                  "it somewhere of your choosing."))
     return difference

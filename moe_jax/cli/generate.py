@@ -166,6 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)
     print(f"{describe_layout(model.distributed_config)}; {len(prompts)} prompt(s), up to {new_tokens} new tokens"
+          + quantization_note(model)
           + ("" if args.adapter is None else f", adapter {args.adapter}" + (" merged" if args.merge_adapter else "")),
           file=sys.stderr)
     input_ids, attention_mask = _left_padded(prompts, generation.padding_token())
@@ -235,3 +236,13 @@ def _generate_speculatively(model, prompts: list[list[int]], tokenizer, generati
           f"kept {engine.accepted_draft_tokens} of {engine.draft_tokens} ({engine.acceptance_rate:.0%}); "
           f"{seconds:.1f} s with compilation", file=sys.stderr)
     return 0
+
+
+def quantization_note(model) -> str:
+    """The summary line's word on quantised weights: quantised on load (`--quantize`) or kept (`--no-dequantize`)."""
+    if model.kept_quantization is not None:
+        return f", {model.kept_quantization} weights kept quantised"
+    quantization = model.weight_quantization
+    if quantization is None:
+        return ""
+    return f", {quantization.scheme} weight-only quantised ({', '.join(quantization.modules)})"

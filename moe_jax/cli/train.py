@@ -241,9 +241,9 @@ class _Request:
 def _checked_request(args) -> _Request:
     """Every flag, file and directory checked; nothing started yet."""
     _check_positive(args)
-    check_balance_flags(args)
-    schedules = learning_rate_schedules(args)
     config, model_dir = _model_config(args)
+    check_balance_flags(args, config)
+    schedules = learning_rate_schedules(args)
     data = training_source(args, config, model_dir)
     check_sequence(data.seq_len, config)
     eval_data = (None if args.eval_data is None else

@@ -20,7 +20,8 @@ from pathlib import Path
 
 class TrainProgress:
     """A tqdm bar with loss, tokens/s and capacity, plus the JSONL and TensorBoard writers. Each record gains
-    tokens/s per device and model TFLOP/s per device (and MFU with a peak)."""
+    tokens/s per device and model TFLOP/s per device (and MFU with a peak); a resumed run's first record (`start`
+    > 0) gains "resumed": true, where `scripts/plot_run.py` marks the resume."""
 
     def __init__(self, start: int, total: int, jsonl: str | None, enabled: bool, *, devices: int = 1,
                  flops_per_token: float | None = None, peak_tflops: float | None = None,
@@ -34,6 +35,7 @@ class TrainProgress:
         self.tensorboard_dir_created = self.tensorboard_dir is not None and not self.tensorboard_dir.exists()
         self.tensorboard_before = _files(self.tensorboard_dir)
         self.records = 0   # written this run
+        self.start = start
         self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, file=sys.stderr)
         self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl else None  # noqa: SIM115 (closed in close())
         self.devices, self.flops_per_token, self.peak_tflops = devices, flops_per_token, peak_tflops
@@ -46,6 +48,8 @@ class TrainProgress:
         self.last: dict | None = None
 
     def __call__(self, record: dict) -> None:
+        if self.records == 0 and self.start > 0:
+            record["resumed"] = True
         if self.packing_efficiency is not None:
             record["packing_efficiency"] = self.packing_efficiency
         per_device = record["tokens_per_s"] / self.devices

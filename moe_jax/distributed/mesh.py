@@ -226,3 +226,19 @@ def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
         )
     device_grid = np.asarray(devices, dtype=object).reshape(layout.mesh_shape)
     return jax.sharding.Mesh(device_grid, MESH_AXES)
+
+
+def model_devices(config: DistributedConfig, devices: Sequence | None = None) -> list:
+    """The devices a model's mesh is built over: `devices` as given, or by default the first
+    `pp * dp_replicate * fsdp * tp` of the job (`runtime.job_devices`), as `jax.devices()[:n]` would pick. A
+    multi-process job uses all of its devices (every process must hold a part of the mesh): there, as with
+    too few devices, `build_mesh` raises the reference's world-size error."""
+    import jax
+
+    if devices is not None:
+        return list(devices)
+    every = job_devices()
+    needed = DeviceLayout.from_config(config).num_devices
+    if jax.process_count() == 1 and len(every) > needed:
+        return every[:needed]
+    return every

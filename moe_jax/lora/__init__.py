@@ -1,5 +1,5 @@
 """LoRA adapters in PEFT's format: attention and other Linear projections, and the fused expert weights per
-expert (PEFT's `target_parameters`), sharded with what they adapt.
+expert (PEFT's `target_parameters`), sharded with what they adapt::
 
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], target_parameters=experts))
@@ -14,4 +14,5 @@ from .config import LoraConfig
 from .layout import AdapterLayout
 from .peft_files import read_adapter_config, read_adapter_tensors, save_adapter_files
 
-__all__ = ["AdapterLayout", "LoraConfig", "read_adapter_config", "read_adapter_tensors", "save_adapter_files"]
+# LoraConfig first: the API reference lists the members in this order.
+__all__ = ["LoraConfig", "read_adapter_config", "read_adapter_tensors", "save_adapter_files", "AdapterLayout"]

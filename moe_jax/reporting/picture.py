@@ -62,6 +62,16 @@ def count_text(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def experts_per_device(config: DistributedConfig, num_experts: int) -> str:
+    """How many experts a device runs (the table's column) and, with efsdp_size > 1, how many it stores: the
+    parameter table's per-device shape, the rest gathered over its efsdp group to run."""
+    runs = num_experts // config.ep_size
+    if config.efsdp_size == 1:
+        return f"{runs} per device"
+    stored = f"{runs // config.efsdp_size}" if runs % config.efsdp_size == 0 else f"1/{config.efsdp_size} of them"
+    return f"{runs} run per device; each stores {stored}, gathered over its efsdp group"
+
+
 def layout_picture(config: DistributedConfig, num_experts: int) -> str:
     """The reference doc's picture of a layout as a table, one line per device."""
     layout = DeviceLayout.from_config(config)
@@ -71,7 +81,7 @@ def layout_picture(config: DistributedConfig, num_experts: int) -> str:
         f"fsdp_size={config.fsdp_size}, "
         f"ep_size={config.ep_size}, dp_replicate_size={config.dp_replicate_size}, pp_size={config.pp_size} "
         f"-> efsdp_size={config.efsdp_size}, dp_size={config.dp_size}, {num_experts} experts "
-        f"({num_experts // config.ep_size} per device)"
+        f"({experts_per_device(config, num_experts)})"
     )
     columns = ["device"] + (["pp"] if config.pp_size > 1 else []) + ["batch", "tp", "experts", "ep group", "efsdp group"]
     table = [columns]

@@ -43,6 +43,28 @@ def families_with_router_bias() -> list[str]:
     return found
 
 
+def no_router_bias(rate: float, model_type: str) -> str:
+    """The error for a bias update on a family without a router bias."""
+    return (f"router_bias_update_rate={rate} updates the router's {ROUTER_BIAS}, which a {model_type} model does not "
+            f"have; it is aux-loss-free balancing of the families whose routers hold one: "
+            f"{', '.join(families_with_router_bias())}. Balance this one with its aux loss (output_router_logits="
+            "True, router_aux_loss_coef) or the router z-loss.")
+
+
+def check_router_bias(config: dict, rate: float) -> None:
+    """Refuse a bias update (rate > 0) for the model of config.json's values `config` if its sparse layers hold no
+    router bias: from the config alone, before any weight is read."""
+    if not rate:
+        return
+    from ..causal_lm.families import model_class_for   # the model classes import the training package's peers
+
+    model_class = model_class_for(config)
+    family, values, tree = model_class.family, model_class.config_class.from_dict(config), ModuleTree()
+    family.declare_sparse_mlp(tree, values, family.experts_intermediate_size(values))
+    if not any(buffer.endswith("." + ROUTER_BIAS) for buffer in tree.buffers()):
+        raise ValueError(no_router_bias(float(rate), values.model_type))
+
+
 def check_router_z_loss(model, coef: float) -> float:
     """`coef` as a float, after checking that the model's step returns what the z-loss reads."""
     coef = float(coef)
@@ -85,11 +107,7 @@ class RouterBiasUpdate:
                 targets.append((storage, tuple(None if layer is None else rows[layer] for layer in layers),
                                 stack.is_stacked(storage)))
         if not targets:
-            raise ValueError(
-                f"router_bias_update_rate={rate} updates the router's {ROUTER_BIAS}, which a "
-                f"{model.config.model_type} model does not have; it is aux-loss-free balancing of the families "
-                f"whose routers hold one: {', '.join(families_with_router_bias())}. Balance this one with its aux "
-                "loss (output_router_logits=True, router_aux_loss_coef) or the router z-loss.")
+            raise ValueError(no_router_bias(rate, model.config.model_type))
         if not trainable.everything:
             raise ValueError(f"router_bias_update_rate={rate} updates the router bias in the train state, which holds "
                              "it only when the step trains every parameter (no adapter, no trainable selection).")

@@ -58,7 +58,7 @@ class TrainLoop:
     on_step(record): called once per applied optimizer step, in order, with a dict of floats/ints: step,
         loss, ce_loss, aux_loss (router_z_loss with a z-loss, mtp_loss with an MTP loss), grad_norm, tokens,
         tokens_per_s, capacity (that the step ran at), required_capacity, padded (dispatch buffer rows that carried nothing), replayed (its
-        batch had overflowed and was run again), replays (replays so far), data_position, lr (the rate of that update)
+        batch had overflowed and was run again; not the steps queued behind it), replays (overflows so far), data_position, lr (the rate of that update)
         when `learning_rate` (the optimizer's schedule, or a constant) is given, and expert_load (per sparse
         layer, a list of the real tokens sent to each expert) with expert_load_layers (each row's layer index in
         the model) where the step reports it, and ep_rank_load (per sparse layer, the real (token, expert) pairs
@@ -114,7 +114,9 @@ class TrainLoop:
         tracker = CapacityTracker(self.schedule, capacity_state, dispatches=capacity_state is not None)
         step, next_index = (int(v) for v in jax.device_get((state.step, state.data_position)))
         pending: deque[_InFlight] = deque()
-        replay_until = -1          # batches up to this index are replays
+        # The batches that overflowed (and were run again): only they are records' `replayed`; the steps queued
+        # behind one are run again too, but did not overflow, and `replays` counts the overflows.
+        overflowed: set[int] = set()
         last_confirmation = time.perf_counter()
         while step < until_step:
             expected = step + len(pending)
@@ -124,7 +126,7 @@ class TrainLoop:
             if expected < until_step and not (pending and holds):
                 batch = place_batch(self.data, next_index, self.batch_sharding)
                 state, metrics = self.train_step(state, batch)
-                pending.append(_InFlight(next_index, state.capacity, metrics, next_index <= replay_until))
+                pending.append(_InFlight(next_index, state.capacity, metrics, next_index in overflowed))
                 next_index += 1
                 if len(pending) < 2:
                     continue
@@ -139,7 +141,7 @@ class TrainLoop:
                 self.replays += 1
                 skipping = jax.device_put(jnp.zeros((), jnp.bool_), state.skipping.sharding)
                 state = state.replace(capacity=tracker.capacity, skipping=skipping)
-                replay_until = max(replay_until, next_index - 1)
+                overflowed.add(entry.data_index)
                 next_index = entry.data_index
                 pending.clear()
                 continue

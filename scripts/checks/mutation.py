@@ -68,6 +68,8 @@ def module_path(module: str) -> str:
 # The test files each module's slips run (most specific first).
 TESTS = {
     "serving.protocol": ("tests/serving/test_protocol.py", "tests/serving/test_server.py"),
+    "serving.metrics": ("tests/serving/test_latency_metrics.py",),
+    "lora.targets": ("tests/lora/test_targets.py",),
     "inference.requests": ("tests/inference/test_scheduler.py", "tests/inference/test_continuous.py"),
     "inference.scheduler": ("tests/inference/test_scheduler.py", "tests/inference/test_continuous.py"),
     "inference.step_inputs": ("tests/inference/test_continuous.py",),
@@ -100,6 +102,12 @@ SLIPS: list[Slip] = [
          "return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens",
          "return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens",
          "chat: max_tokens wins over max_completion_tokens"),
+    slip("serving.metrics", "self.gap_count += len(gaps)", "self.gap_count += 1",
+         "the inter-token latency summary counts one per request's gaps, not each gap"),
+
+    # ---- lora: which weights an adapter targets ------------------------------------------------------------------
+    slip("lora.targets", 'return name == target or name.endswith("." + target)', "return name.endswith(target)",
+         'a target_modules entry matches any name tail ("proj" adapts every *_proj), not whole segments'),
 
     # ---- inference: continuous batching ------------------------------------------------------------------------
     slip("inference.requests", "return -(-self.max_model_len // self.page_size)",

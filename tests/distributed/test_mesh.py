@@ -113,6 +113,18 @@ def test_mesh_needs_matching_device_count():
     assert build_mesh(config, jax.devices()[:4]).devices.size == 4
 
 
+def test_a_model_takes_the_first_devices_it_needs_by_default():
+    """`build_mesh` keeps the reference's world-size error; a model's default devices are the job's first N."""
+    from moe_jax.distributed.mesh import model_devices
+
+    config = DistributedConfig(tp_size=2, fsdp_size=2)
+    assert model_devices(config) == jax.devices()[:4]
+    assert [d.id for d in build_mesh(config, model_devices(config)).devices.flat] == [0, 1, 2, 3]
+    assert model_devices(config, jax.devices()[4:]) == jax.devices()[4:]
+    with pytest.raises(RuntimeError, match="requires 16 devices, but world_size is 8"):
+        build_mesh(DistributedConfig(fsdp_size=16), model_devices(DistributedConfig(fsdp_size=16)))
+
+
 def test_trivial_config_uses_one_device():
     assert build_mesh(DistributedConfig()).devices.size == 1
 

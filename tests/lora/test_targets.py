@@ -70,3 +70,14 @@ def test_deepseek_s_router_weight_is_a_2d_parameter_target():
     found = targets("deepseek_v3", TINY_DEEPSEEK_V3, target_parameters=["mlp.gate.weight"])
     assert [t.module for t in found] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
     assert found[0].experts is None and (found[0].in_features, found[0].out_features) == (32, 8)
+
+
+def test_a_list_entry_matches_whole_name_segments_only():
+    """PEFT matches `target == name or name.endswith("." + target)`: "proj" is no module's name, so it matches
+    nothing (not every `*_proj`), and "_proj" neither."""
+    for partial in ("proj", "_proj", "attn.q_proj"):
+        with pytest.raises(ValueError, match=f"target_modules entry '{partial}' matches no module"):
+            targets("qwen3_moe", TINY_QWEN3_MOE, target_modules=[partial])
+    found = targets("qwen3_moe", TINY_QWEN3_MOE, target_modules=["o_proj"])
+    assert [t.module for t in found] == [f"model.layers.{i}.self_attn.o_proj"
+                                         for i in range(TINY_QWEN3_MOE["num_hidden_layers"])]

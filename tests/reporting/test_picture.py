@@ -38,3 +38,20 @@ def test_console_script_entry_point_runs():
         capture_output=True, text=True, check=True,
     )
     assert "efsdp_size=2" in result.stdout
+
+
+def test_the_experts_a_device_stores_are_the_parameter_table_s_per_device_shape():
+    """The demo prints both: the layout's header says how many experts a device runs and how many it stores, the
+    plan's table the stored per-device shape ([1, ...] of [8, ...] at tp2 fsdp4 ep4)."""
+    from moe_jax import AutoModelForCausalLM
+    from moe_jax.cli.demo import DEMO_CONFIG, DEMO_LAYOUT
+    from moe_jax.reporting.picture import layout_picture
+
+    config = DistributedConfig(**DEMO_LAYOUT)
+    header = layout_picture(config, DEMO_CONFIG["num_experts"]).splitlines()[0]
+    assert header.endswith("8 experts (2 run per device; each stores 1, gathered over its efsdp group)")
+    model = AutoModelForCausalLM.from_config(DEMO_CONFIG, config)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    shape = model.module_tree.params[name].shape
+    assert model.named_shardings()[name].shard_shape(shape)[0] == 1
+    assert layout_picture(DistributedConfig(fsdp_size=8, ep_size=8), 8).splitlines()[0].endswith("(1 per device)")

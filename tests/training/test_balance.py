@@ -274,3 +274,23 @@ def test_train_takes_the_balance_flags(tmp_path, capsys):
     assert error_line(capsys) == "--router-z-loss-coef -1.0 must be >= 0 (0 turns it off)."
     assert main(["train", "--steps", "1", "--router-bias-update-rate", "0.01", "--no-progress"]) == 2
     assert "whose routers hold one: deepseek_v3" in error_line(capsys)
+
+
+def test_a_bias_update_is_checked_against_config_json_before_loading(monkeypatch, capsys):
+    """The family's router bias is read from config.json: a family without one is refused before any weight is
+    read (the loader is not reached)."""
+    from moe_jax.checkpoint_files import read_config
+    from moe_jax.training.balance import check_router_bias
+
+    check_router_bias(read_config(DEEPSEEK), 0.01)
+    check_router_bias(read_config(FIXTURES / "models" / "qwen3_moe"), 0.0)
+    with pytest.raises(ValueError, match="which a qwen3_moe model does not have; .* hold one: deepseek_v3"):
+        check_router_bias(read_config(FIXTURES / "models" / "qwen3_moe"), 0.01)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights read before the flags were checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    assert main(["train", "--model", str(FIXTURES / "models" / "qwen3_moe"), "--steps", "1",
+                 "--router-bias-update-rate", "0.01", "--no-progress"]) == 2
+    assert "which a qwen3_moe model does not have" in error_line(capsys)

@@ -187,3 +187,48 @@ def test_ep_rank_load_in_the_train_metrics_tensorboard_and_plot_run(tmp_path):
                                [max_over_mean(r["ep_rank_load"])[1] for r in records[4]])
     assert lines["layer 1 ep ranks"].get_linestyle() == "--"
     plt.close(figure)
+
+
+def test_plot_run_draws_grad_norm_and_the_loss_terms_marks_re_placements_and_the_resume_and_fits_its_titles():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_run
+
+    load = [[5, 1, 0, 2], [0, 3, 3, 2]]
+    records = [{"step": step, "loss": 2.0 / step, "grad_norm": 1.0 + step, "aux_loss": 0.1, "router_z_loss": 0.5,
+                "lr": 1e-3, "tokens_per_s": 100.0, "capacity": 1.25, "replayed": step == 2, "expert_load": load,
+                "expert_load_layers": [1, 2], "ep_rank_load": [[6, 2], [3, 5]]} for step in range(1, 7)]
+    records[2]["rebalanced"] = True
+    records[4]["resumed"] = True
+    figure = plot_run.draw(records)
+    figure.canvas.draw()
+    panels = {axis.get_title(): axis for axis in figure.axes if axis.get_title()}
+    grad = panels["gradient norm"].get_lines()[0]
+    assert list(grad.get_xdata()) == list(range(1, 7)) and list(grad.get_ydata())[:2] == [2.0, 3.0]
+    assert {"aux loss", "router z loss"} <= {line.get_label() for line in panels["router and MTP loss terms"].lines}
+    balance = next(axis for title, axis in panels.items() if title.startswith("router load"))
+    verticals = [(line.get_label(), line.get_xdata()[0]) for line in balance.get_lines()
+                 if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2]
+    assert ("re-placement", 3) in verticals and ("resumed", 5) in verticals
+    assert ("resumed", 5) in [(line.get_label(), line.get_xdata()[0]) for line in panels["loss"].get_lines()
+                              if line.get_label() == "resumed"]
+    renderer, bounds = figure.canvas.get_renderer(), figure.bbox
+    for axis in panels.values():     # no title runs past the figure's edges
+        extent = axis.title.get_window_extent(renderer)
+        assert bounds.x0 <= extent.x0 and extent.x1 <= bounds.x1, axis.get_title()
+    plt.close(figure)
+
+
+def test_a_resumed_run_s_first_record_says_so(tmp_path):
+    from moe_jax.cli.train_progress import TrainProgress
+
+    for start, marked in ((0, []), (4, [5])):
+        jsonl = tmp_path / f"from_{start}.jsonl"
+        progress = TrainProgress(start, start + 2, str(jsonl), False)
+        for step in (start + 1, start + 2):
+            progress({"step": step, "loss": 1.0, "tokens_per_s": 10.0, "capacity": None, "replays": 0})
+        progress.close()
+        records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        assert [r["step"] for r in records if r.get("resumed")] == marked
