@@ -13,6 +13,7 @@ argument of a jitted step or a shard_map and changes without recompiling: the sh
 (the last axis of `logical_to_physical` is R + 1, the most replicas any expert can have).
 
     placement = balanced_placement(expert_load, num_redundant_experts=R, ep_size=8)   # host, numpy
+    placement = better_placement(current, placement, expert_load, ep_size=8)   # per layer, never worse
     layer = placement.layer(i)                       # or jax.tree.map(lambda a: a[i], placement), or a scan
     slots = choose_replica(layer, expert_ids, token_positions)                # traceable, deterministic
 
@@ -259,6 +260,21 @@ def expected_rank_load(placement: ExpertPlacement, expert_load, ep_size: int) ->
     load = np.asarray(expert_load, np.float64)
     per_slot = np.take_along_axis(load / count, slots, axis=1)
     return per_slot.reshape(slots.shape[0], ep_size, -1).sum(-1)
+
+
+def better_placement(current: ExpertPlacement, proposed: ExpertPlacement, expert_load, ep_size: int
+                     ) -> ExpertPlacement:
+    """Per layer, `proposed`'s slots where they give the busiest rank less of `expert_load [L, E]` than `current`'s
+    (`expected_rank_load`), else `current`'s: a re-placement never makes a layer worse on the load it was computed
+    from. `balanced_placement` packs greedily, so on some loads it is worse than a placement already in force (one
+    a previous window found, or a hand-made one); a tie keeps `current` (no slot moves for nothing)."""
+    load = np.asarray(expert_load, np.float64)
+    old, new = (np.asarray(placement.physical_to_logical) for placement in (current, proposed))
+    if old.shape != new.shape:
+        raise ValueError(f"placements of shapes {old.shape} and {new.shape} cannot be compared.")
+    busiest = [expected_rank_load(placement, load, ep_size).max(1) for placement in (current, proposed)]
+    takes = busiest[1] < busiest[0] * (1 - 1e-9)
+    return placement_from_slots(np.where(takes[:, None], new, old), load.shape[1])
 
 
 def choose_replica(placement_layer: ExpertPlacement, expert_ids, token_positions):

@@ -17,8 +17,10 @@ resume exact: the state's `data_position` is the index of the next batch.
 
 With redundant expert slots, `rebalance_every=N` re-places the experts after every N-th step (host side, between
 steps, the queue drained as for a save): `balanced_placement` of the real tokens each expert got in the last N
-applied steps (the state's `expert_load_window`, summed by the step itself), which the following steps run as an
-input of the same program. The placement and the window are in the state, so checkpoints resume them exactly.
+applied steps (the state's `expert_load_window`, summed by the step itself, in logical expert ids whatever the
+placement each step ran), which the following steps run as an input of the same program; a layer keeps its
+placement where the new one would not give that window's busiest rank less (`eplb.better_placement`). The
+placement and the window are in the state, so checkpoints resume them exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
-from ..distributed.eplb import balanced_placement
+from ..distributed.eplb import balanced_placement, better_placement
 from .data import place_batch
 from .state import TrainState
 
@@ -170,13 +172,15 @@ class TrainLoop:
         return self.rebalance_every is not None and step % self.rebalance_every == 0
 
     def _rebalanced(self, state: TrainState) -> TrainState:
-        """`state` running the balanced placement of its load window, the window zeroed (the model's placement
-        too, for what runs it after the loop)."""
+        """`state` running the balanced placement of its load window (per layer, where it gives the window's
+        busiest rank less than the placement in force: `eplb.better_placement`), the window zeroed (the model's
+        placement too, for what runs it after the loop)."""
         model = self.train_step.model
         window = state.expert_load_window
-        placement = model.set_expert_placement(balanced_placement(
-            np.asarray(jax.device_get(window)), num_redundant_experts=model.num_redundant_experts,
-            ep_size=model.layout.ep_size))
+        load, ep = np.asarray(jax.device_get(window)), model.layout.ep_size
+        proposed = balanced_placement(load, num_redundant_experts=model.num_redundant_experts, ep_size=ep)
+        current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), state.expert_placement)
+        placement = model.set_expert_placement(better_placement(current, proposed, load, ep))
         # A copy: the step donates its state, and the model keeps running its own placement after the loop.
         return state.replace(expert_placement=jax.tree.map(jnp.copy, placement),
                              expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))

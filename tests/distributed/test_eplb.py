@@ -12,6 +12,7 @@ import pytest
 from moe_jax.distributed.eplb import (
     ExpertPlacement,
     balanced_placement,
+    better_placement,
     check_num_redundant_experts,
     choose_replica,
     expected_rank_load,
@@ -160,6 +161,26 @@ def test_replicas_go_to_the_busiest_experts():
     np.testing.assert_array_equal(placement.replica_count[0], [1, 4, 1, 2, 1, 1, 1, 1])
     ranks = expected_rank_load(placement, load, 4)[0]
     assert ranks.max() - ranks.min() < 25.0 + 1e-9   # greedy packing: within one replica's weight
+
+
+def test_a_re_placement_never_makes_a_layer_worse_on_its_load():
+    """Greedy packing is not optimal: on [10, 10, 1, 1] (4 + 4 slots, 4 ranks of 2) it gives both hot experts 3
+    replicas (busiest rank 6.67), where 4 + 2 replicas hold every rank to 6. A layer already running that keeps
+    it; a layer the proposal improves takes it; per layer, in one placement."""
+    load = np.array([[10.0, 10, 1, 1], [10, 10, 1, 1]])
+    good = [1, 2, 1, 3, 0, 0, 0, 0]                       # rank loads 6, 6, 5, 5
+    current = placement_from_slots([good, [0, 1, 2, 3, 0, 1, 2, 3]], 4)      # layer 1: the identity
+    proposed = balanced_placement(load, num_redundant_experts=4, ep_size=4)
+    assert expected_rank_load(proposed, load, 4).max(1).round(2).tolist() == [6.67, 6.67]
+    chosen = better_placement(current, proposed, load, ep_size=4).check(2, 4, 4, 4)
+    np.testing.assert_array_equal(chosen.physical_to_logical, [good, proposed.physical_to_logical[1]])
+    assert expected_rank_load(chosen, load, 4).max(1).round(2).tolist() == [6.0, 6.67]
+    # On device arrays too (a train state's placement), and a tie keeps the placement in force.
+    on_device = jax.tree.map(jnp.asarray, proposed)
+    np.testing.assert_array_equal(better_placement(on_device, current, load, 4).physical_to_logical,
+                                  [good, proposed.physical_to_logical[1]])
+    same = better_placement(current, placement_from_slots(np.roll(current.physical_to_logical, 2, 1), 4), load, 4)
+    np.testing.assert_array_equal(same.physical_to_logical, current.physical_to_logical)
 
 
 def test_the_identity_placement():

@@ -17,6 +17,7 @@ from moe_jax.training import make_train_step
 from moe_jax.training.checkpoints import TrainCheckpoints
 from moe_jax.training.loop import TrainLoop
 
+from ..distributed.test_redundant_experts import imbalance, skewed_batch
 from ..models.test_apply import count_compilations
 from ..test_cli_errors import error_line
 from .hf_training import CHECKPOINT
@@ -58,6 +59,41 @@ def test_rebalancing_compiles_nothing_and_a_resume_continues_bit_exactly(tmp_pat
                                   balanced_placement(load, num_redundant_experts=8, ep_size=8).physical_to_logical)
     again, _ = TrainLoop(train_step, SkewedBatches(), rebalance_every=2).run(resumed, 4, capacity_state)
     jax.tree.map(np.testing.assert_array_equal, again.arrays(), final.arrays())
+
+
+class RepeatedBatch:
+    """One skewed batch every step: tests/distributed/test_redundant_experts.py's (half the rows one token)."""
+
+    def __init__(self):
+        self.ids = skewed_batch(128)
+
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        return {"input_ids": self.ids}
+
+
+def test_a_training_window_places_as_the_forward_does_and_never_worse_on_an_unchanged_load():
+    """At rate 0 on one repeated batch the load stays put: the first re-placement (from 2 steps under the identity)
+    is the forward's balanced placement of that batch, whose busiest rank the following steps run, and later
+    re-placements (from windows under that placement: logical expert ids) keep it."""
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False, num_redundant_experts=8)
+    data = RepeatedBatch()
+    forward = model.apply(model.params, data.ids)
+    placement = balanced_placement(forward.expert_load, num_redundant_experts=8, ep_size=8)
+    balanced = model.apply(model.params, data.ids, expert_placement=placement)
+    train_step = make_train_step(model, optax.sgd(0.0))
+    records = []
+    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+    final, _ = TrainLoop(train_step, data, rebalance_every=2, on_step=records.append).run(state, 6)
+    for record in records:
+        np.testing.assert_array_equal(record["expert_load"], forward.expert_load)
+    shares = np.array([imbalance(record["ep_rank_load"]) for record in records])     # [steps, sparse layers]
+    np.testing.assert_array_equal(records[0]["ep_rank_load"], forward.ep_rank_load)
+    for record in records[2:]:
+        np.testing.assert_array_equal(record["ep_rank_load"], balanced.ep_rank_load)
+    assert (shares[0] > 1.4).all() and (shares[2:] <= 1.3).all(), shares     # identity: 1.52, 1.64
+    assert (np.diff(shares, axis=0) <= 0).all(), shares
+    np.testing.assert_array_equal(final.expert_placement.physical_to_logical, placement.physical_to_logical)
 
 
 def test_rebalancing_needs_redundant_slots(capsys):
