@@ -47,8 +47,6 @@ def add_slot_flags(parser, steps: str = "steps") -> None:
 
 def check_balance_flags(args, config: dict) -> None:
     """The flags' values, and a router bias update against the family of config.json's values `config`."""
-    from ..training.balance import check_router_bias
-
     for flag in ("router_z_loss_coef", "router_bias_update_rate", "mtp_loss_coef"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
@@ -71,3 +69,19 @@ def balance_options(args) -> dict:
     """`make_train_step`'s keyword arguments for the flags."""
     return {"router_z_loss_coef": args.router_z_loss_coef, "router_bias_update_rate": args.router_bias_update_rate,
             "mtp_loss_coef": args.mtp_loss_coef}
+
+
+def check_router_bias(config: dict, rate: float) -> None:
+    """Refuse a bias update (rate > 0) for the model of config.json's values `config` if its sparse layers hold no
+    router bias: from the config alone, before any weight is read."""
+    if not rate:
+        return
+    from ..causal_lm.families import model_class_for
+    from ..module_tree import ModuleTree
+    from ..training.balance import ROUTER_BIAS, no_router_bias
+
+    model_class = model_class_for(config)
+    family, values, tree = model_class.family, model_class.config_class.from_dict(config), ModuleTree()
+    family.declare_sparse_mlp(tree, values, family.experts_intermediate_size(values))
+    if not any(buffer.endswith("." + ROUTER_BIAS) for buffer in tree.buffers()):
+        raise ValueError(no_router_bias(float(rate), values.model_type))

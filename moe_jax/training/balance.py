@@ -51,20 +51,6 @@ def no_router_bias(rate: float, model_type: str) -> str:
             "True, router_aux_loss_coef) or the router z-loss.")
 
 
-def check_router_bias(config: dict, rate: float) -> None:
-    """Refuse a bias update (rate > 0) for the model of config.json's values `config` if its sparse layers hold no
-    router bias: from the config alone, before any weight is read."""
-    if not rate:
-        return
-    from ..causal_lm.families import model_class_for   # the model classes import the training package's peers
-
-    model_class = model_class_for(config)
-    family, values, tree = model_class.family, model_class.config_class.from_dict(config), ModuleTree()
-    family.declare_sparse_mlp(tree, values, family.experts_intermediate_size(values))
-    if not any(buffer.endswith("." + ROUTER_BIAS) for buffer in tree.buffers()):
-        raise ValueError(no_router_bias(float(rate), values.model_type))
-
-
 def check_router_z_loss(model, coef: float) -> float:
     """`coef` as a float, after checking that the model's step returns what the z-loss reads."""
     coef = float(coef)

@@ -280,7 +280,7 @@ def test_a_bias_update_is_checked_against_config_json_before_loading(monkeypatch
     """The family's router bias is read from config.json: a family without one is refused before any weight is
     read (the loader is not reached)."""
     from moe_jax.checkpoint_files import read_config
-    from moe_jax.training.balance import check_router_bias
+    from moe_jax.cli.balance_flags import check_router_bias
 
     check_router_bias(read_config(DEEPSEEK), 0.01)
     check_router_bias(read_config(FIXTURES / "models" / "qwen3_moe"), 0.0)
