@@ -109,9 +109,6 @@ class ServingEngine(Scheduler):
                   [("prefill", self.groups * config.prefill_rows, config.prefill_chunk)])
         verify = ([("verify", self.groups * rows, 1 + config.num_speculative_tokens) for rows in self.decode_row_counts]
                   if config.speculative else [])
-        if config.speculative and config.mixed_steps and config.prefill_chunk > config.num_speculative_tokens:
-            verify += [("mixed_verify", self.groups * rows + config.max_slots, config.prefill_chunk)
-                       for rows in self.mixed_prompt_rows]
         return shapes + [("decode", self.groups * rows, 1) for rows in self.decode_row_counts] + verify
 
     def programs_to_compile(self) -> list[tuple[str, int, int, int]]:

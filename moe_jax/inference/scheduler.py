@@ -312,16 +312,12 @@ class Scheduler(SpeculativeSteps):
         inputs = self._host_inputs(self.groups * stride, self.config.prefill_chunk)
         placed = self._place_prefill(inputs, pieces, stride)
         decode_rows = {request.request_id: self._mixed_decode_row(request.slot, prompt_rows) for request in decoding}
-        drafts = self._drafts(decoding, prefilling) if self.config.prefill_chunk > self.config.num_speculative_tokens \
-            else {}
         for request in decoding:
-            self._write_row(inputs, decode_rows[request.request_id], request, partial(
-                self._decode_row, inputs, decode_rows[request.request_id], request, drafts.get(request.request_id, ())))
+            self._write_row(inputs, decode_rows[request.request_id], request,
+                            partial(self._decode_row, inputs, decode_rows[request.request_id], request))
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not placed and not decoding:
             return []
-        if any(drafts.values()):   # the slots' drafts verified in the same program
-            return self._mixed_verified(inputs, placed, decoding, decode_rows, drafts)
         tokens = self._run_step("mixed", inputs)
         self.steps["mixed"] += 1
         events = self._prefilled(placed, tokens)

@@ -16,13 +16,12 @@ class SpeculativeSteps:
     """Drafts, verification steps and acceptance; the scheduler supplies config, counters, rows, inputs and
     `_emit`."""
 
-    def _drafts(self, decoding: list[Request], prefilling: list[Request] = ()) -> dict[str, list[int]]:
+    def _drafts(self, decoding: list[Request]) -> dict[str, list[int]]:
         """Each decoding request's drafts (none without speculation). Drafts are verified only in steps whose
-        rows' logits are the model's alone, the prompts' of a mixed step too (no bias, penalty, held stop ids or
-        log probabilities: the verification programs apply none of them)."""
+        rows' logits are the model's alone (no bias, penalty, held stop ids or log probabilities: the
+        verification program applies none of them)."""
         if not self.config.speculative or any(
-                request.settings.controls_logits(len(request.output.generated_tokens))
-                for request in (*decoding, *prefilling)):
+                request.settings.controls_logits(len(request.output.generated_tokens)) for request in decoding):
             return {}
         return {request.request_id: request_drafts(request, self.config) for request in decoding}
 
@@ -42,7 +41,10 @@ class SpeculativeSteps:
         self.steps["verify"] += 1
         events = []
         for request in decoding:
-            events.append(self._kept(request, verified[rows[request.request_id]], drafts[request.request_id]))
+            count, *tokens = verified[rows[request.request_id]]
+            self.draft_tokens += len(drafts[request.request_id])
+            self.accepted_draft_tokens += int(count) - 1
+            events.append(self._emit_tokens(request, [int(token) for token in tokens[:count]]))
             self._keep_drafts(request, rows[request.request_id])
         return events
 
@@ -50,23 +52,6 @@ class SpeculativeSteps:
         """Drafting with MTP layers: `request` keeps its row's drafts of the step just run, for its next step."""
         if self.step_drafts is not None:
             request.drafts = [int(token) for token in self.step_drafts[row]]
-
-    def _mixed_verified(self, inputs: dict, placed: list, decoding: list[Request], rows: dict[str, int],
-                        drafts: dict[str, list[int]]) -> list[StepEvent]:
-        """Run a mixed step whose slots verify their drafts ("mixed_verify": a prompt row's token is its first
-        one, `[count 1, token]`) -> what each request got."""
-        verified, _ = self._run_step("mixed_verify", inputs)
-        self.steps["mixed"] += 1
-        events = self._prefilled(placed, (verified[:, 1], None))
-        return events + [self._kept(request, verified[rows[request.request_id]], drafts[request.request_id])
-                         for request in decoding]
-
-    def _kept(self, request: Request, verified: np.ndarray, drafts: list[int]) -> StepEvent:
-        """verified: [1 + T] a row's count of new tokens, then the tokens -> `request`'s event."""
-        count = int(verified[0])
-        self.draft_tokens += len(drafts)
-        self.accepted_draft_tokens += count - 1
-        return self._emit_tokens(request, [int(token) for token in verified[1:1 + count]])
 
     def _emit_tokens(self, request: Request, tokens: list[int]) -> StepEvent:
         """`_emit` each of a step's tokens for `request` in order, up to one that ends it -> one event."""

@@ -205,9 +205,8 @@ class StepPrograms:
 
     def _lowered(self, name: str, placed: tuple, tokens: int):
         rows = placed[0].shape[0]
-        prompt_rows = (rows - self.config.max_slots) // self.groups if name.startswith("mixed") else None
-        verify = name in ("verify", "mixed_verify")
-        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=verify),
+        prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
+        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=name == "verify"),
                        donate_argnums=(1, 2, 3)).lower(self._weights(), self.keys, self.values, self.counts, *placed)
 
     def lower(self, name: str, rows: int, tokens: int, width: int):
@@ -232,18 +231,14 @@ class StepPrograms:
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
         if prompt_rows is not None:
-            # A mixed step that verifies drafts: each slot's last token and its drafts (1 + K tokens).
-            slot_tokens = 1 + self.config.num_speculative_tokens if verify else 1
-            segments = self._segments(tokens, prompt_rows, slot_tokens)
+            segments = self._segments(tokens, prompt_rows)
             cache = PagedKVCache(keys=keys, values=values, page_table=inputs["page_table"],
                                  lengths=inputs["lengths"], segments=segments)
-            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows, slot_tokens),
-                                       attention_mask=self._flat_tokens(mask, tokens, prompt_rows, slot_tokens),
-                                       cache=cache, capacity=None, inference=True, return_hidden=True,
-                                       adapter=adapter, expert_placement=placement)
+            out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
+                                       attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
+                                       capacity=None, inference=True, return_hidden=True, adapter=adapter,
+                                       expert_placement=placement)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
-            if verify:   # every row scored at 1 + K positions: a prompt row at its last token, without drafts
-                inputs = self._mixed_verify_inputs(inputs, prompt_rows, slot_tokens)
         else:
             keys, values = dict(keys), dict(values)
             mtp_pools = (keys.pop("mtp"), values.pop("mtp")) if self.mtp else None
@@ -337,36 +332,23 @@ class StepPrograms:
                                          inputs["temperature"], inputs["top_k"], inputs["top_p"])
         return jax.lax.with_sharding_constraint(jnp.concatenate([counts[:, None], tokens], axis=1), self._replicated)
 
-    def _segments(self, tokens: int, prompt_rows: int, slot_tokens: int = 1) -> tuple[tuple[int, int], ...]:
-        """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, slot_tokens)."""
-        return (prompt_rows, tokens), (self.config.max_slots // self.groups, slot_tokens)
+    def _segments(self, tokens: int, prompt_rows: int) -> tuple[tuple[int, int], ...]:
+        """A mixed step's sequences per group: (prompt rows, chunk tokens), (slots, 1)."""
+        return (prompt_rows, tokens), (self.config.max_slots // self.groups, 1)
 
-    def _flat_tokens(self, rows: jax.Array, tokens: int, prompt_rows: int, slot_tokens: int = 1) -> jax.Array:
+    def _flat_tokens(self, rows: jax.Array, tokens: int, prompt_rows: int) -> jax.Array:
         """rows: [G * Q, C] a mixed step's rows -> [G * Ng, 1] its tokens: each group's prompt rows whole, then
-        its slots' first `slot_tokens` columns."""
+        its slots' first column."""
         grouped = rows.reshape(self.groups, -1, tokens)
         prompts = grouped[:, :prompt_rows].reshape(self.groups, -1)
-        slots = grouped[:, prompt_rows:, :slot_tokens].reshape(self.groups, -1)
-        return jnp.concatenate([prompts, slots], axis=1).reshape(-1, 1)
+        return jnp.concatenate([prompts, grouped[:, prompt_rows:, 0]], axis=1).reshape(-1, 1)
 
     def _sampled_tokens(self, hidden: jax.Array, last: jax.Array, segments) -> jax.Array:
         """hidden: [G * Ng, 1, H] a mixed step's flat tokens; last: [G * Q] each row's last real token in its row
-        -> [G * Q, T, H] the hidden states each row samples from: a prompt row's at its last token (T times), a
-        slot's at each of its T tokens (T: the slots' tokens, 1 unless the step verifies drafts)."""
-        (prompts, chunk), (slots, length) = segments
+        -> [G * Q, 1, H] the hidden state each row samples from."""
+        (prompts, chunk), (slots, _) = segments
         last = last.reshape(self.groups, -1)
-        prompt_at = jnp.broadcast_to((jnp.arange(prompts) * chunk + last[:, :prompts])[..., None],
-                                     (self.groups, prompts, length))
-        slot_at = jnp.broadcast_to(prompts * chunk + jnp.arange(slots * length).reshape(slots, length),
-                                   (self.groups, slots, length))
-        where = jnp.concatenate([prompt_at, slot_at], axis=1).reshape(self.groups, -1)
+        where = jnp.concatenate([jnp.arange(prompts) * chunk + last[:, :prompts],
+                                 jnp.broadcast_to(prompts * chunk + jnp.arange(slots), (self.groups, slots))], axis=1)
         grouped = hidden.reshape(self.groups, -1, hidden.shape[-1])
-        return jnp.take_along_axis(grouped, where[..., None], axis=1).reshape(-1, length, hidden.shape[-1])
-
-    def _mixed_verify_inputs(self, inputs: dict, prompt_rows: int, length: int) -> dict:
-        """A verifying mixed step's inputs as `_verified` reads them: ids, mask [G * Q, length], a prompt row's
-        mask its one sampled position (no drafts), a slot's its last token and drafts."""
-        mask = inputs["mask"].reshape(self.groups, -1, inputs["mask"].shape[1])
-        prompt_real = (jnp.sum(mask[:, :prompt_rows], axis=2, keepdims=True) > 0) & (jnp.arange(length) == 0)
-        mask = jnp.concatenate([prompt_real.astype(mask.dtype), mask[:, prompt_rows:, :length]], axis=1)
-        return dict(inputs, ids=inputs["ids"][:, :length], mask=mask.reshape(-1, length))
+        return jnp.take_along_axis(grouped, where[..., None], axis=1).reshape(-1, 1, hidden.shape[-1])

@@ -135,10 +135,10 @@ def test_a_request_whose_row_fails_fails_alone(monkeypatch):
     engine = scheduler(step, max_slots=2, page_size=4, max_model_len=16)
     decode_row = engine._decode_row
 
-    def poisoned(inputs, row, request, drafts=()):
+    def poisoned(inputs, row, request):
         if request.request_id == "bad":
             raise OverflowError("out of bounds for int32")
-        decode_row(inputs, row, request, drafts)
+        decode_row(inputs, row, request)
 
     monkeypatch.setattr(engine, "_decode_row", poisoned)
     good, bad = (Request(name, [4], RequestSettings(max_new_tokens=3)) for name in ("good", "bad"))
