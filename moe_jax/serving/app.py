@@ -37,7 +37,7 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import replace
 
 from ..inference.manager import QueueFull
@@ -214,6 +214,10 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
         raise ImportError(f'the server needs fastapi and uvicorn: pip install "moe_jax[serve]" ({error})') from None
 
     server = _Server(manager, tokenizer, model_name, max_model_len, max_prompt_chars)
+    tokenizer_json = getattr(tokenizer, "tokenizer_json", None)
+    if tokenizer_json is not None and getattr(manager.engine, "grammars", True) is None:
+        with suppress(ValueError):   # no llguidance: requests with a grammar are refused (400)
+            manager.engine.enable_grammars(tokenizer_json)   # structured output (`structured`)
 
     @asynccontextmanager
     async def lifespan(app):
