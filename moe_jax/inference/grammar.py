@@ -9,8 +9,8 @@ The engine keeps one `GrammarMatcher` per request (on its `Request`): `allowed` 
 grammar allows next (int32 [ceil(V / 32)], bit v % 32 of word v // 32: token v; V the model's vocabulary, whose
 ids beyond the tokenizer's are never allowed), which the scheduler writes into the request's rows and the step
 applies on the device (a disallowed token's logit is -inf). After each token the host advances the matcher and
-computes the next mask at once, while the step's outputs are handed over and before the next step is built (a
-small grammar's mask takes about 0.1 ms on the host). The request ends ("stop") when its grammar is complete and
+computes the next mask at once, while the step's outputs are handed over and before the next step is built
+(on the engine's thread: no pool). The request ends ("stop") when its grammar is complete and
 nothing may follow. The tokenizer's EOS ids are allowed only where they end the request anyway (its
 eos_token_id / stop_token_ids): a checkpoint without an EOS token ends where the grammar does.
 """
