@@ -104,7 +104,7 @@ def packed(inputs: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.nd
     floats = np.stack([inputs["temperature"], inputs["top_p"]], axis=1).astype(np.float32)
     floats = np.concatenate([floats, np.stack([inputs[name] for name in FLOAT_SCALARS[2:]], axis=1),
                              inputs["bias"]], axis=1, dtype=np.float32)
-    return ints.astype(np.int32), floats
+    return ints.astype(np.int32, copy=False), floats
 
 
 def packed_width(ints_columns: int, tokens: int, vocab: int) -> int:
