@@ -22,6 +22,10 @@ import json
 import numpy as np
 
 
+# Compiled grammars kept for reuse (the oldest dropped first).
+TEMPLATES = 64
+
+
 def _llguidance():
     try:
         import llguidance
@@ -78,14 +82,20 @@ class Grammars:
         self._llg_words = mask_words(self.tokenizer.vocab_size)
         # Tokens the model may emit at all: the tokenizer's ids within the model's vocabulary (padding ids: never).
         self.limit = min(self.tokenizer.vocab_size, vocab_size)
+        self._templates: dict[str, object] = {}   # grammar text -> a compiled matcher at its start
 
     def matcher(self, grammar: str, stop_ids=()) -> GrammarMatcher:
         """A matcher at the start of `grammar` (ValueError if llguidance refuses it); stop_ids: the ids that end
         the request (the only EOS ids it may emit)."""
-        matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the grammar is not valid: {matcher.get_error()}")
-        return GrammarMatcher(self, matcher, stop_ids)
+        template = self._templates.get(grammar)
+        if template is None:   # compiled once per grammar (n choices, repeated schemas), then copied
+            template = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"the grammar is not valid: {template.get_error()}")
+            if len(self._templates) >= TEMPLATES:
+                self._templates.pop(next(iter(self._templates)), None)
+            self._templates[grammar] = template
+        return GrammarMatcher(self, template.deep_copy(), stop_ids)
 
 
 class GrammarMatcher:
