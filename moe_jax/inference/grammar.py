@@ -1,4 +1,4 @@
-"""Structured output: a request's grammar (JSON schema, any JSON object, a regular expression, Lark) as a token
+"""Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression) as a token
 mask per step, from llguidance (`pip install "moe_jax[serve]"`, or `pip install llguidance`).
 
     grammar = json_schema_grammar({"type": "object", ...})      # or regex_grammar("[a-z]+"), json_object_grammar()

@@ -118,7 +118,8 @@ class RequestSettings:
 
     def controls_logits(self, generated: int) -> bool:
         """Whether the step changes this request's logits (a bias, a penalty, min_tokens holding its stop ids back
-        after `generated` tokens, a grammar) or reads them (log probabilities): its rows are not verified speculatively."""
+        after `generated` tokens, a grammar) or reads them (log probabilities): its rows are not verified
+        speculatively."""
         return bool(self.logit_bias or self.penalized or self.logprobs or generated < self.min_tokens
                     or self.grammar is not None)
 

@@ -112,7 +112,8 @@ class StepPrograms:
 
     def compile(self, name: str, rows: int, tokens: int, width: int) -> None:
         """Compile program `name` for `rows` rows of `tokens` tokens at page width `width` (if not yet)."""
-        self._program(name, self._placed(*packed(host_inputs(rows, tokens, self.pages_per_slot, self.vocab), width)), tokens)
+        inputs = host_inputs(rows, tokens, self.pages_per_slot, self.vocab)
+        self._program(name, self._placed(*packed(inputs, width)), tokens)
 
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
