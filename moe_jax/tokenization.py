@@ -29,13 +29,15 @@ class CheckpointTokenizer:
     assistant's turn (Transformers' `apply_chat_template(messages, tools=tools, add_generation_prompt=True)`);
     None when the checkpoint has no chat template. max_token_chars: the most characters one token of the
     vocabulary spells (a bound on the text a number of tokens can hold: the server refuses a prompt too long
-    for its context before tokenizing it); None when unknown."""
+    for its context before tokenizing it); None when unknown. tokenizer_json: the tokenizer as tokenizer.json's
+    text (structured output builds llguidance's tokenizer from it); None when not known."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     apply_chat_template: Callable[..., list[int]] | None = None
     max_token_chars: int | None = None
     decode_special: Callable[[list[int]], str] | None = None
+    tokenizer_json: str | None = None
 
 
 def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer:
@@ -60,7 +62,8 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                    apply_chat_template=_chat_template(tokenizer),
                                    max_token_chars=_longest_token(tokenizer.get_vocab()),
-                                   decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+                                   decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                                   tokenizer_json=_fast_tokenizer_json(tokenizer))
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{directory} has no tokenizer.json and transformers is not installed to read its other "
@@ -75,7 +78,14 @@ def load_checkpoint_tokenizer(directory, *, instead: str) -> CheckpointTokenizer
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                apply_chat_template=_rendered_chat_template(directory, tokenizer),
                                max_token_chars=_longest_token(tokenizer.get_vocab()),
-                               decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+                               decode_special=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                               tokenizer_json=tokenizer.to_str())
+
+
+def _fast_tokenizer_json(tokenizer) -> str | None:
+    """A Transformers fast tokenizer's tokenizer.json text (its added tokens included); None for a slow one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else backend.to_str()
 
 
 def _longest_token(vocabulary: dict[str, int]) -> int | None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import lead_follow
+from .grammar import Grammars
 from .requests import (
     ContinuousBatchingConfig,
     GenerationOutput,
@@ -78,10 +79,28 @@ class ServingEngine(Scheduler):
         super().__init__(config, groups=model.data_parallel_size, vocab_size=model.config.vocab_size,
                          max_positions=getattr(model.config, "max_position_embeddings", None),
                          run=self._run_program, decode=decode, namespace=_cache_namespace(model))
-        self.model = model
+        self.model, self.grammars = model, None   # grammars: `enable_grammars`
         self.params = model.params if params is None else params
         self.programs = StepPrograms(model, self.params, config, groups=self.groups,
                                      pages_per_group=self.book.pages_per_group)
+
+    def enable_grammars(self, tokenizer_json: str, eos_token_ids=None) -> None:
+        """Serve requests with a `grammar` (structured output): `tokenizer_json` is the checkpoint's tokenizer.json
+        text (llguidance's view of the vocabulary); eos_token_ids: the EOS ids the grammar ends with (default: the
+        model's generation config's)."""
+        if eos_token_ids is None:
+            eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.grammars = Grammars(tokenizer_json, self.vocab_size, eos_token_ids)
+
+    def check(self, request: Request) -> None:
+        """`Scheduler.check`, and a request's grammar compiled (its matcher kept on the request)."""
+        super().check(request)
+        if request.settings.grammar is not None and request.grammar is None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the checkpoint's tokenizer: the engine's enable_grammars "
+                                 "was not called (moe-jax serve calls it when the checkpoint has a tokenizer.json).")
+            request.grammar = self.grammars.matcher(request.settings.grammar, request.settings.stop_ids())
 
     def _run_program(self, name: str, inputs) -> object:
         result = self.programs.run(name, inputs)

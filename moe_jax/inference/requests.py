@@ -46,7 +46,10 @@ class RequestSettings:
     OpenAI's, subtracted per token id generated so far (presence once, frequency per occurrence); repetition_penalty:
     Transformers' / vLLM's, dividing positive logits and multiplying negative ones of every id in the prompt or
     generated so far (1.0: off); min_tokens: eos_token_id and stop_token_ids are masked, and no stop condition but
-    the length ends the request, until it has that many tokens; stop_token_ids: more ids that end it (as EOS)."""
+    the length ends the request, until it has that many tokens; stop_token_ids: more ids that end it (as EOS);
+    grammar: structured output, an llguidance grammar's serialized text (`grammar.json_schema_grammar`,
+    `regex_grammar`, `json_object_grammar`): each token is one the grammar allows, and the request ends ("stop")
+    where the grammar is complete (the engine needs `enable_grammars`)."""
 
     max_new_tokens: int = 20
     eos_token_id: tuple[int, ...] = ()
@@ -64,6 +67,7 @@ class RequestSettings:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -104,6 +108,8 @@ class RequestSettings:
         if self.min_tokens and len(set(self.eos_token_id) | set(stop_ids)) > MAX_MIN_TOKENS_STOP_IDS:
             raise ValueError(f"min_tokens holds back eos_token_id and stop_token_ids: at most "
                              f"{MAX_MIN_TOKENS_STOP_IDS} ids together.")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be a grammar's text (`grammar.json_schema_grammar`, ...) or None.")
 
     @property
     def penalized(self) -> bool:
@@ -112,8 +118,10 @@ class RequestSettings:
 
     def controls_logits(self, generated: int) -> bool:
         """Whether the step changes this request's logits (a bias, a penalty, min_tokens holding its stop ids back
-        after `generated` tokens) or reads them (log probabilities): its rows are not verified speculatively."""
-        return bool(self.logit_bias or self.penalized or self.logprobs or generated < self.min_tokens)
+        after `generated` tokens, a grammar) or reads them (log probabilities): its rows are not verified
+        speculatively."""
+        return bool(self.logit_bias or self.penalized or self.logprobs or generated < self.min_tokens
+                    or self.grammar is not None)
 
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end the request: eos_token_id, then the stop_token_ids not among them."""
@@ -189,6 +197,7 @@ class Request:
     registered: int = 0                      # its first pages whose keys and values are stored and registered
     drafts: list[int] = field(default_factory=list)   # speculative="mtp": its next tokens as last drafted
     counted: bool = False   # its slot's token counts were reset by a row of its (penalties)
+    grammar: object = None  # its settings' grammar: a `grammar.GrammarMatcher`, its next token's mask
 
     def __post_init__(self):
         if self.output is None:

@@ -107,6 +107,14 @@ def add_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Arr
     return logits.astype(jnp.float32).at[rows, bias_ids].add(bias, mode="drop")
 
 
+def allowed_only(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits: [R, V]; allowed: [R, ceil(V / 32)] int32 bitmasks (bit v % 32 of word v // 32: token v; -1 words:
+    every token) -> logits with each row's disallowed tokens at -inf (a grammar's mask, `grammar`)."""
+    ids = jnp.arange(logits.shape[-1])
+    bits = (allowed[:, ids // 32] >> (ids % 32)) & 1
+    return jnp.where(bits > 0, logits, -jnp.inf)
+
+
 def penalize(logits: jax.Array, generated: jax.Array, in_prompt: jax.Array, presence: jax.Array,
              frequency: jax.Array, repetition: jax.Array) -> jax.Array:
     """vLLM's penalties in its order. logits: [R, V]; generated: [R, V] int each id's count among the row's generated

@@ -377,11 +377,12 @@ class Scheduler(SpeculativeSteps):
         return events
 
     def _host_inputs(self, rows: int, length: int) -> dict[str, np.ndarray]:
-        return host_inputs(rows, length, self.pages_per_slot)
+        return host_inputs(rows, length, self.pages_per_slot, self.vocab_size)
 
     @staticmethod
     def _sampling_inputs(inputs: dict, row: int, request: Request) -> None:
-        write_sampling(inputs, row, request.settings, len(request.output.generated_tokens))
+        write_sampling(inputs, row, request.settings, len(request.output.generated_tokens),
+                       None if request.grammar is None else request.grammar.allowed)
 
     def _run_step(self, kind: str, inputs: dict) -> tuple[np.ndarray, tuple | None]:
         """Run a step -> (new ids [rows], (log probabilities [rows], top ids [rows, K], theirs [rows, K]) or None)."""
@@ -406,6 +407,8 @@ class Scheduler(SpeculativeSteps):
         reason = None
         held = len(output.generated_tokens) < s.min_tokens   # min_tokens: no stop condition but the length yet
         if not held and (token in s.eos_token_id or token in s.stop_token_ids):
+            reason = "stop"
+        elif request.grammar is not None and request.grammar.advance(token):   # and its next token's mask
             reason = "stop"
         elif not held and s.stop and self.decode_text is not None and self._hit_stop_string(request):
             reason = "stop"

@@ -12,9 +12,9 @@ program samples each row by its own settings and returns the new ids [rows] (ver
 count of new tokens then the tokens) (replicated: what the host reads) and the pools, donated and updated in
 place.
 
-Each row's logits controls (`RequestSettings`: logit_bias and min_tokens' masked ids, the penalties, log
-probabilities) run in the same programs, under a `lax.cond` on whether any row of the step uses them (the bias
-and the penalties share one, the log probabilities have theirs), so a step where none does pays for none (as
+Each row's logits controls (`RequestSettings`: logit_bias and min_tokens' masked ids, a grammar's allowed tokens,
+the penalties, log probabilities) run in the same programs, under a `lax.cond` on whether any row of the step uses
+them (the bias, the grammar mask and the penalties share one, the log probabilities have theirs), so a step where none does pays for none (as
 greedy steps skip the warpers' sorts). The penalties read per-slot token
 counts kept on the device between steps (`counts`: generated [slots, V] int32, each id's count among the slot's
 generated tokens, and in_prompt [slots, V] bool, its prompt's ids; replicated, donated like the pools): a
@@ -48,7 +48,7 @@ from ..models.core import final_normed
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
 from .requests import MAX_TOP_LOGPROBS
-from .sampling import add_bias, next_tokens_per_row, penalize, token_logprobs
+from .sampling import add_bias, allowed_only, next_tokens_per_row, penalize, token_logprobs
 from .mtp_drafts import mtp_drafts, next_tokens
 from .speculative import accepted_tokens
 from .step_inputs import (
@@ -84,7 +84,8 @@ class StepPrograms:
         mesh, axes = model.mesh, model.layout.batch_axes
         self._rows_2d = NamedSharding(mesh, P(spec_entry(axes), None))
         self._replicated = NamedSharding(mesh, P())
-        self.counts = self._zero_counts(config.max_slots, model.config.vocab_size,
+        self.vocab = model.config.vocab_size
+        self.counts = self._zero_counts(config.max_slots, self.vocab,
                                         abstract=getattr(model, "compiles_only", False))
         self.leading = False   # process 0 sends each step's inputs to the others (`lead_follow`)
         self.rebalance_every = config.rebalance_every
@@ -111,7 +112,8 @@ class StepPrograms:
 
     def compile(self, name: str, rows: int, tokens: int, width: int) -> None:
         """Compile program `name` for `rows` rows of `tokens` tokens at page width `width` (if not yet)."""
-        self._program(name, self._placed(*packed(host_inputs(rows, tokens, self.pages_per_slot), width)), tokens)
+        inputs = host_inputs(rows, tokens, self.pages_per_slot, self.vocab)
+        self._program(name, self._placed(*packed(inputs, width)), tokens)
 
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
@@ -195,7 +197,7 @@ class StepPrograms:
 
     def _program(self, name: str, placed: tuple[jax.Array, jax.Array], tokens: int) -> Callable:
         rows = placed[0].shape[0]
-        key = (name, (rows, tokens), packed_width(placed[0].shape[1], tokens))
+        key = (name, (rows, tokens), packed_width(placed[0].shape[1], tokens, self.vocab))
         program = self._programs.get(key)
         if program is None:
             program = self._lowered(name, placed, tokens).compile()
@@ -212,7 +214,7 @@ class StepPrograms:
     def lower(self, name: str, rows: int, tokens: int, width: int):
         """Program `name` for `rows` rows of `tokens` tokens at page width `width`, lowered on abstract inputs (not
         compiled, not kept): for compiling ahead of time, e.g. for a GPU target (`moe_jax.target_compile`)."""
-        ints, floats = packed(host_inputs(rows, tokens, self.pages_per_slot), width)
+        ints, floats = packed(host_inputs(rows, tokens, self.pages_per_slot, self.vocab), width)
         placed = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=self._rows_2d)
                        for array in (ints, floats))
         return self._lowered(name, placed, tokens)
@@ -227,7 +229,7 @@ class StepPrograms:
         as flat tokens. verify: every position is scored and each row's drafts kept or not (new ids: [rows, 1 + S],
         `_verified`; the scheduler verifies only steps whose rows use no logits controls)."""
         params, adapter, placement = weights
-        inputs = unpacked(ints, floats, tokens)
+        inputs = unpacked(ints, floats, tokens, self.vocab)
         mask = inputs["mask"]
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
         if prompt_rows is not None:
@@ -295,18 +297,20 @@ class StepPrograms:
         return mtp_keys, mtp_values, jax.lax.with_sharding_constraint(drafts, self._replicated)
 
     def _controlled(self, logits: jax.Array, counts: tuple, inputs: dict) -> tuple[jax.Array, tuple]:
-        """logits: [R, V] float32 -> (them after each row's bias and penalties, the counts with this step's tokens):
-        one `lax.cond` for both (a branch costs the step a read of its predicate), run only when some row has a bias
-        or a penalty (a row without adds zeros and is penalized by nothing)."""
-        used = jnp.any(inputs["bias"] != 0) | jnp.any(inputs["penalty"] > 0)
+        """logits: [R, V] float32 -> (them after each row's bias, grammar mask and penalties, the counts with this
+        step's tokens): one `lax.cond` for all (a branch costs the step a read of its predicate), run only when some
+        row has a bias, a grammar or a penalty (a row without adds zeros, allows every token and is penalized by
+        nothing)."""
+        used = jnp.any(inputs["bias"] != 0) | jnp.any(inputs["penalty"] > 0) | jnp.any(inputs["allowed"] != -1)
         return jax.lax.cond(used, partial(self._biased_and_penalized, inputs), lambda l, c: (l, c), logits, counts)
 
     @staticmethod
     def _biased_and_penalized(inputs: dict, logits: jax.Array, counts: tuple) -> tuple[jax.Array, tuple]:
-        """Each row's biases added; the counts updated by the penalized rows (`penalty`: a first prompt row resets
+        """Each row's biases added and its grammar's disallowed tokens at -inf; the counts updated by the penalized rows (`penalty`: a first prompt row resets
         its slot's, prompt rows mark their ids, decode rows count their input id); then every row's logits
         penalized by its slot's."""
         logits = add_bias(logits, inputs["bias_ids"], inputs["bias"])
+        logits = allowed_only(logits, inputs["allowed"])
         generated, in_prompt = counts
         slots, kind, ids = inputs["slots"], inputs["penalty"], inputs["ids"]
         nowhere = generated.shape[0]   # an out-of-range slot: the scatter drops the row's update

@@ -38,7 +38,7 @@ import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import replace
 
 from ..inference.manager import QueueFull
@@ -93,7 +93,8 @@ class _Server:
                                  f"`{self.model_name}`.", param="model", code="model_not_found", status=404)
 
     def check_sampling(self, body: SamplingFields) -> None:
-        """What the protocol cannot check alone: top_k and token ids within the vocabulary."""
+        """What the protocol cannot check alone: top_k and token ids within the vocabulary, a grammar against
+        the tokenizer (structured output)."""
         if body.top_k is not None and body.top_k > self.vocab_size:
             raise InvalidRequest(f"top_k={body.top_k} is larger than the vocabulary ({self.vocab_size} tokens); use "
                                  "0 or -1 for no top-k filter.", param="top_k")
@@ -101,6 +102,14 @@ class _Server:
             if (outside := [token for token in ids or () if token >= self.vocab_size]):
                 raise InvalidRequest(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size}).",
                                      param=name)
+        grammars = getattr(self.manager.engine, "grammars", None)
+        if body.grammar() is not None and grammars is not None:   # compiled here, off the event loop, and kept
+            try:
+                grammars.matcher(body.grammar())
+            except ValueError as error:
+                raise InvalidRequest(str(error), param=next((name for name in ("guided_regex", "guided_json")
+                                                             if getattr(body, name) is not None), "response_format")
+                                     ) from None
 
     def echo_text(self, body: CompletionRequest, prompt: list[int]) -> str:
         """With echo, the prompt's text, which the choices' text begins with ("" without)."""
@@ -242,6 +251,10 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
         raise ImportError(f'the server needs fastapi and uvicorn: pip install "moe_jax[serve]" ({error})') from None
 
     server = _Server(manager, tokenizer, model_name, max_model_len, max_prompt_chars, tool_call_parser)
+    tokenizer_json = getattr(tokenizer, "tokenizer_json", None)
+    if tokenizer_json is not None and getattr(manager.engine, "grammars", True) is None:
+        with suppress(ValueError):   # no llguidance: requests with a grammar are refused (400)
+            manager.engine.enable_grammars(tokenizer_json)   # structured output (`structured`)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -11,12 +11,13 @@ most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; no
 log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
 supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with tool_choice
 "auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it does not;
-"required" and a named function need guided decoding, which this server does not do yet: a 400. Messages may hold
-an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k (0 or -1: off; at most
-the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off), min_tokens, stop_token_ids (at
-most 16). Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is due
-is refused. A list of several prompts is refused with a 400 that says so. Fields this server does not use and that
-change nothing in the output (user, ...) are read and ignored, as unknown fields are.
+"required" and a named function need guided decoding of the call's form, which the tool path does not do yet: a
+400. Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
+(0 or -1: off; at most the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off),
+min_tokens, stop_token_ids (at most 16). Structured output (response_format, guided_json, guided_regex):
+`structured`. Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is
+due is refused. A list of several prompts is refused with a 400 that says so. Fields this server does not use and
+that change nothing in the output (user, ...) are read and ignored, as unknown fields are.
 
 `parse_json` turns a body into JSON for these models (`limits.parse_bounded`, which bounds what it may hold):
 malformed JSON, NaN / Infinity, numbers of more than 64 characters, nesting deeper than 64 levels and text with lone
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from ..inference.manager import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from ..inference.sampling import MIN_TEMPERATURE
+from .structured import StructuredFields
 
 # Stop strings per request and characters per stop string (the engine scans every new token's text for them).
 MAX_STOP_STRINGS = 16
@@ -76,8 +78,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What both endpoints share."""
+class SamplingFields(StructuredFields):
+    """What both endpoints share (structured output's fields: `structured`)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -148,6 +150,8 @@ class SamplingFields(BaseModel):
                         presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                         min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()))
+        if self.grammar() is not None:   # structured output
+            controls["grammar"] = self.grammar()
         return controls
 
     @field_validator("stop")

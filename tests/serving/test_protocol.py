@@ -140,3 +140,13 @@ def test_booleans_stay_booleans_where_they_are_due():
     assert completion(stream=True, echo=False).stream is True
     with pytest.raises(InvalidRequest, match="logprobs: a number is due, not false"):   # completions': a count
         completion(logprobs=False)
+
+
+def test_structured_output_reaches_the_manager_as_a_grammar():
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = completion(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert '"json_schema"' in body.controls()["grammar"]
+    assert "grammar" in completion(guided_regex="[0-9]+").controls()
+    for field, value in (("response_format", {"type": "yaml"}), ("guided_regex", "(")):
+        assert refused(CompletionRequest, {"prompt": "a", field: value}).param == field
