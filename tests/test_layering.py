@@ -196,11 +196,13 @@ def test_a_planted_upward_import_is_caught():
 
 
 # What the facade's service packages may reach: `serving/` talks to the engine through the manager's interface
-# only (with the host-side helpers the manager's outputs need: sampling bounds, incremental detokenizing), never
-# to models, training or the engine's programs; `reporting/` reads the distributed layer's plans and layouts.
+# only (with the host-side helpers the manager's outputs need: sampling bounds, incremental detokenizing, the
+# grammars of structured output), never to models, training or the engine's programs; `reporting/` reads the
+# distributed layer's plans and layouts.
 ALLOWED_IMPORTS = {
     "moe_jax/serving/": ("moe_jax.serving", "moe_jax.inference.manager", "moe_jax.inference.sampling",
-                         "moe_jax.inference.detokenize", "moe_jax.tokenization", "moe_jax.chat_template"),
+                         "moe_jax.inference.detokenize", "moe_jax.inference.grammar", "moe_jax.tokenization",
+                         "moe_jax.chat_template"),
     # The plan report and layout picture read the plans; the layout ranking prints the planner's rows.
     "moe_jax/reporting/": ("moe_jax.reporting", "moe_jax.distributed", "moe_jax.planning"),
 }
