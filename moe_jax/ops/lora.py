@@ -88,3 +88,36 @@ def adapted_grouped_matmul(x: jax.Array, weight: jax.Array, group_sizes: jax.Arr
         return out
     update = grouped_low_rank(x, factors, group_sizes, backend=backend)
     return out + update.astype(out.dtype)
+
+
+@dataclass(frozen=True)
+class AdapterRows:
+    """Several adapters' factors of one dense weight, stacked, and which adapter each token takes (many adapters
+    in one batch, `moe_jax.lora.AdapterSet`). Shape letters: K adapters (index 0: none, zero factors), r the
+    largest rank (smaller ones zero-padded), I, O as above, T... the tokens' dims.
+
+    a: [K, r, I]; b: [K, O, r]; index: [T...] each token's adapter (None: every token index 0); scales: K static
+    scalings (PEFT's, one per adapter). Inside a scanned run of layers the arrays, index included, carry a
+    leading layer axis."""
+
+    a: jax.Array
+    b: jax.Array
+    index: jax.Array | None
+    scales: tuple[float, ...]
+
+
+jax.tree_util.register_dataclass(AdapterRows, data_fields=["a", "b", "index"], meta_fields=["scales"])
+
+
+def per_token_low_rank(factors: AdapterRows, x: jax.Array) -> jax.Array | None:
+    """Each token's adapter's update, scaling_k * (x A_k^T) B_k^T with k its index: x [T..., I] -> [T..., O], or
+    None when no index is given (the base). Every adapter's rank features are formed and all but the token's
+    zeroed (K small: a few r-wide projections, no gathered [T, r, I] factors)."""
+    if factors.index is None:
+        return None
+    index = factors.index.reshape(x.shape[:-1])      # a caller may flatten [B, S] into rows
+    count = factors.a.shape[0]
+    rank = jnp.einsum("...i,kri->...kr", x, factors.a.astype(x.dtype))
+    rank = rank * jax.nn.one_hot(index, count, dtype=x.dtype)[..., None]
+    out = jnp.einsum("...kr,kor->...o", rank, factors.b.astype(x.dtype))
+    return out * jnp.asarray(factors.scales, x.dtype)[index][..., None]
