@@ -10,7 +10,8 @@
 
     model.load_adapters({"sql": "a/", "chat": "b/"})   # several at once, each token its own (`moe_jax.lora.AdapterSet`)
 
-One adapter at a time (`adapter_name` is PEFT's "default"), or a served set of several (`load_adapters`). `model.adapter` holds its arrays in the storage
+One adapter at a time (`adapter_name` is PEFT's "default"), or a served set of several
+(`load_adapters`). `model.adapter` holds its arrays in the storage
 layout of `model.adapter_layout` (`moe_jax.lora.AdapterLayout`); `model.params` are never changed by an
 adapter, except by `merge_adapter`.
 """
