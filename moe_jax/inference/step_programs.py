@@ -44,8 +44,8 @@ from ..distributed.eplb import balanced_placement, better_placement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
-from ..lora.adapter_set import ADAPTER_INDEX
 from ..models.core import final_normed
+from ..ops.lora import ADAPTER_INDEX
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
 from .requests import MAX_TOP_LOGPROBS

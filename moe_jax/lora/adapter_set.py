@@ -30,12 +30,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..ops.lora import AdapterRows
+from ..ops.lora import ADAPTER_INDEX, AdapterRows
 from .layout import AdapterLayout, Attachment, _with_factors
 from .peft_files import read_adapter_config, read_adapter_tensors
 
-# The adapter dict's entry for each token's adapter index ([B, S] int32; 0: the base, k: adapter_names[k - 1]).
-ADAPTER_INDEX = "adapter_index"
 
 
 class AdapterSet:

@@ -90,6 +90,10 @@ def adapted_grouped_matmul(x: jax.Array, weight: jax.Array, group_sizes: jax.Arr
     return out + update.astype(out.dtype)
 
 
+# An adapter set's entry for each token's adapter index ([B, S] int32; 0: the base, k: the set's k-th name).
+ADAPTER_INDEX = "adapter_index"
+
+
 @dataclass(frozen=True)
 class AdapterRows:
     """Several adapters' factors of one dense weight, stacked, and which adapter each token takes (many adapters
