@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from moe_jax import AutoModelForCausalLM
+from moe_jax.distributed.config import DistributedConfig
 from moe_jax.lora import LoraConfig
 
+from ..heavy import representative
 from ..inference.hf_generation import MODELS
 from ..inference.test_manager import collect, with_handlers
 
@@ -20,8 +22,16 @@ ADAPTERS = {"wide": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_p
             "narrow": LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj", "v_proj", "q_proj"], use_rslora=True)}
 
 
-def load():
-    return AutoModelForCausalLM.from_pretrained(MODELS / "qwen3_moe", devices=jax.devices()[:1], progress=False)
+# (distributed config, devices, scan_layers): layers one by one, a scanned run (the index broadcast over its
+# layers), and tensor / expert / fully sharded parallel (the factors split with their weights).
+LAYOUTS = {"one-device": (None, 1, False), "scanned": (None, 1, True),
+           "tp2-ep2-fsdp2": (DistributedConfig(tp_size=2, ep_size=2, fsdp_size=2), 4, True)}
+
+
+def load(layout: str = "one-device"):
+    config, devices, scan = LAYOUTS[layout]
+    return AutoModelForCausalLM.from_pretrained(MODELS / "qwen3_moe", *([config] if config else []),
+                                                devices=jax.devices()[:devices], progress=False, scan_layers=scan)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +63,12 @@ def served(model, requests) -> list[list[int]]:
     return [outputs[request_id][-1].generated_tokens for request_id in ids]
 
 
-def test_mixed_adapters_in_one_engine_equal_each_adapter_alone(adapter_dirs):
+@pytest.mark.parametrize("layout", representative(LAYOUTS, ["scanned"]))
+def test_mixed_adapters_in_one_engine_equal_each_adapter_alone(adapter_dirs, layout):
     names = [None, "wide", "narrow"]
     requests = [(prompt, names[i % 3]) for i, prompt in enumerate(prompts())]
     alone = {}
-    model = load()
+    model = load(layout)
     alone[None] = served(model, [(p, None) for p, n in requests if n is None])
     for name in ("wide", "narrow"):
         model.load_adapter(adapter_dirs[name])
