@@ -176,7 +176,7 @@ class ContinuousBatchingManager:
             request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use.")
-            request = Request(request_id, prompt, settings, cache_salt=None if adapter is None else f"lora:{adapter}")
+            request = Request(request_id, prompt, settings)
             self.engine.check(request)
             if self.max_queued is not None and self.waiting_requests() >= self.max_queued:
                 raise QueueFull(f"{self.waiting_requests()} requests are waiting for a slot already (the queue "
