@@ -14,9 +14,13 @@ Adapter 0 is all zeros (the base); a smaller rank is zero-padded and a weight an
 zero factors, so each token's update is exactly its adapter's (`moe_jax.ops.lora.per_token_low_rank`); the
 scalings stay per adapter. Without an `ADAPTER_INDEX` entry every token runs as the base.
 
-Limits: dense targets only (attention and other Linear weights); an adapter that adapts the fused expert weights
-(`target_parameters` on experts) is refused, the experts' grouped matmuls taking one adapter's factors per
-expert. No pipeline stages. An adapter set is served, not trained, saved or merged.
+The fused expert weights' factors ([L, K + 1, E, r, I]) reach the experts with each token's index, which follows
+the tokens through the sort by expert (`moe_jax.ops.lora.ExpertAdapterRows`: the adapters' ranks side by side,
+all but the row's zeroed between the two grouped matmuls).
+
+Limits, each refused by name: adapters of the experts only where tokens are not dispatched over ep (ep = 1; tp
+may split the experts), without redundant expert slots, and on SwiGLU experts (not gpt-oss's or FP8-scaled
+ones). No pipeline stages. An adapter set is served, not trained, saved or merged.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ class AdapterSet:
             raise ValueError("several adapters at once: not with pipeline stages (pp_size > 1).")
         for name, layout in layouts.items():
             experts = [target.parameter for target in layout.targets if target.experts is not None]
-            if experts:
+            if experts and (model.core.dispatches or model.num_redundant_experts):
                 raise ValueError(f"adapter {name!r} adapts the fused expert weights ({experts[0]}, ...): several "
-                                 "adapters at once support dense targets only (attention and other Linear modules); "
-                                 "serve it alone (--adapter) or merge it (--merge-adapter).")
+                                 "adapters at once adapt experts only where tokens are not dispatched over ep and "
+                                 "there are no redundant expert slots; serve it alone (--adapter) or merge it "
+                                 "(--merge-adapter).")
         self.names = tuple(layouts)
         self.layouts = dict(layouts)
         self.scales = (0.0,) + tuple(layout.scaling for layout in layouts.values())

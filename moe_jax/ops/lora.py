@@ -86,7 +86,8 @@ def adapted_grouped_matmul(x: jax.Array, weight: jax.Array, group_sizes: jax.Arr
     out = grouped_matmul(x, weight, group_sizes, backend=backend)
     if factors is None:
         return out
-    update = grouped_low_rank(x, factors, group_sizes, backend=backend)
+    low_rank = grouped_adapter_rows if isinstance(factors, ExpertAdapterRows) else grouped_low_rank
+    update = low_rank(x, factors, group_sizes, backend=backend)
     return out + update.astype(out.dtype)
 
 
@@ -125,3 +126,44 @@ def per_token_low_rank(factors: AdapterRows, x: jax.Array) -> jax.Array | None:
     rank = rank * jax.nn.one_hot(index, count, dtype=x.dtype)[..., None]
     out = jnp.einsum("...kr,kor->...o", rank, factors.b.astype(x.dtype))
     return out * jnp.asarray(factors.scales, x.dtype)[index][..., None]
+
+
+@dataclass(frozen=True)
+class ExpertAdapterRows:
+    """Several adapters' factors of one fused expert weight, their ranks side by side, and which adapter each row
+    takes (`moe_jax.lora.AdapterSet`): a [E, K*r, I] and b [E, O, K*r], adapter k's r columns at k*r (zero for
+    index 0, the base); index: [N] each token's adapter, or, once rows are sorted by expert, each row's ([M]);
+    scales: the K static scalings."""
+
+    a: jax.Array
+    b: jax.Array
+    index: jax.Array
+    scales: tuple[float, ...]
+
+    @classmethod
+    def folded(cls, rows: AdapterRows, tokens: int) -> ExpertAdapterRows:
+        """An `AdapterRows` of an expert weight (a [K, E, r, I], b [K, E, O, r], index [B, S]) -> its ranks
+        folded side by side and the index one per token ([N], N = `tokens`, as the experts see them)."""
+        count, experts, rank, features = rows.a.shape
+        a = jnp.moveaxis(rows.a, 0, 1).reshape(experts, count * rank, features)
+        b = jnp.moveaxis(rows.b, 0, 2).reshape(experts, rows.b.shape[2], count * rank)
+        return cls(a, b, rows.index.reshape(tokens), rows.scales)
+
+    def sorted_rows(self, order: jax.Array, top_k: int) -> ExpertAdapterRows:
+        """The index of each sorted pair's token (`order` from `sort_by_expert`, [M] = N * K)."""
+        return ExpertAdapterRows(self.a, self.b, self.index[order // top_k], self.scales)
+
+
+jax.tree_util.register_dataclass(ExpertAdapterRows, data_fields=["a", "b", "index"], meta_fields=["scales"])
+
+
+def grouped_adapter_rows(x: jax.Array, factors: ExpertAdapterRows, group_sizes: jax.Array, *,
+                         backend: str | None = None) -> jax.Array:
+    """Each sorted row's adapter's update on its expert: x [M, I] -> [M, O], every adapter's rank features formed
+    in one grouped matmul and all but the row's zeroed before the second."""
+    count = len(factors.scales)
+    rank_rows = grouped_matmul(x, factors.a, group_sizes, backend=backend)                # [M, K*r]
+    mask = jax.nn.one_hot(factors.index, count, dtype=rank_rows.dtype)
+    mask = jnp.repeat(mask, rank_rows.shape[-1] // count, axis=-1)
+    out = grouped_matmul(rank_rows * mask, factors.b, group_sizes, backend=backend)
+    return out * jnp.asarray(factors.scales, out.dtype)[factors.index][:, None]

@@ -1,6 +1,6 @@
 """Several LoRA adapters in one engine (`model.load_adapters`): requests naming different adapters, and none,
 share steps, and each request's greedy tokens are those of its adapter served alone; adapters of other ranks and
-targets stack; an adapter of the fused experts is refused by name."""
+targets (the fused experts' included) stack; what the set cannot serve is refused by name."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from ..inference.test_manager import collect, with_handlers
 
 FLAGS = dict(max_slots=4, page_size=4, max_model_len=64, prefill_chunk=4)
 NEW_TOKENS = 5
-ADAPTERS = {"wide": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]),
+ADAPTERS = {"wide": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
             "narrow": LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj", "v_proj", "q_proj"], use_rslora=True)}
 
 
 # (distributed config, devices, scan_layers): layers one by one, a scanned run (the index broadcast over its
-# layers), and tensor / expert / fully sharded parallel (the factors split with their weights).
+# layers), and tensor / fully sharded parallel (the factors split with their weights, the experts' over tp).
 LAYOUTS = {"one-device": (None, 1, False), "scanned": (None, 1, True),
-           "tp2-ep2-fsdp2": (DistributedConfig(tp_size=2, ep_size=2, fsdp_size=2), 4, True)}
+           "tp2-fsdp2": (DistributedConfig(tp_size=2, fsdp_size=2), 4, True)}
 
 
 def load(layout: str = "one-device"):
@@ -91,8 +92,8 @@ def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path)
         manager.add_request([5, 6, 7], adapter="other")
     with pytest.raises(ValueError, match="several adapters"):
         model.merge_adapter()
-    experts = load()
-    experts.add_adapter(LoraConfig(r=2, target_parameters=["mlp.experts.gate_up_proj"]))
-    experts.save_adapter(tmp_path / "experts")
-    with pytest.raises(ValueError, match="adapter 'experts' adapts the fused expert weights"):
-        load().load_adapters({"wide": adapter_dirs["wide"], "experts": tmp_path / "experts"})
+    dispatched = AutoModelForCausalLM.from_pretrained(MODELS / "qwen3_moe", DistributedConfig(ep_size=2, fsdp_size=2),
+                                                      devices=jax.devices()[:2], progress=False)
+    with pytest.raises(ValueError, match="adapter 'wide' adapts the fused expert weights .* dispatched over ep"):
+        dispatched.load_adapters({"narrow": adapter_dirs["narrow"], "wide": adapter_dirs["wide"]})
+    dispatched.load_adapters({"narrow": adapter_dirs["narrow"]})   # dense targets: any layout
