@@ -141,9 +141,8 @@ def add_lora_modules_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
                         help="serve several LoRA adapters (PEFT's format) beside the base model, as vLLM's: a "
                              "request's `model` names one (or the base); requests of different adapters share each "
-                             "step. Dense targets only (attention and other Linear modules; an adapter of the fused "
-                             "experts is refused: serve it alone with --adapter). Not with --adapter or "
-                             "--speculative mtp")
+                             "step. An adapter of the fused experts needs --ep 1 (tokens not dispatched) and no "
+                             "redundant expert slots. Not with --adapter or --speculative mtp")
     parser.add_argument("--max-loras", type=int, default=None, metavar="K",
                         help="the most adapters --lora-modules may name (default: any number); every named adapter "
                              "is held on the device, and any mix of them runs in one step")

@@ -19,8 +19,8 @@ the tokens through the sort by expert (`moe_jax.ops.lora.ExpertAdapterRows`: the
 all but the row's zeroed between the two grouped matmuls).
 
 Limits, each refused by name: adapters of the experts only where tokens are not dispatched over ep (ep = 1; tp
-may split the experts), without redundant expert slots, and on SwiGLU experts (not gpt-oss's or FP8-scaled
-ones). No pipeline stages. An adapter set is served, not trained, saved or merged.
+may split the experts) and without redundant expert slots (here), and on SwiGLU experts (gpt-oss's and FP8-scaled
+ones refuse the factors when a step is traced). No pipeline stages. An adapter set is served, not trained, saved or merged.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ into the rank axis (`moe_jax.lora.peft_files`). scaling = lora_alpha / r, or lor
 
 The experts' update runs on the rows the grouped matmul already sorted by expert, as two more grouped matmuls
 through rank r, so no [E, O, I] delta is formed in a step and a frozen base weight needs no gradient.
+
+Several adapters at once (K, index 0 the base's zeros; serving's `moe_jax.lora.AdapterSet`): `AdapterRows` holds a
+dense weight's factors stacked [K, ...] and each token's adapter, `per_token_low_rank` adds each token its own
+update; `ExpertAdapterRows` holds an expert weight's with the K ranks side by side and each sorted row's adapter,
+`grouped_adapter_rows` zeroes all but the row's rank columns between the two grouped matmuls.
 """
 
 from __future__ import annotations

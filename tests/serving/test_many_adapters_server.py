@@ -30,7 +30,8 @@ def test_models_list_the_adapters_and_model_routes_requests(tmp_path):
     rng = np.random.default_rng(0)
     expected = {NAME: model.generate(np.array([PROMPT]), max_new_tokens=NEW_TOKENS)[0, len(PROMPT):].tolist()}
     dirs = {}
-    for name, config in (("sql", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])),
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    for name, config in (("sql", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=experts)),
                          ("chat", LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "gate_proj"]))):
         model.add_adapter(config)
         model.set_adapter_params({key: 0.5 * rng.standard_normal(a.shape) for key, a in model.adapter.items()})
