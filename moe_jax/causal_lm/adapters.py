@@ -8,10 +8,10 @@
     model.save_adapter("out/")                # PEFT's files (PeftModel.from_pretrained reads them)
     model.merge_adapter()                     # model.params := W + scaling * B A; the adapter is dropped
 
-    model.load_adapters({"sql": "a/", "chat": "b/"})   # several at once, each token its own (`moe_jax.lora.AdapterSet`)
+    model.load_adapters({"sql": "a/", "chat": "b/"})   # several, each token its own (`moe_jax.lora.AdapterSet`)
 
-One adapter at a time (`adapter_name` is PEFT's "default"), or a served set of several
-(`load_adapters`). `model.adapter` holds its arrays in the storage
+One adapter at a time (`adapter_name` is PEFT's "default"), or a served set of several (`load_adapters`).
+`model.adapter` holds its arrays in the storage
 layout of `model.adapter_layout` (`moe_jax.lora.AdapterLayout`); `model.params` are never changed by an
 adapter, except by `merge_adapter`.
 """
@@ -63,8 +63,8 @@ class AdapterMixin:
 
     def load_adapters(self, paths: Mapping[str, Any]) -> None:
         """Several PEFT adapters at once, name -> directory: a batch's tokens each take their own (the serving
-        engine's requests name theirs); the names are `adapter_names`. Dense targets only (ValueError naming
-        an adapter that adapts the fused expert weights); served only, not trained, saved or merged."""
+        engine's requests name theirs); the names are `adapter_names`. What the set cannot serve is refused
+        naming the adapter (`moe_jax.lora.AdapterSet`: its limits); served only, not trained, saved or merged."""
         self._require_mesh("adapters")
         if self.adapter_layout is not None:
             raise ValueError("the model already has an adapter; delete_adapter() first.")
