@@ -55,8 +55,8 @@ def prompts() -> list[list[int]]:
     return [shared if i % 4 == 0 else rng.integers(3, 100, int(rng.integers(3, 11))).tolist() for i in range(12)]
 
 
-def served(model, requests) -> list[list[int]]:
-    with model.init_continuous_batching(**FLAGS) as manager:
+def served(model, requests, **engine) -> list[list[int]]:
+    with model.init_continuous_batching(**FLAGS, **engine) as manager:
         add = with_handlers(manager)
         ids = [add(prompt, max_new_tokens=NEW_TOKENS, **({} if name is None else {"adapter": name}))
                for prompt, name in requests]
@@ -97,3 +97,12 @@ def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path)
     with pytest.raises(ValueError, match="adapter 'wide' adapts the fused expert weights .* dispatched over ep"):
         dispatched.load_adapters({"narrow": adapter_dirs["narrow"], "wide": adapter_dirs["wide"]})
     dispatched.load_adapters({"narrow": adapter_dirs["narrow"]})   # dense targets: any layout
+
+
+def test_mixed_adapters_with_ngram_drafts_equal_plain_decoding(adapter_dirs):
+    """Verification steps (and mixed steps that verify) carry each row's adapter to every drafted position."""
+    names = [None, "wide", "narrow"]
+    requests = [(prompt + prompt[:4], names[i % 3]) for i, prompt in enumerate(prompts()[:6])]  # repeats to draft
+    model = load("scanned")
+    model.load_adapters(adapter_dirs)
+    assert served(model, requests, speculative="ngram", num_speculative_tokens=2) == served(model, requests)
