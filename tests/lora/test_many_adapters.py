@@ -102,7 +102,9 @@ def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path)
 def test_mixed_adapters_with_ngram_drafts_equal_plain_decoding(adapter_dirs):
     """Verification steps (and mixed steps that verify) carry each row's adapter to every drafted position."""
     names = [None, "wide", "narrow"]
-    requests = [(prompt + prompt[:4], names[i % 3]) for i, prompt in enumerate(prompts()[:6])]  # repeats to draft
+    rng = np.random.default_rng(2)   # prompts of few distinct ids: generated ids recur in the context, and draft
+    requests = [(rng.integers(3, 12, 14).tolist(), names[i % 3]) for i in range(6)]
     model = load("scanned")
     model.load_adapters(adapter_dirs)
-    assert served(model, requests, speculative="ngram", num_speculative_tokens=2) == served(model, requests)
+    drafting = dict(speculative="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=2)
+    assert served(model, requests, **drafting) == served(model, requests)
