@@ -238,9 +238,7 @@ class StepPrograms:
         mask = inputs["mask"]
         if self.many_adapters:   # each token takes its row's adapter (`moe_jax.lora.AdapterSet`)
             index = jnp.broadcast_to(inputs["adapter"][:, None], inputs["ids"].shape)
-            if prompt_rows is not None:   # a mixed step's flat tokens, as its ids
-                index = self._flat_tokens(index, tokens, prompt_rows,
-                                          1 + self.config.num_speculative_tokens if verify else 1)
+            index = index if prompt_rows is None else self._flat_tokens(index, tokens, prompt_rows)   # as the ids
             adapter = {**adapter, ADAPTER_INDEX: index}
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
         if prompt_rows is not None:
