@@ -8,7 +8,10 @@
     model.save_adapter("out/")                # PEFT's files (PeftModel.from_pretrained reads them)
     model.merge_adapter()                     # model.params := W + scaling * B A; the adapter is dropped
 
-One adapter at a time (`adapter_name` is PEFT's "default"). `model.adapter` holds its arrays in the storage
+    model.load_adapters({"sql": "a/", "chat": "b/"})   # several, each token its own (`moe_jax.lora.AdapterSet`)
+
+One adapter at a time (`adapter_name` is PEFT's "default"), or a served set of several (`load_adapters`).
+`model.adapter` holds its arrays in the storage
 layout of `model.adapter_layout` (`moe_jax.lora.AdapterLayout`); `model.params` are never changed by an
 adapter, except by `merge_adapter`.
 """
@@ -23,7 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..lora import AdapterLayout, LoraConfig, read_adapter_config, read_adapter_tensors, save_adapter_files
+from ..lora import (AdapterLayout, AdapterSet, LoraConfig, load_adapter_set, read_adapter_config,
+                    read_adapter_tensors, save_adapter_files)
 from ..models.step_checks import NO_PARAMS
 
 DEFAULT_ADAPTER = "default"
@@ -33,7 +37,12 @@ class AdapterMixin:
     """add_adapter, load_adapter, save_adapter, merge_adapter, merged_params, delete_adapter, set_adapter_params."""
 
     adapter: dict | None = None
-    adapter_layout: AdapterLayout | None = None
+    adapter_layout: AdapterLayout | AdapterSet | None = None
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The names of a loaded adapter set (`load_adapters`), in index order from 1; () otherwise."""
+        return self.adapter_layout.names if isinstance(self.adapter_layout, AdapterSet) else ()
 
     @property
     def adapter_config(self) -> LoraConfig | None:
@@ -51,6 +60,17 @@ class AdapterMixin:
         config = read_adapter_config(path)
         layout = self._new_layout(config, adapter_name)
         self._use_adapter(layout, layout.place(read_adapter_tensors(path, layout)))
+
+    def load_adapters(self, paths: Mapping[str, Any]) -> None:
+        """Several PEFT adapters at once, name -> directory: a batch's tokens each take their own (the serving
+        engine's requests name theirs); the names are `adapter_names`. What the set cannot serve is refused
+        naming the adapter (`moe_jax.lora.AdapterSet`: its limits); served only, not trained, saved or merged."""
+        self._require_mesh("adapters")
+        if self.adapter_layout is not None:
+            raise ValueError("the model already has an adapter; delete_adapter() first.")
+        if not paths:
+            raise ValueError("load_adapters needs at least one name -> directory.")
+        self._use_adapter(*load_adapter_set(self, paths))
 
     def save_adapter(self, directory, *, adapter: Mapping[str, Any] | None = None) -> Path:
         """Write `adapter` (default `model.adapter`) in PEFT's format into `directory`."""
@@ -106,6 +126,9 @@ class AdapterMixin:
         return AdapterLayout(self, config)
 
     def _require_adapter(self, what: str) -> AdapterLayout:
+        if isinstance(self.adapter_layout, AdapterSet) and what != "an adapter argument" and what != "delete_adapter":
+            raise ValueError(f"{what}: the model holds several adapters ({', '.join(self.adapter_names)}), which it "
+                             "only serves; load one with load_adapter for this.")
         if self.adapter_layout is None:
             raise ValueError(f"{what}: the model has no adapter; add_adapter(LoraConfig(...)) or load_adapter(dir) "
                              "first.")

@@ -6,6 +6,7 @@ adapter (generate, serve, convert).
     moe-jax train --model CKPT/ --freeze '*.mlp.gate.*'            # full fine-tuning but the routers
     moe-jax generate --model CKPT/ --adapter adapter/ --prompt "..." [--merge-adapter]
     moe-jax convert --model CKPT/ --merge-adapter adapter/ --out merged/
+    moe-jax serve --model CKPT/ --lora-modules sql=adapters/sql chat=adapters/chat [--max-loras 4]
 
 An adapter's files are PEFT's (`adapter_config.json`, `adapter_model.safetensors`), read and written by
 `moe_jax.lora`. Bad values (a rank <= 0, a target or --freeze pattern that matches nothing, an adapter made for
@@ -133,3 +134,49 @@ def use_adapter(model, path: str | None, merge: bool, flag: str = "--adapter") -
         raise ValueError(f"{flag} {path}: {error}") from None
     if merge:
         model.merge_adapter()
+
+
+# ---- serve: several adapters ------------------------------------------------------------------------------------
+def add_lora_modules_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
+                        help="serve several LoRA adapters (PEFT's format) beside the base model, as vLLM's: a "
+                             "request's `model` names one (or the base); requests of different adapters share each "
+                             "step. An adapter of the fused experts needs --ep 1 (tokens not dispatched) and no "
+                             "redundant expert slots. Not with --adapter or --speculative mtp")
+    parser.add_argument("--max-loras", type=int, default=None, metavar="K",
+                        help="the most adapters --lora-modules may name (default: any number); every named adapter "
+                             "is held on the device, and any mix of them runs in one step")
+
+
+def lora_modules(args, served_name: str | None = None) -> dict[str, str] | None:
+    """--lora-modules' NAME=DIR pairs -> {name: dir} (None without the flag); ValueError for a malformed pair, a
+    repeated name, a clash with --adapter or the served model's name, or more than --max-loras."""
+    if args.lora_modules is None:
+        if args.max_loras is not None:
+            raise ValueError("--max-loras needs --lora-modules NAME=DIR [NAME=DIR ...].")
+        return None
+    if args.adapter is not None:
+        raise ValueError("--lora-modules and --adapter: one or the other (--adapter serves one adapter as the model).")
+    modules = {}
+    for pair in args.lora_modules:
+        name, _, path = pair.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {pair!r}: expected NAME=DIR.")
+        if name in modules or name == served_name:
+            what = "given twice" if name in modules else "the served model's name"
+            raise ValueError(f"--lora-modules: {name!r} is {what}.")
+        check_adapter_dir(path, f"--lora-modules {name}=")
+        modules[name] = path
+    if args.max_loras is not None and not 1 <= len(modules) <= args.max_loras:
+        raise ValueError(f"--lora-modules names {len(modules)} adapters; --max-loras {args.max_loras} allows at most "
+                         f"{args.max_loras} (>= 1).")
+    return modules
+
+
+def use_adapters(model, modules: dict[str, str] | None) -> None:
+    """Load --lora-modules' adapters onto `model` as one set (`model.load_adapters`)."""
+    if modules:
+        try:
+            model.load_adapters(modules)
+        except ValueError as error:
+            raise ValueError(f"--lora-modules: {error}") from None

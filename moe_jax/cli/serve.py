@@ -2,6 +2,7 @@
 
     moe-jax serve --model ckpt/ --port 8000 --max-slots 16 --max-model-len 4096 --tp 2 --ep 4 --fsdp 4
     moe-jax serve --model ckpt/ --adapter lora/ [--merge-adapter]     # a PEFT LoRA adapter, unmerged or merged
+    moe-jax serve --model ckpt/ --lora-modules sql=a/ chat=b/         # several, a request's "model" picks one
     curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" -d '{"prompt": "Hi", "max_tokens": 32}'
     openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)
 
@@ -52,7 +53,8 @@ import time
 from pathlib import Path
 
 from ..compilation_cache import use_compilation_cache
-from .adapter_flags import add_use_flags, check_adapter_dir, use_adapter
+from .adapter_flags import (add_lora_modules_flags, add_use_flags, check_adapter_dir, lora_modules, use_adapter,
+                            use_adapters)
 from .balance_flags import add_slot_flags, check_slot_flags
 from .speculative_flags import add_speculative_flags, speculative_fields
 from .layout_flags import (
@@ -154,6 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dequantize_flag(parser)
     add_use_flags(parser, merge_help="with --adapter: serve the weights with the adapter merged into them (default: "
                                      "unmerged, its factors applied beside the base weights each step)")
+    add_lora_modules_flags(parser)
 
 
 def parse_origins(text: str) -> tuple[str, ...]:
@@ -273,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {directory} is not a checkpoint directory.")
     config = read_config(local_checkpoint(directory))
     check_adapter_dir(args.adapter)
+    args.lora_modules = lora_modules(args, args.served_model_name or directory.resolve().name)
     max_model_len = _check_request(args, config.get("max_position_embeddings"))
     tokenizer = load_checkpoint_tokenizer(
         directory, instead="moe-jax serve reads and writes text, so the checkpoint needs its tokenizer files")
@@ -318,6 +322,7 @@ def _follow(args, directory: Path, distributed_config, devices, max_model_len: i
                                                  num_redundant_experts=args.num_redundant_experts,
                                                  **quantize_options(args))
     use_adapter(model, args.adapter, args.merge_adapter)
+    use_adapters(model, args.lora_modules)
     engine = ServingEngine(model, _engine_config(args, max_model_len))
     if args.warmup:   # as process 0 does before its first message: both reach it within seconds of each other
         engine.compile_all()
@@ -353,6 +358,7 @@ def _serve(args, directory: Path, config: dict, tokenizer, distributed_config, d
                                                  **quantize_options(args))
     warn_about_head_split(model)
     use_adapter(model, args.adapter, args.merge_adapter)
+    use_adapters(model, args.lora_modules)
     generation = GenerationConfig.for_checkpoint(directory, config)
     max_queued = (args.max_queued_requests if args.max_queued_requests is not None
                   else QUEUED_PER_SLOT * args.max_slots)

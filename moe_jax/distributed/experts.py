@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..ops.accumulation import is_master
-from ..ops.lora import LoraFactors
+from ..ops.lora import AdapterRows, ExpertAdapterRows, LoraFactors
 from ..ops.routing import expert_load
 from ..ops.varying import vary_like
 from .capacity import CapacitySchedule, DispatchStatistics
@@ -236,7 +236,15 @@ class ShardedExperts:
         placement = params.get("placement")
         params = {name: value for name, value in params.items() if name != "placement"}
         params, top_k_index, rank_load = self._physical(params, top_k_index, placement, token_mask)
-        lora = params.get("lora") or {}
+        lora = {}
+        for name, factors in (params.get("lora") or {}).items():
+            if isinstance(factors, AdapterRows):   # several adapters (no index: every token the base's)
+                if factors.index is None:
+                    continue
+                factors = ExpertAdapterRows.folded(factors, hidden_states.shape[0])
+            lora[name] = factors
+        # several adapters: each token's adapter index travels with the tokens (one array, the same for each weight)
+        rows = next((factors.index for factors in lora.values() if isinstance(factors, ExpertAdapterRows)), None)
         names = [name for name in params if name != "lora"]
         views, specs = zip(*(self._param_spec_and_view(name, params[name]) for name in names))
         adapted = list(lora)
@@ -250,13 +258,18 @@ class ShardedExperts:
         batch = self._batch_spec()
 
         def body(hidden, index, weights, *local_arrays):
+            local_rows = None
+            if rows is not None:
+                local_arrays, local_rows = local_arrays[:-1], local_arrays[-1]
             local_arrays, local_factors = local_arrays[:len(names)], local_arrays[len(names):]
             local_params = {name: _in_compute_dtype(array, hidden) for name, array in zip(names, local_arrays)}
             if adapted:
                 joined = [_in_compute_dtype(_joined(array, packed_dim), hidden)
                           for array, packed_dim in zip(local_factors, packed_dims)]
-                local_params["lora"] = {name: LoraFactors(joined[2 * i], joined[2 * i + 1], lora[name].scaling)
-                                        for i, name in enumerate(adapted)}
+                local_params["lora"] = {
+                    name: ExpertAdapterRows(joined[2 * i], joined[2 * i + 1], local_rows, lora[name].scales)
+                    if isinstance(lora[name], ExpertAdapterRows) else
+                    LoraFactors(joined[2 * i], joined[2 * i + 1], lora[name].scaling) for i, name in enumerate(adapted)}
             packing = self.intermediate_dims.get("gate_up_proj")
             if self.mode == TENSOR_PARALLEL and packing == "packed":
                 view = local_params["gate_up_proj"]
@@ -273,14 +286,15 @@ class ShardedExperts:
         run = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(batch, batch, batch, *specs, *factor_specs),
+            in_specs=(batch, batch, batch, *specs, *factor_specs, *(() if rows is None else (P(batch[0]),))),
             out_specs=(batch, P()),
             # Under a pipeline's vmap over stages (`spmd_axis_name="pp"`) JAX's mesh-variance types lose track of
             # `pp` inside batched conds (jax 0.10: "requires varying manual axes to match"); the pipeline's
             # parity tests (values and gradients against pp=1) check this body without them.
             check_vma=self.layout.pp_size == 1,
         )
-        output, statistics = run(hidden_states, top_k_index, top_k_weights, *views, *factor_views)
+        output, statistics = run(hidden_states, top_k_index, top_k_weights, *views, *factor_views,
+                                 *(() if rows is None else (rows,)))
         return output, statistics if rank_load is None else statistics.with_ep_rank_load(rank_load)
 
     def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):

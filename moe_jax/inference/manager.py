@@ -152,14 +152,16 @@ class ContinuousBatchingManager:
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = True, eos_token_id=None,
                     handler: Callable[[GenerationOutput], None] | None = None, incremental: bool = False,
-                    **sampling) -> str:
+                    adapter: str | None = None, **sampling) -> str:
         """Queue a prompt (token ids) -> its request id. sampling: do_sample, temperature, top_k, top_p, seed,
         stop (strings; the manager needs `decode`) and the logits controls of `RequestSettings` (logprobs,
         top_logprobs, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
         stop_token_ids). handler: receives this request's outputs (on the engine's
         thread, in order) instead of its queue, from the first one. incremental: a streaming request's unfinished
         outputs carry only their new tokens (`GenerationOutput.offset` says where they start); the finished one
-        carries all. Raises ValueError for a request the engine cannot serve, `QueueFull` when `max_queued`
+        carries all. adapter: the name of its LoRA adapter where the model holds several (`model.adapter_names`;
+        None: the base); its cached prefix pages are shared only with the same adapter's requests. Raises ValueError
+        for a request the engine cannot serve, `QueueFull` when `max_queued`
         requests wait already, RuntimeError while stopping."""
         if not self._accepting:
             raise RuntimeError("the manager is stopping and accepts no new requests.")
@@ -168,6 +170,8 @@ class ContinuousBatchingManager:
         prompt = [int(token) for token in input_ids]
         self.engine.check_prompt(prompt)
         settings = self.settings(max_new_tokens, eos_token_id, prompt_length=len(prompt), **sampling)
+        if adapter is not None:
+            settings = dataclasses.replace(settings, adapter=self._adapter_index(adapter))
         with self._lock:
             request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
             if request_id in self._queues:
@@ -187,6 +191,13 @@ class ContinuousBatchingManager:
             self._incoming.append(request)
         self._wake.set()
         return request_id
+
+    def _adapter_index(self, name: str) -> int:
+        names = tuple(getattr(self.engine.model, "adapter_names", ()))
+        if name not in names:
+            raise ValueError(f"adapter {name!r} is not loaded: the model holds "
+                             f"{', '.join(map(repr, names)) or 'no adapter set (load_adapters)'}.")
+        return names.index(name) + 1
 
     def waiting_requests(self) -> int:
         """Requests added and not yet in a slot."""

@@ -22,7 +22,10 @@ class PrefixCache:
         self.cached_prompt_tokens = 0   # of those, the tokens whose keys and values came from the cache
 
     def root(self, request: Request) -> bytes:
-        return root_digest(self.namespace, request.cache_salt)
+        """The request's digest root: the namespace, its `cache_salt` and its LoRA adapter in the model's set (the
+        keys and values of one adapter's tokens are not another's)."""
+        adapter = request.settings.adapter
+        return root_digest(self.namespace, request.cache_salt, f"\x01adapter {adapter}" if adapter else None)
 
     def reusable(self, request: Request) -> list[bytes]:
         """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply:

@@ -49,7 +49,8 @@ class RequestSettings:
     the length ends the request, until it has that many tokens; stop_token_ids: more ids that end it (as EOS);
     grammar: structured output, an llguidance grammar's serialized text (`grammar.json_schema_grammar`,
     `regex_grammar`, `json_object_grammar`): each token is one the grammar allows, and the request ends ("stop")
-    where the grammar is complete (the engine needs `enable_grammars`)."""
+    where the grammar is complete (the engine needs `enable_grammars`); adapter: the index of its LoRA adapter
+    where the model holds several (`load_adapters`)."""
 
     max_new_tokens: int = 20
     eos_token_id: tuple[int, ...] = ()
@@ -68,6 +69,7 @@ class RequestSettings:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     grammar: str | None = None
+    adapter: int = 0   # its adapter in the model's adapter set (`model.adapter_names`, from 1; 0: the base)
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

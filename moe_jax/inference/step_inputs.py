@@ -2,7 +2,7 @@
 transfer, and their unpacking inside the compiled step. The layout lives here only.
 
     inputs = host_inputs(rows, tokens, pages, vocab)   # ids, mask [rows, S]; page_table [rows, pages]; per-row scalars
-    ints, floats = packed(inputs, width)           # [rows, 2S + W + 10 + B + M] int32, [rows, 5 + B] float32
+    ints, floats = packed(inputs, width)           # [rows, 2S + W + 11 + B + M] int32, [rows, 5 + B] float32
     unpacked(ints, floats, tokens, vocab)          # on device: the same names, page_table [rows, W]
 
 Each row also carries its request's logits controls (`RequestSettings`): B = `BIAS_WIDTH` (token id, bias) pairs
@@ -12,7 +12,8 @@ device per slot, `StepPrograms`) its slot and what its tokens are (`PENALTY_*`).
 `next_id`: the token after the row's last one when the host knows it (a prompt piece before the prompt's end),
 else -1 (the token the step samples); `capacity`: the tokens its pages hold. `allowed`: the tokens its grammar
 allows next (structured output, `grammar`), a bitmask of M = ceil(V / 32) int32 words over the model's V ids (bit
-v % 32 of word v // 32); -1 words (every token) for a row without a grammar.
+v % 32 of word v // 32); -1 words (every token) for a row without a grammar. `adapter`: its request's LoRA
+adapter in the model's adapter set (0: none).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .requests import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 
 # The per-row scalars after ids, mask and the page table, in the int array's order (then the bias ids).
 INT_SCALARS = ("lengths", "do_sample", "top_k", "seeds", "counters", "slots", "penalty", "logprobs", "next_id",
-               "capacity")
+               "capacity", "adapter")
 # The per-row scalars of the float array, in its order (then the bias values).
 FLOAT_SCALARS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # (token id, bias) pairs per row: a request's logit_bias and the stop ids min_tokens masks.
@@ -47,6 +48,7 @@ def host_inputs(rows: int, tokens: int, pages: int, vocab: int) -> dict[str, np.
                 seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32), slots=np.zeros(rows, np.int32),
                 penalty=np.zeros(rows, np.int32), logprobs=np.zeros(rows, np.int32),
                 next_id=np.full(rows, -1, np.int32), capacity=np.zeros(rows, np.int32),
+                adapter=np.zeros(rows, np.int32),
                 presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
                 repetition_penalty=np.ones(rows, np.float32), bias_ids=np.zeros((rows, BIAS_WIDTH), np.int32),
                 bias=np.zeros((rows, BIAS_WIDTH), np.float32),
@@ -65,6 +67,7 @@ def write_sampling(inputs: dict, row: int, settings, drawn: int, allowed: np.nda
     inputs["seeds"][row] = settings.seed % (1 << 32)
     inputs["counters"][row] = drawn
     inputs["logprobs"][row] = settings.logprobs
+    inputs["adapter"][row] = settings.adapter
     inputs["presence_penalty"][row] = settings.presence_penalty
     inputs["frequency_penalty"][row] = settings.frequency_penalty
     inputs["repetition_penalty"][row] = settings.repetition_penalty
@@ -94,7 +97,7 @@ def blank_row(inputs: dict, row: int) -> None:
 
 
 def packed(inputs: dict[str, np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The host inputs as two arrays (one transfer each, not twenty): ints [rows, 2S + W + 10 + B + M] (ids, mask,
+    """The host inputs as two arrays (one transfer each, not twenty): ints [rows, 2S + W + 11 + B + M] (ids, mask,
     page table cut to `width`, INT_SCALARS, the bias ids, then the allowed tokens' bitmask) and floats [rows, 5 + B]
     (FLOAT_SCALARS, then the biases)."""
     scalars = dict(inputs, do_sample=inputs["do_sample"].astype(np.int32), seeds=inputs["seeds"].view(np.int32))

@@ -45,6 +45,7 @@ from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
 from ..models.core import final_normed
+from ..ops.lora import ADAPTER_INDEX
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
 from .requests import MAX_TOP_LOGPROBS
@@ -68,6 +69,10 @@ class StepPrograms:
     def __init__(self, model, params, config: ContinuousBatchingConfig, *, groups: int, pages_per_group: int):
         self.model, self.params, self.config, self.groups = model, params, config, groups
         self.adapter = model.adapter   # the model's LoRA adapter's arrays (None: none), an argument of each program
+        self.many_adapters = bool(getattr(model, "adapter_names", ()))
+        if self.many_adapters and config.speculative == "mtp":
+            raise ValueError("speculative='mtp' with several adapters: not supported (the MTP layer's step takes "
+                             "one adapter); serve them without it.")
         self.pages_per_slot = config.pages_per_slot
         # On abstract target devices (`model.compiles_only`) the pools are shapes: programs lower, none runs.
         self.keys, self.values = init_page_pools(model, pages_per_group=pages_per_group, page_size=config.page_size,
@@ -231,6 +236,10 @@ class StepPrograms:
         params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens, self.vocab)
         mask = inputs["mask"]
+        if self.many_adapters:   # each token takes its row's adapter (`moe_jax.lora.AdapterSet`)
+            index = jnp.broadcast_to(inputs["adapter"][:, None], inputs["ids"].shape)
+            index = index if prompt_rows is None else self._flat_tokens(index, tokens, prompt_rows)   # as the ids
+            adapter = {**adapter, ADAPTER_INDEX: index}
         last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)                    # each row's last real token
         if prompt_rows is not None:
             segments = self._segments(tokens, prompt_rows)

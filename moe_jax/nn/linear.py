@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.accumulation import accumulating_einsum
-from ..ops.lora import LoraFactors
+from ..ops.lora import AdapterRows, LoraFactors, per_token_low_rank
 from ..ops.quantized import linear_weight
 from .precision import add_with_master, is_master, project_with_master
 
@@ -54,6 +54,9 @@ def linear(params: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
         if bias is not None:
             y = y + bias
     factors = params.get("lora", {}).get("weight")
+    if isinstance(factors, AdapterRows):
+        update = per_token_low_rank(factors, x)
+        return y if update is None else y + update
     return y if factors is None else y + low_rank_update(factors, x)
 
 

@@ -30,7 +30,7 @@ from .accumulation import accumulating_einsum, accumulation_dtype
 from .grouped_matmul_backends.tiled_swiglu import gated
 from .grouped_matmul import experts_scope
 from .grouped_swiglu import grouped_swiglu
-from .lora import LoraFactors, adapted_grouped_matmul
+from .lora import ExpertAdapterRows, LoraFactors, adapted_grouped_matmul
 from .permute import count_at_most, gather_rows, sort_by_expert, unpermute
 from .quantized import is_quantized
 from .varying import vary_like
@@ -71,6 +71,13 @@ def _varying_like(lora: ExpertsLora | None, like: jax.Array) -> dict:
     """The adapter's factors marked varying like `like` (already varying with every operand); {} for None."""
     return {} if not lora else {name: jax.tree.map(lambda array: vary_like(array, like), factors)
                                 for name, factors in lora.items()}
+
+
+def _one_adapter(lora: dict, what: str) -> None:
+    """ValueError where several adapters' factors (`ExpertAdapterRows`) reach experts that take one adapter's."""
+    if any(isinstance(factors, ExpertAdapterRows) for factors in lora.values()):
+        raise ValueError(f"several LoRA adapters at once on {what}: not supported (SwiGLU experts only); serve an "
+                         "adapter of the experts alone (load_adapter).")
 
 
 def _varying_together(*operands):
@@ -128,6 +135,9 @@ def swiglu_experts(
     # matmuls treat them as padding rows: zero output, zero gradient.
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
+    if lora:   # several adapters: each sorted row takes its token's
+        lora = {name: factors.sorted_rows(order, top_k) if isinstance(factors, ExpertAdapterRows) else factors
+                for name, factors in lora.items()}
     y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend,
                               lora=lora)  # [M, H]
 
@@ -250,6 +260,7 @@ def biased_clamped_swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
     lora = _varying_like(lora, hidden)
+    _one_adapter(lora, "gpt-oss's experts")
 
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
@@ -303,6 +314,7 @@ def prescaled_swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
     lora = _varying_like(lora, hidden)
+    _one_adapter(lora, "these experts")
 
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))

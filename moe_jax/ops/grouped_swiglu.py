@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from .grouped_matmul import backend_name, check_grouped_operands, experts_scope, grouped_matmul
 from .grouped_matmul_backends.tiled_swiglu import gated, tiled_swiglu_mlp
 from .grouped_matmul_backends.tiled_swiglu_lora import tiled_adapted_swiglu_mlp
-from .lora import LoraFactors, adapted_grouped_matmul
+from .lora import ExpertAdapterRows, LoraFactors, adapted_grouped_matmul
 from .quantized import is_quantized
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -63,7 +63,8 @@ def grouped_swiglu(
     kept = is_quantized(gate_up) or is_quantized(down)
     if lora:
         fused = FUSED_ADAPTED_SWIGLU_BACKENDS.get(name)
-        if fused is not None and not kept:
+        per_row = any(isinstance(factors, ExpertAdapterRows) for factors in lora.values())
+        if fused is not None and not kept and not per_row:
             with experts_scope(name):
                 return fused(x, gate_up, down, group_sizes.astype(jnp.int32), lora.get("gate_up_proj"),
                              lora.get("down_proj"), act=act)

@@ -3,7 +3,7 @@
     POST /v1/completions         prompt (text or token ids) -> text; streamed as server-sent events with stream
     POST /v1/chat/completions    messages (and tools) through the checkpoint's chat template -> the assistant's
                                  message; its tool calls parsed into `tool_calls` (`tool_calls.py`)
-    GET  /v1/models              the one served model
+    GET  /v1/models              the served model, and each LoRA adapter of the model's set (`parent`: the model)
     GET  /health                 200 {"status": "ok"} while the engine's thread runs (503 after it failed, and
                                  while draining)
     GET  /metrics                Prometheus text: slots, pages, requests, tokens/s, latency summaries
@@ -15,7 +15,9 @@ and sends the new text of each (`TextStream`: whole-sequence decoding, incomplet
 stop-string starts held back), a plain request waits for the finished output. A client that goes away
 (closes a stream, or drops a plain request's connection) has its request cancelled, so its slot and pages
 serve the next one. Client errors are OpenAI's error object with 400 (bad JSON, bad parameters, a prompt the
-context cannot hold) or 404 (an unknown model), never a 500.
+context cannot hold) or 404 (an unknown model), never a 500. Where the model holds several LoRA adapters
+(`model.load_adapters`), a request's `model` names one of them (or the base): requests of different adapters share
+the engine's steps, and the responses name the model asked for.
 
 Under hostile or heavy traffic (docs/inference.md, "Running it in production"): `AccessGuard` checks the headers,
 Host, Origin, API key, content type and body size before a handler runs; a body is parsed within bounds the context
@@ -75,6 +77,7 @@ class _Server:
         self.tool_parser = None if tool_parser in (None, "none") else tool_call_parser(tool_parser)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size = manager.engine.model.config.vocab_size
+        self.adapters = tuple(getattr(manager.engine.model, "adapter_names", ()))   # served beside the base
         self.limits = RequestLimits.for_context(max_model_len, getattr(tokenizer, "max_token_chars", None),
                                                 prompt_chars=max_prompt_chars)
         self.max_prompt_chars = self.limits.prompt_chars
@@ -88,9 +91,14 @@ class _Server:
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name and body.model not in self.adapters:
             raise InvalidRequest(f"The model `{shown(body.model)}` does not exist: this server serves "
-                                 f"`{self.model_name}`.", param="model", code="model_not_found", status=404)
+                                 f"`{'`, `'.join((self.model_name, *self.adapters))}`.", param="model",
+                                 code="model_not_found", status=404)
+
+    def adapter_of(self, body: SamplingFields) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base)."""
+        return body.model if body.model in self.adapters else None
 
     def check_sampling(self, body: SamplingFields) -> None:
         """What the protocol cannot check alone: top_k and token ids within the vocabulary, a grammar against
@@ -149,6 +157,8 @@ class _Server:
             max_tokens = self.max_model_len - len(prompt)
         streaming = bool(body.stream)
         generation = Generation(self, request_id, prompt, body.stop_strings(), streaming, index)
+        adapter = self.adapter_of(body)
+        generation.model = adapter or self.model_name
         loop = asyncio.get_running_loop()
         stats = self.stats
 
@@ -166,7 +176,8 @@ class _Server:
         try:
             self.manager.add_request(prompt, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming,
                                      stop=generation.stops or None, seed=seed, handler=deliver, incremental=True,
-                                     **body.sampling(), **body.controls())
+                                     **({} if adapter is None else {"adapter": adapter}), **body.sampling(),
+                                     **body.controls())
         except ValueError as error:
             raise InvalidRequest(str(error), param=what if "prompt" in str(error) else None) from None
         except QueueFull as error:
@@ -342,15 +353,22 @@ def build_app(manager, tokenizer, *, model_name: str, max_model_len: int, drain_
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "moe_jax",
                 "max_model_len": max_model_len}
 
+    def adapter_card(name: str) -> dict:   # vLLM's card of a LoRA adapter
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "moe_jax", "root": name,
+                "parent": model_name, "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *map(adapter_card, server.adapters)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
+        if name in server.adapters:
+            return adapter_card(name)
         if name != model_name:
-            raise InvalidRequest(f"The model `{shown(name)}` does not exist: this server serves `{model_name}`.",
-                                 param="model", code="model_not_found", status=404)
+            raise InvalidRequest(f"The model `{shown(name)}` does not exist: this server serves "
+                                 f"`{'`, `'.join((model_name, *server.adapters))}`.", param="model",
+                                 code="model_not_found", status=404)
         return model_card()
 
     @app.get("/health")

@@ -74,6 +74,7 @@ class Generation:
     def __init__(self, server, request_id: str, prompt: list[int], stops: list[str], streaming: bool, index: int = 0):
         self.server, self.request_id, self.prompt, self.stops = server, request_id, prompt, stops
         self.streaming, self.index = streaming, index
+        self.model = server.model_name   # the model the request named (a LoRA adapter's name, or the base's)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.tokens: list[int] = []   # the generated tokens so far (incremental outputs put together)
@@ -181,7 +182,7 @@ def completion_body(server, generations: list[Generation], outputs, *, top: int 
         choices.append({"index": generation.index, "text": echo + _text(server, generation, output),
                         "logprobs": logprobs, "finish_reason": finish_reason(output)})
     return {"id": generations[0].request_id, "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name, "choices": choices, "usage": usage(generations, outputs)}
+            "model": generations[0].model, "choices": choices, "usage": usage(generations, outputs)}
 
 
 def chat_body(server, generations: list[Generation], outputs, *, top: int | None, tools=None) -> dict:
@@ -198,7 +199,7 @@ def chat_body(server, generations: list[Generation], outputs, *, top: int | None
         choices.append({"index": generation.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason(output, "tool_calls" in message)})
     return {"id": generations[0].request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": server.model_name, "choices": choices, "usage": usage(generations, outputs)}
+            "model": generations[0].model, "choices": choices, "usage": usage(generations, outputs)}
 
 
 async def stream(server, generations: list[Generation], *, chat: bool, include_usage: bool, top: int | None = None,
@@ -217,7 +218,8 @@ async def stream(server, generations: list[Generation], *, chat: bool, include_u
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {"id": request_id, "object": kind, "created": created, "model": server.model_name, "choices": [choice]}
+        return {"id": request_id, "object": kind, "created": created, "model": generations[0].model,
+                "choices": [choice]}
 
     texts = [TextStream(_decode(server, tools), generation.stops) for generation in generations]
     parsers = [ToolCallStream(tools) if tools is not None else None for _ in generations]
@@ -265,7 +267,7 @@ async def stream(server, generations: list[Generation], *, chat: bool, include_u
             if failed is not None:
                 break
         if include_usage:
-            yield sse({"id": request_id, "object": kind, "created": created, "model": server.model_name,
+            yield sse({"id": request_id, "object": kind, "created": created, "model": generations[0].model,
                        "choices": [], "usage": usage(generations, finished)})
         yield sse("[DONE]")
     finally:
