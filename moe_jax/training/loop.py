@@ -38,6 +38,7 @@ import numpy as np
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
 from ..distributed.eplb import balanced_placement, better_placement
 from .data import place_batch
+from .router_health import RouterCollapseWatch
 from .state import TrainState
 
 
@@ -100,6 +101,7 @@ class TrainLoop:
         self.should_save = should_save or (lambda step: False)
         self.save = save
         self.replays = 0
+        self.router_watch = RouterCollapseWatch()   # warns once when a router collapses onto a few experts
         self.batch_sharding = train_step.model.batch_sharding()
         # expert_load's rows are the sparse layers in order; records name them by the model's layer index.
         self._sparse_layers = list(train_step.model.sparse_layers())
@@ -161,6 +163,7 @@ class TrainLoop:
             if self.evaluate is not None and self.should_evaluate(step) and not pending:
                 record.update(self.evaluate(step, state))
                 last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
+            self.router_watch(record)
             self.on_step(record)
             if self.save is not None and self.should_save(step) and not pending:
                 self.save(step, state, tracker.state)
