@@ -41,7 +41,8 @@ LAYER_OF_PATH = {
     "moe_jax/verbosity.py": "leaf",
     "moe_jax/tokenization.py": "leaf",
     "moe_jax/chat_template.py": "leaf",   # by tokenization.py: chat templates without Transformers
-    "moe_jax/compilation_cache.py": "leaf",   # JAX's persistent compilation cache, for commands that start often
+    "moe_jax/compilation_cache.py": "leaf",
+    "moe_jax/speculative_limits.py": "leaf",   # speculative decoding's settings, read by the flags before JAX   # JAX's persistent compilation cache, for commands that start often
     "moe_jax/ops/": "ops",
     "moe_jax/distributed/": "distributed",
     "moe_jax/kv_cache/": "kv_cache",

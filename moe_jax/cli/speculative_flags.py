@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..inference.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, check_speculative
+from ..speculative_limits import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, check_speculative
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
