@@ -58,6 +58,23 @@ def regex_grammar(pattern: str) -> str:
     return checked(_llguidance().LLMatcher.grammar_from_regex(pattern))
 
 
+def tool_call_grammar(functions: list[dict], prefix: str, suffix: str) -> str:
+    """A call of one of `functions` (OpenAI's function objects: name, parameters) written as `prefix`, the JSON
+    object {"name": ..., "arguments": ...} (the arguments by the function's parameters schema; compact JSON),
+    `suffix`: tool_choice "required" or a named function, in a JSON tool-call syntax (Hermes:
+    "<tool_call>\\n", "\\n</tool_call>")."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": function["name"]},
+                             "arguments": function.get("parameters") or {"type": "object"}}}
+             for function in functions]
+    schema = {"x-guidance": {"whitespace_flexible": False}, "anyOf": calls}
+    lark = f"start: {json.dumps(prefix)} call {json.dumps(suffix)}\ncall: %json {json.dumps(schema)}"
+    try:
+        return checked(_llguidance().LLMatcher.grammar_from_lark(lark))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the tools' parameters are not a valid JSON schema: {error}") from None
+
+
 def checked(grammar: str) -> str:
     """`grammar` if llguidance accepts it, else ValueError with its message."""
     error = _llguidance().LLMatcher.validate_grammar(grammar)

@@ -35,6 +35,7 @@ context has room for stops at the context with finish_reason "length".
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (`Request`, imported inside
 # build_app to keep FastAPI optional) at runtime.
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -199,11 +200,19 @@ class _Server:
     def chat_input(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         body = parse_request(ChatCompletionRequest, parse_json(raw, self.limits))
         self.check_model(body)
-        self.check_sampling(body)
         if body.parses_tool_calls() and self.tool_parser is None:
-            raise InvalidRequest('tool_choice "auto" needs a tool-call parser for this model\'s output: start the '
-                                 "server with --tool-call-parser NAME (or send tool_choice \"none\").",
-                                 param="tool_choice")
+            raise InvalidRequest(f'tool_choice {json.dumps(body.tool_choice or "auto")[:80]} needs a tool-call parser '
+                                 "for this model's output: start the server with --tool-call-parser NAME (or send "
+                                 'tool_choice "none").', param="tool_choice")
+        forced = body.forced_functions()
+        if forced is not None:   # "required" or a named function: a grammar of the parser's syntax forces the call
+            grammar = self.tool_parser.forcing_grammar(forced)
+            if grammar is None:
+                raise InvalidRequest(f"tool_choice {json.dumps(body.tool_choice)[:80]} forces a call through a grammar "
+                                     f"of the model's tool-call syntax, which the {self.tool_parser.name} parser does not "
+                                     'have yet (hermes does); use "auto".', param="tool_choice")
+            body.force_grammar(grammar)
+        self.check_sampling(body)
         return body, self.chat_prompt(body)
 
     def chat_tools(self, body: ChatCompletionRequest):

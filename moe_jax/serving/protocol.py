@@ -11,8 +11,8 @@ most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; no
 log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
 supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with tool_choice
 "auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it does not;
-"required" and a named function need guided decoding of the call's form, which the tool path does not do yet: a
-400. Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
+"required" and a named function force a call through a grammar of the parser's syntax (the app builds it, hermes
+has one). Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
 (0 or -1: off; at most the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off),
 min_tokens, stop_token_ids (at most 16). Structured output (response_format, guided_json, guided_regex):
 `structured`. Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is
@@ -336,22 +336,40 @@ class ChatCompletionRequest(SamplingFields):
             return self
         if not self.tools:
             raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
-        if choice == "auto":
+        if choice in ("auto", "required"):
             return self
-        if choice == "required" or isinstance(choice, dict):
-            raise InvalidRequest(f"tool_choice={json.dumps(choice)[:100]} needs guided decoding (structured output) to "
-                                 'make the model call a tool, which this server does not do yet; use "auto".',
-                                 param="tool_choice")
-        raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", ...}.',
-                             param="tool_choice")
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if choice.get("type") == "function" and isinstance(name, str) if isinstance(choice, dict) else False:
+            if name not in {tool.function.name for tool in self.tools}:
+                raise InvalidRequest(f"tool_choice names the function {name[:64]!r}, which is not among the tools.",
+                                     param="tool_choice")
+            return self
+        raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                             '{"name": ...}}.', param="tool_choice")
+
+    def forced_functions(self) -> list[dict] | None:
+        """The functions one of which the output must call (tool_choice "required": every tool's; a named
+        function: its), None where no call is forced."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        functions = [tool.model_dump(exclude_none=True)["function"] for tool in self.tools]
+        return functions if choice == "required" else [f for f in functions if f["name"] == choice["function"]["name"]]
+
+    def force_grammar(self, grammar: str) -> None:
+        """Generate under `grammar` (a forced tool call's; refused beside another structured-output constraint)."""
+        if self.grammar() is not None:
+            raise InvalidRequest("a forced tool call (tool_choice) and response_format / guided_json / guided_regex: "
+                                 "at most one constraint per request.", param="tool_choice")
+        self._grammar = grammar
 
     def tool_dicts(self) -> list[dict] | None:
         """The tools as the chat template reads them (`tools`); None without any."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def parses_tool_calls(self) -> bool:
-        """Whether the output's tool calls become `tool_calls` (tools given, tool_choice "auto")."""
-        return bool(self.tools) and (self.tool_choice or "auto") == "auto"
+        """Whether the output's tool calls become `tool_calls` (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _text_only(self):

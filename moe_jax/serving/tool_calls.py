@@ -86,6 +86,11 @@ class ToolCallParser:
     def clean(self, content: str) -> str:
         return content
 
+    def forcing_grammar(self, functions: list[dict]) -> str | None:
+        """The grammar that makes the model call one of `functions` in this syntax (tool_choice "required" or a
+        named function), or None where the syntax has none yet."""
+        return None
+
 
 def _arguments(value) -> str | None:
     """JSON text of a call's arguments (an object, or JSON text of one); None when they are not."""
@@ -137,6 +142,11 @@ class HermesParser(ToolCallParser):
         pieces, calls = _split(text, self.CALL, lambda m: _json_call(
             (m.group(1) if m.group(1) is not None else m.group(2)).strip()))
         return Parsed("".join(pieces), calls)
+
+    def forcing_grammar(self, functions: list[dict]) -> str:
+        from ..inference.grammar import tool_call_grammar
+
+        return tool_call_grammar(functions, "<tool_call>\n", "\n</tool_call>")
 
 
 @register

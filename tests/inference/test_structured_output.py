@@ -101,3 +101,24 @@ def test_grammar_rows_are_not_speculated():
         regex_grammar("[a-")
     with pytest.raises(ValueError, match="not valid"):
         json_schema_grammar({"type": "foo"})
+
+
+def test_a_forced_tool_call_is_a_call_of_one_of_the_functions_with_arguments_by_their_schema(engine):
+    """tool_choice "required" in Hermes syntax (`tool_calls.HermesParser.forcing_grammar`): every sampled output
+    is one call that the parser reads, of a function named, with arguments its parameters' schema allows."""
+    from moe_jax.serving.tool_calls import HermesParser
+
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+                                              "required": ["x"], "additionalProperties": False}},
+                 {"name": "g", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
+    grammar = HermesParser().forcing_grammar(functions)
+    requests = run(engine, sampled(grammar, 6, max_new_tokens=60), prompt=list(b"T: "))
+    for request in requests:
+        assert request.output.finish_reason == "stop"
+        parsed = HermesParser().parse(bytes(request.output.generated_tokens).decode())
+        assert parsed.content.strip() == "" and len(parsed.calls) == 1
+        call = parsed.calls[0]
+        arguments = json.loads(call.arguments)
+        assert (call.name, sorted(arguments)) in (("f", ["x"]), ("g", []))
+        assert call.name == "g" or 0 <= arguments["x"] <= 9

@@ -294,7 +294,7 @@ def test_a_tool_call_round_trip_plain_and_streamed(scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_none_leaves_the_text_and_required_is_refused(scripted):
+def test_tool_choice_none_leaves_the_text_and_required_is_parsed(scripted):
     scripted.scripted.reply = HERMES_CALL
     response = scripted.client.chat.completions.create(model="tiny-moe", messages=CONVERSATION[:1], tools=TOOLS,
                                                        tool_choice="none")
@@ -306,10 +306,14 @@ def test_tool_choice_none_leaves_the_text_and_required_is_refused(scripted):
     assert "<tools>" not in scripted.tokenizer.decode(scripted.scripted.prompts[-1])
     import openai
 
+    scripted.scripted.reply = HERMES_CALL
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="guided decoding"):
-            scripted.client.chat.completions.create(model="tiny-moe", messages=CONVERSATION[:1], tools=TOOLS,
-                                                    tool_choice=choice)
+        forced = scripted.client.chat.completions.create(model="tiny-moe", messages=CONVERSATION[:1], tools=TOOLS,
+                                                         tool_choice=choice)   # the grammar: test_structured_output
+        assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError, match="names the function 'nowhere', which is not among the tools"):
+        scripted.client.chat.completions.create(model="tiny-moe", messages=CONVERSATION[:1], tools=TOOLS,
+                                                tool_choice={"type": "function", "function": {"name": "nowhere"}})
     with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
         scripted.client.chat.completions.create(model="tiny-moe", messages=CONVERSATION[:1], tool_choice="auto")
 
