@@ -200,13 +200,13 @@ class Scheduler(SpeculativeSteps):
             request = self.waiting[0]
             tokens = min(len(request.prompt_ids) + request.settings.max_new_tokens, self.config.max_model_len)
             reusable = self.prefix_cache.reusable(request)
-            candidates = sorted(((len(self.book.match(g, reusable)), self.book.free_pages(g), g)
-                                 for g in range(self.groups)
-                                 if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))),
-                                reverse=True)
+            open_groups = [g for g in range(self.groups)
+                           if any(self.slots[s] is None for s in range(g * per_group, (g + 1) * per_group))]
+            matches = {g: self.book.match(g, reusable) for g in open_groups}
             placed = False
-            for _, _, group in candidates:
-                shared = self.book.match(group, reusable)
+            for group in sorted(open_groups, key=lambda g: (len(matches[g]), self.book.free_pages(g), g),
+                                reverse=True):
+                shared = matches[group]
                 pages = self.book.allocate(group, tokens, prefix=shared)
                 if pages is None:
                     continue
