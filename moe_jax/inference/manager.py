@@ -127,9 +127,13 @@ class ContinuousBatchingManager:
 
     def begin_drain(self, timeout: float) -> None:
         """Start a shutdown without blocking: no new requests; the waiting ones end now (FAILED, finish_reason
-        "shutdown"); the running ones have `timeout` seconds to finish, then end the same way."""
+        "shutdown"); the running ones have `timeout` seconds to finish, then end the same way. A drain under way
+        keeps the earlier deadline: the server's second signal ends the running requests at once, and its shutdown
+        hook, which can run after that signal, must not give them their time back."""
         self._accepting = False
-        self._drain_deadline = time.monotonic() + max(timeout, 0.0)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
         self._wake.set()
 
     def is_draining(self) -> bool:

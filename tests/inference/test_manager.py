@@ -95,6 +95,7 @@ def test_a_drain_refuses_new_requests_ends_waiting_ones_and_cuts_running_ones_at
         while manager.engine.slots_in_use < 2:
             time.sleep(0.005)
         manager.begin_drain(0.0)
+        manager.begin_drain(30.0)   # a later, longer drain (the server's shutdown hook after a second signal)
         with pytest.raises(RuntimeError, match="stopping"):
             manager.add_request(prompts[0], max_new_tokens=4)
         outputs = collect(manager, running + [waiting])

@@ -208,6 +208,7 @@ def test_generate_with_ngram_speculation_returns_generates_greedy_sequences():
 # ---- drafting with a DeepSeek-V3 checkpoint's MTP layers --------------------------------------------------------
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
+    pytest.importorskip("torch")   # the checkpoint's decoder blocks come from Transformers' (tests/models/mtp_checkpoints.py)
     from tests.models.mtp_checkpoints import write_mtp_checkpoint
     directory = tmp_path_factory.mktemp("mtp") / "checkpoint"
     write_mtp_checkpoint(directory)
