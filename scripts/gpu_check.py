@@ -1,7 +1,7 @@
 """The GPU check: correctness against the CPU, MoE-layer TFLOP/s and MFU at Qwen3-30B-A3B
 shapes per grouped-matmul backend, and a reduced-depth Qwen3-30B-A3B train step's tokens/s and MFU.
 
-    scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~5 minutes
+    scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~4 minutes
     python scripts/gpu_check.py OUT_DIR --small     # the same code paths at toy shapes, on any machine
 
 Writes OUT_DIR/gpu_check.json (every figure) and OUT_DIR/gpu_check.txt (the printed report). Nothing is
@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -65,6 +66,9 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
            max_position_embeddings=256, tie_word_embeddings=False)
 
 
+
+
+SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "serving")
 
 
 def backends() -> list[str]:
@@ -117,8 +121,15 @@ def correctness(config: dict, report) -> dict:
     device_model.init_params(seed=0)
     cpu_model = Qwen3MoeForCausalLM(small, devices=[cpu])
     cpu_model.set_params({k: np.asarray(v) for k, v in device_model.hf_params().items()})
-    difference = np.abs(np.asarray(device_model(ids)) - np.asarray(cpu_model(ids))).max()
-    results["model_2_layers_max_abs_logits_diff"] = float(difference)
+    on_cpu = np.asarray(cpu_model(ids))
+    results["model_2_layers_max_abs_logits"] = float(np.abs(on_cpu).max())
+    results["model_2_layers_max_abs_logits_diff"] = float(np.abs(np.asarray(device_model(ids)) - on_cpu).max())
+    # A GPU's fp32 matmuls default to TF32 (10 mantissa bits): the same forward at "highest" precision tells that
+    # rounding from a wrong result.
+    with jax.default_matmul_precision("highest"):
+        highest = Qwen3MoeForCausalLM(small, devices=jax.devices()[:1])
+        highest.set_params({k: np.asarray(v) for k, v in device_model.hf_params().items()})
+        results["model_2_layers_max_abs_logits_diff_highest"] = float(np.abs(np.asarray(highest(ids)) - on_cpu).max())
     for name, value in results.items():
         report(f"  {name}: {value:.3e}" if isinstance(value, float) else f"  {name}: {value}")
     return results
@@ -239,17 +250,37 @@ def torch_sdpa(q, k, v, flops: float, repeats: int, report) -> dict:
 
 
 def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
-    """The default backend's train step; if it fails, the failure is reported and the tiled scan's is measured."""
+    """The default backend's train step, then the same step with attention on jax's XLA path (the default takes
+    cuDNN's fused kernel on a GPU: `nn.attention_core.fused_gpu_kernel`); if the default fails, the failure is
+    reported and the tiled scan's step is measured instead."""
     try:
-        return train_step_with(None, config, layers, batch, seq, peak, repeats, report)
+        result = train_step_with(None, config, layers, batch, seq, peak, repeats, report)
     except Exception as error:
         report(f"  default backend failed: {type(error).__name__}: {str(error)[:300]}; measuring backend 'tiled'")
         return {"default_backend_error": f"{type(error).__name__}: {error}"[:300],
                 **train_step_with("tiled", config, layers, batch, seq, peak, repeats, report)}
+    if jax.default_backend() == "gpu":
+        with xla_attention():
+            result["xla_attention"] = train_step_with(None, config, layers, batch, seq, peak, repeats, report,
+                                                      label="attention on XLA's path, ")
+    return result
+
+
+@contextmanager
+def xla_attention():
+    """Traces inside take jax's XLA attention where the default would take cuDNN's."""
+    from moe_jax.nn import attention_core
+
+    chooser = attention_core.fused_gpu_kernel
+    attention_core.fused_gpu_kernel = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        attention_core.fused_gpu_kernel = chooser
 
 
 def train_step_with(backend: str | None, config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int,
-                    report) -> dict:
+                    report, label: str = "") -> dict:
     model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1],
                                 experts_backend=backend)
     model.init_params(seed=0)
@@ -270,7 +301,7 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     result = {"backend": backend or default_backend(jax.default_backend()), "layers": layers, "batch": batch,
               "seq": seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s, "mfu": mfu,
               "loss": float(metrics["loss"])}
-    report(f"  backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, "
+    report(f"  {label}backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, "
            f"{tokens_per_s:.0f} tokens/s, MFU {mfu:.1%} (loss {result['loss']:.3f})")
     return result
 
@@ -332,12 +363,18 @@ def main() -> int:
     parser.add_argument("out", help="directory for gpu_check.json and gpu_check.txt")
     parser.add_argument("--small", action="store_true", help="toy shapes (checks the code paths on any machine)")
     parser.add_argument("--tokens", type=int, default=16384, help="routed tokens of the MoE-layer benchmark")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the train-step benchmark")
-    parser.add_argument("--batch", type=int, default=8)
+    # 2 layers at batch 2 fit an H100's 80 GB (4 full-width layers at batch 8 x 2048 ran out of its memory).
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the train-step benchmark")
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H200: 989)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100 / H200 SXM: 989)")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()
+    only = args.only.split(",")
+    if unknown := sorted(set(only) - set(SECTIONS)):
+        parser.error(f"--only {args.only}: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.small:
         args.tokens, args.layers, args.batch, args.seq, args.repeats = 256, 2, 2, 32, 2
     config = TOY if args.small else QWEN3_30B_A3B
@@ -354,20 +391,30 @@ def main() -> int:
     results = {"jax": jax.__version__, "device": str(device), "platform": device.platform,
                "device_kind": getattr(device, "device_kind", ""), "small": args.small, "backends": backends()}
     report(f"jax {jax.__version__} on {device.platform} ({results['device_kind']}); backends {results['backends']}")
-    for name, run in [("correctness", lambda: correctness(config, report)),
+    sections = [("correctness", lambda: correctness(config, report)),
                       ("moe_layer", lambda: moe_layer(config, args.tokens, peak, args.repeats, report)),
                       ("attention", lambda: attention(config, args.batch, args.seq, peak, args.repeats, report)),
                       ("train_step", lambda: train_step(config, args.layers, args.batch, args.seq, peak, args.repeats,
                                                         report)),
                       ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
-                                                  4 if args.small else 32, args.small, report))]:
+                                                  4 if args.small else 32, args.small, report))]
+    failed = False
+    for name, run in sections:
+        if name not in only:
+            continue
         report(f"{name}:")
         start = time.perf_counter()
-        results[name] = run()
+        try:
+            results[name] = run()
+        except Exception as error:  # reported; the sections after it still run
+            failed = True
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:600]}
+            report(f"  failed: {results[name]['error']}")
         report(f"  ({time.perf_counter() - start:.0f} s)")
-        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))  # what finished survives a timeout
-    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
-    return 0
+        # What finished survives a timeout.
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+        (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -197,6 +197,26 @@ def _takes_own_cpu_core(implementation: str | None) -> bool:
     return implementation == "blocked" or (implementation is None and jax.default_backend() == "cpu")
 
 
+def fused_gpu_kernel(q: jax.Array, padding: jax.Array | None, *, platform: str | None = None,
+                     compute_capability: str | None = None) -> str | None:
+    """The `jax.nn.dot_product_attention` implementation a whole causal sequence takes when none was asked for:
+    "cudnn" on a GPU where cuDNN's fused flash attention takes these heads, else None (jax's own choice, its XLA
+    path). jax does not pick cuDNN by itself; on an H100 the fused kernel ran Qwen3-30B-A3B's causal heads several
+    times faster than the XLA path, forward and backward (docs/benchmarks.md, "GPU check"). cuDNN takes fp16/bf16
+    heads of width <= 128 (a multiple of 8) on compute capability >= 8.0; an explicit key-padding mask stays on
+    XLA's path. q: [B, S, N, D]; padding: the [B, 1, 1, T] key mask or None; platform / compute_capability: JAX's
+    default backend and its first device's (read when None)."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "gpu" or padding is not None:
+        return None
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128:
+        return None
+    if compute_capability is None:
+        compute_capability = getattr(jax.devices()[0], "compute_capability", None)
+    major = int(str(compute_capability).split(".")[0]) if compute_capability else 0
+    return "cudnn" if major >= 8 else None
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -223,7 +243,8 @@ def attend(
     sliding_window: keys visible per query, itself included (HF semantics), or None for full causal
     implementation: "blocked" = `query_blocks.causal_block_attention` for a whole causal sequence (None picks it on
         CPU); otherwise passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash
-        attention on GPU, "xla" = its XLA path, None = its own choice)
+        attention on GPU, "xla" = its XLA path, None = `fused_gpu_kernel`'s choice for a whole causal sequence,
+        else jax's own)
     query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
     sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
         probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
@@ -261,6 +282,7 @@ def attend(
                                   key_padding_mask=key_padding_mask)
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
+        implementation = implementation or fused_gpu_kernel(q, padding)
         return _dot_product_attention(
             q,
             k,

@@ -93,3 +93,37 @@ def test_attend_takes_it_on_cpu_for_masked_queries(monkeypatch):
     attend(q[:, 9:], k, v, query_index=query_index, implementation="xla")
     attend(q, k, v)
     assert calls == [(3, 3, 4, 8), (3, 12, 4, 8)]
+
+
+def test_a_gpu_takes_cudnns_fused_kernel_where_it_takes_the_heads():
+    from moe_jax.nn.attention_core import fused_gpu_kernel
+
+    q = jnp.zeros((1, 16, 4, 128), jnp.bfloat16)
+    assert fused_gpu_kernel(q, None, platform="gpu", compute_capability="9.0") == "cudnn"
+    assert fused_gpu_kernel(q.astype(jnp.float16), None, platform="gpu", compute_capability="10.0") == "cudnn"
+    assert fused_gpu_kernel(q, None, platform="cpu", compute_capability="9.0") is None
+    assert fused_gpu_kernel(q, None, platform="gpu", compute_capability="7.5") is None       # before Ampere
+    assert fused_gpu_kernel(q.astype(jnp.float32), None, platform="gpu", compute_capability="9.0") is None
+    assert fused_gpu_kernel(jnp.zeros((1, 16, 4, 192), jnp.bfloat16), None, platform="gpu",
+                            compute_capability="9.0") is None                                # wider than 128
+    padding = jnp.ones((1, 1, 1, 16), bool)
+    assert fused_gpu_kernel(q, padding, platform="gpu", compute_capability="9.0") is None
+
+
+def test_attend_hands_a_whole_causal_sequence_to_cudnn_on_a_gpu(monkeypatch):
+    """On a GPU with no implementation asked for, the whole-sequence path asks jax for "cudnn" (jax's own choice
+    would be its XLA path); a padded batch keeps jax's choice."""
+    asked, xla_attention = [], jax.nn.dot_product_attention
+
+    def record(q, k, v, *, implementation=None, **options):
+        asked.append(implementation)
+        return xla_attention(q, k, v, implementation="xla", **options)
+
+    monkeypatch.setattr(attention_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention_module, "fused_gpu_kernel",
+                        functools.partial(attention_module.fused_gpu_kernel, compute_capability="9.0"))
+    monkeypatch.setattr(attention_module.jax.nn, "dot_product_attention", record)
+    q, k, v = _qkv(8, 8, 4, 2, dim=16, dtype=jnp.bfloat16)
+    attend(q, k, v)
+    attend(q, k, v, key_padding_mask=jnp.ones((3, 8), bool))
+    assert asked == ["cudnn", None]

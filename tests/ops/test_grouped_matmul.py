@@ -151,6 +151,8 @@ def test_default_tile_rows_follow_average_group_size():
     assert default_tile_rows(4096, 32) == 128
     assert default_tile_rows(4096, 48) == 64  # 85 rows per group rounds down
     assert default_tile_rows(4096, 8) == MAX_TILE_ROWS
+    assert default_tile_rows(131072, 128, platform="gpu") == 1024   # Qwen3-30B-A3B's groups on a GPU
+    assert default_tile_rows(131072, 128, platform="cpu") == MAX_TILE_ROWS
     assert default_tile_rows(4096, 160) == MIN_TILE_ROWS  # 25 rows per group: not below the floor
     assert default_tile_rows(4096, 1024) == SMALL_TILE_ROWS  # 4 rows per group: decode-sized
     assert default_tile_rows(32, 16) == SMALL_TILE_ROWS  # 8 tokens x top-4 over 16 experts

@@ -48,20 +48,26 @@ Schedules = tuple[tuple[TileVisits, int], ...]   # (visits, rows per window)
 # over many experts) take SMALL_TILE_ROWS instead: a 32-row window there computes mostly
 # masked rows. Measured on one layer's SwiGLU experts (docs/benchmarks.md, "Grouped
 # matmul"): small tiles win below 16 rows a group and lose above, hence the threshold.
+# On a GPU each visit is a loop step of a few kernel launches, large against a 256-row dot: the tile follows the
+# average group up to MAX_TILE_ROWS_GPU there (an H100 ran Qwen3-30B-A3B's 1024-row groups fastest in 1024-row
+# tiles of those swept, 128 to 1024: docs/benchmarks.md, "GPU check").
 MIN_TILE_ROWS = 32
 MAX_TILE_ROWS = 256
+MAX_TILE_ROWS_GPU = 1024
 SMALL_GROUP_ROWS = 16
 SMALL_TILE_ROWS = 8
 
 
-def default_tile_rows(num_rows: int, num_experts: int) -> int:
-    """Power-of-two tile near the average group size, within [MIN_TILE_ROWS, MAX_TILE_ROWS]; SMALL_TILE_ROWS
-    when the groups average fewer than SMALL_GROUP_ROWS rows."""
+def default_tile_rows(num_rows: int, num_experts: int, platform: str | None = None) -> int:
+    """Power-of-two tile near the average group size, within [MIN_TILE_ROWS, MAX_TILE_ROWS] (MAX_TILE_ROWS_GPU
+    when `platform`, JAX's default backend unless given, is "gpu"); SMALL_TILE_ROWS when the groups average fewer
+    than SMALL_GROUP_ROWS rows."""
     average_group = max(num_rows // max(num_experts, 1), 1)
     if average_group < SMALL_GROUP_ROWS:
         return SMALL_TILE_ROWS
     tile = 1 << int(math.floor(math.log2(average_group)))
-    return min(max(tile, MIN_TILE_ROWS), MAX_TILE_ROWS)
+    platform = jax.default_backend() if platform is None else platform
+    return min(max(tile, MIN_TILE_ROWS), MAX_TILE_ROWS_GPU if platform == "gpu" else MAX_TILE_ROWS)
 
 
 # How an R-row window meets one expert weight [O, H]: which weight axis is
