@@ -420,8 +420,10 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}.")
         batch = input_ids.shape[0]
-        attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
         padding = -batch % (self.data_parallel_size * self.pipeline_microbatches)
+        # No mask stays None (attention then needs only the causal mask) unless filler rows need one.
+        if attention_mask is not None or padding:
+            attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
         if padding:
             pad = lambda array: jnp.pad(array, ((0, padding), (0, 0)))  # noqa: E731
             input_ids, attention_mask = pad(input_ids), pad(attention_mask)

@@ -142,6 +142,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         attention_mask = (segment_ids > 0).astype(jnp.int32)
         if positions is None:   # each document counts from 0
             positions = jnp.arange(sequence, dtype=jnp.int32)[None, :] - segment_starts(segment_ids)
+    unpadded = attention_mask is None
     attention_mask = (jnp.ones((batch, sequence), jnp.int32) if attention_mask is None
                       else layouts.batch(jnp.asarray(attention_mask, jnp.int32)))
     if positions is None:
@@ -150,7 +151,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     positions = layouts.batch(jnp.asarray(positions, jnp.int32))
     step = StepOptions(
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
-        layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids,
+        layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids, unpadded=unpadded,
     )
     if core.num_redundant_experts and expert_placement is None:
         expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,

@@ -135,8 +135,8 @@ def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attenti
                    head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, constrain=step.layouts.constrain,
                    **options)
     if layer_kv is None:
-        return attention(weights, h, cos, sin, attention_mask=attention_mask, segment_ids=step.segment_ids,
-                         **options), None
+        return attention(weights, h, cos, sin, attention_mask=None if step.unpadded else attention_mask,
+                         segment_ids=step.segment_ids, **options), None
     return cached_attention(weights, h, cos, sin, layer_kv, **options)
 
 

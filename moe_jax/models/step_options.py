@@ -39,6 +39,9 @@ class StepOptions:
     compute_dtype: jnp.dtype | None = None
     cache: Any = None
     segment_ids: jax.Array | None = None   # [B, S] packed rows' document ids (0: padding), or None
+    # The caller gave no attention mask (nor packed rows): every key is real, so attention over the whole sequence
+    # needs only the causal mask, which fused kernels (cuDNN's on a GPU) take without reading a padding mask.
+    unpadded: bool = False
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:
