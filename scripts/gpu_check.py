@@ -251,7 +251,7 @@ def torch_sdpa(q, k, v, flops: float, repeats: int, report) -> dict:
 
 def train_step(config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int, report) -> dict:
     """The default backend's train step, then the same step with attention on jax's XLA path (the default takes
-    cuDNN's fused kernel on a GPU: `nn.attention_core.fused_gpu_kernel`); if the default fails, the failure is
+    cuDNN's fused kernel on a GPU: `nn.attention_core.fused_kernel`); if the default fails, the failure is
     reported and the tiled scan's step is measured instead."""
     try:
         result = train_step_with(None, config, layers, batch, seq, peak, repeats, report)
@@ -271,12 +271,12 @@ def xla_attention():
     """Traces inside take jax's XLA attention where the default would take cuDNN's."""
     from moe_jax.nn import attention_core
 
-    chooser = attention_core.fused_gpu_kernel
-    attention_core.fused_gpu_kernel = lambda *args, **kwargs: None
+    chooser = attention_core.fused_kernel
+    attention_core.fused_kernel = lambda *args, **kwargs: "xla"
     try:
         yield
     finally:
-        attention_core.fused_gpu_kernel = chooser
+        attention_core.fused_kernel = chooser
 
 
 def train_step_with(backend: str | None, config: dict, layers: int, batch: int, seq: int, peak: float, repeats: int,

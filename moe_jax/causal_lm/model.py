@@ -163,7 +163,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                               dispatches=self.layout.ep_size > 1, microbatches=self.pipeline_microbatches,
                               ep_size=self.layout.ep_size if self.layout.ep_size > 1 and any(
                                   module.implementation is not None for module in self.sharded_experts.values())
-                              else 1, num_redundant_experts=self.num_redundant_experts, mtp_layers=self.mtp_layers)
+                              else 1, num_redundant_experts=self.num_redundant_experts, mtp_layers=self.mtp_layers,
+                              device=None if self.mesh is None else self.mesh.devices.flat[0])
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = self._new_apply_jit()

@@ -20,9 +20,9 @@ from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logic
 from ..distributed.capacity import DispatchStatistics
 from ..distributed.eplb import ExpertPlacement, identity_placement
 from ..distributed.mesh import DeviceLayout
-from ..nn.attention_core import segment_starts
-from ..ops.routing import load_balancing_from_sums, load_balancing_loss
+from ..nn.attention_core import attention_for_device, segment_starts
 from ..nn.norms import rms_norm
+from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits, rope_tables
 from .family import Family
 from .layer_stack import LayerStack
@@ -43,7 +43,9 @@ class ModelCore:
     nested params with each adapted weight's factors beside it (`moe_jax.lora.AdapterLayout`).
     ep_size: the ranks experts are dispatched over (1: none), the width of `ModelOutput.ep_rank_load`.
     num_redundant_experts: R extra expert slots per sparse layer; each step takes an `ExpertPlacement`.
-    mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; 0: none)."""
+    mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; 0: none).
+    device: the first device of the model's mesh, whose kind picks the attention kernels
+    (`nn.attention_core.attention_for_device`; None: the host's default backend's)."""
 
     family: Family
     config: Any
@@ -57,6 +59,7 @@ class ModelCore:
     ep_size: int = 1
     num_redundant_experts: int = 0
     mtp_layers: int = 0
+    device: Any = None
 
 
 def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None,
@@ -152,6 +155,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     step = StepOptions(
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
         layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids, unpadded=unpadded,
+        attention=attention_for_device(core.device),
     )
     if core.num_redundant_experts and expert_placement is None:
         expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,
@@ -233,7 +237,7 @@ def mtp_cache_step(core: ModelCore, params: Mapping[str, Any], hidden, next_ids,
     family, config = core.family, core.config
     positions = cache.next_index + jnp.arange(next_ids.shape[1], dtype=jnp.int32)[None, :]
     step = StepOptions(sharded_experts=core.sharded_experts, capacity=None, inference=True, rng=None, remat="none",
-                       layouts=core.layouts, cache=cache)
+                       layouts=core.layouts, cache=cache, attention=attention_for_device(core.device))
     layer = config.num_hidden_layers
     weights = nested_weights(core, params, adapter)["model"]["layers"][str(layer)]
     cache_step = cache.begin(attention_mask)

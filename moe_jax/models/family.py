@@ -133,7 +133,7 @@ def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attenti
     cos, sin = rope
     options = dict(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
                    head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, constrain=step.layouts.constrain,
-                   **options)
+                   implementation=step.attention, **options)
     if layer_kv is None:
         return attention(weights, h, cos, sin, attention_mask=None if step.unpadded else attention_mask,
                          segment_ids=step.segment_ids, **options), None

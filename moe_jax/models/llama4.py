@@ -164,12 +164,12 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
     chunk = options["attention_chunk_size"]
     stored = None
     if layer_kv is None:
-        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=attention_mask, attention_chunk_size=chunk,
-                     segment_ids=step.segment_ids)
+        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=None if step.unpadded else attention_mask,
+                     attention_chunk_size=chunk, segment_ids=step.segment_ids, implementation=step.attention)
     else:
         def core(q, keys, values, **mask_options):
             return attend(q, keys.astype(v.dtype), values.astype(v.dtype), scale=c.head_dim ** -0.5,
-                          attention_chunk_size=chunk, **mask_options)
+                          attention_chunk_size=chunk, implementation=step.attention, **mask_options)
 
         out, stored = layer_kv.attend(core, q, k, v)
     batch, sequence = h.shape[:2]

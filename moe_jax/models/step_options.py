@@ -42,6 +42,9 @@ class StepOptions:
     # The caller gave no attention mask (nor packed rows): every key is real, so attention over the whole sequence
     # needs only the causal mask, which fused kernels (cuDNN's on a GPU) take without reading a padding mask.
     unpadded: bool = False
+    # `nn.attention_core.attend`'s implementation for the model's devices (`attention_for_device`: "fused" on
+    # GPUs, "blocked" on CPUs), so a program compiled for target GPUs on a CPU host is the one a GPU runs.
+    attention: str | None = None
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:

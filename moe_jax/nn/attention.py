@@ -118,7 +118,7 @@ def attention(
     qk_norm_kind: QkNormKind | None = None,
     rms_norm_eps: float = 1e-6,
     clip_qkv: float | None = None,
-    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked", "fused"] | None = None,
     query_chunk_size: int | None = None,
     constrain: Constrain = no_constraint,
     segment_ids: jax.Array | None = None,
@@ -184,7 +184,7 @@ def cached_attention(
     qk_norm_kind: QkNormKind | None = None,
     rms_norm_eps: float = 1e-6,
     clip_qkv: float | None = None,
-    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked", "fused"] | None = None,
     constrain: Constrain = no_constraint,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`attention` for S new tokens against a KV cache (prefill into an empty cache, decode, or a chunk of a

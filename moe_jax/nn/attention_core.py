@@ -123,8 +123,8 @@ def _attend_query_chunks(
 
 def _dot_product_attention(q, k, v, *, implementation, **options) -> jax.Array:
     """`jax.nn.dot_product_attention`, also for fp16 on XLA:CPU (`_widening_fp16`); "blocked" (query blocks,
-    where a mask rules them out) is its XLA path."""
-    implementation = "xla" if implementation == "blocked" else implementation
+    where a mask rules them out) and "fused" under a mask cuDNN's kernel does not take are its XLA path."""
+    implementation = "xla" if implementation in ("blocked", "fused") else implementation
     return _widening_fp16(jax.nn.dot_product_attention, q, k, v, implementation=implementation, **options)
 
 
@@ -197,24 +197,30 @@ def _takes_own_cpu_core(implementation: str | None) -> bool:
     return implementation == "blocked" or (implementation is None and jax.default_backend() == "cpu")
 
 
-def fused_gpu_kernel(q: jax.Array, padding: jax.Array | None, *, platform: str | None = None,
-                     compute_capability: str | None = None) -> str | None:
-    """The `jax.nn.dot_product_attention` implementation a whole causal sequence takes when none was asked for:
-    "cudnn" on a GPU where cuDNN's fused flash attention takes these heads, else None (jax's own choice, its XLA
-    path). jax does not pick cuDNN by itself; on an H100 the fused kernel ran Qwen3-30B-A3B's causal heads several
-    times faster than the XLA path, forward and backward (docs/benchmarks.md, "GPU check"). cuDNN takes fp16/bf16
-    heads of width <= 128 (a multiple of 8) on compute capability >= 8.0; an explicit key-padding mask stays on
-    XLA's path. q: [B, S, N, D]; padding: the [B, 1, 1, T] key mask or None; platform / compute_capability: JAX's
-    default backend and its first device's (read when None)."""
-    platform = jax.default_backend() if platform is None else platform
-    if platform != "gpu" or padding is not None:
+def attention_for_device(device) -> str | None:
+    """The `attend` implementation a model's step asks for on `device` (its mesh's first device, abstract target
+    GPUs included, so a program compiled for GPUs on a CPU host is the one a GPU runs): "fused" on NVIDIA GPUs of
+    compute capability >= 8.0 (cuDNN's fused flash attention where it takes the heads), "blocked" on a CPU (this
+    module's own cores), None elsewhere or without a device (jax's choice on the host's default backend)."""
+    if device is None:
         return None
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128:
-        return None
-    if compute_capability is None:
-        compute_capability = getattr(jax.devices()[0], "compute_capability", None)
-    major = int(str(compute_capability).split(".")[0]) if compute_capability else 0
-    return "cudnn" if major >= 8 else None
+    if device.platform == "cpu":
+        return "blocked"
+    capability = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and capability and int(str(capability).split(".")[0]) >= 8:
+        return "fused"
+    return None
+
+
+def fused_kernel(q: jax.Array, padding: jax.Array | None) -> str:
+    """What "fused" runs a whole causal sequence with: "cudnn" where cuDNN's fused flash attention takes these
+    heads (fp16 / bf16, width <= 128 and a multiple of 8, no key-padding mask), else "xla". jax does not pick
+    cuDNN by itself (its None is the XLA path); on an H100 the fused kernel ran Qwen3-30B-A3B's causal heads
+    several times faster, forward and backward (docs/benchmarks.md, "GPU check").
+    q: [B, S, N, D]; padding: the [B, 1, 1, T] key mask or None."""
+    takes = (padding is None and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
+             and q.shape[-1] <= 128)
+    return "cudnn" if takes else "xla"
 
 
 def attend(
@@ -226,7 +232,7 @@ def attend(
     key_padding_mask: jax.Array | None = None,
     query_index: jax.Array | None = None,
     sliding_window: int | None = None,
-    implementation: Literal["xla", "cudnn", "blocked"] | None = None,
+    implementation: Literal["xla", "cudnn", "blocked", "fused"] | None = None,
     query_chunk_size: int | None = None,
     sinks: jax.Array | None = None,
     attention_chunk_size: int | None = None,
@@ -242,9 +248,10 @@ def attend(
         are the last S keys: prefill when T == S, or decode against a cache holding exactly T keys)
     sliding_window: keys visible per query, itself included (HF semantics), or None for full causal
     implementation: "blocked" = `query_blocks.causal_block_attention` for a whole causal sequence (None picks it on
-        CPU); otherwise passed to `jax.nn.dot_product_attention` ("cudnn" = fused flash
-        attention on GPU, "xla" = its XLA path, None = `fused_gpu_kernel`'s choice for a whole causal sequence,
-        else jax's own)
+        CPU); "fused" = cuDNN's kernel for a whole causal sequence where it takes the heads (`fused_kernel`), else
+        XLA's path (a model's step on a GPU: `attention_for_device`); otherwise passed to
+        `jax.nn.dot_product_attention` ("cudnn" = fused flash attention on GPU, "xla" = its XLA path, None = its
+        own choice)
     query_chunk_size: attend this many queries at a time to bound the score memory of the XLA path
     sinks: [N] gpt-oss's learned per-head sink logits: one more softmax column per head that takes
         probability and no value (`attend_with_sinks`; chunking and fused kernels do not apply)
@@ -282,7 +289,8 @@ def attend(
                                   key_padding_mask=key_padding_mask)
         padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
         window = None if sliding_window is None else (sliding_window - 1, 0)
-        implementation = implementation or fused_gpu_kernel(q, padding)
+        if implementation == "fused":
+            implementation = fused_kernel(q, padding)
         return _dot_product_attention(
             q,
             k,

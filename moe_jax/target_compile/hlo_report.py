@@ -71,6 +71,7 @@ class ProgramReading:
     host_transfers: list[str]
     fusions: int
     overlap: list[AsyncOverlap] = field(default_factory=list)
+    attention_kernels: list[str] = field(default_factory=list)
 
 
 def _collective_summaries(costs) -> list[CollectiveSummary]:
@@ -197,6 +198,23 @@ def _experts_flops(module: HloModule, costs) -> float:
                if kernel.name in scoped or any(holds_experts(called) for called in fusions.get(kernel.name, ())))
 
 
+# Custom-call targets of fused attention kernels -> their names in the report.
+_ATTENTION_KERNELS = {"__cudnn$fmha": "cuDNN flash attention"}
+
+
+def _attention_kernels(module: HloModule) -> list[str]:
+    """The fused attention kernels the program calls (cuDNN's forward and backward: "__cudnn$fmha..."), sorted;
+    empty where attention compiled to plain fusions."""
+    found = set()
+    for computation in module.computations.values():
+        for instruction in computation.instructions:
+            target = _CUSTOM_CALL_TARGET.search(instruction.attributes) if instruction.opcode == "custom-call" else None
+            for prefix, name in _ATTENTION_KERNELS.items():
+                if target and target.group(1).startswith(prefix):
+                    found.add(f"{name} ({target.group(1)})")
+    return sorted(found)
+
+
 def read_program(hlo_text: str, *, device_count: int, tile_fill: float = 1.0) -> ProgramReading:
     """Read one device's optimized HLO (`compiled.as_text()`). tile_fill: the share of a tile loop's static
     schedule expected to be live (1 / the dispatch capacity behind all-to-all buffers; 1: at its bound)."""
@@ -206,4 +224,4 @@ def read_program(hlo_text: str, *, device_count: int, tile_fill: float = 1.0) ->
     fusions = sum(1 for computation in module.computations.values() for instruction in computation.instructions
                   if instruction.opcode == "fusion")
     return ProgramReading(_collective_summaries(costs), kernel, backends, _experts_flops(module, costs), costs.flops,
-                          _host_transfers(module), fusions, _overlap(module))
+                          _host_transfers(module), fusions, _overlap(module), _attention_kernels(module))

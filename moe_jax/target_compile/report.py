@@ -36,6 +36,7 @@ class ProgramReport:
             "collectives": [collective.as_dict() for collective in reading.collectives],
             "async_collectives": [overlap.as_dict() for overlap in reading.overlap],
             "experts_kernel": reading.experts_kernel,
+            "attention_kernels": reading.attention_kernels,
             "experts_backends": reading.experts_backends,
             "experts_flops_per_device": reading.experts_flops,
             "flops_per_device": reading.flops,
@@ -115,6 +116,7 @@ class CompileReport:
                       + ("fits" if memory.total <= self.usable_bytes else "does NOT fit"),
                       f"  expert matmuls: {reading.experts_kernel}"
                       + (f" [backend {', '.join(reading.experts_backends)}]" if reading.experts_backends else ""),
+                      "  attention: " + (", ".join(reading.attention_kernels) or "fusions (no fused kernel)"),
                       "  collectives per step (kind, count, MiB sent per device, group size):"]
             lines += [f"    {c.kind:<20} {c.count:>6} {c.bytes / 2**20:>12.2f} {c.group_size:>4}"
                       for c in reading.collectives] or ["    none"]

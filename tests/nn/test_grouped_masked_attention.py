@@ -95,35 +95,34 @@ def test_attend_takes_it_on_cpu_for_masked_queries(monkeypatch):
     assert calls == [(3, 3, 4, 8), (3, 12, 4, 8)]
 
 
-def test_a_gpu_takes_cudnns_fused_kernel_where_it_takes_the_heads():
-    from moe_jax.nn.attention_core import fused_gpu_kernel
+def test_a_models_attention_follows_its_devices_and_fused_takes_cudnn_where_it_takes_the_heads():
+    from types import SimpleNamespace
 
+    from moe_jax.nn.attention_core import attention_for_device, fused_kernel
+
+    gpu = lambda capability: SimpleNamespace(platform="gpu", compute_capability=capability)  # noqa: E731
+    assert [attention_for_device(device) for device in (gpu("9.0"), gpu("10.0"), gpu("7.5"))] == ["fused", "fused", None]
+    assert attention_for_device(jax.devices("cpu")[0]) == "blocked" and attention_for_device(None) is None
     q = jnp.zeros((1, 16, 4, 128), jnp.bfloat16)
-    assert fused_gpu_kernel(q, None, platform="gpu", compute_capability="9.0") == "cudnn"
-    assert fused_gpu_kernel(q.astype(jnp.float16), None, platform="gpu", compute_capability="10.0") == "cudnn"
-    assert fused_gpu_kernel(q, None, platform="cpu", compute_capability="9.0") is None
-    assert fused_gpu_kernel(q, None, platform="gpu", compute_capability="7.5") is None       # before Ampere
-    assert fused_gpu_kernel(q.astype(jnp.float32), None, platform="gpu", compute_capability="9.0") is None
-    assert fused_gpu_kernel(jnp.zeros((1, 16, 4, 192), jnp.bfloat16), None, platform="gpu",
-                            compute_capability="9.0") is None                                # wider than 128
-    padding = jnp.ones((1, 1, 1, 16), bool)
-    assert fused_gpu_kernel(q, padding, platform="gpu", compute_capability="9.0") is None
+    assert fused_kernel(q, None) == fused_kernel(q.astype(jnp.float16), None) == "cudnn"
+    assert fused_kernel(q.astype(jnp.float32), None) == "xla"
+    assert fused_kernel(jnp.zeros((1, 16, 4, 192), jnp.bfloat16), None) == "xla"       # wider than 128
+    assert fused_kernel(q, jnp.ones((1, 1, 1, 16), bool)) == "xla"                    # a padding mask
 
 
-def test_attend_hands_a_whole_causal_sequence_to_cudnn_on_a_gpu(monkeypatch):
-    """On a GPU with no implementation asked for, the whole-sequence path asks jax for "cudnn" (jax's own choice
-    would be its XLA path); a padded batch keeps jax's choice."""
+def test_fused_hands_a_whole_causal_sequence_to_cudnn_and_masked_attention_to_xla(monkeypatch):
+    """"fused" (a model's step on a GPU) asks jax for "cudnn" for a whole unpadded causal sequence and for its XLA
+    path under a padding mask; the results are the XLA path's."""
     asked, xla_attention = [], jax.nn.dot_product_attention
 
     def record(q, k, v, *, implementation=None, **options):
         asked.append(implementation)
         return xla_attention(q, k, v, implementation="xla", **options)
 
-    monkeypatch.setattr(attention_module.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(attention_module, "fused_gpu_kernel",
-                        functools.partial(attention_module.fused_gpu_kernel, compute_capability="9.0"))
     monkeypatch.setattr(attention_module.jax.nn, "dot_product_attention", record)
     q, k, v = _qkv(8, 8, 4, 2, dim=16, dtype=jnp.bfloat16)
-    attend(q, k, v)
-    attend(q, k, v, key_padding_mask=jnp.ones((3, 8), bool))
-    assert asked == ["cudnn", None]
+    fused = attend(q, k, v, implementation="fused")
+    attend(q, k, v, key_padding_mask=jnp.ones((3, 8), bool), implementation="fused")
+    assert asked == ["cudnn", "xla"]
+    np.testing.assert_array_equal(np.asarray(fused, np.float32),
+                                  np.asarray(attend(q, k, v, implementation="xla"), np.float32))

@@ -48,6 +48,9 @@ def test_the_mixed_precision_train_step_compiles_for_h100_with_grouped_experts()
     reading = program.reading
     assert report.compiler.startswith("XLA:GPU") and "compute capability 9.0" in report.compiler and report.fits
     assert reading.experts_backends == ["tiled"] and reading.experts_kernel.startswith("tiled loop")
+    # bf16 compute on a GPU: the whole causal sequence in cuDNN's fused kernel, forward and backward, traced for
+    # the target's devices though the host is a CPU (`ops.platform`).
+    assert any(kernel.startswith("cuDNN flash attention") and "Backward" in kernel for kernel in reading.attention_kernels)
     assert "outside any loop" not in reading.experts_kernel      # never a dense all-experts dot
     assert reading.host_transfers == []
     all_to_all = [c for c in reading.collectives if c.kind == "all-to-all"]
