@@ -39,6 +39,10 @@ class StepOptions:
     compute_dtype: jnp.dtype | None = None
     cache: Any = None
     segment_ids: jax.Array | None = None   # [B, S] packed rows' document ids (0: padding), or None
+    # Routing replay: [num_hidden_layers, B, S, K] expert ids each layer runs (rows of -1 and dense layers' rows:
+    # the router's own choice), or None; record_routing: each sparse layer's statistics carry the ids it ran.
+    routing: jax.Array | None = None
+    record_routing: bool = False
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:
