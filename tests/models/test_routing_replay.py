@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax import DistributedConfig
 from moe_jax.causal_lm import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
+from moe_jax.inference import init_cache
 from moe_jax.nn.linear import no_constraint
 
 from .hf_reference import TINY_DEEPSEEK_V3, TINY_QWEN3_MOE
@@ -56,6 +58,36 @@ def test_replaying_the_recorded_routing_gives_the_same_logits(model):
     want = np.where(forced >= 0, forced, np.asarray(recorded.routing))
     np.testing.assert_array_equal(np.asarray(moved.routing), want)
     assert np.abs(np.asarray(moved.logits) - np.asarray(plain.logits)).max() > 1e-4
+
+
+def test_cached_steps_record_and_replay_their_new_tokens_routing(model):
+    """A sampler's prefill and decode steps each return their new tokens' routing; joined on the sequence axis
+    they are the whole sequence's, which replays through a cached step too."""
+    ids = _ids()
+    whole = model.apply(model.params, ids, return_routing=True)
+    prefill = model.apply(model.params, ids[:, :-1], cache=init_cache(model, BATCH, SEQUENCE), return_routing=True)
+    step = model.apply(model.params, ids[:, -1:], cache=prefill.cache, return_routing=True)
+    joined = np.concatenate([np.asarray(prefill.routing), np.asarray(step.routing)], axis=2)
+    np.testing.assert_array_equal(joined, np.asarray(whole.routing))
+    forced = _forced(whole.routing, model.config.num_experts)
+    replayed = model.apply(model.params, ids[:, -1:], cache=prefill.cache, routing=forced[:, :, -1:],
+                           return_routing=True)
+    np.testing.assert_array_equal(np.asarray(replayed.routing), forced[:, :, -1:])
+
+
+def test_the_replayed_load_decides_the_dispatch_buffers():
+    """Under token dispatch (ep 8) the buffers hold the replayed (token, expert) pairs: routing every token to
+    experts 0 and 1 overflows the lowest capacity, which the router's own spread does not need."""
+    model = Qwen3MoeForCausalLM(TINY_QWEN3_MOE, DistributedConfig(fsdp_size=8, ep_size=8), scan_layers=True)
+    model.init_params(seed=3)
+    ids = np.random.default_rng(0).integers(0, 128, (8, 32)).astype(np.int32)   # 64 pairs per device
+    lowest = model.capacity_schedule.ladder[0]
+    own = model.apply(model.params, ids, capacity=lowest, inference=False, return_routing=True)
+    crowded = np.broadcast_to(np.asarray([0, 1], np.int32), own.routing.shape)
+    replayed = model.apply(model.params, ids, capacity=lowest, inference=False, routing=crowded)
+    assert float(replayed.statistics.required_capacity) > max(float(own.statistics.required_capacity), lowest)
+    assert int(replayed.statistics.dropped) > 0
+    np.testing.assert_array_equal(np.asarray(replayed.expert_load)[:, 2:], 0)
 
 
 def _reference_block(model, weights, hidden, ids):
