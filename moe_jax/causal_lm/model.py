@@ -46,6 +46,7 @@ from ..models.layer_stack import LayerStack, resolve_scan_option
 from ..models.mtp import check_mtp_layers
 from ..models.outputs import DroplessOutput, ModelOutput
 from ..models.pipeline_layout import check_pipeline_options
+from ..models.routing_replay import check_routing
 from ..models.step_checks import NO_PARAMS, check_batch, check_cache, check_params
 from ..models.step_options import REMAT_POLICIES
 from ..models.weight_only import WeightQuantization, kept_quantized, weight_only_family
@@ -217,7 +218,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
 
     def _new_apply_jit(self):
         return jax.jit(self.step_math, static_argnames=("capacity", "inference", "return_hidden", "compute_dtype",
-                                                        "return_mtp_logits"))
+                                                        "return_mtp_logits", "return_routing"))
 
     @property
     def capacity_schedule(self) -> CapacitySchedule:
@@ -335,7 +336,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
               capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
               adapter: Mapping[str, Any] | None = None, expert_placement=None,
-              return_mtp_logits: bool = False) -> ModelOutput:
+              return_mtp_logits: bool = False, routing=None, return_routing: bool = False) -> ModelOutput:
         """The model as a pure function: traceable under `jax.jit`, `jax.grad`, `jax.lax.scan`; eager calls
         run one cached compilation per static key (of `step_math`, after `check_step`'s checks). Never
         reads a device value on the host.
@@ -359,19 +360,21 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             are not copied (None: the base model alone). expert_placement: with redundant expert slots, the
             `ExpertPlacement` to run (e.g. `model.expert_placement`; None: the identity), an input: no recompile.
             return_mtp_logits: also `output.mtp_logits` [D, B, S, V] of the multi-token-prediction layers
-            (`mtp_hidden_states` [D, B, S, H] with return_hidden; `models.core.step_math`).
+            (`mtp_hidden_states` [D, B, S, H] with return_hidden; `models.core.step_math`). routing: [B, L, S, K]
+            expert ids to replay (L sparse layers, -1: the router picks); return_routing: `output.routing` holds
+            the ids each sparse layer ran, in that layout (`models.routing_replay`).
         """
         capacity, compute_dtype = self.check_step(params, input_ids.shape, capacity=capacity, cache=cache,
-                                                  compute_dtype=compute_dtype, adapter=adapter)
+                                                  compute_dtype=compute_dtype, adapter=adapter, routing=routing)
         return self._apply_jit(params, input_ids, attention_mask=attention_mask, positions=positions,
                                cache=cache, capacity=capacity, rng=rng, inference=inference, segment_ids=segment_ids,
                                return_hidden=return_hidden, compute_dtype=compute_dtype, adapter=adapter,
                                expert_placement=self._placement_argument(expert_placement),
-                               return_mtp_logits=return_mtp_logits)
+                               return_mtp_logits=return_mtp_logits, routing=routing, return_routing=return_routing)
 
     def check_step(self, params, shape, *, capacity: float | None = None, cache=None,
                    compute_dtype=None, microbatches: int | None = None,
-                   adapter: Mapping[str, Any] | None = None) -> tuple[float | None, jnp.dtype | None]:
+                   adapter: Mapping[str, Any] | None = None, routing=None) -> tuple[float | None, jnp.dtype | None]:
         """`apply`'s checks of one call on the host, shapes only: params in storage layout, input_ids' shape
         (`shape`: [B, S], B split over the data-parallel groups), capacity on the ladder, the cache. Returns
         (capacity, compute_dtype) as the step's static arguments: capacity None without dispatch buffers
@@ -388,13 +391,17 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             capacity = None
         if cache is not None:
             check_cache(cache, shape, self.layer_stack)
+        if routing is not None:   # replayed routing [B, L, S, K] (`models.routing_replay`)
+            check_routing(routing, shape, len(self.sparse_layers()), self.config.num_experts_per_tok,
+                          self.config.num_experts, type(self).__name__)
         return capacity, None if compute_dtype is None else jnp.dtype(compute_dtype)
 
     def step_math(self, params: Mapping[str, Any], input_ids, *, attention_mask=None, positions=None,
                   cache=None, capacity: float | None = None, rng: jax.Array | None = None,
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
                   segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None,
-                  return_mtp_logits: bool = False, final_norm: bool = True) -> ModelOutput:
+                  return_mtp_logits: bool = False, final_norm: bool = True, routing=None,
+                  return_routing: bool = False) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
@@ -402,7 +409,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
                          compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter,
                          expert_placement=expert_placement, return_mtp_logits=return_mtp_logits,
-                         final_norm=final_norm)
+                         final_norm=final_norm, routing=routing, return_routing=return_routing)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

@@ -124,23 +124,31 @@ class DispatchStatistics:
                        elsewhere: totals over layers do not keep it, `ModelOutput.expert_load` has it per layer)
     ep_rank_load       [ep] one layer's real (token, expert) pairs each ep rank computed under an expert
                        placement with redundant slots (None elsewhere, like `expert_load`)
+    routing            [T, K] int32 one layer's chosen (logical) expert ids per token, when the step records
+                       them (`ModelOutput.routing`; None elsewhere, like `expert_load`)
     """
 
-    def __init__(self, dropped, padded, buffer_rows, required_capacity, expert_load=None, ep_rank_load=None):
+    def __init__(self, dropped, padded, buffer_rows, required_capacity, expert_load=None, ep_rank_load=None,
+                 routing=None):
         self.dropped = dropped
         self.padded = padded
         self.buffer_rows = buffer_rows
         self.required_capacity = required_capacity
         self.expert_load = expert_load
         self.ep_rank_load = ep_rank_load
+        self.routing = routing
 
     def with_expert_load(self, expert_load) -> DispatchStatistics:
         return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity, expert_load,
-                                  self.ep_rank_load)
+                                  self.ep_rank_load, self.routing)
 
     def with_ep_rank_load(self, ep_rank_load) -> DispatchStatistics:
         return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity,
-                                  self.expert_load, ep_rank_load)
+                                  self.expert_load, ep_rank_load, self.routing)
+
+    def with_routing(self, routing) -> DispatchStatistics:
+        return DispatchStatistics(self.dropped, self.padded, self.buffer_rows, self.required_capacity,
+                                  self.expert_load, self.ep_rank_load, routing)
 
     @classmethod
     def zeros(cls) -> DispatchStatistics:
@@ -173,7 +181,8 @@ class DispatchStatistics:
 
 jax.tree_util.register_pytree_node(
     DispatchStatistics,
-    lambda s: ((s.dropped, s.padded, s.buffer_rows, s.required_capacity, s.expert_load, s.ep_rank_load), None),
+    lambda s: ((s.dropped, s.padded, s.buffer_rows, s.required_capacity, s.expert_load, s.ep_rank_load, s.routing),
+               None),
     lambda _, children: DispatchStatistics(*children),
 )
 

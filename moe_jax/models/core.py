@@ -29,6 +29,7 @@ from .layer_stack import LayerStack
 from .mtp import mtp_forward, mtp_step
 from .outputs import ModelOutput
 from .pipeline import pipeline_hidden
+from .routing_replay import layer_rows, recorded
 from .step_options import StepOptions
 
 
@@ -110,7 +111,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
               cache=None, capacity: float | None = None, rng: jax.Array | None = None, inference: bool = True,
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
               adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None,
-              return_mtp_logits: bool = False, final_norm: bool = True) -> ModelOutput:
+              return_mtp_logits: bool = False, final_norm: bool = True, routing=None,
+              return_routing: bool = False) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
@@ -129,9 +131,17 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     pipeline stages.
 
     final_norm=False (with `return_hidden`, no pipeline stages): the hidden states before the final norm (what the
-    MTP layers read; `final_normed` applies it)."""
+    MTP layers read; `final_normed` applies it).
+
+    routing: [B, L, S, K] expert ids (L sparse layers; -1: the router chooses) each token runs instead of its
+    router's top-k, weighted by the router at them (`models.routing_replay`, `ops.routing`); the MTP layers
+    route themselves. return_routing: `routing` [B, L, S, K] of the output holds the ids each sparse layer ran
+    (not through pipeline stages)."""
     if return_mtp_logits:
         check_mtp_step(core, cache)
+    if return_routing and core.layer_stack.pipeline is not None:
+        raise ValueError("return_routing=True is not supported through pipeline stages (pp_size > 1): each layer's "
+                         "routing stays in its stage; record it on a layout without pp (replaying it works there).")
     if not core.dispatches:
         capacity = None  # no dispatch buffers: one program whatever the caller holds
     compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
@@ -156,6 +166,10 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
         layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids, unpadded=unpadded,
         attention=attention_for_device(core.device),
+        routing=None if routing is None else layouts.constrain(
+            layer_rows(routing, family.sparse_layers(config), config.num_hidden_layers),
+            (None, "batch", None, None)),
+        record_routing=return_routing,
     )
     if core.num_redundant_experts and expert_placement is None:
         expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,
@@ -199,6 +213,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         # Slot s of the plain layout is expert s, rank r holds E / ep of them in order.
         ep_rank_load = None if core.ep_size == 1 or expert_load is None else expert_load.reshape(
             expert_load.shape[0], core.ep_size, -1).sum(-1).astype(jnp.int32)
+    if return_routing:
+        mtp["routing"] = recorded([layer_statistics.routing for layer_statistics in statistics], batch)
     if return_hidden:
         return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load, ep_rank_load, **mtp)
     # The logits stay where the head's dot computes them: split over tp where tp splits the head's vocab rows,

@@ -68,8 +68,10 @@ def declare_block(tree: ModuleTree, family: Family, config, layer: int) -> None:
 
 
 def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_index, rope: tuple, attention_mask,
-                  step: StepOptions, layer_cache: tuple | None = None, kv_view=None, cache_row=None):
+                  step: StepOptions, layer_cache: tuple | None = None, kv_view=None, cache_row=None,
+                  layer_routing=None):
     """One layer: x [B, S, H] -> (x, router logits [B*S, E] or None, statistics or None, layer cache).
+    layer_routing: [B, S, K] expert ids to replay in a sparse layer (`ops.routing`; rows of -1 route), or None.
 
     `layer` is static (options, experts module: the same for every layer of a scanned run); `layer_index` is the
     layer's number, traced inside a scan (per-layer randomness). With a cache, `layer_cache` is the stored
@@ -88,10 +90,11 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
     feed_forward = weights[family.feed_forward_module]
     if family.is_sparse(config, layer):
         out, router_logits, statistics = family.moe_block(
-            config, feed_forward, h, _counting_load(step.layer_experts(layer), attention_mask, config.num_experts),
+            config, feed_forward, h, _counting_load(step.layer_experts(layer), attention_mask, config.num_experts,
+                                                    step.record_routing),
             inference=step.inference,
             rng=step.layer_rng(layer_index), constrain=layouts.constrain,
-            route=layouts.token_local(partial(family.route, config)),
+            route=_route(family, config, layouts, layer_routing),
         )
     else:
         out = mlp(feed_forward, h, config.hidden_act, constrain=layouts.constrain)
@@ -99,14 +102,25 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
     return x, router_logits, statistics, layer_cache
 
 
-def _counting_load(layer_experts, attention_mask, num_experts: int):
+def _route(family: Family, config, layouts, replay):
+    """The layer's router, run where the tokens are: `(router_logits [N, E], *extra) -> (weights, ids)`, with
+    replay [B, S, K] (recorded ids, or None) handed to the family's `route` beside its own rows."""
+    if replay is None:
+        return layouts.token_local(partial(family.route, config))
+    local = layouts.token_local(lambda logits, ids, *extra: family.route(config, logits, *extra, replay=ids))
+    return lambda logits, *extra: local(logits, replay.reshape(-1, replay.shape[-1]), *extra)
+
+
+def _counting_load(layer_experts, attention_mask, num_experts: int, record_routing: bool = False):
     """`layer_experts` whose statistics also carry the layer's `expert_load` over the real tokens (and, with
-    redundant expert slots, its `ep_rank_load` over them: the experts module counts that, told which are real)."""
+    redundant expert slots, its `ep_rank_load` over them: the experts module counts that, told which are real),
+    and with `record_routing` the expert ids it ran ([N, K], logical ids whatever the placement)."""
     def run(tokens, top_k_index, top_k_weights, params):
         mask = attention_mask.reshape(-1)
         real = mask if mask.shape[0] == tokens.shape[0] else jnp.ones(tokens.shape[:1], jnp.int32)
         output, statistics = layer_experts(tokens, top_k_index, top_k_weights, params, token_mask=real)
-        return output, statistics.with_expert_load(expert_load(top_k_index, real, num_experts))
+        statistics = statistics.with_expert_load(expert_load(top_k_index, real, num_experts))
+        return output, statistics.with_routing(top_k_index.astype(jnp.int32)) if record_routing else statistics
     return run
 
 
@@ -119,20 +133,24 @@ def run_layers(family: Family, config, run: LayerRun, weights: dict, x, rope, at
                        step=step, kv_view=kv_view)
     if step.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
+    # Replayed routing: the run's rows of `step.routing` (every layer's), sliced with the weights in a scan.
+    routing = (step.routing[run.start:run.stop] if step.routing is not None and family.is_sparse(config, run.start)
+               else None)
     if not run.scanned:
         x, logits, statistics, run_cache = layer_fn(weights, x, layer_index=run.start, layer_cache=run_cache,
-                                                    cache_row=0)
+                                                    cache_row=0, layer_routing=None if routing is None else routing[0])
         return x, [logits] if logits is not None else [], [statistics] if statistics is not None else [], run_cache
 
     def body(carry, inputs):
         carry, run_cache = carry
-        layer_weights, index = inputs
+        layer_weights, index, layer_routing = inputs
         carry, logits, statistics, run_cache = layer_fn(layer_weights, carry, layer_index=index,
-                                                        layer_cache=run_cache, cache_row=index - run.start)
+                                                        layer_cache=run_cache, cache_row=index - run.start,
+                                                        layer_routing=layer_routing)
         return (carry, run_cache), (logits, statistics)
 
     (x, run_cache), (logits, statistics) = jax.lax.scan(body, (x, run_cache),
-                                                        (weights, jnp.arange(run.start, run.stop)))
+                                                        (weights, jnp.arange(run.start, run.stop), routing))
     if logits is None:
         return x, [], [], run_cache
     count = run.stop - run.start

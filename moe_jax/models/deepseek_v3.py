@@ -170,13 +170,13 @@ def self_attention(config: DeepseekV3Config, weights, h, options, rope, attentio
     return cached_latent_attention(weights, h, cos, sin, layer_kv, dims=latent_dims(config), constrain=constrain)
 
 
-def route(config: DeepseekV3Config, router_logits, correction_bias):
+def route(config: DeepseekV3Config, router_logits, correction_bias, replay=None):
     """router_logits: [N, E] float32; correction_bias: [N, E] (the [E] buffer, one row per token, so the
     router runs where the tokens are) -> (weights [N, K] float32, expert ids [N, K])."""
     c = config
     return group_limited_sigmoid_top_k(
         router_logits, correction_bias[0], c.num_experts_per_tok, num_groups=c.n_group,
-        top_k_groups=c.topk_group, normalize=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+        top_k_groups=c.topk_group, normalize=c.norm_topk_prob, scaling=c.routed_scaling_factor, replay=replay,
     )
 
 

@@ -12,7 +12,8 @@ RoPE attention, softmax router, SwiGLU experts [E, 2I, H] / [E, H, I]).
     ))
 
 Signatures of the functions (config first; see the defaults below):
-    route(config, router_logits [N, E], *extra) -> (weights [N, K], expert ids [N, K])
+    route(config, router_logits [N, E], *extra, replay=None) -> (weights [N, K], expert ids [N, K])
+        (replay: [N, K] expert ids recorded by an earlier forward, forced in place of the top-k: `ops.routing`)
     experts_forward(config, backend) -> this family's experts function, one per activation kind:
         (tokens [N, H], expert_ids [N, K], weights [N, K], **params) -> [N, H]   (`ops.experts`)
     moe_block(config, weights, hidden [B, S, H], sharded_experts, *, inference, rng, constrain, route)
@@ -110,10 +111,10 @@ def sparse_step_layers(config, layer: int) -> bool:
             and (layer + 1) % config.decoder_sparse_step == 0)
 
 
-def softmax_route(config, router_logits):
+def softmax_route(config, router_logits, replay=None):
     """router_logits: [N, E] -> (softmax top-k weights [N, K] in the logits' dtype, renormalised when
-    config.norm_topk_prob; expert ids [N, K])."""
-    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob)
+    config.norm_topk_prob; expert ids [N, K]). replay: [N, K] recorded ids (`ops.routing`), or None."""
+    return softmax_top_k(router_logits, config.num_experts_per_tok, normalize=config.norm_topk_prob, replay=replay)
 
 
 def swiglu(config, backend: str | None) -> Callable:

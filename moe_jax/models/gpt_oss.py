@@ -118,9 +118,9 @@ def attention_options(config: GptOssConfig, layer: int) -> dict:
     return {"sliding_window": config.sliding_window if sliding else None}
 
 
-def route(config: GptOssConfig, router_logits):
+def route(config: GptOssConfig, router_logits, replay=None):
     """router_logits: [N, E] (bias included) -> (weights [N, K] in the logits' dtype, expert ids [N, K])."""
-    return top_k_softmax(router_logits, config.num_experts_per_tok)
+    return top_k_softmax(router_logits, config.num_experts_per_tok, replay=replay)
 
 
 def moe_block(config: GptOssConfig, weights, hidden, sharded_experts, *, inference, rng, constrain, route):

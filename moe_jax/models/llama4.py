@@ -177,9 +177,9 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
     return constrain(out, ("batch", "length", "embed")), stored
 
 
-def route(config: Llama4TextConfig, router_logits):
+def route(config: Llama4TextConfig, router_logits, replay=None):
     """router_logits: [N, E] -> (sigmoid of the top-k logits [N, K], expert ids [N, K])."""
-    return top_k_sigmoid(router_logits, config.num_experts_per_tok)
+    return top_k_sigmoid(router_logits, config.num_experts_per_tok, replay=replay)
 
 
 def moe_block(config: Llama4TextConfig, weights: dict, hidden, sharded_experts, *, inference: bool, rng, constrain,

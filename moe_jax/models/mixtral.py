@@ -78,9 +78,9 @@ def router_jitter(hidden_states: jax.Array, key: jax.Array, noise: float) -> jax
     return hidden_states * factor
 
 
-def route(config: MixtralConfig, router_logits):
+def route(config: MixtralConfig, router_logits, replay=None):
     """router_logits: [N, E] in the model dtype -> (weights [N, K] float32, expert ids [N, K])."""
-    return mixtral_top_k(router_logits, config.num_experts_per_tok)
+    return mixtral_top_k(router_logits, config.num_experts_per_tok, replay=replay)
 
 
 def moe_block(config: MixtralConfig, weights, hidden, sharded_experts, *, inference, rng, constrain, route):

@@ -27,7 +27,8 @@ class ModelOutput:
     step's expert placement (None when experts are not dispatched over ep ranks); mtp_logits: [D, B, S, V] of the
     D multi-token-prediction layers (`models.mtp`), row k - 1 at position i predicting token i + k + 1 (None unless
     `return_mtp_logits=True`); mtp_hidden_states: [D, B, S, H] their shared heads' inputs instead (with
-    `return_hidden=True` too).
+    `return_hidden=True` too); routing: [B, L, S, K] int32, the logical expert ids each sparse layer ran for each
+    token (None unless `return_routing=True`): what `routing=` replays.
     """
 
     logits: jax.Array | None
@@ -40,12 +41,13 @@ class ModelOutput:
     ep_rank_load: jax.Array | None = None
     mtp_logits: jax.Array | None = None
     mtp_hidden_states: jax.Array | None = None
+    routing: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     ModelOutput,
     data_fields=["logits", "hidden_states", "router_logits", "aux_loss", "statistics", "cache", "expert_load",
-                 "ep_rank_load", "mtp_logits", "mtp_hidden_states"],
+                 "ep_rank_load", "mtp_logits", "mtp_hidden_states", "routing"],
     meta_fields=[],
 )
 

@@ -83,6 +83,8 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     masks = {key: microbatched(mask, m_count) for key, mask in masks.items()}
     token_masks = microbatched(token_mask, m_count)
     segments = None if step.segment_ids is None else microbatched(step.segment_ids, m_count)
+    # Replayed routing travels with its microbatch: [M, B / M, layers, S, K].
+    routings = None if step.routing is None else microbatched(step.routing.swapaxes(0, 1), m_count)
     ropes = jax.tree.map(lambda a: microbatched(a, m_count), rope)
     per_stage = lambda leaf: leaf.reshape(stages, repeats, -1, *leaf.shape[1:])  # noqa: E731
     stage_weights = jax.tree.map(per_stage, layers)
@@ -131,6 +133,7 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         out, stage_statistics, stage_sums, stage_loads, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
             stage_weights, state, {key: mask[micro] for key, mask in masks.items()},
             token_masks[micro], None if segments is None else segments[micro],
+            None if routings is None else routings[micro],
             jax.tree.map(lambda a: a[micro], ropes), repeat, micro, valid, jnp.asarray(layer_numbers),
             [[jnp.asarray(p) for p in kinds] for kinds in present], loads, stage_caches)
         out = layouts.constrain_staged(out, ("batch", "length", "embed"))
@@ -173,10 +176,11 @@ def _with_microbatch_rows(array, rows, micro, m_count: int):
 
 
 def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, aux_sums: bool, experts: int,
-           m_count: int, weights, x, masks, token_mask, segment_ids, rope, repeat, micro, valid, layer_numbers,
-           present, loads, caches):
+           m_count: int, weights, x, masks, token_mask, segment_ids, routing, rope, repeat, micro, valid,
+           layer_numbers, present, loads, caches):
     """One stage's chunk on its microbatch (under `vmap` over stages): x [mb, S, H] -> (x, statistics, sums,
-    loads, caches). segment_ids: the microbatch's packed rows [mb, S], or None. loads: this stage's expert load
+    loads, caches). segment_ids: the microbatch's packed rows [mb, S], or None. routing: its replayed routing
+    [mb, layers, S, K] (`StepOptions.routing`'s rows), or None. loads: this stage's expert load
     so far [L, E] (every layer's row; its own layers' rows grow). caches: key -> (keys, values) [repeats, slots,
     B, T, K, D] of this stage, or None."""
     if segment_ids is not None:
@@ -202,17 +206,20 @@ def _stage(family: Family, config, layout: PipelineLayout, step: StepOptions, au
                 layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[step.remat])
 
             def body(carry, inputs, layer_fn=layer_fn):
-                layer_weights, number, layer_cache = inputs
+                layer_weights, number, layer_cache, layer_routing = inputs
                 carry, logits, layer_statistics, layer_cache = layer_fn(layer_weights, carry, layer_index=number,
-                                                                        layer_cache=layer_cache)
+                                                                        layer_cache=layer_cache,
+                                                                        layer_routing=layer_routing)
                 return carry, (logits, layer_statistics, layer_cache)
 
             chunk_cache = None
             if caches is not None:
                 chunk_cache = tuple(_microbatch_rows(array[repeat], micro, m_count) for array in caches[key])
             slot_numbers = jax.lax.dynamic_slice_in_dim(numbers, group.start, group.slots)
+            chunk_routing = (None if routing is None or not family.is_sparse(config, kind.representative)
+                             else routing[:, slot_numbers].swapaxes(0, 1))    # [slots, mb, S, K]
             y, (logits, layer_statistics, chunk_cache) = jax.lax.scan(
-                body, x, (weights[group.key(index)], slot_numbers, chunk_cache))
+                body, x, (weights[group.key(index)], slot_numbers, chunk_cache, chunk_routing))
             result = jnp.where(here, y, result)
             if caches is not None:
                 written = here & valid

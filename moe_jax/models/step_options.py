@@ -45,6 +45,10 @@ class StepOptions:
     # `nn.attention_core.attend`'s implementation for the model's devices (`attention_for_device`: "fused" on
     # GPUs, "blocked" on CPUs), so a program compiled for target GPUs on a CPU host is the one a GPU runs.
     attention: str | None = None
+    # Routing replay: [num_hidden_layers, B, S, K] expert ids each layer runs (rows of -1 and dense layers' rows:
+    # the router's own choice), or None; record_routing: each sparse layer's statistics carry the ids it ran.
+    routing: jax.Array | None = None
+    record_routing: bool = False
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:

@@ -156,24 +156,25 @@ class MoeCausalLM(nnx.Module):
 
     # ---- the step ------------------------------------------------------------------------------------
     def __call__(self, input_ids, attention_mask=None, *, positions=None, rng: jax.Array | None = None,
-                 return_output: bool = False):
+                 return_output: bool = False, routing=None):
         """input_ids, attention_mask, positions: [B, S] -> logits [B, S, V] (or the whole `ModelOutput` with
         `return_output=True`: router logits, aux loss, statistics). B must be a multiple of the layout's
-        data-parallel size. rng: key for training-time randomness (Mixtral's router jitter)."""
+        data-parallel size. rng: key for training-time randomness (Mixtral's router jitter). routing: [B, L, S, K]
+        expert ids to replay (`models.routing_replay`)."""
         weights = self.weights()
-        output = self._step(weights, input_ids)(
+        output = self._step(weights, input_ids, routing)(
             weights, input_ids, attention_mask=attention_mask, positions=positions, capacity=self.capacity,
-            rng=rng, inference=self.deterministic, compute_dtype=self.compute_dtype)
+            rng=rng, inference=self.deterministic, compute_dtype=self.compute_dtype, routing=routing)
         self.dispatch_statistics.set_value(output.statistics)
         return output if return_output else output.logits
 
     def loss(self, input_ids, attention_mask=None, labels=None, *, rng: jax.Array | None = None,
-             loss_chunk: int = DEFAULT_LOSS_CHUNK) -> tuple[jax.Array, dict[str, jax.Array]]:
+             loss_chunk: int = DEFAULT_LOSS_CHUNK, routing=None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The reference's causal-LM loss of one batch ([B, S] each; labels default to the inputs, -100 and
         padding ignored), plus `router_aux_loss_coef * aux_loss` when the config has
         `output_router_logits=True`: the loss `moe_jax.training`'s step computes, by the same code, from
         hidden states in chunks of `loss_chunk` positions. -> (loss, metrics: loss, ce_loss, aux_loss,
-        tokens)."""
+        tokens). routing: [B, L, S, K] expert ids to replay, as the train step's `routing_replay`."""
         targets = prediction_targets(input_ids, attention_mask, labels)
         tokens = predicted_tokens(targets)
         coefficient = aux_loss_coefficient(self.engine.config)
@@ -181,12 +182,12 @@ class MoeCausalLM(nnx.Module):
         loss, terms = model_loss(self.engine, weights, input_ids, attention_mask, targets,
                                  total_tokens=tokens, aux_weight=coefficient, capacity=self.capacity, rng=rng,
                                  compute_dtype=self.compute_dtype, inference=self.deterministic,
-                                 loss_chunk=loss_chunk, step=self._step(weights, input_ids))
+                                 loss_chunk=loss_chunk, step=self._step(weights, input_ids, routing), routing=routing)
         self.dispatch_statistics.set_value(terms["statistics"])
         ce_loss = terms["ce_sum"] / tokens
         return loss, {"loss": loss, "ce_loss": ce_loss, "aux_loss": terms["aux"], "tokens": tokens.astype(jnp.int32)}
 
-    def _step(self, weights: dict, input_ids):
+    def _step(self, weights: dict, input_ids, routing=None):
         """The engine's step for one call. Traced (the ids and parameters are tracers, as in an `nnx.jit`
         step): `step_math`, checked here, once per trace, and traced into the caller's one program. Eager:
         `apply`, which checks and runs its own compiled program (and keeps an eager `nnx.grad` compiled)."""
@@ -194,7 +195,7 @@ class MoeCausalLM(nnx.Module):
                 and any(isinstance(leaf, jax.core.Tracer) for leaf in weights.values())):
             return self.engine.apply
         self.engine.check_step(weights, jnp.shape(input_ids), capacity=self.capacity,
-                               compute_dtype=self.compute_dtype)
+                               compute_dtype=self.compute_dtype, routing=routing)
         return self.engine.step_math
 
     # ---- checkpoints and generation (the engine's, on this module's arrays) ---------------------------

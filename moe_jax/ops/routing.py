@@ -2,6 +2,11 @@
 
 Shape letters: T tokens, K top-k, E experts, L layers.
 
+Routing replay: every router takes `replay`, [T, K] expert ids recorded by an earlier forward (a sampler's), or
+None. A token whose row holds ids (all >= 0) runs those experts instead of its own top-k; its weights are the
+router's values at them, by the router's own rule (so gradients still reach the router). A row with a -1
+(padding, an unrecorded token) routes as without replay.
+
 Ties: every router here picks experts with `jax.lax.top_k`, which returns equal
 probabilities in ascending expert order (the lower expert id wins). `torch.topk`
 does not document its tie order; on CPU it agrees with this in the cases the
@@ -34,7 +39,30 @@ def _check_logits(router_logits: jax.Array) -> None:
         )
 
 
-def softmax_top_k(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def replayed_choice(top_k_index: jax.Array, replay: jax.Array | None) -> jax.Array:
+    """top_k_index: [T, K] the router's own choice; replay: [T, K] recorded ids or None -> [T, K] int32, each
+    recorded row (all ids >= 0) in place of the router's."""
+    if replay is None:
+        return top_k_index
+    if replay.shape != top_k_index.shape:
+        raise ValueError(f"replayed routing must be [T, K] = {tuple(top_k_index.shape)} per layer, got "
+                         f"{tuple(replay.shape)}; record it from a forward of the same batch and top_k.")
+    replay = replay.astype(jnp.int32)
+    return jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True), replay, top_k_index.astype(jnp.int32))
+
+
+def _top_k_of(scores: jax.Array, top_k: int, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(scores, top_k)` with `replay`'s rows in place of the choice: (scores at the chosen ids
+    [T, K], ids [T, K]). Without replay exactly top_k's values, so a run without a record is unchanged."""
+    values, index = jax.lax.top_k(scores, top_k)
+    if replay is None:
+        return values, index
+    index = replayed_choice(index, replay)
+    return jnp.take_along_axis(scores, index, axis=-1), index
+
+
+def softmax_top_k(router_logits: jax.Array, top_k: int, normalize: bool,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Qwen2-MoE / Qwen3-MoE / OLMoE router: softmax in fp32, top-k, optional renormalisation.
 
     router_logits: [T, E]
@@ -47,13 +75,14 @@ def softmax_top_k(router_logits: jax.Array, top_k: int, normalize: bool) -> tupl
     _check_logits(router_logits)
     _check_top_k(top_k, router_logits.shape[-1])
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top_k_weights, top_k_index = jax.lax.top_k(probs, top_k)
+    top_k_weights, top_k_index = _top_k_of(probs, top_k, replay)
     if normalize:
         top_k_weights = top_k_weights / jnp.sum(top_k_weights, axis=-1, keepdims=True)
     return top_k_weights.astype(router_logits.dtype), top_k_index.astype(jnp.int32)
 
 
-def mixtral_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def mixtral_top_k(router_logits: jax.Array, top_k: int,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Mixtral router: softmax in fp32, top-k, always renormalised, weights kept in fp32.
 
     router_logits: [T, E]
@@ -66,12 +95,13 @@ def mixtral_top_k(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     _check_logits(router_logits)
     _check_top_k(top_k, router_logits.shape[-1])
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top_k_weights, top_k_index = jax.lax.top_k(probs, top_k)
+    top_k_weights, top_k_index = _top_k_of(probs, top_k, replay)
     top_k_weights = top_k_weights / jnp.sum(top_k_weights, axis=-1, keepdims=True)
     return top_k_weights, top_k_index.astype(jnp.int32)
 
 
-def top_k_softmax(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def top_k_softmax(router_logits: jax.Array, top_k: int,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """gpt-oss router: top-k of the (biased) logits, then softmax over the K kept values.
 
     router_logits: [T, E]
@@ -81,13 +111,13 @@ def top_k_softmax(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.
     """
     _check_logits(router_logits)
     _check_top_k(top_k, router_logits.shape[-1])
-    top_values, top_k_index = jax.lax.top_k(router_logits, top_k)
+    top_values, top_k_index = _top_k_of(router_logits, top_k, replay)
     return jax.nn.softmax(top_values, axis=-1), top_k_index.astype(jnp.int32)
 
 
 def group_limited_sigmoid_top_k(router_logits: jax.Array, correction_bias: jax.Array, top_k: int, *,
-                                num_groups: int, top_k_groups: int, normalize: bool,
-                                scaling: float) -> tuple[jax.Array, jax.Array]:
+                                num_groups: int, top_k_groups: int, normalize: bool, scaling: float,
+                                replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3 router (HF's `DeepseekV3TopkRouter` after its fp32 linear): sigmoid scores, expert choice
     biased by `e_score_correction_bias` and limited to the best groups, weights from the unbiased scores.
 
@@ -98,6 +128,8 @@ def group_limited_sigmoid_top_k(router_logits: jax.Array, correction_bias: jax.A
         group score = sum of the two largest c in each of `num_groups` groups of E / num_groups experts
         keep the `top_k_groups` best groups (others' c = -inf); idx = top_k(c); w = s[idx]
         w /= sum(w) + 1e-20 if `normalize` (norm_topk_prob); w *= `scaling` (routed_scaling_factor)
+
+    With `replay` the recorded ids replace idx (the bias and the groups only ever chose); w as above at them.
     """
     _check_logits(router_logits)
     tokens, num_experts = router_logits.shape
@@ -118,7 +150,7 @@ def group_limited_sigmoid_top_k(router_logits: jax.Array, correction_bias: jax.A
     _, kept_groups = jax.lax.top_k(group_scores, top_k_groups)
     kept = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], kept_groups].set(True)
     choice = jnp.where(jnp.repeat(kept, per_group, axis=1), choice, -jnp.inf)
-    _, top_k_index = jax.lax.top_k(choice, top_k)
+    top_k_index = replayed_choice(jax.lax.top_k(choice, top_k)[1], replay)
     weights = jnp.take_along_axis(scores, top_k_index, axis=1)
     if normalize:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
@@ -228,13 +260,14 @@ def router_z_loss(router_logits_per_layer: Sequence[jax.Array] | jax.Array,
     return jnp.mean(squared @ weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
-def top_k_sigmoid(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def top_k_sigmoid(router_logits: jax.Array, top_k: int,
+                  replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Llama 4's router (HF's `Llama4Router`): the top-k logits, each through a sigmoid (no normalisation).
 
     router_logits: [T, E] -> (top_k_weights: [T, K] in the logits' dtype (sigmoid in float32), top_k_index [T, K])
     """
     _check_logits(router_logits)
-    values, top_k_index = jax.lax.top_k(router_logits, top_k)
+    values, top_k_index = _top_k_of(router_logits, top_k, replay)
     weights = jax.nn.sigmoid(values.astype(jnp.float32)).astype(router_logits.dtype)
     return weights, top_k_index.astype(jnp.int32)
 

@@ -134,7 +134,7 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
                positions=None, adapter=None, z_weight: float = 0.0, expert_placement=None, mtp_targets=None,
-               mtp_weights=None) -> tuple[jax.Array, dict]:
+               mtp_weights=None, routing=None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss [+ z_weight *
     router_z_loss], terms).
 
@@ -149,12 +149,14 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     `prediction_targets(input_ids, segment_ids)`). adapter: a LoRA adapter's arrays, applied beside params.
     expert_placement: with redundant expert slots, the placement to run (None: the identity). mtp_targets: [B, D, S]
     each multi-token-prediction depth's targets and mtp_weights: [D] their sums' weights (`training.mtp_loss`):
-    adds sum_k weights[k] * mtp_sums[k] to the loss, mtp_sums ([D] summed cross entropies) to the terms."""
+    adds sum_k weights[k] * mtp_sums[k] to the loss, mtp_sums ([D] summed cross entropies) to the terms.
+    routing: [B, L, S, K] expert ids to replay (`models.routing_replay`), or None."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     adapted = ({} if adapter is None else {"adapter": adapter}) | (
         {} if expert_placement is None else {"expert_placement": expert_placement}) | (
-        {} if mtp_targets is None else {"return_mtp_logits": True})
+        {} if mtp_targets is None else {"return_mtp_logits": True}) | (
+        {} if routing is None else {"routing": routing})
     output = step(params, input_ids, attention_mask=attention_mask, capacity=capacity, rng=rng,
                   inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
                   **packed, **adapted)

@@ -35,7 +35,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -50,11 +49,13 @@ from .mtp_loss import MtpLoss
 from .optimizers import freeze_buffers
 from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState, init_train_state, train_state_shardings
-from .step_checks import OFFLOAD_MEMORY_KIND, check_no_quantized_codes_trained, check_offload_supported
+from .step_checks import (OFFLOAD_MEMORY_KIND, check_batch_keys, check_no_quantized_codes_trained,
+                          check_offload_supported)
 from .trainable import Selection, TrainableParameters, resolve_trainable
 
-# segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`).
-BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
+# segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`); routing: the
+# expert ids a sampler ran, [B, L, S, K], replayed with `routing_replay=True` (`models.routing_replay`).
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions", "routing")
 # Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).
 LOAD_METRICS = ("expert_load", "ep_rank_load")
 
@@ -70,7 +71,8 @@ class TrainStepOptions:
     offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
     pipeline stages, how many microbatches each micro-batch is cut into (None: the model's);
     router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off);
-    mtp_loss_coef: the multi-token-prediction loss's weight (`moe_jax.training.mtp_loss`; 0: off)."""
+    mtp_loss_coef: the multi-token-prediction loss's weight (`moe_jax.training.mtp_loss`; 0: off);
+    routing_replay: every batch holds "routing" [B, L, S, K], the experts each token runs (R3)."""
 
     grad_accum: int = 1
     grad_clip: float | None = None
@@ -82,6 +84,7 @@ class TrainStepOptions:
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 0.0
     mtp_loss_coef: float = 0.0
+    routing_replay: bool = False
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
@@ -236,14 +239,7 @@ class TrainStep:
 
     def _batch_shape(self, batch: dict) -> tuple[int, int]:
         """[B, S] of a valid batch (ValueError naming what is wrong otherwise)."""
-        unknown = set(batch) - set(BATCH_KEYS)
-        if unknown or "input_ids" not in batch:
-            raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
-                             f"'segment_ids' / 'positions' "
-                             f"(all [B, S]); got keys {sorted(batch)}.")
-        shape = tuple(np.shape(batch["input_ids"]))
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
+        shape = check_batch_keys(batch, BATCH_KEYS, self.model if self.options.routing_replay else None)
         if (error := self.batch_size_error(shape[0])) is not None:
             raise ValueError(error)
         return shape
@@ -292,7 +288,7 @@ class TrainStep:
         if self.mtp_loss is not None:   # each depth's targets, and weights from the tokens it predicts in the batch
             micro["mtp_targets"], mtp_weights = self.mtp_loss.targets(
                 targets, attention_mask if segment_ids is None else segment_ids)
-        for name in ("attention_mask", "segment_ids", "positions"):
+        for name in ("attention_mask", "segment_ids", "positions", "routing"):
             if batch.get(name) is not None:
                 micro[name] = batch[name]
         micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
@@ -410,7 +406,8 @@ class TrainStep:
                           step=self._step_math, segment_ids=micro_batch.get("segment_ids"),
                           positions=micro_batch.get("positions"), adapter=adapter,
                           z_weight=self.z_coefficient / self.options.grad_accum, expert_placement=placement,
-                          mtp_targets=micro_batch.get("mtp_targets"), mtp_weights=mtp_weights)
+                          mtp_targets=micro_batch.get("mtp_targets"), mtp_weights=mtp_weights,
+                          routing=micro_batch.get("routing"))
 
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
@@ -418,7 +415,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                     mixed_precision: bool | None = None, offload: bool | None = None,
                     check_overflow: bool = True, pipeline_microbatches: int | None = None,
                     trainable: Selection = None, router_z_loss_coef: float = 0.0,
-                    router_bias_update_rate: float = 0.0, mtp_loss_coef: float = 0.0) -> TrainStep:
+                    router_bias_update_rate: float = 0.0, mtp_loss_coef: float = 0.0,
+                    routing_replay: bool = False) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
@@ -429,7 +427,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`).
     router_z_loss_coef: adds ST-MoE's router z-loss times it; router_bias_update_rate: moves DeepSeek-V3's router
     bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default). mtp_loss_coef: adds
-    DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`; a model holding MTP layers)."""
+    DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`; a model holding MTP layers).
+    routing_replay: each batch's "routing" [B, L, S, K] (what the sampler's forward returned with
+    return_routing=True; -1 where a token routes itself) forces the experts; the router weighs them."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -443,5 +443,5 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                                check_overflow=check_overflow, offload=offload,
                                pipeline_microbatches=pipeline_microbatches,
                                router_z_loss_coef=router_z_loss_coef, router_bias_update_rate=router_bias_update_rate,
-                               mtp_loss_coef=mtp_loss_coef)
+                               mtp_loss_coef=mtp_loss_coef, routing_replay=routing_replay)
     return TrainStep(model, optimizer, options, selected)

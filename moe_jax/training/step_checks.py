@@ -1,7 +1,11 @@
-"""What a train step refuses before it is built: host offload where the backend has no host memory, and kept
-quantised codes among the trained arrays."""
+"""What a train step refuses: before it is built, host offload where the backend has no host memory and kept
+quantised codes among the trained arrays; at each call, a batch of unknown keys or shapes."""
 
 from __future__ import annotations
+
+import numpy as np
+
+from ..models.routing_replay import check_routing
 
 OFFLOAD_MEMORY_KIND = "pinned_host"
 
@@ -32,3 +36,27 @@ def check_no_quantized_codes_trained(model, selected) -> None:
                          "(model.add_adapter(LoraConfig(...)); `moe-jax train --lora-rank R`), select trainable "
                          "parameters that are not quantised, or load with dequantize=True (without quantize=) to "
                          "train every weight.")
+
+
+def check_batch_keys(batch: dict, keys: tuple[str, ...], replay_model=None) -> tuple[int, int]:
+    """[B, S] of a batch of known `keys` (ValueError naming what is wrong otherwise). replay_model: the model of a
+    step with routing replay, whose batches must hold a "routing" that fits it; None: a step without replay."""
+    unknown = set(batch) - set(keys)
+    if unknown or "input_ids" not in batch:
+        raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
+                         f"'segment_ids' / 'positions' (all [B, S]) / 'routing' ([B, L, S, K], with routing_replay); "
+                         f"got keys {sorted(batch)}.")
+    shape = tuple(np.shape(batch["input_ids"]))
+    if len(shape) != 2:
+        raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
+    if replay_model is None and "routing" in batch:
+        raise ValueError("the batch holds 'routing', but this train step does not replay it: build it with "
+                         "make_train_step(..., routing_replay=True), or drop the key.")
+    if replay_model is not None:
+        if "routing" not in batch:
+            raise ValueError("a train step with routing_replay=True needs batch['routing'] [B, L, S, K]: the expert "
+                             "ids the sampler's forward returned (ModelOutput.routing with return_routing=True).")
+        config = replay_model.config
+        check_routing(batch["routing"], shape, len(replay_model.sparse_layers()), config.num_experts_per_tok,
+                      config.num_experts, type(replay_model).__name__)
+    return shape

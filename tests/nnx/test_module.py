@@ -213,3 +213,16 @@ def test_scanned_layer_runs_are_variables_at_their_storage_paths():
     assert isinstance(stacked, nnx.Param) and stacked.shape[0] == 2
     expected = model.engine.apply(model.weights(), IDS).logits
     np.testing.assert_array_equal(np.asarray(model(IDS)), np.asarray(expected))
+
+
+def test_routing_replays_through_the_module_s_call_and_loss():
+    model = load_module("one_device")
+    engine, weights = model.engine, model.weights()
+    ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, (2, 6)).astype(np.int32)
+    recorded = np.asarray(engine.apply(weights, ids, return_routing=True).routing)
+    forced = ((recorded + 1) % engine.config.num_experts).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(model(ids, routing=forced)),
+                                  np.asarray(engine.apply(weights, ids, routing=forced).logits))
+    assert float(model.loss(ids, routing=forced)[0]) != float(model.loss(ids)[0])
+    with pytest.raises(ValueError, match="record it with return_routing=True"):
+        model(ids, routing=forced[:, :1])
