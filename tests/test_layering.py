@@ -57,6 +57,7 @@ LAYER_OF_PATH = {
     "moe_jax/pretrained.py": "facade",
     "moe_jax/nnx/": "facade",
     "moe_jax/reporting/": "facade",
+    "moe_jax/rl/": "facade",   # GRPO over the sampler (inference) and the train step (training)
     "moe_jax/serving/": "facade",   # the HTTP server over inference's manager (FastAPI, an optional extra)
     "moe_jax/planning/": "facade",  # which layout to use: compiles the real train step, so above training
     "moe_jax/target_compile/": "facade",  # the programs compiled for a GPU target (or this CPU) and read

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from ..models.mtp import mtp_head_logits, mtp_layer_indices
 from ..ops.routing import router_z_loss
+from .objectives import CROSS_ENTROPY, TokenObjective
 
 IGNORE_INDEX = -100
 # Positions per lm_head call in the loss: the [B, chunk, V] logits are the largest loss buffer.
@@ -77,6 +78,19 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
     logits instead of keeping them when they exceed KEPT_LOGITS_BYTES in float32. Returns (sum, count), float32
     and int32 scalars.
     """
+    total, count, _ = chunked_objective(hidden, targets, logits_fn, chunk, CROSS_ENTROPY, {})
+    return total, count
+
+
+def chunked_objective(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[[jax.Array], jax.Array],
+                      chunk: int, objective: TokenObjective, extras: dict[str, jax.Array]
+                      ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """`objective`'s summed per-token loss over the counted tokens, their count, and its terms' sums.
+
+    hidden: [B, S, H]; targets: [B, S] ints, -100 = not counted; logits_fn: [B, C, H] -> [B, C, V]; extras:
+    {key: [B, S]} the objective's batch inputs, aligned with the targets. Runs over ceil(S / chunk) chunks of
+    positions (`chunked_cross_entropy`'s memory rule). Returns (sum float32, count int32, {term: sum float32}).
+    """
     if chunk < 1:
         raise ValueError(f"loss chunk={chunk} must be >= 1 (positions per lm_head call).")
     batch, sequence, width = hidden.shape
@@ -85,30 +99,35 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, logits_fn: Call
     if padding:
         hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, padding)), constant_values=IGNORE_INDEX)
+        extras = {key: jnp.pad(value, ((0, 0), (0, padding))) for key, value in extras.items()}
     chunks = (sequence + padding) // chunk
-    hidden = hidden.reshape(batch, chunks, chunk, width).swapaxes(0, 1)   # [N, B, C, H]
-    targets = targets.reshape(batch, chunks, chunk).swapaxes(0, 1)         # [N, B, C]
 
-    def chunk_loss(hidden_chunk, target_chunk):
+    def by_chunk(array):   # [B, S, ...] -> [N, B, C, ...]
+        return array.reshape(batch, chunks, chunk, *array.shape[2:]).swapaxes(0, 1)
+
+    def chunk_loss(hidden_chunk, target_chunk, extra_chunks):
         logits = logits_fn(hidden_chunk).astype(jnp.float32)               # [B, C, V]
         counted = target_chunk != IGNORE_INDEX
         safe = jnp.where(counted, target_chunk, 0)
         picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-        losses = jax.nn.logsumexp(logits, axis=-1) - picked
-        return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted, dtype=jnp.int32)
+        losses, terms = objective.token_loss(picked - jax.nn.logsumexp(logits, axis=-1), extra_chunks)
+        sums = {name: jnp.sum(jnp.where(counted, value, 0.0)) for name, value in terms.items()}
+        return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted, dtype=jnp.int32), sums
 
-    logits_shape = jax.eval_shape(logits_fn, hidden[0])
+    logits_shape = jax.eval_shape(logits_fn, by_chunk(hidden)[0])
     if batch * chunk * logits_shape.shape[-1] * 4 > KEPT_LOGITS_BYTES:
         chunk_loss = jax.checkpoint(chunk_loss)
 
     def body(carry, xs):
-        total, count = carry
-        chunk_sum, chunk_count = chunk_loss(*xs)
-        return (total + chunk_sum, count + chunk_count), None
+        total, count, sums = carry
+        chunk_sum, chunk_count, chunk_sums = chunk_loss(*xs)
+        return (total + chunk_sum, count + chunk_count, jax.tree.map(jnp.add, sums, chunk_sums)), None
 
-    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (total, count), _ = jax.lax.scan(body, zero, (hidden, targets))
-    return total, count
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+            {name: jnp.zeros((), jnp.float32) for name in objective.term_names})
+    (total, count, sums), _ = jax.lax.scan(
+        body, zero, (by_chunk(hidden), by_chunk(targets), {key: by_chunk(value) for key, value in extras.items()}))
+    return total, count, sums
 
 
 def mtp_cross_entropy(model, nested: dict, mtp_hidden: jax.Array, mtp_targets: jax.Array, chunk: int) -> jax.Array:
@@ -134,7 +153,8 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
                capacity: float | None, rng=None, compute_dtype=None, inference: bool = False,
                loss_chunk: int = DEFAULT_LOSS_CHUNK, step: Callable | None = None, segment_ids=None,
                positions=None, adapter=None, z_weight: float = 0.0, expert_placement=None, mtp_targets=None,
-               mtp_weights=None, routing=None) -> tuple[jax.Array, dict]:
+               mtp_weights=None, routing=None, objective: TokenObjective | None = None,
+               extras: dict | None = None) -> tuple[jax.Array, dict]:
     """One batch's share of the training loss: (ce_sum / total_tokens + aux_weight * aux_loss [+ z_weight *
     router_z_loss], terms).
 
@@ -150,7 +170,9 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     expert_placement: with redundant expert slots, the placement to run (None: the identity). mtp_targets: [B, D, S]
     each multi-token-prediction depth's targets and mtp_weights: [D] their sums' weights (`training.mtp_loss`):
     adds sum_k weights[k] * mtp_sums[k] to the loss, mtp_sums ([D] summed cross entropies) to the terms.
-    routing: [B, L, S, K] expert ids to replay (`models.routing_replay`), or None."""
+    routing: [B, L, S, K] expert ids to replay (`models.routing_replay`), or None. objective: the per-token loss
+    (`training.objectives`; None: cross entropy), reading `extras` ({key: [B, S]}, aligned with the targets);
+    ce_sum is then its summed loss and terms["objective_sums"] its terms' sums."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     adapted = ({} if adapter is None else {"adapter": adapter}) | (
@@ -161,10 +183,16 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
                   inference=inference, return_hidden=True, compute_dtype=compute_dtype, positions=positions,
                   **packed, **adapted)
     nested = model.nested_weights(params, adapter)
-    ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, partial(model.head_logits, nested), loss_chunk)
+    head = partial(model.head_logits, nested)
+    if objective is None:
+        ce_sum, _ = chunked_cross_entropy(output.hidden_states, targets, head, loss_chunk)
+        objective_sums = {}
+    else:
+        ce_sum, _, objective_sums = chunked_objective(output.hidden_states, targets, head, loss_chunk, objective,
+                                                      extras or {})
     loss = ce_sum / total_tokens + aux_weight * output.aux_loss
     terms = {"ce_sum": ce_sum, "aux": output.aux_loss, "statistics": output.statistics,
-             "expert_load": output.expert_load, "ep_rank_load": output.ep_rank_load}
+             "expert_load": output.expert_load, "ep_rank_load": output.ep_rank_load, "objective_sums": objective_sums}
     if mtp_targets is not None:
         terms["mtp_sums"] = mtp_cross_entropy(model, nested, output.mtp_hidden_states, mtp_targets, loss_chunk)
         loss = loss + jnp.sum(mtp_weights * terms["mtp_sums"])

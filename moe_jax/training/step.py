@@ -51,40 +51,11 @@ from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState, init_train_state, train_state_shardings
 from .step_checks import (OFFLOAD_MEMORY_KIND, check_batch_keys, check_no_quantized_codes_trained,
                           check_offload_supported)
+from .step_options import BATCH_KEYS, TrainStepOptions
 from .trainable import Selection, TrainableParameters, resolve_trainable
 
-# segment_ids / positions: packed rows (documents 1, 2, ... per row; `moe_jax.training.corpus`); routing: the
-# expert ids a sampler ran, [B, L, S, K], replayed with `routing_replay=True` (`models.routing_replay`).
-BATCH_KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "positions", "routing")
 # Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).
 LOAD_METRICS = ("expert_load", "ep_rank_load")
-
-
-@dataclass(frozen=True)
-class TrainStepOptions:
-    """grad_accum: micro-batches per step; grad_clip: max global gradient norm (None: no clipping);
-    loss_chunk: positions per lm_head call in the loss; compute_dtype: the activations' dtype (None: the
-    parameters'; bfloat16 with float32 parameters is mixed precision: each parameter is cast where it is
-    used and its gradient accumulated and reduced in float32, `moe_jax.nn.precision`);
-    check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs; a
-    model without dispatch buffers, capacity None, has nothing to check);
-    offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
-    pipeline stages, how many microbatches each micro-batch is cut into (None: the model's);
-    router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off);
-    mtp_loss_coef: the multi-token-prediction loss's weight (`moe_jax.training.mtp_loss`; 0: off);
-    routing_replay: every batch holds "routing" [B, L, S, K], the experts each token runs (R3)."""
-
-    grad_accum: int = 1
-    grad_clip: float | None = None
-    loss_chunk: int = DEFAULT_LOSS_CHUNK
-    compute_dtype: jnp.dtype | None = None
-    check_overflow: bool = True
-    offload: bool = False
-    pipeline_microbatches: int | None = None
-    router_z_loss_coef: float = 0.0
-    router_bias_update_rate: float = 0.0
-    mtp_loss_coef: float = 0.0
-    routing_replay: bool = False
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
@@ -239,7 +210,8 @@ class TrainStep:
 
     def _batch_shape(self, batch: dict) -> tuple[int, int]:
         """[B, S] of a valid batch (ValueError naming what is wrong otherwise)."""
-        shape = check_batch_keys(batch, BATCH_KEYS, self.model if self.options.routing_replay else None)
+        shape = check_batch_keys(batch, self.options.batch_keys(), self.model if self.options.routing_replay else None,
+                                 objective=self.options.objective)
         if (error := self.batch_size_error(shape[0])) is not None:
             raise ValueError(error)
         return shape
@@ -288,7 +260,8 @@ class TrainStep:
         if self.mtp_loss is not None:   # each depth's targets, and weights from the tokens it predicts in the batch
             micro["mtp_targets"], mtp_weights = self.mtp_loss.targets(
                 targets, attention_mask if segment_ids is None else segment_ids)
-        for name in ("attention_mask", "segment_ids", "positions", "routing"):
+        objective_keys = () if options.objective is None else tuple(options.objective.batch_keys)
+        for name in ("attention_mask", "segment_ids", "positions", "routing", *objective_keys):
             if batch.get(name) is not None:
                 micro[name] = batch[name]
         micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
@@ -311,13 +284,16 @@ class TrainStep:
                 "dropped": totals["dropped"] + statistics.dropped, "padded": totals["padded"] + statistics.padded,
                 "required_capacity": jnp.maximum(totals["required_capacity"], statistics.required_capacity),
                 **{name: totals[name] + terms[name] for name in LOAD_METRICS if name in totals},
+                "objective_sums": jax.tree.map(jnp.add, totals["objective_sums"], terms["objective_sums"]),
             }
             return (grads, totals), None
 
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zero_totals = {"ce_sum": jnp.zeros((), jnp.float32), "aux_sum": jnp.zeros((), jnp.float32),
                        "dropped": jnp.zeros((), jnp.int32), "padded": jnp.zeros((), jnp.int32),
-                       "required_capacity": jnp.zeros((), jnp.float32)}
+                       "required_capacity": jnp.zeros((), jnp.float32),
+                       "objective_sums": {name: jnp.zeros((), jnp.float32) for name in (
+                           () if options.objective is None else options.objective.term_names)}}
         zero_totals.update({name: jnp.zeros(shape, jnp.float32) for name, shape in self.load_shapes().items()})
         if self.z_coefficient:
             zero_totals["z_sum"] = jnp.zeros((), jnp.float32)
@@ -378,6 +354,8 @@ class TrainStep:
             loss = loss + self.mtp_loss.coef * extra_losses["mtp_loss"]
         metrics = {
             "step": state.step + 1, "loss": loss, "ce_loss": ce_loss, **extra_losses,
+            **{f"{options.objective.name}_{name}": total / total_tokens   # the objective's terms, token means
+               for name, total in totals["objective_sums"].items()},
             "aux_loss": aux_loss, "grad_norm": grad_norm, "tokens": total_tokens.astype(jnp.int32),
             "dropped": totals["dropped"], "padded": totals["padded"], "required_capacity": totals["required_capacity"],
             "applied": applied, "data_position": state.data_position,
@@ -407,7 +385,9 @@ class TrainStep:
                           positions=micro_batch.get("positions"), adapter=adapter,
                           z_weight=self.z_coefficient / self.options.grad_accum, expert_placement=placement,
                           mtp_targets=micro_batch.get("mtp_targets"), mtp_weights=mtp_weights,
-                          routing=micro_batch.get("routing"))
+                          routing=micro_batch.get("routing"), objective=self.options.objective,
+                          extras=None if self.options.objective is None else
+                          {key: micro_batch[key] for key in self.options.objective.batch_keys})
 
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
@@ -416,7 +396,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                     check_overflow: bool = True, pipeline_microbatches: int | None = None,
                     trainable: Selection = None, router_z_loss_coef: float = 0.0,
                     router_bias_update_rate: float = 0.0, mtp_loss_coef: float = 0.0,
-                    routing_replay: bool = False) -> TrainStep:
+                    routing_replay: bool = False, objective=None) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
@@ -429,7 +409,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default). mtp_loss_coef: adds
     DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`; a model holding MTP layers).
     routing_replay: each batch's "routing" [B, L, S, K] (what the sampler's forward returned with
-    return_routing=True; -1 where a token routes itself) forces the experts; the router weighs them."""
+    return_routing=True; -1 where a token routes itself) forces the experts; the router weighs them.
+    objective: the per-token loss instead of cross entropy (`training.objectives`, e.g.
+    `moe_jax.rl.ClippedPolicyObjective`); its `batch_keys` join each batch ("ce_loss" is then its mean loss)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload
@@ -443,5 +425,5 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                                check_overflow=check_overflow, offload=offload,
                                pipeline_microbatches=pipeline_microbatches,
                                router_z_loss_coef=router_z_loss_coef, router_bias_update_rate=router_bias_update_rate,
-                               mtp_loss_coef=mtp_loss_coef, routing_replay=routing_replay)
+                               mtp_loss_coef=mtp_loss_coef, routing_replay=routing_replay, objective=objective)
     return TrainStep(model, optimizer, options, selected)

@@ -38,17 +38,26 @@ def check_no_quantized_codes_trained(model, selected) -> None:
                          "train every weight.")
 
 
-def check_batch_keys(batch: dict, keys: tuple[str, ...], replay_model=None) -> tuple[int, int]:
+def check_batch_keys(batch: dict, keys: tuple[str, ...], replay_model=None, objective=None) -> tuple[int, int]:
     """[B, S] of a batch of known `keys` (ValueError naming what is wrong otherwise). replay_model: the model of a
-    step with routing replay, whose batches must hold a "routing" that fits it; None: a step without replay."""
+    step with routing replay, whose batches must hold a "routing" that fits it; None: a step without replay.
+    objective: the step's token objective, whose `batch_keys` every batch holds as [B, S] arrays."""
     unknown = set(batch) - set(keys)
     if unknown or "input_ids" not in batch:
+        extra = "" if objective is None else f" / {' / '.join(repr(k) for k in objective.batch_keys)} ([B, S])"
         raise ValueError(f"A batch is a dict with 'input_ids' and optionally 'attention_mask' / 'labels' / "
-                         f"'segment_ids' / 'positions' (all [B, S]) / 'routing' ([B, L, S, K], with routing_replay); "
-                         f"got keys {sorted(batch)}.")
+                         f"'segment_ids' / 'positions' (all [B, S]) / 'routing' ([B, L, S, K], with routing_replay)"
+                         f"{extra}; got keys {sorted(batch)}.")
     shape = tuple(np.shape(batch["input_ids"]))
     if len(shape) != 2:
         raise ValueError(f"input_ids must be [batch, sequence], got shape {shape}.")
+    for key in () if objective is None else objective.batch_keys:
+        if key not in batch:
+            raise ValueError(f"the {objective.name!r} objective needs batch[{key!r}] [B, S] = {list(shape)}, aligned "
+                             f"with the predictions (position t: the token at t + 1); the batch has {sorted(batch)}.")
+        if tuple(np.shape(batch[key])) != shape:
+            raise ValueError(f"batch[{key!r}] has shape {list(np.shape(batch[key]))}; the {objective.name!r} "
+                             f"objective needs [B, S] = {list(shape)}, like input_ids.")
     if replay_model is None and "routing" in batch:
         raise ValueError("the batch holds 'routing', but this train step does not replay it: build it with "
                          "make_train_step(..., routing_replay=True), or drop the key.")
