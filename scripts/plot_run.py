@@ -3,7 +3,8 @@
     python scripts/plot_run.py metrics.jsonl [-o run.png]
 
 Panels: loss (train, and eval where the run evaluated), learning rate, gradient norm, the router terms (aux loss,
-router z-loss, MTP loss, where the records hold them), tokens/s per device (and MFU when the run had
+router z-loss, MTP loss, where the records hold them; a GRPO run's reward, clip fraction, logprob gap and routing
+mismatch instead, `scripts/rl_grpo.py`), tokens/s per device (and MFU when the run had
 --peak-tflops), dispatch capacity (with the steps that were replayed marked), router load balance per sparse layer
 (the busiest expert's tokens over the mean, each step; dashed, where the run dispatched experts over ep, the
 busiest ep rank's work over the mean, from `ep_rank_load`; dotted verticals at the experts' re-placements,
@@ -99,6 +100,9 @@ def plot(records: list[dict], out: Path) -> None:
     plt.close(figure)
 
 
+RL_TERMS = ("reward", "clip_fraction", "logprob_gap", "routing_mismatch", "kl")
+
+
 def draw(records: list[dict]):
     """The run's figure (matplotlib's Agg backend)."""
     import matplotlib
@@ -118,7 +122,9 @@ def draw(records: list[dict]):
     lr.set_title("learning rate")
     grad_norm.plot(*series(records, "grad_norm"))
     grad_norm.set_title("gradient norm")
-    drawn = [name for name in ("aux_loss", "router_z_loss", "mtp_loss") if any(series(records, name)[1])]
+    rl_run = bool(series(records, "reward")[0])   # scripts/rl_grpo.py's records: this panel shows the RL terms
+    names = RL_TERMS if rl_run else ("aux_loss", "router_z_loss", "mtp_loss")
+    drawn = [name for name in names if any(series(records, name)[1])]
     for name in drawn:
         terms.plot(*series(records, name), label=name.replace("_", " "))
     if drawn:
@@ -126,7 +132,7 @@ def draw(records: list[dict]):
     else:
         terms.text(0.5, 0.5, "no aux, z- or MTP loss in the records", ha="center", va="center",
                    transform=terms.transAxes)
-    terms.set_title("router and MTP loss terms")
+    terms.set_title("reward and RL terms" if rl_run else "router and MTP loss terms")
     name = "tokens_per_s_per_device" if series(records, "tokens_per_s_per_device")[0] else "tokens_per_s"
     speed.plot(*series(records, name), label=name.replace("_", " "))
     if series(records, "mfu")[0]:

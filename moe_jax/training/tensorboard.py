@@ -26,6 +26,7 @@ GROUPS = {
     "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu",
                    "packing_efficiency"),
     "dispatch": ("capacity", "required_capacity", "padded", "replays"),
+    "rl": ("reward", "clip_fraction", "logprob_gap", "routing_mismatch", "kl"),   # scripts/rl_grpo.py's records
 }
 
 
