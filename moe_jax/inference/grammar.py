@@ -58,17 +58,34 @@ def regex_grammar(pattern: str) -> str:
     return checked(_llguidance().LLMatcher.grammar_from_regex(pattern))
 
 
-def tool_call_grammar(functions: list[dict], prefix: str, suffix: str) -> str:
+def tool_call_grammar(functions: list[dict], prefix: str, suffix: str, arguments_key: str = "arguments") -> str:
     """A call of one of `functions` (OpenAI's function objects: name, parameters) written as `prefix`, the JSON
-    object {"name": ..., "arguments": ...} (the arguments by the function's parameters schema; compact JSON),
+    object {"name": ..., arguments_key: ...} (the arguments by the function's parameters schema; compact JSON),
     `suffix`: tool_choice "required" or a named function, in a JSON tool-call syntax (Hermes:
-    "<tool_call>\\n", "\\n</tool_call>")."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    "<tool_call>\\n", "\\n</tool_call>"; Llama 4's JSON: "", "", "parameters")."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": function["name"]},
-                             "arguments": function.get("parameters") or {"type": "object"}}}
+                             arguments_key: function.get("parameters") or {"type": "object"}}}
              for function in functions]
     schema = {"x-guidance": {"whitespace_flexible": False}, "anyOf": calls}
     lark = f"start: {json.dumps(prefix)} call {json.dumps(suffix)}\ncall: %json {json.dumps(schema)}"
+    try:
+        return checked(_llguidance().LLMatcher.grammar_from_lark(lark))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the tools' parameters are not a valid JSON schema: {error}") from None
+
+
+def named_call_grammar(functions: list[dict], before: str, between: str, after: str) -> str:
+    """A call of one of `functions` written as `before`, the function's name, `between`, its arguments as compact
+    JSON by its parameters schema, `after`: tool_choice "required" or a named function in a syntax whose name
+    stands outside the arguments' JSON. before / between / after are Lark fragments: quoted text and special tokens
+    by their text (DeepSeek-V3's `<｜tool▁sep｜>`, gpt-oss's `<|call|>`), which must be the tokenizer's."""
+    rules = []
+    for index, function in enumerate(functions):
+        schema = {"x-guidance": {"whitespace_flexible": False}, **(function.get("parameters") or {"type": "object"})}
+        rules += [f"call_{index}: {before} {json.dumps(function['name'])} {between} arguments_{index} {after}",
+                  f"arguments_{index}: %json {json.dumps(schema)}"]
+    lark = "start: " + " | ".join(f"call_{index}" for index in range(len(functions))) + "\n" + "\n".join(rules)
     try:
         return checked(_llguidance().LLMatcher.grammar_from_lark(lark))
     except (TypeError, ValueError) as error:

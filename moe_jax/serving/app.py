@@ -210,7 +210,7 @@ class _Server:
             if grammar is None:
                 raise InvalidRequest(f"tool_choice {json.dumps(body.tool_choice)[:80]} forces a call through a grammar "
                                      f"of the model's tool-call syntax, which the {self.tool_parser.name} parser does not "
-                                     'have yet (hermes does); use "auto".', param="tool_choice")
+                                     'have yet (hermes, deepseek_v3, harmony and llama4_json do); use "auto".', param="tool_choice")
             body.force_grammar(grammar)
         self.check_sampling(body)
         return body, self.chat_prompt(body)

@@ -11,8 +11,8 @@ most 20; chat: logprobs true and top_logprobs at most 20), echo (completions; no
 log probabilities are not computed), best_of (completions: only equal to n; choosing the best of more is not
 supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach the chat template; with tool_choice
 "auto" (the default with tools) the server parses the model's calls into `tool_calls`, with "none" it does not;
-"required" and a named function force a call through a grammar of the parser's syntax (the app builds it, hermes
-has one). Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
+"required" and a named function force a call through a grammar of the parser's syntax (the app builds it; every
+parser but llama4_pythonic has one). Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
 (0 or -1: off; at most the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off),
 min_tokens, stop_token_ids (at most 16). Structured output (response_format, guided_json, guided_regex):
 `structured`. Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is

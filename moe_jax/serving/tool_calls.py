@@ -181,6 +181,12 @@ class DeepSeekV3Parser(ToolCallParser):
     def clean(self, content: str) -> str:
         return self.SPECIAL.sub("", content)
 
+    def forcing_grammar(self, functions: list[dict]) -> str:
+        from ..inference.grammar import named_call_grammar
+
+        return named_call_grammar(functions, f'{self.BEGIN}<｜tool▁call▁begin｜> "function" <｜tool▁sep｜>',
+                                  '"\\n```json\\n"', f'"\\n```" <｜tool▁call▁end｜>{self.END}')
+
 
 @register
 class HarmonyParser(ToolCallParser):
@@ -215,6 +221,14 @@ class HarmonyParser(ToolCallParser):
             if recipient is None and (channel is None or channel[1] in ("final", "commentary")):
                 content.append(body)
         return Parsed("".join(content), calls)
+
+    def forcing_grammar(self, functions: list[dict]) -> str:
+        """The call as the commentary channel's message to functions.NAME (the generation prompt opened the
+        assistant's message: `<|start|>assistant`)."""
+        from ..inference.grammar import named_call_grammar
+
+        return named_call_grammar(functions, '<|channel|> "commentary to=functions."',
+                                  '" " <|constrain|> "json" <|message|>', "<|call|>")
 
 
 @register
@@ -275,6 +289,11 @@ class Llama4JsonParser(ToolCallParser):
             elif rest:
                 return Parsed(text)
         return Parsed("", calls)
+
+    def forcing_grammar(self, functions: list[dict]) -> str:
+        from ..inference.grammar import tool_call_grammar
+
+        return tool_call_grammar(functions, "", "", arguments_key="parameters")
 
 
 class ToolCallStream:
