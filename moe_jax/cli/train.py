@@ -20,6 +20,7 @@ refuses, in one line, a checkpoint of another model or optimizer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import time
 from dataclasses import dataclass
@@ -39,13 +40,9 @@ from .layout_flags import (
     scan_layers_from_flags,
     warn_about_head_split,
 )
-from .run_settings import (
-    DECAYING,
-    learning_rate_schedules,
-    run_settings,
-    schedule_change_note,
-    write_run_settings,
-)
+from .run_settings import DECAYING, learning_rate_schedules, run_settings
+from .train_checkpoints import (check_export_dir, check_preemption_flags, export_hf, open_checkpoints,
+                                preemption_from_flags, starting_state)
 from .train_data import check_sequence, eval_source, training_source
 from .train_progress import TrainProgress, close_after_failure, forget_records_after
 
@@ -113,7 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="orbax train-state checkpoints (saved asynchronously)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default 100)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir (none yet: start at step 0), "
+                             "so one command serves the first launch and every requeue")
+    parser.add_argument("--preemption-signals", default="SIGTERM,SIGUSR1", metavar="NAMES",
+                        help="signals that stop the run at the next step boundary with a checkpoint, exit 0 "
+                             "(comma-separated; 'none': the default actions)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the built-in model, synthetic data and step keys")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--mixed-precision", action="store_true",
@@ -172,11 +174,6 @@ def _model_config(args) -> tuple[dict, Path | None]:
     return read_config(directory), directory
 
 
-def _check_output_dir(path: str | None, flag: str) -> None:
-    if path is not None and Path(path).exists() and any(Path(path).iterdir()):
-        raise FileExistsError(f"{flag} {path} exists and is not empty; pass a new directory.")
-
-
 def run(args: argparse.Namespace) -> int:
     """The job behind `moe-jax train` (a bad request raises before any compute; `cli.main` prints it)."""
     request = _checked_request(args)
@@ -191,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
     data, eval_data, packing_efficiency = _read_shares(args, model, request.data, request.eval_data)
     train_step = _build_train_step(args, model, request.schedules)
     settings = run_settings(args, data.seq_len)
-    checkpoints, saved_record = _open_checkpoints(args, model, train_step, settings)
-    state, capacity_state = _starting_state(args, model, train_step, checkpoints, saved_record, request.model_dir)
+    checkpoints, saved_record = open_checkpoints(args, model, train_step, settings)
+    state, capacity_state = starting_state(args, model, train_step, checkpoints, saved_record, request.model_dir)
     start = int(state.step)
     # Before the first file is written: the step compiled for the first batch (the program the run uses; a layout,
     # input or model the step refuses fails here) and the eval program traced on its first batch.
@@ -204,24 +201,30 @@ def run(args: argparse.Namespace) -> int:
         learning_rate=request.schedules[0] if callable(request.schedules[0]) else lambda step: request.schedules[0],
         should_evaluate=should_evaluate, rebalance_every=args.rebalance_every,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
-        save=checkpoints.save if checkpoints is not None else None,
+        save=checkpoints.save if checkpoints is not None else None, preemption=preemption_from_flags(args),
     )
     began = time.perf_counter()
     try:
-        state, capacity_state = loop.run(state, args.steps, capacity_state)
+        with loop.preemption or contextlib.nullcontext():
+            state, capacity_state = loop.run(state, args.steps, capacity_state)
     except BaseException:
         close_after_failure(progress, checkpoints, start)
         raise
     progress.close()
     if checkpoints is not None:
         checkpoints.close()
-    _print_summary(progress, loop, data, start, args.steps, time.perf_counter() - began, capacity_state)
+    _print_summary(progress, loop, data, start, int(state.step), time.perf_counter() - began, capacity_state)
+    if loop.preempted_at is not None and loop.preempted_at < args.steps:
+        print(f"{loop.preemption.signal_name}: stopped at step {loop.preempted_at} of {args.steps}; "
+              + (f"saved its checkpoint in {args.checkpoint_dir}: run the same command with --resume to continue"
+                 if checkpoints is not None else "nothing saved (no --checkpoint-dir): a rerun starts over"))
+        return 0
     params, adapter = train_step.weights(state.params)
     if args.export_adapter is not None:
         export_adapter(args, model, adapter)
     if args.export_hf is not None:
-        _export(args, model, params if adapter is None else model.merged_params(params, adapter),
-                request.model_dir, settings)
+        export_hf(args, model, params if adapter is None else model.merged_params(params, adapter),
+                  request.model_dir, settings)
     return 0
 
 
@@ -248,8 +251,9 @@ def _checked_request(args) -> _Request:
     check_sequence(data.seq_len, config)
     eval_data = (None if args.eval_data is None else
                  eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data", args))
-    _check_output_dir(args.export_hf, "--export-hf")
-    _check_output_dir(args.export_adapter, "--export-adapter")
+    check_export_dir(args, args.export_hf, "--export-hf")
+    check_preemption_flags(args)
+    check_export_dir(args, args.export_adapter, "--export-adapter")
     lora = lora_config_from_flags(args, model_dir)
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the directory holding the train-state checkpoints).")
@@ -334,48 +338,6 @@ def _build_train_step(args, model, schedules):
     return train_step
 
 
-def _open_checkpoints(args, model, train_step, settings):
-    """(the checkpoint manager or None, the record of the checkpoint to resume or None)."""
-    from ..training.checkpoints import TrainCheckpoints
-
-    if args.checkpoint_dir is None:
-        return None, None
-    checkpoints = TrainCheckpoints(args.checkpoint_dir, model, train_step, save_every=args.save_every,
-                                   keep=args.keep, run=settings)
-    latest = checkpoints.latest_step()
-    if latest is not None and not args.resume:
-        raise FileExistsError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (latest step "
-                              f"{latest}); pass --resume to continue from it, or a new directory.")
-    saved_record = None
-    if args.resume:
-        if latest is None:
-            raise FileNotFoundError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint.")
-        saved_record = checkpoints.record(latest)
-        checkpoints.check_compatible(saved_record)
-    return checkpoints, saved_record
-
-
-def _starting_state(args, model, train_step, checkpoints, saved_record, model_dir):
-    """(train state, capacity state): the resumed checkpoint's, or fresh from the weights or a seed."""
-    from ..pretrained import load_weights
-
-    if args.resume and train_step.trainable.everything:
-        state, capacity_state = checkpoints.restore()
-        print(f"resumed from step {int(state.step)} of {args.checkpoint_dir}")
-        if (note := schedule_change_note(args, saved_record.get("run"), int(state.step))) is not None:
-            print(note)
-        return state, capacity_state
-    if model_dir is not None:
-        load_weights(model, model_dir, progress=not args.no_progress)
-    else:
-        model.init_params(args.seed)
-    if args.resume:   # a state of part of the model: the frozen rest comes from the weights just loaded
-        state, capacity_state = checkpoints.restore()
-        print(f"resumed {train_step.trainable.describe()} from step {int(state.step)} of {args.checkpoint_dir}")
-        return state, capacity_state
-    return train_step.init_state(seed=args.seed), None
-
-
 def _compile_first_step(args, train_step, state, data) -> None:
     first_batch = data.batch(int(state.data_position))
     if args.precompile:
@@ -431,20 +393,3 @@ def _print_summary(progress, loop, data, start: int, end: int, seconds: float, c
           f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}"
           + (f"; eval loss {progress.last['eval_loss']:.4f}, perplexity {progress.last['eval_perplexity']:.2f}"
              if "eval_loss" in progress.last else ""))
-
-
-def _export(args, model, params, model_dir, settings) -> None:
-    """The trained weights (an adapter merged into them) as an HF checkpoint, with the --model checkpoint's
-    tokenizer files, chat template and generation config (so text commands work on it) and the run's settings
-    (`moe-jax eval`'s defaults)."""
-    import jax
-
-    from ..checkpoint_files import copy_companion_files
-
-    model.save_pretrained(args.export_hf, params=params, progress=not args.no_progress)
-    copied = []
-    if jax.process_index() == 0:
-        copied = [] if model_dir is None else copy_companion_files(model_dir, args.export_hf)
-        write_run_settings(args.export_hf, settings)
-    print(f"wrote the trained weights as an HF checkpoint to {args.export_hf}"
-          + (f" (with {model_dir}'s tokenizer)" if copied else ""))

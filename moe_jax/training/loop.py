@@ -74,6 +74,8 @@ class TrainLoop:
         `should_save` and `save`, and `run` waits for its last save before returning.
     rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module
         docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True`.
+    preemption: a `training.preemption.Preemption`: once it is `reached`, the loop dispatches no more steps,
+        confirms those in flight, saves the last (`save`, when given) and returns; `preempted_at` is then that step.
     """
 
     def __init__(self, train_step, data: BatchSource, *, schedule: CapacitySchedule | None = None,
@@ -82,7 +84,8 @@ class TrainLoop:
                  save: Callable[[int, TrainState, CapacityState | None], None] | None = None,
                  checkpoints=None, learning_rate: Callable[[int], float] | None = None,
                  evaluate: Callable[[int, TrainState], dict] | None = None,
-                 should_evaluate: Callable[[int], bool] | None = None, rebalance_every: int | None = None):
+                 should_evaluate: Callable[[int], bool] | None = None, rebalance_every: int | None = None,
+                 preemption=None):
         if rebalance_every is not None and rebalance_every < 1:
             raise ValueError(f"rebalance_every={rebalance_every} must be >= 1 (steps between re-placements).")
         if rebalance_every is not None and not train_step.model.num_redundant_experts:
@@ -101,6 +104,7 @@ class TrainLoop:
         self.should_save = should_save or (lambda step: False)
         self.save = save
         self.replays = 0
+        self.preemption, self.preempted_at = preemption, None
         self.router_watch = RouterCollapseWatch()   # warns once when a router collapses onto a few experts
         self.batch_sharding = train_step.model.batch_sharding()
         # expert_load's rows are the sparse layers in order; records name them by the model's layer index.
@@ -122,12 +126,15 @@ class TrainLoop:
         # behind one are run again too, but did not overflow, and `replays` counts the overflows.
         overflowed: set[int] = set()
         last_confirmation = time.perf_counter()
+        stopping = saved = False
         while step < until_step:
+            if stopping and not pending:
+                break
             expected = step + len(pending)
             # A step to save or evaluate after is not run past: the state is then exactly that step's.
             holds = (self.should_save(expected) or (self.evaluate is not None and self.should_evaluate(expected))
                      or self._should_rebalance(expected))
-            if expected < until_step and not (pending and holds):
+            if expected < until_step and not stopping and not (pending and holds):
                 batch = place_batch(self.data, next_index, self.batch_sharding)
                 state, metrics = self.train_step(state, batch)
                 pending.append(_InFlight(next_index, state.capacity, metrics, next_index in overflowed))
@@ -165,7 +172,14 @@ class TrainLoop:
                 last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
             self.router_watch(record)
             self.on_step(record)
+            saved = False
             if self.save is not None and self.should_save(step) and not pending:
+                self.save(step, state, tracker.state)
+                saved = True
+            stopping = stopping or (self.preemption is not None and self.preemption.reached(step))
+        if stopping:
+            self.preempted_at = step
+            if self.save is not None and not saved:
                 self.save(step, state, tracker.state)
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state

@@ -171,3 +171,36 @@ def test_a_state_saved_with_pipeline_stages_resumes_on_other_stage_counts(tmp_pa
     assert int(restored.step) == 3
     _, resumed_again = losses(four, restored, 4)
     np.testing.assert_allclose(resumed + resumed_again, expected, rtol=1e-5)
+
+
+def test_a_preempted_loop_saves_the_step_it_stops_at_and_a_resume_gives_the_uninterrupted_losses(trainers, tmp_path):
+    """A signal during step 2 (`Preemption.request`, what the SIGTERM handler does): the loop dispatches nothing
+    more, confirms the step in flight, saves the state of the last confirmed step and returns; resumed from that
+    checkpoint, the next steps' losses are the uninterrupted run's."""
+    import signal
+
+    from moe_jax.training.preemption import Preemption
+
+    model, train_step = trainers("one_device")
+    _, _, uninterrupted = run(train_step, train_step.init_state(), 5)
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step, save_every=100)
+    preemption = Preemption()
+    records = []
+
+    def on_step(record):
+        records.append(record)
+        if record["step"] == 2:
+            preemption.request("SIGTERM")
+
+    loop = TrainLoop(train_step, FixtureBatches(), on_step=on_step, checkpoints=checkpoints, preemption=preemption)
+    with preemption:
+        assert signal.getsignal(signal.SIGTERM) == preemption._handle
+        state, _ = loop.run(train_step.init_state(), 5)
+    assert signal.getsignal(signal.SIGTERM) != preemption._handle          # the handlers are given back
+    stopped = int(state.step)
+    assert loop.preempted_at == stopped and stopped in (2, 3)               # the step in flight is confirmed
+    assert checkpoints.latest_step() == stopped and [r["step"] for r in records] == list(range(1, stopped + 1))
+    restored, capacity_state = TrainCheckpoints(tmp_path, model, train_step).restore()
+    _, _, resumed = run(train_step, restored, 5, capacity_state=capacity_state)
+    np.testing.assert_allclose([r["loss"] for r in records + resumed], [r["loss"] for r in uninterrupted],
+                               rtol=1e-6)

@@ -167,8 +167,8 @@ BAD_REQUESTS = {
                           "longer than the model's max_position_embeddings \\(256\\)"),
     "batch the layout cannot split": (lambda tmp: ["--batch-size", "6", "--fsdp", "8", "--ep", "8"],
                                       "--batch-size 6: batch size 6 cannot be split .* 8 data-parallel"),
-    "resume without a checkpoint": (lambda tmp: ["--checkpoint-dir", str(tmp / "none"), "--resume"],
-                                    "holds no complete checkpoint"),
+    "unknown preemption signal": (lambda tmp: ["--preemption-signals", "SIGTERM,SIGNOPE"],
+                                  "--preemption-signals SIGTERM,SIGNOPE: unknown or uncatchable signal 'SIGNOPE'"),
     "sgd with weight decay": (lambda tmp: ["--optimizer", "sgd", "--weight-decay", "0.1"], "plain SGD"),
     "text without a tokenizer": (lambda tmp: ["--text", str(CHECKPOINT / "config.json")],
                                  "has no tokenizer \\(none of tokenizer.json"),
@@ -236,3 +236,57 @@ def test_pipeline_stages_train_as_one_stage(token_file, tmp_path, capsys):
     flat, staged = read_jsonl(tmp_path / "flat.jsonl"), read_jsonl(tmp_path / "staged.jsonl")
     assert [r["step"] for r in staged] == [r["step"] for r in flat] == [1, 2, 3, 4, 5]
     np.testing.assert_allclose([r["loss"] for r in staged], [r["loss"] for r in flat], rtol=1e-5)
+
+
+def test_one_command_serves_the_first_launch_and_every_requeue(tmp_path, capsys):
+    """The same command line with --resume: the first launch starts at step 0, a rerun after completion resumes
+    at the end and replaces the job's own export; what a killed save left is removed with a note; a directory
+    another job exported to is still refused."""
+    checkpoint_dir, export = tmp_path / "ckpt", tmp_path / "hf"
+    argv = ["train", "--model", str(CHECKPOINT), "--steps", "2", "--batch-size", "4", "--no-progress",
+            "--checkpoint-dir", str(checkpoint_dir), "--save-every", "1", "--resume", "--export-hf", str(export)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "holds no checkpoint yet; starting at step 0" in out and "wrote the trained weights" in out
+    first = (export / "model.safetensors").read_bytes()
+    (checkpoint_dir / "3.orbax-checkpoint-tmp-1764500000000000").mkdir()        # a save killed half-way
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "removed 3.orbax-checkpoint-tmp-1764500000000000" in out and "resumed from step 2" in out
+    assert "replaced the earlier export" in out and (export / "model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]          # nothing left beside the export
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main([*argv[:-1], str(foreign)]) == 2
+    assert "not an export of this job's --checkpoint-dir" in capsys.readouterr().err
+
+
+@pytest.mark.heavy
+def test_sigterm_saves_the_step_it_stops_at_exits_0_and_the_same_command_continues_bit_exactly(token_file, tmp_path,
+                                                                                                 capsys):
+    assert main(train_argv(token_file, "--steps", "10", *SCHEDULE, "--metrics-jsonl",
+                           str(tmp_path / "full.jsonl"))) == 0
+    full = read_jsonl(tmp_path / "full.jsonl")
+    checkpoint_dir, jsonl = tmp_path / "ckpt", tmp_path / "preempted.jsonl"
+    argv = train_argv(token_file, "--steps", "10", *SCHEDULE, "--checkpoint-dir", str(checkpoint_dir),
+                      "--save-every", "100", "--resume", "--metrics-jsonl", str(jsonl))
+    process = subprocess.Popen([sys.executable, "-m", "moe_jax.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (jsonl.exists() and any(r["step"] >= 3 for r in read_jsonl(jsonl))):
+        assert process.poll() is None and time.monotonic() < deadline, "the training process ended or stalled"
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and time.monotonic() - signalled < 30, err
+    stopped = int(re.search(r"SIGTERM: stopped at step (\d+) of 10", out).group(1))
+    assert "SIGTERM: stopping at the next step boundary" in err and "Traceback" not in err
+    assert [int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()] == [stopped] and stopped < 10
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert f"resumed from step {stopped}" in capsys.readouterr().out
+    records = read_jsonl(jsonl)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["loss"] for r in records] == [r["loss"] for r in full]
