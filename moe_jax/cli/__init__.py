@@ -56,7 +56,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train", action="store_true",
                         help="also print the bytes of parameters and optimizer state one device holds (builds "
                              "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
+    parser.add_argument("--optimizer", choices=("adamw", "muon", "sgd"), default=None,
                         help="with --train: the optimizer whose state is counted (default adamw)")
     add_dequantize_flag(parser)
     add_plan_flags(parser)

@@ -60,7 +60,8 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
                         help="--train: what each layer keeps for the backward pass (default none)")
     parser.add_argument("--grad-accum", type=int, default=1, help="--train: micro-batches per step (default 1)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="--train (default adamw)")
+    parser.add_argument("--optimizer", choices=("adamw", "muon", "sgd"), default="adamw",
+                        help="--train (default adamw)")
     parser.add_argument("--max-slots", type=int, default=8, help="--serve: rows decoded together (default 8)")
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="--serve: tokens of KV cache per row (default 2048)")

@@ -69,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "restarts the decay over the new total: pin it to the first run's length")
     parser.add_argument("--expert-lr", type=float, default=None,
                         help="a separate learning rate for the routed experts (default: --lr)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                        help="adamw (PyTorch's defaults) or sgd (plain: no momentum, no weight decay)")
-    parser.add_argument("--weight-decay", type=float, default=None, help="AdamW's decoupled weight decay (default 0)")
+    parser.add_argument("--optimizer", choices=("adamw", "muon", "sgd"), default="adamw", help=(
+        "adamw (PyTorch's defaults), muon (Muon on the layers' matrices, AdamW on the rest) or sgd (plain SGD)"))
+    parser.add_argument("--weight-decay", type=float, default=None, help="decoupled weight decay (default 0)")
     parser.add_argument("--grad-clip", type=float, default=1.0,
                         help="max global gradient norm over all parameters (default 1.0, as HF Trainer; 0 = off)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")

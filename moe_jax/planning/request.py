@@ -22,7 +22,7 @@ class PlanRequest:
     """mode: "train" (one optimizer step on `batch_size` sequences of `seq_len` tokens) or "serve" (one
     decode step of `max_slots` running requests, with a KV cache of `max_model_len` tokens per slot).
     dtype: the parameters' dtype; mixed_precision: float32 parameters and bfloat16 compute (as `moe-jax train
-    --mixed-precision`); optimizer: "adamw" or "sgd"; grad_accum: micro-batches per step; remat: what each
+    --mixed-precision`); optimizer: "adamw", "muon" or "sgd"; grad_accum: micro-batches per step; remat: what each
     layer keeps for the backward pass."""
 
     mode: str = "train"

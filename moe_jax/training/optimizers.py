@@ -1,6 +1,7 @@
 """Optimizers by name, and separate settings for expert and dense parameters.
 
     build_optimizer("adamw", learning_rate=1e-3, weight_decay=0.01)
+    build_optimizer("muon", learning_rate=1e-3, weight_decay=0.1)   # Muon on the layers' matrices, AdamW on the rest
     experts_and_dense(optax.adamw(1e-4), optax.adamw(1e-3))     # any two optax transformations
 
 Any optax `GradientTransformation` works with `make_train_step`; these are what `moe-jax train` offers.
@@ -13,6 +14,7 @@ from collections.abc import Callable
 import optax
 
 from ..models.layer_stack import module_path
+from .muon import muon
 
 EXPERT_MARKER = ".experts."  # routed experts (`mlp.experts`, `feed_forward.experts`), not `shared_experts`
 
@@ -35,6 +37,7 @@ def _sgd(learning_rate: LearningRate, weight_decay: float | None) -> optax.Gradi
 
 OPTIMIZERS: dict[str, Callable[[LearningRate, float | None], optax.GradientTransformation]] = {
     "adamw": _adamw,
+    "muon": muon,     # `muon.py`: its AdamW part shares the rate and the decay
     "sgd": _sgd,
 }
 
