@@ -8,7 +8,9 @@ SIGTERM to the launcher stops everything.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -255,6 +257,47 @@ def test_sigterm_to_the_launcher_stops_every_process():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_processes_that_end_on_their_own_after_sigterm_make_the_launcher_exit_0():
+    """What a training run does when preempted (saves, exits 0): the launcher passes the signal on once, waits,
+    and exits 0 too, so a scheduler's requeue logic sees a clean stop."""
+    script = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+              "print(os.getpid(), flush=True); time.sleep(600)")
+    began = time.monotonic()
+    launcher = start_launcher("--nproc", "2", "--grace", "20", "--", sys.executable, "-c", script)
+    [launcher.stdout.readline() for _ in range(2)]
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = finish(launcher, began)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "moe-jax launch: got SIGTERM; every process stopped on its own and exited 0." in stderr
+
+
+@pytest.mark.heavy
+def test_a_two_process_training_run_sent_sigterm_saves_one_step_and_the_same_command_continues_bit_exactly(
+        tmp_path):
+    def train(name, steps="8"):
+        return ["--nproc", "2", "--devices-per-process", "2", "--", "moe-jax", "train", "--steps", steps, "--fsdp",
+                "4", "--ep", "4", "--batch-size", "8", "--no-progress", "--checkpoint-dir", str(tmp_path / name),
+                "--save-every", "100", "--resume", "--metrics-jsonl", str(tmp_path / f"{name}.jsonl")]
+
+    assert launch(*train("full"), timeout=300).returncode == 0
+    records = lambda name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    launcher = start_launcher(*train("preempted"))
+    jsonl = tmp_path / "preempted.jsonl"
+    deadline = time.monotonic() + 300
+    while not (jsonl.exists() and any(r["step"] >= 3 for r in records("preempted"))):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the job ended or stalled"
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0 and time.monotonic() - signalled < 30, stderr[-3000:]
+    stopped = {int(m) for m in re.findall(r"SIGTERM: stopped at step (\d+) of 8", stdout)}
+    assert len(stopped) == 1 and "[0] SIGTERM" in stdout and "[1] SIGTERM" in stdout      # both, the same step
+    assert [p.name for p in (tmp_path / "preempted").iterdir() if p.name.isdigit()] == [str(*stopped)]
+    assert launch(*train("preempted"), timeout=300).returncode == 0
+    assert [r["loss"] for r in records("preempted")] == [r["loss"] for r in records("full")]
 
 
 def test_a_missing_command_is_refused():

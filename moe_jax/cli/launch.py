@@ -11,7 +11,9 @@ collective group, only with --verbose, which also makes the processes verbose: `
 stopped (SIGTERM, then SIGKILL after `--grace` seconds, whole process groups) and the launcher exits with
 the failed process's status, naming it and repeating its last lines. The process named is the one that
 failed first, not a peer that failed a moment later because of it (a collective whose other end vanished):
-see `_blame`. SIGTERM or SIGINT to the launcher stops every process the same way (a second one: SIGKILL at
+see `_blame`. SIGTERM or SIGINT to the launcher is passed on to every process, which get --grace seconds to end on their own
+(a training run saves its checkpoint and exits 0: the launcher then exits 0 too), then are stopped the same way
+(a second one: SIGKILL at
 once). It exits 0 when every process does. A command that starts with `moe-jax` runs the launcher's own
 installation (`python -m moe_jax.cli` with the launcher's interpreter), so the processes run the same
 moe_jax whether or not a virtual environment's bin directory is on PATH.
@@ -197,6 +199,13 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
         for index, environ in enumerate(environs):
             children.append(_start(command, index, environ, stdout, stderr, lock, verbose))
         failed = _wait_for_first_failure(children, received, Path(reports))
+        if failed is None and received and _ended_on_their_own(children, grace_s):
+            for child in children:
+                for reader in child.readers:
+                    reader.join(timeout=5)
+            _report(stderr, lock, f"moe-jax launch: got {signal.Signals(received[0]).name}; every process stopped "
+                                  "on its own and exited 0.\n".encode())
+            return 0
         running = [child for child in children if child is not failed and child.process.poll() is None]
         _stop(children, grace_s, spare=failed)
         for child in children:
@@ -243,6 +252,15 @@ def _report(stderr, lock: threading.Lock, *lines: bytes) -> None:
     with lock:
         stderr.write(b"".join(lines))
         stderr.flush()
+
+
+def _ended_on_their_own(children: Sequence[_Child], grace_s: float) -> bool:
+    """After a forwarded signal: whether every process exits 0 within `grace_s` (a training run saves a checkpoint
+    at its next step boundary and exits 0 on SIGTERM: `training.preemption`), before any second signal."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(child.process.poll() is None for child in children):
+        time.sleep(POLL_S)
+    return all(child.process.poll() == 0 for child in children)
 
 
 def _wait_for_first_failure(children: Sequence[_Child], received: Sequence[int],

@@ -80,6 +80,8 @@ class Preemption:
 
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signal_name = self.signal_name or "SIGTERM"
+                print(f"{self.signal_name}: every process stops after step {step} to save a checkpoint",
+                      file=sys.stderr, flush=True)
                 return True
             return False
         return self.signal_name is not None
