@@ -70,6 +70,7 @@ class TrainLoop:
         (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
         drains the queue first, so `state` is exactly the state after that step.
+    The record of the step after a save has `save_wait_s`: the seconds the loop waited in it.
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
         `should_save` and `save`, and `run` waits for its last save before returning.
     rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module
@@ -105,6 +106,7 @@ class TrainLoop:
         self.save = save
         self.replays = 0
         self.preemption, self.preempted_at = preemption, None
+        self._save_wait = 0.0   # seconds the loop waited in saves since the last record
         self.router_watch = RouterCollapseWatch()   # warns once when a router collapses onto a few experts
         self.batch_sharding = train_step.model.batch_sharding()
         # expert_load's rows are the sparse layers in order; records name them by the model's layer index.
@@ -159,6 +161,8 @@ class TrainLoop:
             step += 1
             now = time.perf_counter()
             record = self._record(values, entry, now - last_confirmation)
+            if self._save_wait:
+                record["save_wait_s"], self._save_wait = self._save_wait, 0.0
             last_confirmation = now
             if tracker.state is not None:
                 tracker.settle(entry.capacity, 0, required)
@@ -174,16 +178,23 @@ class TrainLoop:
             self.on_step(record)
             saved = False
             if self.save is not None and self.should_save(step) and not pending:
-                self.save(step, state, tracker.state)
+                self._timed_save(step, state, tracker.state)
                 saved = True
             stopping = stopping or (self.preemption is not None and self.preemption.reached(step))
         if stopping:
             self.preempted_at = step
             if self.save is not None and not saved:
-                self.save(step, state, tracker.state)
+                self._timed_save(step, state, tracker.state)
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last (asynchronous) save is on disk when the caller gets the state
         return state, tracker.state
+
+    def _timed_save(self, step: int, state: TrainState, capacity_state) -> None:
+        """`save`, its blocking time (an asynchronous save returns once the arrays are copied out, after the
+        previous save finished: at most one in flight) kept for the next record's `save_wait_s`."""
+        began = time.perf_counter()
+        self.save(step, state, capacity_state)
+        self._save_wait += time.perf_counter() - began
 
     def _should_rebalance(self, step: int) -> bool:
         return self.rebalance_every is not None and step % self.rebalance_every == 0

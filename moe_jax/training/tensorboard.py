@@ -24,7 +24,7 @@ GROUPS = {
     "train": ("loss", "ce_loss", "aux_loss", "router_z_loss", "mtp_loss", "grad_norm", "lr"),
     "eval": ("eval_loss", "eval_perplexity"),
     "throughput": ("tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_s_per_device", "mfu",
-                   "packing_efficiency"),
+                   "packing_efficiency", "save_wait_s"),
     "dispatch": ("capacity", "required_capacity", "padded", "replays"),
     "rl": ("reward", "clip_fraction", "logprob_gap", "routing_mismatch", "kl"),   # scripts/rl_grpo.py's records
 }

@@ -204,3 +204,11 @@ def test_a_preempted_loop_saves_the_step_it_stops_at_and_a_resume_gives_the_unin
     _, _, resumed = run(train_step, restored, 5, capacity_state=capacity_state)
     np.testing.assert_allclose([r["loss"] for r in records + resumed], [r["loss"] for r in uninterrupted],
                                rtol=1e-6)
+
+
+def test_the_record_after_a_save_says_how_long_the_loop_waited_in_it(trainers, tmp_path):
+    model, train_step = trainers("one_device")
+    checkpoints = TrainCheckpoints(tmp_path, model, train_step, save_every=2)
+    _, _, records = run(train_step, train_step.init_state(), 4, checkpoints)
+    checkpoints.wait()
+    assert [r["step"] for r in records if "save_wait_s" in r] == [3] and records[2]["save_wait_s"] > 0
