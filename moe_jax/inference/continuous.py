@@ -80,9 +80,20 @@ class ServingEngine(Scheduler):
                          max_positions=getattr(model.config, "max_position_embeddings", None),
                          run=self._run_program, decode=decode, namespace=_cache_namespace(model))
         self.model, self.grammars = model, None   # grammars: `enable_grammars`
-        self.params = model.params if params is None else params
-        self.programs = StepPrograms(model, self.params, config, groups=self.groups,
+        self.programs = StepPrograms(model, model.params if params is None else params, config, groups=self.groups,
                                      pages_per_group=self.book.pages_per_group)
+
+    @property
+    def params(self):
+        """The parameters the programs run (`update_parameters` replaces them)."""
+        return self.programs.params
+
+    def update_parameters(self, params=None, *, adapter=None) -> None:
+        """New weights for the next step, e.g. a train state's `params` (or a LoRA `adapter`'s arrays alone): the
+        same names and shapes as the current ones, floating arrays cast to their dtypes (fp32 masters) and placed
+        in their shardings on the devices, whatever the trainer's layout, so no program recompiles. ValueError
+        naming the first array that does not fit. Requests running keep their keys and values so far."""
+        self.programs.update_parameters(params, adapter=adapter)
 
     def enable_grammars(self, tokenizer_json: str, eos_token_ids=None) -> None:
         """Serve requests with a `grammar` (structured output): `tokenizer_json` is the checkpoint's tokenizer.json

@@ -196,6 +196,11 @@ class ContinuousBatchingManager:
         self._wake.set()
         return request_id
 
+    def update_parameters(self, params=None, *, adapter=None) -> None:
+        """New weights from the engine's next step on (`ServingEngine.update_parameters`; safe from any thread: the
+        step in flight keeps the weights it started with)."""
+        self.engine.update_parameters(params, adapter=adapter)
+
     def _adapter_index(self, name: str) -> int:
         names = tuple(getattr(self.engine.model, "adapter_names", ()))
         if name not in names:

@@ -29,9 +29,11 @@ class PrefixCache:
 
     def reusable(self, request: Request) -> list[bytes]:
         """The digests of the prompt's full pages before its last token (the pages a cached prefix may supply:
-        the last token is always prefilled, to sample the first new one); none when caching is off, or for a
-        request with a repetition penalty (its prompt's ids are marked on the device as its prompt is prefilled)."""
-        if not self.enabled or request.settings.repetition_penalty != 1.0:
+        the last token is always prefilled, to sample the first new one); none when caching is off, for a
+        request with a repetition penalty (its prompt's ids are marked on the device as its prompt is prefilled),
+        or for one that records its routing (its prompt's expert ids come from prefilling it; its pages are still
+        registered for others)."""
+        if not self.enabled or request.settings.repetition_penalty != 1.0 or request.settings.return_routing:
             return []
         reusable = (len(request.prompt_ids) - 1) // self.page_size
         page_digests(request.prompt_ids[:reusable * self.page_size], self.page_size, self.root(request),
