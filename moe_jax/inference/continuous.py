@@ -92,8 +92,12 @@ class ServingEngine(Scheduler):
         """New weights for the next step, e.g. a train state's `params` (or a LoRA `adapter`'s arrays alone): the
         same names and shapes as the current ones, floating arrays cast to their dtypes (fp32 masters) and placed
         in their shardings on the devices, whatever the trainer's layout, so no program recompiles. ValueError
-        naming the first array that does not fit. Requests running keep their keys and values so far."""
+        naming the first array that does not fit. Requests running keep their keys and values so far; the prefix
+        cache's pages are not reused by later requests (`PrefixCache.new_weights`)."""
+        before = self.programs.weights
         self.programs.update_parameters(params, adapter=adapter)
+        if self.programs.weights[0] is not before[0] or self.programs.weights[1] is not before[1]:
+            self.prefix_cache.new_weights()
 
     def enable_grammars(self, tokenizer_json: str, eos_token_ids=None) -> None:
         """Serve requests with a `grammar` (structured output): `tokenizer_json` is the checkpoint's tokenizer.json
