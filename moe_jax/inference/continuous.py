@@ -116,6 +116,10 @@ class ServingEngine(Scheduler):
                 raise ValueError("structured output needs the checkpoint's tokenizer: the engine's enable_grammars "
                                  "was not called (moe-jax serve calls it when the checkpoint has a tokenizer.json).")
             request.grammar = self.grammars.matcher(request.settings.grammar, request.settings.stop_ids())
+        if request.settings.return_routing and (not self.model.sparse_layers() or self.model.layout.pp_size > 1):
+            raise ValueError("return_routing=True records the experts of each sparse (MoE) layer: this model has no "
+                             "sparse layers, or runs pipeline stages (pp_size > 1), whose layers' routing stays in "
+                             "their stage; serve it without pp to record routing.")
 
     def _run_program(self, name: str, inputs) -> object:
         result = self.programs.run(name, inputs)
