@@ -151,8 +151,9 @@ class SamplingFields(StructuredFields):
                         logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
                         presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                        min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()),
-                        return_routing=bool(self.return_routing))
+                        min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()))
+        if self.return_routing:
+            controls["return_routing"] = True
         if self.grammar() is not None:   # structured output
             controls["grammar"] = self.grammar()
         return controls
