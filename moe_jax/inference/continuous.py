@@ -94,9 +94,13 @@ class ServingEngine(Scheduler):
         in their shardings on the devices, whatever the trainer's layout, so no program recompiles. ValueError
         naming the first array that does not fit. Requests running keep their keys and values so far; the prefix
         cache's pages are not reused by later requests (`PrefixCache.new_weights`)."""
+        self.use_weights(self.programs.placed_weights(params, adapter))
+
+    def use_weights(self, weights: tuple) -> None:
+        """Run the next steps on `weights`, (params, adapter) placed by `StepPrograms.placed_weights`."""
         before = self.programs.weights
-        self.programs.update_parameters(params, adapter=adapter)
-        if self.programs.weights[0] is not before[0] or self.programs.weights[1] is not before[1]:
+        self.programs.weights = weights
+        if weights[0] is not before[0] or weights[1] is not before[1]:
             self.prefix_cache.new_weights()
 
     def enable_grammars(self, tokenizer_json: str, eos_token_ids=None) -> None:

@@ -206,13 +206,12 @@ class StepPrograms:
     def params(self):
         return self.weights[0]
 
-    def update_parameters(self, params=None, *, adapter=None) -> None:
-        """New weights from the next step on (`weights_update.updated_arrays`: checked, cast and placed like the
-        current ones, so no program recompiles); adapter: the LoRA adapter's arrays alone."""
+    def placed_weights(self, params=None, adapter=None) -> tuple:
+        """New (params, adapter) checked, cast and placed like the current ones (`weights_update.updated_arrays`,
+        so no program recompiles); None keeps the current one. Nothing changes until `weights` is set to them."""
         current, current_adapter = self.weights
-        params = current if params is None else updated_arrays(current, params, "params")
-        adapter = current_adapter if adapter is None else updated_arrays(current_adapter, adapter, "adapter")
-        self.weights = (params, adapter)
+        return (current if params is None else updated_arrays(current, params, "params"),
+                current_adapter if adapter is None else updated_arrays(current_adapter, adapter, "adapter"))
 
     def _weights(self) -> tuple:
         """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between

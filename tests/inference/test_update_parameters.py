@@ -24,9 +24,10 @@ def model():
 
 
 def trained(params: dict) -> dict:
-    """New parameters as a trainer on another device would hand them over: routers reversed (other experts, other
-    tokens), on the last device."""
-    return {name: jax.device_put(value * (-1.0 if name.endswith("mlp.gate.weight") else 1.0), jax.devices()[-1])
+    """New parameters as a trainer on another device would hand them over: routers and head reversed (other
+    experts, other tokens), on the last device."""
+    flipped = ("mlp.gate.weight", "lm_head.weight")
+    return {name: jax.device_put(value * (-1.0 if name.endswith(flipped) else 1.0), jax.devices()[-1])
             for name, value in params.items()}
 
 
@@ -51,6 +52,18 @@ def test_new_parameters_run_the_same_programs_and_generate_a_fresh_engines_token
     assert all(engine.params[name].sharding == model.params[name].sharding for name in model.params)
     assert greedy(ServingEngine(model, CONFIG, params=jax.device_put(new, model.storage_shardings())),
                   prompts) == after
+
+
+def test_a_running_manager_swaps_the_weights_in_between_steps(model):
+    prompts, _, _ = fixture_prompts("qwen3_moe")
+    with model.init_continuous_batching(continuous_batching_config=CONFIG) as manager:
+        before = manager.get_result(manager.add_request(prompts[0], max_new_tokens=4), timeout=60)
+        programs = manager.engine.compilations
+        manager.update_parameters(trained(model.params))
+        after = manager.get_result(manager.add_request(prompts[0], max_new_tokens=4), timeout=60)
+    assert manager.engine.compilations == programs and after.generated_tokens != before.generated_tokens
+    new = jax.device_put(trained(model.params), model.storage_shardings())
+    assert greedy(ServingEngine(model, CONFIG, params=new), prompts[:1]) == [after.generated_tokens]
 
 
 def test_a_tree_that_does_not_fit_is_refused_naming_its_first_bad_key(model):
