@@ -158,13 +158,15 @@ class ServingEngine(Scheduler):
         return [(name, rows, tokens, width) for name, rows, tokens in self.program_shapes()
                 for width in self.page_widths]
 
-    def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
+    def compile_all(self, progress: Callable[[int, int], None] | None = None, *, routing: bool = False) -> int:
         """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
         each page width; `programs_to_compile`) now, so no request waits for a compilation; `progress(done,
-        total)` after each. Returns how many were compiled."""
-        work = self.programs_to_compile()
-        for done, (name, rows, tokens, width) in enumerate(work, 1):
-            self.programs.compile(name, rows, tokens, width)
+        total)` after each. routing: their routing variants too (a server whose requests record routing).
+        Returns how many were compiled."""
+        work = [(*program, variant) for program in self.programs_to_compile()
+                for variant in ((False, True) if routing else (False,))]
+        for done, (name, rows, tokens, width, variant) in enumerate(work, 1):
+            self.programs.compile(name, rows, tokens, width, variant)
             if progress is not None:
                 progress(done, len(work))
         return len(work)
