@@ -248,6 +248,7 @@ def sequence_routing(read: list, attention_mask: np.ndarray, produced: np.ndarra
     eos = np.isin(produced, eos_ids)
     ended = np.cumsum(eos, axis=1) - eos > 0                                   # padding after a row's first EOS
     routing[:, :, prompt:] = np.where(ended[:, None, :, None], -1, routing[:, :, prompt:])
+    routing[:, :, -1] = -1   # read only when a step follows it, which nothing needs: as the engine's outputs
     return routing
 
 

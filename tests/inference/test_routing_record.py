@@ -94,6 +94,9 @@ def test_generate_returns_routing_aligned_with_its_left_padded_sequences(model):
         recorded = routing[row][:, real]
         np.testing.assert_array_equal(recorded[:, :-1], forward_routing(model, list(sequences[row][real]))[:, :-1])
         assert (recorded[:, -1] == -1).all() and (routing[row][:, ~real] == -1).all()
+    speculative = model.generate(ids, mask, max_new_tokens=4, return_routing=True, speculative="ngram")
+    np.testing.assert_array_equal(speculative[0], sequences)
+    np.testing.assert_array_equal(speculative[1], routing)   # through continuous batching, the same array
 
 
 def test_an_ep_layout_records_the_forwards_routing():

@@ -50,8 +50,9 @@ def test_new_parameters_run_the_same_programs_and_generate_a_fresh_engines_token
     after = greedy(engine, prompts)
     assert engine.compilations == programs and after != before
     assert all(engine.params[name].sharding == model.params[name].sharding for name in model.params)
-    assert greedy(ServingEngine(model, CONFIG, params=jax.device_put(new, model.storage_shardings())),
-                  prompts) == after
+    # A fresh engine on the new parameters (kept by the model: the manager's test reuses its programs).
+    fresh = model.continuous_batching_engine(CONFIG, params=jax.device_put(new, model.storage_shardings()))
+    assert greedy(fresh, prompts) == after
 
 
 def test_a_running_manager_swaps_the_weights_in_between_steps(model):
@@ -62,8 +63,9 @@ def test_a_running_manager_swaps_the_weights_in_between_steps(model):
         manager.update_parameters(trained(model.params))
         after = manager.get_result(manager.add_request(prompts[0], max_new_tokens=4), timeout=60)
     assert manager.engine.compilations == programs and after.generated_tokens != before.generated_tokens
-    new = jax.device_put(trained(model.params), model.storage_shardings())
-    assert greedy(ServingEngine(model, CONFIG, params=new), prompts[:1]) == [after.generated_tokens]
+    fresh = model.continuous_batching_engine(CONFIG, params=jax.device_put(trained(model.params),
+                                                                          model.storage_shardings()))
+    assert greedy(fresh, prompts[:1]) == [after.generated_tokens]
 
 
 def test_a_tree_that_does_not_fit_is_refused_naming_its_first_bad_key(model):
