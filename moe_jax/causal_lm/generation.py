@@ -22,7 +22,7 @@ class GenerationMixin:
                  max_length: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
                  pad_token_id: int | None = None, seed: int = 0, params: Mapping | None = None, streamer=None,
-                 speculative: str | None = None, num_speculative_tokens: int = 4):
+                 speculative: str | None = None, num_speculative_tokens: int = 4, return_routing: bool = False):
         """Transformers' `generate` (greedy or sampling): input_ids [B, S] left-padded, attention_mask [B, S]
         -> numpy [B, S + n], the prompts followed by the new tokens (after a row's EOS: `pad_token_id`).
 
@@ -31,7 +31,10 @@ class GenerationMixin:
         sampling; `streamer(step, ids [B])` sees each step's new ids as they arrive. Details and timings:
         `moe_jax.inference.Generator`. speculative ("ngram" or "mtp", up to `num_speculative_tokens` drafts a
         step): the rows run through continuous batching with speculative decoding (`inference.speculative`; the
-        same greedy tokens; no pipeline stages, no streamer)."""
+        same greedy tokens; no pipeline stages, no streamer). return_routing: -> (sequences, routing [B, L, S + n,
+        K]): each sparse layer's expert ids for every token read, aligned with the sequences (-1 at padding, after
+        a row's EOS, and at the last token, which no step reads): what `apply(..., routing=)` and the train step's
+        routing replay take for the sequences."""
         config = self.generation_config.updated(
             max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -43,9 +46,11 @@ class GenerationMixin:
             input_ids = np.asarray(input_ids)
             mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
             return speculative_sequences(self, input_ids, mask, config, speculative=speculative,
-                                         num_speculative_tokens=num_speculative_tokens, seed=seed, params=params)
-        return self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
-                                       on_tokens=streamer).sequences
+                                         num_speculative_tokens=num_speculative_tokens, seed=seed, params=params,
+                                         return_routing=return_routing)
+        result = self.generator.generate(input_ids, attention_mask, config=config, seed=seed, params=params,
+                                         on_tokens=streamer, return_routing=return_routing)
+        return (result.sequences, result.routing) if return_routing else result.sequences
 
     def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                        continuous_batching_config=None, *, progress_bar: bool = False, params=None, **kwargs):
@@ -82,7 +87,7 @@ class GenerationMixin:
         if engine is None or engine.config != config or engine.has_work():
             self._batch_engine = None   # the old pools are freed before the new ones are made
             engine = self._batch_engine = ServingEngine(self, config)
-        engine.params = self.params if params is None else params
+        engine.update_parameters(self.params if params is None else params)
         return engine
 
     @property

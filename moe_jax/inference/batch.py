@@ -70,17 +70,28 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
 
 
 def speculative_sequences(model, input_ids: np.ndarray, attention_mask: np.ndarray, config: GenerationConfig, *,
-                          speculative: str, num_speculative_tokens: int, seed: int = 0, params=None) -> np.ndarray:
+                          speculative: str, num_speculative_tokens: int, seed: int = 0, params=None,
+                          return_routing: bool = False):
     """`generate` with speculative decoding, through continuous batching: input_ids, attention_mask [B, S]
     (left-padded) -> numpy [B, S + n], the prompts then each row's new tokens, `pad_token_id` after a row's end
-    (n: the most new tokens of any row), as `generate` returns them."""
+    (n: the most new tokens of any row), as `generate` returns them; return_routing: (them, routing [B, L, S + n,
+    K], each request's `GenerationOutput.routing` at its tokens' columns, -1 elsewhere)."""
     prompts = [[int(t) for t, m in zip(row, mask) if m] for row, mask in zip(np.asarray(input_ids),
                                                                               np.asarray(attention_mask))]
     outputs = generate_batch(model, prompts, config, params=params, seed=seed, speculative=speculative,
-                             num_speculative_tokens=num_speculative_tokens)
+                             num_speculative_tokens=num_speculative_tokens, return_routing=return_routing)
     new = [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
     width = max(map(len, new))
     tail = np.full((len(prompts), width), config.padding_token(), np.int32)
     for row, tokens in enumerate(new):
         tail[row, :len(tokens)] = tokens
-    return np.concatenate([np.asarray(input_ids, np.int32), tail], axis=1)
+    sequences = np.concatenate([np.asarray(input_ids, np.int32), tail], axis=1)
+    if not return_routing:
+        return sequences
+    first = outputs["req_0"].routing
+    routing = np.full((len(prompts), first.shape[0], sequences.shape[1], first.shape[2]), -1, first.dtype)
+    columns = input_ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        recorded = outputs[f"req_{row}"].routing                      # [L, prompt + new, K]
+        routing[row, :, columns - len(prompt):columns + len(new[row])] = recorded
+    return sequences, routing

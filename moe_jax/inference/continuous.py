@@ -80,9 +80,28 @@ class ServingEngine(Scheduler):
                          max_positions=getattr(model.config, "max_position_embeddings", None),
                          run=self._run_program, decode=decode, namespace=_cache_namespace(model))
         self.model, self.grammars = model, None   # grammars: `enable_grammars`
-        self.params = model.params if params is None else params
-        self.programs = StepPrograms(model, self.params, config, groups=self.groups,
+        self.programs = StepPrograms(model, model.params if params is None else params, config, groups=self.groups,
                                      pages_per_group=self.book.pages_per_group)
+
+    @property
+    def params(self):
+        """The parameters the programs run (`update_parameters` replaces them)."""
+        return self.programs.params
+
+    def update_parameters(self, params=None, *, adapter=None) -> None:
+        """New weights for the next step, e.g. a train state's `params` (or a LoRA `adapter`'s arrays alone): the
+        same names and shapes as the current ones, floating arrays cast to their dtypes (fp32 masters) and placed
+        in their shardings on the devices, whatever the trainer's layout, so no program recompiles. ValueError
+        naming the first array that does not fit. Requests running keep their keys and values so far; the prefix
+        cache's pages are not reused by later requests (`PrefixCache.new_weights`)."""
+        self.use_weights(self.programs.placed_weights(params, adapter))
+
+    def use_weights(self, weights: tuple) -> None:
+        """Run the next steps on `weights`, (params, adapter) placed by `StepPrograms.placed_weights`."""
+        before = self.programs.weights
+        self.programs.weights = weights
+        if weights[0] is not before[0] or weights[1] is not before[1]:
+            self.prefix_cache.new_weights()
 
     def enable_grammars(self, tokenizer_json: str, eos_token_ids=None) -> None:
         """Serve requests with a `grammar` (structured output): `tokenizer_json` is the checkpoint's tokenizer.json
@@ -101,6 +120,10 @@ class ServingEngine(Scheduler):
                 raise ValueError("structured output needs the checkpoint's tokenizer: the engine's enable_grammars "
                                  "was not called (moe-jax serve calls it when the checkpoint has a tokenizer.json).")
             request.grammar = self.grammars.matcher(request.settings.grammar, request.settings.stop_ids())
+        if request.settings.return_routing and (not self.model.sparse_layers() or self.model.layout.pp_size > 1):
+            raise ValueError("return_routing=True records the experts of each sparse (MoE) layer: this model has no "
+                             "sparse layers, or runs pipeline stages (pp_size > 1), whose layers' routing stays in "
+                             "their stage; serve it without pp to record routing.")
 
     def _run_program(self, name: str, inputs) -> object:
         result = self.programs.run(name, inputs)
@@ -135,13 +158,15 @@ class ServingEngine(Scheduler):
         return [(name, rows, tokens, width) for name, rows, tokens in self.program_shapes()
                 for width in self.page_widths]
 
-    def compile_all(self, progress: Callable[[int, int], None] | None = None) -> int:
+    def compile_all(self, progress: Callable[[int, int], None] | None = None, *, routing: bool = False) -> int:
         """Compile every program a step can run (prefill or mixed, and decode at each of `decode_row_counts`, at
         each page width; `programs_to_compile`) now, so no request waits for a compilation; `progress(done,
-        total)` after each. Returns how many were compiled."""
-        work = self.programs_to_compile()
-        for done, (name, rows, tokens, width) in enumerate(work, 1):
-            self.programs.compile(name, rows, tokens, width)
+        total)` after each. routing: their routing variants too (a server whose requests record routing).
+        Returns how many were compiled."""
+        work = [(*program, variant) for program in self.programs_to_compile()
+                for variant in ((False, True) if routing else (False,))]
+        for done, (name, rows, tokens, width, variant) in enumerate(work, 1):
+            self.programs.compile(name, rows, tokens, width, variant)
             if progress is not None:
                 progress(done, len(work))
         return len(work)

@@ -14,6 +14,10 @@ Experts run at the largest dispatch capacity (`capacity=None`), which never drop
 climbs a capacity ladder or reads dispatch statistics. Prompts are left-padded to a bucketed length and
 the cache length is bucketed too (`cache.bucket_length`): one prefill and one decode compilation serve
 every generation of nearby sizes.
+
+`return_routing=True` records each sparse layer's expert ids for every token the programs read (routing replay,
+`models.routing_replay`): the prefill and decode programs' routing variants (their own compilations; a call
+without it runs the plain ones) also return their tokens' ids, which reach the host once, at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import numpy as np
 from ..distributed.host_arrays import host_to_global
 from ..kv_cache import bucket_length, init_cache
 from .generation_config import GenerationConfig
+from .requests import routing_dtype
+from .weights_update import updated_arrays
 from .sampling import Sampling, next_tokens
 
 
@@ -60,6 +66,7 @@ class GenerationTimings:
 class GenerationResult:
     sequences: np.ndarray                                     # [B, S + n]
     timings: GenerationTimings = field(default_factory=GenerationTimings)
+    routing: np.ndarray | None = None                         # [B, L, S + n, K] with return_routing
 
 
 def prompt_positions(attention_mask: jax.Array) -> jax.Array:
@@ -88,48 +95,73 @@ class Generator:
     # Each traces the model's `step_math` into its own jit (`generate` checked the inputs at the call).
     # weights: (params, adapter or None, expert placement or None), the model's parameters, its LoRA adapter's
     # arrays and its expert placement (redundant expert slots).
-    def _prefill(self, weights, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling):
+    # routing (static): the routing variant, whose last output is the tokens' expert ids [B, L, S, K].
+    def _prefill(self, weights, input_ids, attention_mask, cache, key, eos, *, sampling: Sampling,
+                 routing: bool = False):
         positions = prompt_positions(attention_mask)
         params, adapter, placement = weights
         out = self.model.step_math(params, input_ids, attention_mask=attention_mask, positions=positions,
-                                   cache=cache, adapter=adapter, expert_placement=placement)
+                                   cache=cache, adapter=adapter, expert_placement=placement, return_routing=routing)
         tokens = next_tokens(out.logits[:, -1], key, sampling)
         finished = _is_eos(tokens, eos)
-        return self._for_host(tokens), out.cache, positions[:, -1] + 1, finished
+        return (self._for_host(tokens), out.cache, positions[:, -1] + 1, finished) + self._routing(out, routing)
 
-    def _decode(self, weights, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling):
+    def _decode(self, weights, tokens, positions, cache, finished, key, eos, pad, *, sampling: Sampling,
+                routing: bool = False):
         params, adapter, placement = weights
         out = self.model.step_math(params, tokens[:, None], attention_mask=jnp.ones_like(tokens)[:, None],
                                    positions=positions[:, None], cache=cache, adapter=adapter,
-                                   expert_placement=placement)
+                                   expert_placement=placement, return_routing=routing)
         chosen = next_tokens(out.logits[:, -1], key, sampling)
         chosen = jnp.where(finished, pad, chosen)
-        return self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)
+        return (self._for_host(chosen), out.cache, positions + 1, finished | _is_eos(chosen, eos)) + self._routing(
+            out, routing)
 
-    def _program(self, name: str, sampling: Sampling, arguments: tuple):
-        """The jitted `name` program, compiled (and timed) on first use for these argument shapes."""
+    def _routing(self, out, routing: bool) -> tuple:
+        """() or (the step's routing [B, L, S, K] in the recorded dtype, as the host reads it)."""
+        if not routing:
+            return ()
+        return (self._for_host(out.routing.astype(routing_dtype(self.model.config.num_experts))),)
+
+    def _program(self, name: str, sampling: Sampling, arguments: tuple, routing: bool = False):
+        """The jitted `name` program (with `routing`: its routing variant), compiled (and timed) on first use for
+        these argument shapes."""
         shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(arguments))
-        key = (name, sampling, shapes)
+        key = (name, sampling, shapes, routing)
         compile_s = 0.0
         if key not in self._programs:
             start = time.perf_counter()
-            self._programs[key] = self.jitted(name, sampling).lower(*arguments).compile()
+            self._programs[key] = self.jitted(name, sampling, routing).lower(*arguments).compile()
             compile_s = time.perf_counter() - start
             self.compilations += 1
         return self._programs[key], compile_s
 
-    def jitted(self, name: str, sampling: Sampling):
+    def jitted(self, name: str, sampling: Sampling, routing: bool = False):
         """The `name` ("prefill" / "decode") program's jit: its arguments as `generate` passes them."""
         function = self._prefill if name == "prefill" else self._decode
         # Argument 3 is the cache in both programs: donated, so each step updates it in place.
-        return jax.jit(partial(function, sampling=sampling), donate_argnums=(3,))
+        return jax.jit(partial(function, sampling=sampling, routing=routing), donate_argnums=(3,))
+
+    def update_parameters(self, params=None, *, adapter=None) -> None:
+        """New weights for the next `generate` (the model's `params`, and its LoRA `adapter`'s arrays), e.g. a train
+        state's: checked against the current ones (`weights_update.updated_arrays`: the same names and shapes,
+        floating arrays cast to the current dtypes, placed in the current shardings on the devices), so the
+        compiled programs run them as they are."""
+        model = self.model
+        params = None if params is None else updated_arrays(model.params, params, "params")
+        adapter = None if adapter is None else updated_arrays(model.adapter, adapter, "adapter")
+        model.params = model.params if params is None else params
+        model.adapter = model.adapter if adapter is None else adapter
 
     # ---- the host loop ------------------------------------------------------------------------------
     def generate(self, input_ids, attention_mask=None, *, config: GenerationConfig, seed: int = 0,
-                 params=None, on_tokens: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
+                 params=None, on_tokens: Callable[[int, np.ndarray], None] | None = None,
+                 return_routing: bool = False) -> GenerationResult:
         """input_ids: [B, S] ints (left-padded), attention_mask: [B, S] (None: all real) -> the prompt and
         the new tokens [B, S + n]. `on_tokens(step, ids [B])` sees each step's ids as they arrive. The model's
-        LoRA adapter (`model.adapter`), if any, is applied, and its expert placement (`model.expert_placement`)."""
+        LoRA adapter (`model.adapter`), if any, is applied, and its expert placement (`model.expert_placement`).
+        return_routing: the result's `routing` [B, L, S + n, K] holds the expert ids of every token read, aligned
+        with the sequences (`sequence_routing`)."""
         model = self.model
         params = model.params if params is None else params
         weights = (params, model.adapter, model.expert_placement)
@@ -166,10 +198,10 @@ class Generator:
 
         timings = GenerationTimings(prompt_tokens=int(attention_mask.sum()))
         arguments = (weights, ids, mask, cache, base_key, eos)
-        prefill, compile_s = self._program("prefill", sampling, arguments)
+        prefill, compile_s = self._program("prefill", sampling, arguments, return_routing)
         timings.compile_s += compile_s
         prefill_start = time.perf_counter()
-        tokens, cache, positions, finished = prefill(*arguments)
+        tokens, cache, positions, finished, *read = prefill(*arguments)
         produced, done = [], np.zeros(batch, bool)
         pending = tokens
         first_compile_s = 0.0  # the decode program compiles while the prefill runs: not prefill time
@@ -178,10 +210,11 @@ class Generator:
             if step + 1 < new_tokens:
                 arguments = (weights, pending, positions, cache, finished, jax.random.fold_in(base_key, step + 1),
                              eos, pad)
-                decode, compile_s = self._program("decode", sampling, arguments)
+                decode, compile_s = self._program("decode", sampling, arguments, return_routing)
                 timings.compile_s += compile_s
                 first_compile_s += compile_s if step == 0 else 0.0
                 following = decode(*arguments)
+                read += following[4:]   # the routing of `pending`, the step's input
             current = np.asarray(jax.device_get(pending))[:batch]
             if step == 0:
                 timings.prefill_s = time.perf_counter() - prefill_start - first_compile_s
@@ -192,12 +225,31 @@ class Generator:
             done |= np.isin(current, eos_ids)
             if following is None or done.all():
                 break
-            pending, cache, positions, finished = following
+            pending, cache, positions, finished = following[:4]
         timings.decode_s = time.perf_counter() - decode_start
         timings.steps = len(produced)
         timings.new_tokens = batch * len(produced)
         sequences = np.concatenate([input_ids, np.stack(produced, axis=1)], axis=1)
-        return GenerationResult(sequences, timings)
+        routing = sequence_routing(read, attention_mask, np.stack(produced, axis=1), eos_ids) if read else None
+        return GenerationResult(sequences, timings, routing)
+
+
+def sequence_routing(read: list, attention_mask: np.ndarray, produced: np.ndarray, eos_ids: np.ndarray) -> np.ndarray:
+    """The steps' routing (the prefill's [rows, L, bucket, K], then each decode's [rows, L, 1, K]: its input's,
+    the token generated before it) -> [B, L, S + n, K] aligned with the sequences (attention_mask [B, S], produced
+    [B, n]): -1 at the prompts' padding, after each row's first EOS and at the last token (never read)."""
+    batch, prompt = attention_mask.shape
+    read = [np.asarray(jax.device_get(step))[:batch] for step in read]
+    prefill, decoded = read[0], read[1:]
+    routing = np.full((batch, prefill.shape[1], prompt + produced.shape[1], prefill.shape[3]), -1, prefill.dtype)
+    routing[:, :, :prompt] = np.where(attention_mask[:, None, :, None] > 0, prefill[:, :, -prompt:], -1)
+    for step, ids in enumerate(decoded):
+        routing[:, :, prompt + step] = ids[:, :, 0]
+    eos = np.isin(produced, eos_ids)
+    ended = np.cumsum(eos, axis=1) - eos > 0                                   # padding after a row's first EOS
+    routing[:, :, prompt:] = np.where(ended[:, None, :, None], -1, routing[:, :, prompt:])
+    routing[:, :, -1] = -1   # read only when a step follows it, which nothing needs: as the engine's outputs
+    return routing
 
 
 def _is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:

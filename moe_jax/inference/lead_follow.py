@@ -16,7 +16,8 @@ from jax.experimental.multihost_utils import broadcast_one_to_all
 
 from .step_inputs import FLOAT_COLUMNS
 
-PROGRAM_CODES = {"prefill": 0, "decode": 1, "mixed": 2}
+PROGRAM_CODES = {"prefill": 0, "decode": 1, "mixed": 2, "verify": 3}
+ROUTING_CODE = 16   # added to a program's code: its routing variant (`StepPrograms`)
 STOP_CODE = -1
 IDLE_CODE = -2   # nothing to run: keeps the followers' collective from timing out while the server waits
 
@@ -28,9 +29,10 @@ def check_leader() -> bool:
     return jax.process_count() > 1
 
 
-def send_step(name: str, ints: np.ndarray, floats: np.ndarray, tokens: int) -> None:
-    """Process 0: the followers run program `name` on these packed inputs."""
-    broadcast_one_to_all(np.asarray([PROGRAM_CODES[name], *ints.shape, tokens], np.int32))
+def send_step(name: str, ints: np.ndarray, floats: np.ndarray, tokens: int, routing: bool = False) -> None:
+    """Process 0: the followers run program `name` (with `routing`: its routing variant) on these packed inputs."""
+    code = PROGRAM_CODES[name] + (ROUTING_CODE if routing else 0)
+    broadcast_one_to_all(np.asarray([code, *ints.shape, tokens], np.int32))
     broadcast_one_to_all((ints, floats))
 
 
@@ -42,8 +44,8 @@ def send_stop() -> None:
     broadcast_one_to_all(np.asarray([STOP_CODE, 0, 0, 0], np.int32))
 
 
-def follow(execute: Callable[[str, np.ndarray, np.ndarray, int], object]) -> int:
-    """Processes other than 0: `execute(name, ints, floats, tokens)` every step process 0 sends, until it sends
+def follow(execute: Callable[[str, np.ndarray, np.ndarray, int, bool], object]) -> int:
+    """Processes other than 0: `execute(name, ints, floats, tokens, routing)` every step process 0 sends, until it sends
     STOP_CODE. Returns the steps run."""
     steps = 0
     names = {code: name for name, code in PROGRAM_CODES.items()}
@@ -54,5 +56,5 @@ def follow(execute: Callable[[str, np.ndarray, np.ndarray, int], object]) -> int
         if code == IDLE_CODE:
             continue
         ints, floats = broadcast_one_to_all((np.zeros((rows, columns), np.int32), np.zeros((rows, FLOAT_COLUMNS), np.float32)))
-        execute(names[code], np.asarray(ints), np.asarray(floats), tokens)
+        execute(names[code % ROUTING_CODE], np.asarray(ints), np.asarray(floats), tokens, code >= ROUTING_CODE)
         steps += 1

@@ -88,6 +88,7 @@ class ContinuousBatchingManager:
         self._wake = threading.Event()
         self._incoming: deque[Request] = deque()
         self._cancels: deque[str] = deque()
+        self._new_weights: deque[tuple] = deque()   # `update_parameters`' placed weights, for the engine's thread
         self._queues: dict[str, queue.Queue] = {}
         self._handlers: dict[str, Callable[[GenerationOutput], None]] = {}
         self._streaming: set[str] = set()
@@ -196,6 +197,17 @@ class ContinuousBatchingManager:
         self._wake.set()
         return request_id
 
+    def update_parameters(self, params=None, *, adapter=None) -> None:
+        """New weights from the engine's next step on (`ServingEngine.update_parameters`), from any thread: they
+        are checked and placed on the devices here, and the engine's thread swaps them in between two steps (the
+        step in flight keeps the weights it started with)."""
+        weights = self.engine.programs.placed_weights(params, adapter)
+        if not self.is_running():
+            self.engine.use_weights(weights)
+            return
+        self._new_weights.append(weights)
+        self._wake.set()
+
     def _adapter_index(self, name: str) -> int:
         names = tuple(getattr(self.engine.model, "adapter_names", ()))
         if name not in names:
@@ -303,6 +315,8 @@ class ContinuousBatchingManager:
                         request.output.status, request.output.finish_reason = RequestStatus.FAILED, "error"
                         request.output.error = str(error)
                         self._deliver(request.output, finished=True)
+                while self._new_weights:
+                    engine.use_weights(self._new_weights.popleft())
                 while self._cancels:
                     cancelled = engine.cancel(self._cancels.popleft())
                     if cancelled is not None:

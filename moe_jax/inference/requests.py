@@ -21,6 +21,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_MIN_TOKENS_STOP_IDS = 32
 
 
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The dtype of recorded routing (expert ids, -1 where none): int16 where the ids fit, else int32."""
+    return np.dtype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+
+
 class RequestStatus(IntEnum):
     """Transformers' request lifecycle (`transformers.generation.continuous_batching.RequestStatus`)."""
 
@@ -50,7 +55,9 @@ class RequestSettings:
     grammar: structured output, an llguidance grammar's serialized text (`grammar.json_schema_grammar`,
     `regex_grammar`, `json_object_grammar`): each token is one the grammar allows, and the request ends ("stop")
     where the grammar is complete (the engine needs `enable_grammars`); adapter: the index of its LoRA adapter
-    where the model holds several (`load_adapters`)."""
+    where the model holds several (`load_adapters`); return_routing: record each sparse layer's expert ids for
+    every token the model reads (`GenerationOutput.routing`; its prompt is then prefilled whole, never from the
+    prefix cache)."""
 
     max_new_tokens: int = 20
     eos_token_id: tuple[int, ...] = ()
@@ -70,6 +77,7 @@ class RequestSettings:
     stop_token_ids: tuple[int, ...] = ()
     grammar: str | None = None
     adapter: int = 0   # its adapter in the model's adapter set (`model.adapter_names`, from 1; 0: the base)
+    return_routing: bool = False
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -79,6 +87,8 @@ class RequestSettings:
             raise ValueError(f"logprobs={self.logprobs!r} must be a bool.")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={self.top_logprobs!r} must be an int in [0, {MAX_TOP_LOGPROBS}].")
+        if not isinstance(self.return_routing, bool):
+            raise ValueError(f"return_routing={self.return_routing!r} must be a bool.")
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True.")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -151,7 +161,12 @@ class GenerationOutput:
     the tokens new since the previous one; 0 otherwise). cached_tokens: the prompt's tokens whose keys and values
     came from the prefix cache (not computed for it). logprobs: with the request's `logprobs`, each generated
     token's log probability; top_logprobs: with its `top_logprobs`, each token's likeliest [(token id, log
-    probability)], most likely first (both under the model's raw distribution, `RequestSettings`)."""
+    probability)], most likely first (both under the model's raw distribution, `RequestSettings`). routing: with
+    the request's `return_routing`, once it has finished, the expert ids [L, len(prompt_ids) +
+    len(generated_tokens), K] each of the model's L sparse layers ran for each token read as input (int16 where
+    the ids fit): what `model.apply(..., routing=)` replays on prompt_ids + generated_tokens (a trainer's inputs
+    are every token but the last, so the last row, a token the model never read, is -1; so are the rows of
+    tokens the request did not get to read)."""
 
     request_id: str
     prompt_ids: list[int] = field(default_factory=list)
@@ -166,6 +181,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     offset: int = 0
     cached_tokens: int = 0
+    routing: np.ndarray | None = None
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -200,6 +216,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)   # speculative="mtp": its next tokens as last drafted
     counted: bool = False   # its slot's token counts were reset by a row of its (penalties)
     grammar: object = None  # its settings' grammar: a `grammar.GrammarMatcher`, its next token's mask
+    routing: list[np.ndarray] = field(default_factory=list)   # return_routing: each step's [tokens, L, K], in order
 
     def __post_init__(self):
         if self.output is None:

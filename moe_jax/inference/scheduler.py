@@ -32,6 +32,8 @@ from ..kv_cache import PageBook
 from .detokenize import IncrementalDecoder
 from .requests import ContinuousBatchingConfig, Request, RequestStatus, StepEvent
 from .prefix_cache import PrefixCache
+from .mixed_steps import MixedSteps
+from .routing_steps import RoutingSteps
 from .speculative_steps import SpeculativeSteps
 from .step_inputs import (
     PENALTY_DECODE,
@@ -44,7 +46,7 @@ from .step_inputs import (
 )
 
 
-class Scheduler(SpeculativeSteps):
+class Scheduler(MixedSteps, SpeculativeSteps, RoutingSteps):
     """Slots, pages, admission, chunked prefill, decode packing and stop conditions, on the host."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, groups: int, vocab_size: int,
@@ -285,7 +287,7 @@ class Scheduler(SpeculativeSteps):
             return []
         tokens = self._run_step("decode", inputs)
         self.steps["decode"] += 1
-        events = [self._emit(request, tokens, rows[request.request_id]) for request in decoding]
+        events = [self._emit_decoded(request, tokens, rows[request.request_id]) for request in decoding]
         for request in decoding:
             self._keep_drafts(request, rows[request.request_id])
         return events
@@ -299,42 +301,6 @@ class Scheduler(SpeculativeSteps):
         per_group = next(rows for rows in self.decode_row_counts if rows >= max(map(len, by_group)))
         return per_group, {request.request_id: group * per_group + i for group, requests in enumerate(by_group)
                            for i, request in enumerate(requests)}
-
-    def _mixed(self, prefilling: list[Request], decoding: list[Request]) -> list[StepEvent]:
-        """One program for prompt pieces and a decode step: per group, prompt rows of `prefill_chunk` tokens (the
-        fewest of `mixed_prompt_rows` that hold this step's pieces), then the group's slots (one token each) ->
-        what each request got (prompts that finished prefilling: their first token; decoding requests: their
-        next)."""
-        pieces = self._prefill_pieces(prefilling)
-        needed = max(len(group) for group in pieces)
-        prompt_rows = next(rows for rows in self.mixed_prompt_rows if rows >= needed)
-        stride = prompt_rows + self.config.max_slots // self.groups
-        inputs = self._host_inputs(self.groups * stride, self.config.prefill_chunk)
-        placed = self._place_prefill(inputs, pieces, stride)
-        decode_rows = {request.request_id: self._mixed_decode_row(request.slot, prompt_rows) for request in decoding}
-        for request in decoding:
-            self._write_row(inputs, decode_rows[request.request_id], request,
-                            partial(self._decode_row, inputs, decode_rows[request.request_id], request))
-        decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
-        if not placed and not decoding:
-            return []
-        tokens = self._run_step("mixed", inputs)
-        self.steps["mixed"] += 1
-        events = self._prefilled(placed, tokens)
-        return events + [self._emit(request, tokens, decode_rows[request.request_id]) for request in decoding]
-
-    @property
-    def mixed_prompt_rows(self) -> list[int]:
-        """The prompt rows per group a mixed program may have: powers of two below `prefill_rows`, and it (a step
-        whose pieces fill few rows runs a smaller program, not `prefill_rows` rows of padding)."""
-        rows = self.config.prefill_rows
-        return sorted({1 << i for i in range(rows.bit_length()) if 1 << i < rows} | {rows})
-
-    def _mixed_decode_row(self, slot: int, prompt_rows: int) -> int:
-        """The row of slot `slot` in a mixed step's inputs (each group's prompt rows come before its slots)."""
-        per_group = self.config.max_slots // self.groups
-        group, within = divmod(slot, per_group)
-        return group * (prompt_rows + per_group) + prompt_rows + within
 
     def _prefill_row(self, inputs: dict, row: int, request: Request, start: int, count: int) -> None:
         """Put `request`'s prompt tokens [start, start + count) in row `row`. Rows of one prompt in one step see
@@ -368,6 +334,7 @@ class Scheduler(SpeculativeSteps):
         (sampled at its last piece's row)."""
         events = []
         for row, request, count in placed:
+            self._keep_routing(request, tokens, row, count)
             request.prefilled += count
             self.prefix_cache.stored(request, request.prefilled)
             if request.prefilled == len(request.prompt_ids):
@@ -384,10 +351,12 @@ class Scheduler(SpeculativeSteps):
         write_sampling(inputs, row, request.settings, len(request.output.generated_tokens),
                        None if request.grammar is None else request.grammar.allowed)
 
-    def _run_step(self, kind: str, inputs: dict) -> tuple[np.ndarray, tuple | None]:
-        """Run a step -> (new ids [rows], (log probabilities [rows], top ids [rows, K], theirs [rows, K]) or None)."""
+    def _run_step(self, kind: str, inputs: dict) -> tuple[np.ndarray, tuple | None, np.ndarray | None]:
+        """Run a step -> (new ids [rows], (log probabilities [rows], top ids [rows, K], theirs [rows, K]) or None,
+        the rows' tokens' routing [rows, tokens, L, K] or None)."""
         result = self._run(kind, inputs)
-        return result if isinstance(result, tuple) else (result, None)
+        result = result if isinstance(result, tuple) else (result,)
+        return result + (None,) * (3 - len(result))
 
     def _emit(self, request: Request, step: tuple, row: int) -> StepEvent:
         """`request` gets row `row`'s token of the step's (new ids, log probabilities) `step`."""
@@ -436,6 +405,7 @@ class Scheduler(SpeculativeSteps):
         output.status = status
         output.finish_reason = reason
         output.lifespan = (output.lifespan[0], time.perf_counter())
+        self._close_routing(request)
         self.requests.pop(request.request_id, None)   # ids need only be unique among live requests
         if request.slot is not None:
             self.slots[request.slot] = None

@@ -37,13 +37,15 @@ class SpeculativeSteps:
         decoding = [request for request in decoding if request.output.status != RequestStatus.FAILED]
         if not decoding:
             return []
-        verified, _ = self._run_step("verify", inputs)
+        verified, *_ = step = self._run_step("verify", inputs)
         self.steps["verify"] += 1
         events = []
         for request in decoding:
             count, *tokens = verified[rows[request.request_id]]
             self.draft_tokens += len(drafts[request.request_id])
             self.accepted_draft_tokens += int(count) - 1
+            # The row read its last token and the accepted drafts (the routing of the rejected ones is dropped).
+            self._keep_routing(request, step, rows[request.request_id], int(count))
             events.append(self._emit_tokens(request, [int(token) for token in tokens[:count]]))
             self._keep_drafts(request, rows[request.request_id])
         return events

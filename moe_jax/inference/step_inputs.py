@@ -13,7 +13,8 @@ device per slot, `StepPrograms`) its slot and what its tokens are (`PENALTY_*`).
 else -1 (the token the step samples); `capacity`: the tokens its pages hold. `allowed`: the tokens its grammar
 allows next (structured output, `grammar`), a bitmask of M = ceil(V / 32) int32 words over the model's V ids (bit
 v % 32 of word v // 32); -1 words (every token) for a row without a grammar. `adapter`: its request's LoRA
-adapter in the model's adapter set (0: none).
+adapter in the model's adapter set (0: none). `routing` (host only, not packed): the row's request records its
+routing (the step runs its program's routing variant).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def host_inputs(rows: int, tokens: int, pages: int, vocab: int) -> dict[str, np.
                 seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32), slots=np.zeros(rows, np.int32),
                 penalty=np.zeros(rows, np.int32), logprobs=np.zeros(rows, np.int32),
                 next_id=np.full(rows, -1, np.int32), capacity=np.zeros(rows, np.int32),
-                adapter=np.zeros(rows, np.int32),
+                adapter=np.zeros(rows, np.int32), routing=np.zeros(rows, bool),
                 presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
                 repetition_penalty=np.ones(rows, np.float32), bias_ids=np.zeros((rows, BIAS_WIDTH), np.int32),
                 bias=np.zeros((rows, BIAS_WIDTH), np.float32),
@@ -68,6 +69,7 @@ def write_sampling(inputs: dict, row: int, settings, drawn: int, allowed: np.nda
     inputs["counters"][row] = drawn
     inputs["logprobs"][row] = settings.logprobs
     inputs["adapter"][row] = settings.adapter
+    inputs["routing"][row] = settings.return_routing
     inputs["presence_penalty"][row] = settings.presence_penalty
     inputs["frequency_penalty"][row] = settings.frequency_penalty
     inputs["repetition_penalty"][row] = settings.repetition_penalty

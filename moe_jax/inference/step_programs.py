@@ -2,7 +2,7 @@
 first use or all at once, and run on a step's host inputs.
 
     programs = StepPrograms(model, params, config, groups=G, pages_per_group=N)
-    tokens, logprobs = programs.run("decode", inputs)   # inputs: `step_inputs.host_inputs` filled by the scheduler
+    tokens, logprobs, routing = programs.run("decode", inputs)   # inputs: `step_inputs.host_inputs`, filled
 
 Kinds: "prefill" [G * prefill_rows, chunk]; "decode" [rows, 1]; "mixed" [G * (prompt rows + slots per group),
 chunk], run as flat tokens (each group's prompt rows whole, then its slots' one token each) whose attention runs
@@ -27,6 +27,12 @@ placement as it is at each step; with `config.rebalance_every` the programs also
 summed on the devices, and every that many steps the placement is re-balanced from the sum (on every process
 alike: each runs the same steps). Where experts are dispatched over ep, the programs also return the step's
 `ep_rank_load`, summed on the devices since the start and since the last re-placement (`rank_load`).
+
+Routing (routing replay for RL, `models.routing_replay`): a step where some row's request records its routing
+(`RequestSettings.return_routing`, the host input `routing`) runs the kind's routing variant, compiled on first
+use: the same program that also returns each row's tokens' expert ids [rows, tokens, L, K] (L sparse layers,
+int16 where the expert ids fit), replicated. Every other step runs the plain program, so an engine whose requests
+never record compiles and transfers nothing more.
 """
 
 from __future__ import annotations
@@ -48,10 +54,11 @@ from ..models.core import final_normed
 from ..ops.lora import ADAPTER_INDEX
 from . import lead_follow
 from .requests import ContinuousBatchingConfig
-from .requests import MAX_TOP_LOGPROBS
+from .requests import MAX_TOP_LOGPROBS, routing_dtype
 from .sampling import add_bias, allowed_only, next_tokens_per_row, penalize, token_logprobs
 from .mtp_drafts import mtp_drafts, next_tokens
 from .speculative import accepted_tokens
+from .weights_update import updated_arrays
 from .step_inputs import (
     PENALTY_DECODE,
     PENALTY_FIRST_PROMPT,
@@ -67,8 +74,9 @@ class StepPrograms:
     """The device side of `ServingEngine`: pools, programs, and running them (with followers when leading)."""
 
     def __init__(self, model, params, config: ContinuousBatchingConfig, *, groups: int, pages_per_group: int):
-        self.model, self.params, self.config, self.groups = model, params, config, groups
-        self.adapter = model.adapter   # the model's LoRA adapter's arrays (None: none), an argument of each program
+        self.model, self.config, self.groups = model, config, groups
+        # (params, the model's LoRA adapter's arrays or None): arguments of each program, replaced as one.
+        self.weights = (params, model.adapter)
         self.many_adapters = bool(getattr(model, "adapter_names", ()))
         if self.many_adapters and config.speculative == "mtp":
             raise ValueError("speculative='mtp' with several adapters: not supported (the MTP layer's step takes "
@@ -115,44 +123,53 @@ class StepPrograms:
         return sorted({self.page_width(tokens) for tokens in range(1, self.pages_per_slot * self.config.page_size
                                                                    + 1, self.config.page_size)})
 
-    def compile(self, name: str, rows: int, tokens: int, width: int) -> None:
-        """Compile program `name` for `rows` rows of `tokens` tokens at page width `width` (if not yet)."""
+    def compile(self, name: str, rows: int, tokens: int, width: int, routing: bool = False) -> None:
+        """Compile program `name` (with `routing`: its routing variant) for `rows` rows of `tokens` tokens at page
+        width `width` (if not yet)."""
         inputs = host_inputs(rows, tokens, self.pages_per_slot, self.vocab)
-        self._program(name, self._placed(*packed(inputs, width)), tokens)
+        self._program(name, self._placed(*packed(inputs, width)), tokens, routing)
 
     @property
     def compiled_shapes(self) -> list[tuple[str, tuple[int, int], int]]:
-        """The programs compiled so far: (name, [rows, tokens], page-table width)."""
+        """The programs compiled so far: (name, [rows, tokens], page-table width); a routing variant's name ends in
+        "+routing"."""
         return sorted(self._programs)
 
-    def run(self, name: str, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, tuple | None]:
-        """Pack the host inputs, run the program (compiled on first use), keep the pools -> the new ids [rows] and,
+    def run(self, name: str, inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, tuple | None, np.ndarray | None]:
+        """Pack the host inputs, run the program (compiled on first use), keep the pools -> (the new ids [rows];
         when a row asked for them, (the ids' log probabilities [rows], the top ids [rows, K], their log
-        probabilities [rows, K]) (else None)."""
+        probabilities [rows, K]), else None; when a row records its routing, each row's tokens' expert ids
+        [rows, tokens, L, K], else None)."""
         width = self.page_width(int((inputs["lengths"] + inputs["mask"].sum(axis=1)).max()))
         ints, floats = packed(inputs, width)
         tokens = inputs["ids"].shape[1]
+        routing = bool(inputs["routing"].any())
         if self.leading:
-            lead_follow.send_step(name, ints, floats, tokens)
-        new_ids, logprobs = self.execute(name, ints, floats, tokens)
+            lead_follow.send_step(name, ints, floats, tokens, routing)
+        new_ids, logprobs, expert_ids = self.execute(name, ints, floats, tokens, routing)
+        expert_ids = None if expert_ids is None else np.asarray(jax.device_get(expert_ids))
         if not inputs["logprobs"].any():
-            return new_ids, None
-        return new_ids, tuple(np.asarray(values) for values in jax.device_get(logprobs))
+            return new_ids, None, expert_ids
+        return new_ids, tuple(np.asarray(values) for values in jax.device_get(logprobs)), expert_ids
 
-    def execute(self, name: str, ints: np.ndarray, floats: np.ndarray, tokens: int) -> tuple[np.ndarray, tuple]:
-        """Run program `name` on packed inputs (what a follower receives) -> the new ids [rows] and the log
-        probabilities' device arrays (`run`)."""
+    def execute(self, name: str, ints: np.ndarray, floats: np.ndarray, tokens: int,
+                routing: bool = False) -> tuple[np.ndarray, tuple, jax.Array | None]:
+        """Run program `name` (with `routing`: its routing variant) on packed inputs (what a follower receives)
+        -> the new ids [rows], the log probabilities' device arrays and the routing's device array or None
+        (`run`)."""
         placed = self._placed(ints, floats)
-        program = self._program(name, placed, tokens)
+        program = self._program(name, placed, tokens, routing)
         new_ids, logprobs, self.keys, self.values, self.counts, *loads = program(
             self._weights(), self.keys, self.values, self.counts, *placed)
+        expert_ids = loads.pop(0) if routing else None
         if self.mtp:   # [rows, num_speculative_tokens]: each row's drafts for its next step
             self.drafts = np.asarray(jax.device_get(loads.pop(0)))
         if self.counts_rank_load:
             self._count_rank_load(loads.pop())
         if loads:
             self._rebalance_after(loads[0])
-        return np.asarray(jax.device_get(new_ids)), logprobs   # replicated: every process reads the same ids
+        # Replicated: every process reads the same ids.
+        return np.asarray(jax.device_get(new_ids)), logprobs, expert_ids
 
     def _count_rank_load(self, rank_load: jax.Array) -> None:
         total, placed = self._rank_load_total, self._rank_load_placed
@@ -185,10 +202,22 @@ class StepPrograms:
             model.set_expert_placement(better_placement(current, proposed, window, model.layout.ep_size))
             self._load_window = self._rank_load_placed = None
 
+    @property
+    def params(self):
+        return self.weights[0]
+
+    def placed_weights(self, params=None, adapter=None) -> tuple:
+        """New (params, adapter) checked, cast and placed like the current ones (`weights_update.updated_arrays`,
+        so no program recompiles); None keeps the current one. Nothing changes until `weights` is set to them."""
+        current, current_adapter = self.weights
+        return (current if params is None else updated_arrays(current, params, "params"),
+                current_adapter if adapter is None else updated_arrays(current_adapter, adapter, "adapter"))
+
     def _weights(self) -> tuple:
         """(params, adapter, expert placement): the model's placement as it is now (`set_expert_placement` between
         steps runs the same programs)."""
-        return self.params, self.adapter, self.model.expert_placement
+        params, adapter = self.weights
+        return params, adapter, self.model.expert_placement
 
     def _zero_counts(self, slots: int, vocab: int, *, abstract: bool) -> tuple:
         """The penalties' per-slot token counts, zeroed: (generated [slots, V] int32, in_prompt [slots, V] bool)."""
@@ -200,39 +229,44 @@ class StepPrograms:
     def _placed(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return host_to_global(ints, self._rows_2d), host_to_global(floats, self._rows_2d)
 
-    def _program(self, name: str, placed: tuple[jax.Array, jax.Array], tokens: int) -> Callable:
+    def _program(self, name: str, placed: tuple[jax.Array, jax.Array], tokens: int, routing: bool = False
+                 ) -> Callable:
         rows = placed[0].shape[0]
-        key = (name, (rows, tokens), packed_width(placed[0].shape[1], tokens, self.vocab))
+        key = (name + ("+routing" if routing else ""), (rows, tokens),
+               packed_width(placed[0].shape[1], tokens, self.vocab))
         program = self._programs.get(key)
         if program is None:
-            program = self._lowered(name, placed, tokens).compile()
+            program = self._lowered(name, placed, tokens, routing).compile()
             self._programs[key] = program
             self.compilations += 1
         return program
 
-    def _lowered(self, name: str, placed: tuple, tokens: int):
+    def _lowered(self, name: str, placed: tuple, tokens: int, routing: bool = False):
         rows = placed[0].shape[0]
         prompt_rows = (rows - self.config.max_slots) // self.groups if name == "mixed" else None
-        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=name == "verify"),
+        return jax.jit(partial(self._step_math, tokens=tokens, prompt_rows=prompt_rows, verify=name == "verify",
+                               routing=routing),
                        donate_argnums=(1, 2, 3)).lower(self._weights(), self.keys, self.values, self.counts, *placed)
 
-    def lower(self, name: str, rows: int, tokens: int, width: int):
-        """Program `name` for `rows` rows of `tokens` tokens at page width `width`, lowered on abstract inputs (not
-        compiled, not kept): for compiling ahead of time, e.g. for a GPU target (`moe_jax.target_compile`)."""
+    def lower(self, name: str, rows: int, tokens: int, width: int, routing: bool = False):
+        """Program `name` (with `routing`: its routing variant) for `rows` rows of `tokens` tokens at page width
+        `width`, lowered on abstract inputs (not compiled, not kept): for compiling ahead of time, e.g. for a GPU
+        target (`moe_jax.target_compile`)."""
         ints, floats = packed(host_inputs(rows, tokens, self.pages_per_slot, self.vocab), width)
         placed = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=self._rows_2d)
                        for array in (ints, floats))
-        return self._lowered(name, placed, tokens)
+        return self._lowered(name, placed, tokens, routing)
 
     # ---- the step's math (traced) ----------------------------------------------------------------------------
     def _step_math(self, weights, keys, values, counts, ints, floats, *, tokens: int, prompt_rows: int | None = None,
-                   verify: bool = False):
+                   verify: bool = False, routing: bool = False):
         """The pools, the penalties' counts and one step's rows (`step_inputs.packed`'s two arrays) -> (new ids
         [rows], (their log probabilities [rows], top ids [rows, K], theirs [rows, K]), the pools with the new tokens
         stored, the counts). weights: (params, the adapter's arrays or None, the expert placement or None).
         prompt_rows (a mixed step): each group's rows are that many prompt rows then its slots' one token each, run
         as flat tokens. verify: every position is scored and each row's drafts kept or not (new ids: [rows, 1 + S],
-        `_verified`; the scheduler verifies only steps whose rows use no logits controls)."""
+        `_verified`; the scheduler verifies only steps whose rows use no logits controls). routing: also return
+        each row's tokens' expert ids [rows, tokens, L, K] (`_row_routing`), right after the counts."""
         params, adapter, placement = weights
         inputs = unpacked(ints, floats, tokens, self.vocab)
         mask = inputs["mask"]
@@ -248,7 +282,7 @@ class StepPrograms:
             out = self.model.step_math(params, self._flat_tokens(inputs["ids"], tokens, prompt_rows),
                                        attention_mask=self._flat_tokens(mask, tokens, prompt_rows), cache=cache,
                                        capacity=None, inference=True, return_hidden=True, adapter=adapter,
-                                       expert_placement=placement)
+                                       expert_placement=placement, return_routing=routing)
             hidden = self._sampled_tokens(out.hidden_states, last, segments)
         else:
             keys, values = dict(keys), dict(values)
@@ -257,13 +291,14 @@ class StepPrograms:
                                  lengths=inputs["lengths"])
             out = self.model.step_math(params, inputs["ids"], attention_mask=mask, cache=cache, capacity=None,
                                        inference=True, return_hidden=True, adapter=adapter, expert_placement=placement,
-                                       final_norm=not self.mtp)
+                                       final_norm=not self.mtp, return_routing=routing)
             before_norm = out.hidden_states
             hidden = (final_normed(self.model.core, self.model.nested_weights(params, adapter), before_norm)
                       if self.mtp else before_norm)
             hidden = hidden if verify else jnp.take_along_axis(hidden, last[:, None, None], axis=1)
         loads = (() if self.rebalance_every is None else (out.expert_load,)) + (
             (jax.lax.with_sharding_constraint(out.ep_rank_load, self._replicated),) if self.counts_rank_load else ())
+        recorded = (self._row_routing(out.routing, tokens, prompt_rows),) if routing else ()
         if self.mtp:
             drafting = partial(self._drafted, params, adapter, before_norm, mtp_pools, inputs)
         logits = self.model.head_logits(self.model.nested_weights(params, adapter), hidden)
@@ -277,7 +312,7 @@ class StepPrograms:
             if self.mtp:   # the kept drafts, then the token drawn after them, follow each position
                 mtp_keys, mtp_values, drafts = drafting(jnp.maximum(verified[:, 1:], 0), verified[:, 0] - 1)
                 keys, values, loads = {**keys, "mtp": mtp_keys}, {**values, "mtp": mtp_values}, (drafts, *loads)
-            return (verified, no_logprobs, keys, values, counts, *loads)
+            return (verified, no_logprobs, keys, values, counts, *recorded, *loads)
         raw = jax.lax.with_sharding_constraint(logits[:, 0], self._rows_2d).astype(jnp.float32)   # whole rows: sorted
         logits, counts = self._controlled(raw, counts, inputs)
         keys_per_row = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
@@ -296,7 +331,23 @@ class StepPrograms:
         if self.mtp:
             mtp_keys, mtp_values, drafts = drafting(next_tokens(inputs["ids"], last, inputs["next_id"], new_ids), last)
             keys, values, loads = {**keys, "mtp": mtp_keys}, {**values, "mtp": mtp_values}, (drafts, *loads)
-        return new_ids, logprobs, keys, values, counts, *loads
+        return new_ids, logprobs, keys, values, counts, *recorded, *loads
+
+    def _row_routing(self, routing: jax.Array, tokens: int, prompt_rows: int | None) -> jax.Array:
+        """routing: [B, L, S, K] the step's (a mixed step's flat tokens: [G * Ng, L, 1, K]) -> [rows, tokens, L, K]
+        each row's tokens' expert ids (a mixed step's slot rows: their one token, then -1), replicated, int16
+        where the expert ids fit."""
+        if prompt_rows is not None:   # `_flat_tokens` undone: each group's prompt rows whole, then its slots'
+            flat = routing[:, :, 0].reshape(self.groups, -1, *routing.shape[1::2])          # [G, Ng, L, K]
+            prompts = flat[:, :prompt_rows * tokens].reshape(self.groups, prompt_rows, tokens, *flat.shape[2:])
+            slots = flat[:, prompt_rows * tokens:, None]                                    # [G, slots, 1, L, K]
+            slots = jnp.concatenate([slots, jnp.full((*slots.shape[:2], tokens - 1, *slots.shape[3:]), -1,
+                                                     slots.dtype)], axis=2)
+            rows = jnp.concatenate([prompts, slots], axis=1).reshape(-1, tokens, *flat.shape[2:])
+        else:
+            rows = routing.swapaxes(1, 2)
+        dtype = routing_dtype(self.model.config.num_experts)
+        return jax.lax.with_sharding_constraint(rows.astype(dtype), self._replicated)
 
     def _drafted(self, params, adapter, before_norm, pools: tuple, inputs: dict, next_ids, start) -> tuple:
         """The MTP layer's step (`mtp_drafts`) -> (its keys and values pools, drafts [rows, num_speculative_tokens]

@@ -16,10 +16,16 @@ Tool calls (chat, with a `tool_calls.ToolCallParser`): the text is parsed into t
 outside the calls, null when only calls) and `tool_calls` ([{"id": "call_...", "type": "function", "function":
 {"name", "arguments": JSON text}}]), finish_reason "tool_calls"; streamed, each call is one delta
 {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]} once the call is complete.
+
+Routing (the `return_routing` extension): a finished choice's `"routing": {"shape": [L, N, K], "dtype": "int16",
+"data": base64 of the little-endian array}` (`routing_entry`), the expert ids each of the model's L sparse layers
+ran for each of the choice's N tokens (prompt, then generated; `GenerationOutput.routing`); streamed, in the
+choice's last chunk (the one with its finish_reason).
 """
 
 # No `from __future__ import annotations`, as app.py.
 import asyncio
+import base64
 import json
 import secrets
 import time
@@ -37,6 +43,20 @@ def finish_reason(output, called: bool = False) -> str:
     """OpenAI's finish_reason; `called`: the choice made tool calls ("tool_calls" where it stopped by itself)."""
     reason = FINISH_REASONS.get(output.finish_reason, "stop")
     return "tool_calls" if called and reason == "stop" else reason
+
+
+def routing_entry(routing) -> dict:
+    """routing: a numpy int array -> {"shape", "dtype", "data": base64 of its little-endian bytes, row-major}."""
+    little = routing.astype(routing.dtype.newbyteorder("<"), copy=False)
+    return {"shape": list(routing.shape), "dtype": routing.dtype.name,
+            "data": base64.b64encode(little.tobytes(order="C")).decode("ascii")}
+
+
+def _with_routing(choice: dict, generation) -> dict:
+    """`choice` with its routing, when its request recorded it."""
+    if generation.routing is not None:
+        choice["routing"] = routing_entry(generation.routing)
+    return choice
 
 
 def call_ids(count: int) -> list[str]:
@@ -80,6 +100,7 @@ class Generation:
         self.tokens: list[int] = []   # the generated tokens so far (incremental outputs put together)
         self.logprobs: list[float] = []   # theirs, when asked for
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.routing = None   # the finished output's, with return_routing
 
     def close(self) -> None:
         """Cancel the manager's request unless it finished (idempotent): the client is gone."""
@@ -97,6 +118,7 @@ class Generation:
                 self.finished = True
                 self.tokens = list(output.generated_tokens)
                 self.logprobs, self.top_logprobs = list(output.logprobs), list(output.top_logprobs)
+                self.routing = output.routing
                 return output
             end = output.offset + len(output.generated_tokens)
             if end > len(self.tokens):
@@ -179,8 +201,8 @@ def completion_body(server, generations: list[Generation], outputs, *, top: int 
     choices = []
     for generation, output in zip(generations, outputs):
         logprobs = None if top is None else _logprobs(server, generation, 0, len(generation.tokens), chat=False)
-        choices.append({"index": generation.index, "text": echo + _text(server, generation, output),
-                        "logprobs": logprobs, "finish_reason": finish_reason(output)})
+        choices.append(_with_routing({"index": generation.index, "text": echo + _text(server, generation, output),
+                                      "logprobs": logprobs, "finish_reason": finish_reason(output)}, generation))
     return {"id": generations[0].request_id, "object": "text_completion", "created": int(time.time()),
             "model": generations[0].model, "choices": choices, "usage": usage(generations, outputs)}
 
@@ -196,8 +218,8 @@ def chat_body(server, generations: list[Generation], outputs, *, top: int | None
             message["content"] = parsed.content if parsed.content.strip() or not parsed.calls else None
             if parsed.calls:
                 message["tool_calls"] = tool_call_entries(parsed.calls, call_ids(len(parsed.calls)))
-        choices.append({"index": generation.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish_reason(output, "tool_calls" in message)})
+        choices.append(_with_routing({"index": generation.index, "message": message, "logprobs": logprobs,
+                                      "finish_reason": finish_reason(output, "tool_calls" in message)}, generation))
     return {"id": generations[0].request_id, "object": "chat.completion", "created": int(time.time()),
             "model": generations[0].model, "choices": choices, "usage": usage(generations, outputs)}
 
@@ -260,7 +282,9 @@ async def stream(server, generations: list[Generation], *, chat: bool, include_u
                 if delta or logprobs is not None or calls:
                     yield sse(chunk(i, delta or (None if calls else delta), logprobs=logprobs, calls=calls))
                 if output.is_finished():
-                    yield sse(chunk(i, None, finish_reason(output, called[i] > 0)))
+                    last = chunk(i, None, finish_reason(output, called[i] > 0))
+                    _with_routing(last["choices"][0], generation)
+                    yield sse(last)
                     finished.append(output)
                 else:
                     pending[asyncio.ensure_future(generation.next_output())] = generation

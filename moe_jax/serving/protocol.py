@@ -14,7 +14,8 @@ supported). Tools (chat): `tools` (OpenAI's function tools, at most 128) reach t
 "required" and a named function force a call through a grammar of the parser's syntax (the app builds it; every
 parser but llama4_pythonic has one). Messages may hold an assistant's `tool_calls` and "tool" messages (`tool_call_id`). vLLM's extensions: top_k
 (0 or -1: off; at most the vocabulary, which the server checks), repetition_penalty in (0, 100] (1: off),
-min_tokens, stop_token_ids (at most 16). Structured output (response_format, guided_json, guided_regex):
+min_tokens, stop_token_ids (at most 16). moe_jax's extension: return_routing (a boolean; each choice then carries
+the expert ids its tokens ran, `choices.routing_entry`). Structured output (response_format, guided_json, guided_regex):
 `structured`. Every bound is checked here, so nothing out of range reaches the engine; a boolean where a number is
 due is refused. A list of several prompts is refused with a 400 that says so. Fields this server does not use and
 that change nothing in the output (user, ...) are read and ignored, as unknown fields are.
@@ -98,6 +99,7 @@ class SamplingFields(StructuredFields):
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)   # extensions (vLLM's)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    return_routing: StrictBool | None = False   # extension (routing replay)
 
     @field_validator(*NUMBERS, mode="before", check_fields=False)
     @classmethod
@@ -150,6 +152,8 @@ class SamplingFields(StructuredFields):
                         presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                         repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                         min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()))
+        if self.return_routing:
+            controls["return_routing"] = True
         if self.grammar() is not None:   # structured output
             controls["grammar"] = self.grammar()
         return controls

@@ -181,3 +181,28 @@ def test_prompts_are_prefilled_in_admission_order_not_slot_order():
     engine.add(later)                                        # takes slot 0
     engine.step()
     assert later.slot == 0 and long.prefilled == 4 and later.prefilled == 0
+
+
+class RoutingStep(FakeStep):
+    """FakeStep whose steps also record routing: each token's "expert id" is the token itself (L = K = 1)."""
+
+    def __call__(self, kind: str, inputs: dict[str, np.ndarray]):
+        new_ids = super().__call__(kind, inputs)
+        return new_ids, None, inputs["ids"][:, :, None, None] if inputs["routing"].any() else None
+
+
+def test_recorded_routing_holds_every_read_token_in_order_and_minus_one_for_the_last():
+    step = RoutingStep()
+    engine = scheduler(step, max_slots=2, page_size=4, max_model_len=32, prefill_chunk=3)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    engine.add(Request("plain", prompt, RequestSettings(max_new_tokens=2)))
+    run_all(engine)
+    recording = Request("recording", prompt, RequestSettings(max_new_tokens=6, eos_token_id=(14,),
+                                                              return_routing=True))
+    engine.add(recording)
+    run_all(engine)
+    output = recording.output
+    assert output.generated_tokens == [11, 12, 13, 14] and output.cached_tokens == 0   # never from the cache
+    np.testing.assert_array_equal(output.routing[0, :, 0], prompt + [11, 12, 13, -1])
+    assert output.routing.shape == (1, 14, 1)
+    assert [kind for kind, inputs in step.calls if inputs["routing"].any()] == ["mixed"] * 4 + ["decode"] * 3

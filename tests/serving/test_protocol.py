@@ -72,6 +72,8 @@ def test_sampling_controls_reach_the_manager_by_name():
     chat = parse_request(ChatCompletionRequest, {"messages": messages, "logprobs": True, "top_logprobs": 20})
     assert (chat.controls()["logprobs"], chat.controls()["top_logprobs"]) == (True, 20)
     assert parse_request(ChatCompletionRequest, {"messages": messages, "logprobs": True}).logprob_count() == 0
+    assert parse_request(ChatCompletionRequest, {"messages": messages, "return_routing": True}).controls()[
+        "return_routing"] is True
     assert parse_request(ChatCompletionRequest, {"messages": messages}).logprob_count() is None
     for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
                        ({"max_tokens": 3, "min_tokens": 4}, "min_tokens")]:

@@ -10,6 +10,7 @@ test runs the real command in a subprocess (one device) and stops it with SIGTER
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import signal
@@ -542,3 +543,32 @@ def test_bad_sampling_controls_are_400s_naming_the_field(served, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     response = httpx.post(f"{served.url}{path}", json={"model": NAME, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def decoded_routing(entry: dict) -> np.ndarray:
+    assert entry["dtype"] == "int16"
+    return np.frombuffer(base64.b64decode(entry["data"]), "<i2").reshape(entry["shape"])
+
+
+def test_return_routing_gives_each_choice_its_tokens_expert_ids_plain_and_streamed(served):
+    ids = served.tokenizer.encode("Route")
+    body = dict(model=NAME, prompt=ids, max_tokens=5, temperature=0, n=2, return_routing=True)
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    tokens = ids + served.model.generate(np.array([ids]), max_new_tokens=5)[0, len(ids):].tolist()
+    rows = np.tile(np.asarray(tokens), (served.model.data_parallel_size, 1))
+    expected = np.asarray(served.model.apply(served.model.params, rows, return_routing=True).routing[0])
+    for choice in response["choices"]:
+        routing = decoded_routing(choice["routing"])
+        assert routing.shape == expected.shape and (routing[:, -1] == -1).all()
+        np.testing.assert_array_equal(routing[:, :-1], expected[:, :-1])
+    messages = [{"role": "user", "content": "Route"}]
+    chat = dict(model=NAME, messages=messages, max_tokens=4, temperature=0, return_routing=True)
+    plain = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["routing"]
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as sse:
+        events = [json.loads(line[6:]) for line in sse.iter_lines() if line.startswith("data: {")]
+    last = [event["choices"][0] for event in events if event["choices"] and event["choices"][0]["finish_reason"]]
+    assert last[-1]["routing"] == plain
+    assert "routing" not in httpx.post(f"{served.url}/v1/completions", json={**body, "return_routing": False},
+                                       timeout=60).json()["choices"][0]
+    refused = httpx.post(f"{served.url}/v1/completions", json={**body, "return_routing": "yes"}, timeout=60)
+    assert refused.status_code == 400 and "return_routing" in refused.text
