@@ -69,8 +69,8 @@ class TrainLoop:
     evaluate(step, state) -> metrics merged into that step's record, after the steps where `should_evaluate(step)`
         (the loop drains its queue first, as for a save: `state` is exactly the state after `step`).
     save(step, state, capacity_state): called after step `step` applied when `should_save(step)`; the loop
-        drains the queue first, so `state` is exactly the state after that step.
-    The record of the step after a save has `save_wait_s`: the seconds the loop waited in it.
+        drains the queue first, so `state` is exactly the state after that step. The record of the step after a
+        save has `save_wait_s`: the seconds the loop waited in it.
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
         `should_save` and `save`, and `run` waits for its last save before returning.
     rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module

@@ -204,6 +204,7 @@ class Output:
     time_to_first_token: float | None = None
     inter_token_latencies: list = field(default_factory=list)
     error: str | None = None
+    routing: object = None   # GenerationOutput.routing: set only for requests with return_routing
 
     def is_finished(self) -> bool:
         return self.finished
