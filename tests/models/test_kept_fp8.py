@@ -136,3 +136,17 @@ def test_plan_counts_deepseek_v3_kept_fp8_within_an_h200_on_fsdp8_ep8(capsys):
         line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parameter bytes"))
         gib[flag] = float(line.split(":")[1].split()[0])
     assert gib["--no-dequantize"] < 141 < gib["--dequantize"]
+
+
+def test_routing_replay_on_a_kept_fp8_base_gives_the_dequantised_models_forced_logits(hub_checkpoint):
+    """The sampler's routing recorded on kept FP8 weights replays on them (RL on a quantised base), and forcing
+    other experts gives what the dequantised model gives under the same forcing."""
+    kept = load(hub_checkpoint, None, dequantize=False)
+    dequantised = load(hub_checkpoint, None)
+    recorded = np.asarray(kept.apply(kept.params, IDS, return_routing=True).routing)
+    np.testing.assert_allclose(np.asarray(kept.apply(kept.params, IDS, routing=recorded).logits),
+                               np.asarray(kept(IDS)), rtol=0, atol=1e-6)
+    forced = (recorded + 1) % kept.config.n_routed_experts       # each token's next experts (still distinct)
+    np.testing.assert_allclose(np.asarray(kept.apply(kept.params, IDS, routing=forced).logits),
+                               np.asarray(dequantised.apply(dequantised.params, IDS, routing=forced).logits),
+                               rtol=0, atol=1e-5)
