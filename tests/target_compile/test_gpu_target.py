@@ -152,3 +152,29 @@ def test_the_planner_compiles_its_layouts_for_the_target():
     (estimate,) = plan.estimates
     assert estimate.compiled and estimate.fits and estimate.step_seconds > 0
     assert estimate.collective_bytes["all-to-all (within a node)"] > 0
+
+
+def test_the_grpo_step_with_routing_replay_compiles_for_h100():
+    """RL's train step (the clipped policy objective, the sampler's routing replayed) for 8 x H100 on
+    fsdp8/ep8: its batch's routing [B, L, S, K] and per-token inputs sharded as the batch."""
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_jax.rl import ClippedPolicyObjective
+    from moe_jax.training import abstract_train_state, make_train_step
+
+    model = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), FSDP8_EP8, devices=target_devices("h100", 8))
+    step = make_train_step(model, optax.adam(1e-5), objective=ClippedPolicyObjective(), routing_replay=True,
+                           mixed_precision=True)
+    state = abstract_train_state(model, step.optimizer, model.capacity_schedule.ladder[-1], trainable=step.trainable)
+    rows, length = 16, 64
+    tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=model.batch_sharding())
+    floats = jax.ShapeDtypeStruct((rows, length), jnp.float32, sharding=model.batch_sharding())
+    routing = jax.ShapeDtypeStruct((rows, len(model.sparse_layers()), length, DEMO_CONFIG["num_experts_per_tok"]),
+                                   jnp.int32, sharding=NamedSharding(model.mesh, P(model.batch_sharding().spec[0])))
+    batch = {"input_ids": tokens, "attention_mask": tokens, "labels": tokens, "old_logprobs": floats,
+             "advantages": floats, "routing": routing}
+    compiled = step.lower(state, batch).compile()
+    assert "all-to-all" in compiled.as_text()
