@@ -120,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="float32 master parameters and optimizer state, bfloat16 compute (needs --dtype float32)")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="keep the optimizer state in pinned host memory between steps")
+    parser.add_argument("--offload-parameters", action="store_true",
+                        help="keep the trained parameters in pinned host memory between steps")
     parser.add_argument("--export-hf", default=None, help="write the trained weights here as an HF checkpoint")
     parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call in the loss")
     add_scan_layers_flag(parser)
@@ -321,6 +325,13 @@ def _read_shares(args, model, data, eval_data):
     return data, eval_data, packing_efficiency
 
 
+def _offload(args) -> str | None:
+    """The state kept in host memory between steps: --offload-optimizer and/or --offload-parameters."""
+    parts = {"optimizer": args.offload_optimizer, "parameters": args.offload_parameters}
+    chosen = [part for part, on in parts.items() if on]
+    return None if not chosen else ("all" if len(chosen) == 2 else chosen[0])
+
+
 def _build_train_step(args, model, schedules):
     from ..training.optimizers import build_optimizer
     from ..training.step import make_train_step
@@ -329,7 +340,7 @@ def _build_train_step(args, model, schedules):
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
-                                 mixed_precision=args.mixed_precision or None,
+                                 mixed_precision=args.mixed_precision or None, offload=_offload(args),
                                  trainable=trainable_from_flags(args, model), **balance_options(args))
     if not train_step.trainable.everything:
         print(f"training {train_step.trainable.describe()}; the rest of the model is frozen")

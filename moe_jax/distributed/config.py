@@ -62,7 +62,8 @@ class DistributedConfig:
         fsdp_size: devices that FSDP-shard parameters and see distinct batches. Default 1.
         dp_replicate_size: HSDP replicas of the FSDP-sharded model. Default 1.
         fsdp_plan: overrides of the model's FSDP plan, applied when `dp_replicate_size * fsdp_size > 1`.
-        fsdp_cpu_offload: keep the FSDP shards in host memory (reserved; the reference's CPU offload policy).
+        fsdp_cpu_offload: keep the train state (parameters and optimizer state) in pinned host memory between
+            steps (`make_train_step(offload=)` places the two apart).
         fsdp_mixed_precision: bf16 parameters with fp32 gradient reduction (reference's FSDP2 policy).
         pp_size: pipeline stages. Default 1.
         ep_size: devices owning distinct expert shards; a multiple of `tp_size` that divides

@@ -93,24 +93,34 @@ def train_state_shardings(model, optimizer: optax.GradientTransformation, capaci
                           *, memory_kind: str | None = None, trainable=None) -> TrainState:
     """A `TrainState` of `NamedSharding` values: parameters as the plans lay them out, optimizer state like its
     parameters, scalars replicated. memory_kind: where parameters and optimizer state live ("pinned_host"
-    for CPU offload; None: the device). trainable: the `TrainableParameters` the state holds (default: what
-    `resolve_trainable` trains on this model)."""
+    for CPU offload; None: the device), or a (parameters', optimizer state's) pair to place them apart.
+    trainable: the `TrainableParameters` the state holds (default: what `resolve_trainable` trains on this
+    model)."""
     trainable = resolve_trainable(model) if trainable is None else trainable
-    parameters = trainable.shardings(model)
-    if memory_kind is not None:
-        parameters = {name: sharding.with_memory_kind(memory_kind) for name, sharding in parameters.items()}
+    params_kind, opt_kind = memory_kinds(memory_kind)
+    laid_out = trainable.shardings(model)
+
+    def placed(kind):
+        return laid_out if kind is None else {name: s.with_memory_kind(kind) for name, s in laid_out.items()}
+
+    parameters, opt_parameters = placed(params_kind), placed(opt_kind)
     replicated = NamedSharding(model.mesh, P())
     abstract_params = abstract_parameters(model, trainable)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     shapes = trainable.shapes(model)
     opt_state = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: parameter_sharding_of(path, leaf, parameters, shapes, replicated), abstract_opt_state
+        lambda path, leaf: parameter_sharding_of(path, leaf, opt_parameters, shapes, replicated), abstract_opt_state
     )
     slots = model.num_redundant_experts > 0
     return TrainState(step=replicated, params=parameters, opt_state=opt_state, rng=replicated,
                       data_position=replicated, skipping=replicated, capacity=capacity,
                       expert_placement=ExpertPlacement(replicated, replicated, replicated) if slots else None,
                       expert_load_window=replicated if slots else None)
+
+
+def memory_kinds(memory_kind) -> tuple[str | None, str | None]:
+    """(the parameters', the optimizer state's) memory kind, of one kind for both or a pair."""
+    return tuple(memory_kind) if isinstance(memory_kind, (tuple, list)) else (memory_kind, memory_kind)
 
 
 def abstract_parameters(model, trainable=None) -> dict[str, jax.ShapeDtypeStruct]:

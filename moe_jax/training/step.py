@@ -49,9 +49,8 @@ from .mtp_loss import MtpLoss
 from .optimizers import freeze_buffers
 from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState, init_train_state, train_state_shardings
-from .step_checks import (OFFLOAD_MEMORY_KIND, check_batch_keys, check_no_quantized_codes_trained,
-                          check_offload_supported)
-from .step_options import BATCH_KEYS, TrainStepOptions
+from .step_checks import check_batch_keys, check_no_quantized_codes_trained, check_offload_supported
+from .step_options import BATCH_KEYS, TrainStepOptions, offload_memory_kinds
 from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).
@@ -87,7 +86,8 @@ class TrainStep:
             raise ValueError(f"grad_accum={options.grad_accum} must be >= 1 (micro-batches per step).")
         if options.grad_clip is not None and options.grad_clip <= 0:
             raise ValueError(f"grad_clip={options.grad_clip} must be > 0, or None for no clipping.")
-        if options.offload:
+        offloaded = offload_memory_kinds(options.offload)
+        if offloaded is not None:
             check_offload_supported(model)
         # What the state holds and trains (`training.trainable`): every parameter by default, the adapter alone
         # when the model has one. Buffers (DeepSeek-V3's e_score_correction_bias) are state, not weights: no
@@ -96,7 +96,8 @@ class TrainStep:
         if self.trainable.everything:
             optimizer = freeze_buffers(optimizer, model)
         self.model, self.optimizer, self.options = model, optimizer, options
-        self.memory_kind = OFFLOAD_MEMORY_KIND if options.offload else None
+        # (parameters', optimizer state's) memory kinds between steps, or None: both on the device.
+        self.memory_kind = offloaded
         self.aux_coefficient = aux_loss_coefficient(model.config)
         self.z_coefficient = check_router_z_loss(model, options.router_z_loss_coef)
         self.bias_update = RouterBiasUpdate.of(model, options.router_bias_update_rate, self.trainable)
@@ -240,16 +241,17 @@ class TrainStep:
             donate_argnums=(0,),
         )
 
-    def _on_device(self, tree, shardings):
-        if self.memory_kind is None:
+    def _on_device(self, tree, shardings, part: int):
+        """`tree` (part 0: the parameters, 1: the optimizer state) on the device for the step's compute."""
+        if self.memory_kind is None or self.memory_kind[part] is None:
             return tree
         return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
 
     def _step(self, state: TrainState, batch: dict, frozen: dict | None = None) -> tuple[TrainState, dict]:
         options = self.options
         shardings = self.shardings(state.capacity)
-        params = self._on_device(state.params, shardings.params)
-        opt_state = self._on_device(state.opt_state, shardings.opt_state)
+        params = self._on_device(state.params, shardings.params, 0)
+        opt_state = self._on_device(state.opt_state, shardings.opt_state, 1)
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         labels = batch.get("labels")
@@ -392,7 +394,7 @@ class TrainStep:
 
 def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accum: int = 1,
                     grad_clip: float | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
-                    mixed_precision: bool | None = None, offload: bool | None = None,
+                    mixed_precision: bool | None = None, offload: bool | str | None = None,
                     check_overflow: bool = True, pipeline_microbatches: int | None = None,
                     trainable: Selection = None, router_z_loss_coef: float = 0.0,
                     router_bias_update_rate: float = 0.0, mtp_loss_coef: float = 0.0,
@@ -400,7 +402,9 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
     """The train step of `model` with any optax `optimizer`.
 
     mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
-    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory).
+    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory). offload:
+    "optimizer", "parameters" or "all" (True) keep that part of the state in host memory between steps (moved to
+    the devices for each step's compute); None: the config's (`fsdp_cpu_offload=True`: "all").
     pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's).
     trainable: what to train, a glob, list of globs or predicate over HF parameter names (the adapter's
     factors included); default: the model's LoRA adapter when it has one, else every parameter. The state holds

@@ -22,7 +22,8 @@ class TrainStepOptions:
     used and its gradient accumulated and reduced in float32, `moe_jax.nn.precision`);
     check_overflow: skip a step whose dispatch dropped pairs (off only to measure what the check costs; a
     model without dispatch buffers, capacity None, has nothing to check);
-    offload: keep parameters and optimizer state in host memory between steps; pipeline_microbatches: with
+    offload: keep state in host memory between steps: "optimizer" (its state), "parameters", "all" (both; True),
+    None / False (neither): `offload_memory_kinds`; pipeline_microbatches: with
     pipeline stages, how many microbatches each micro-batch is cut into (None: the model's);
     router_z_loss_coef, router_bias_update_rate: the balance terms of `moe_jax.training.balance` (0: off);
     mtp_loss_coef: the multi-token-prediction loss's weight (`moe_jax.training.mtp_loss`; 0: off);
@@ -34,7 +35,7 @@ class TrainStepOptions:
     loss_chunk: int = DEFAULT_LOSS_CHUNK
     compute_dtype: jnp.dtype | None = None
     check_overflow: bool = True
-    offload: bool = False
+    offload: bool | str | None = False
     pipeline_microbatches: int | None = None
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 0.0
@@ -45,3 +46,19 @@ class TrainStepOptions:
     def batch_keys(self) -> tuple[str, ...]:
         """The keys a batch may hold: BATCH_KEYS and the objective's."""
         return BATCH_KEYS + (() if self.objective is None else tuple(self.objective.batch_keys))
+
+
+# `offload` -> where (parameters, optimizer state) live between steps; None: the device.
+OFFLOAD_CHOICES = {"all": ("pinned_host", "pinned_host"), "optimizer": (None, "pinned_host"),
+                   "parameters": ("pinned_host", None)}
+
+
+def offload_memory_kinds(offload) -> tuple[str | None, str | None] | None:
+    """(parameters', optimizer state's) memory kinds of an `offload` choice; None when nothing is offloaded."""
+    if offload is None or offload is False:
+        return None
+    choice = "all" if offload is True else offload
+    if choice not in OFFLOAD_CHOICES:
+        raise ValueError(f"offload={offload!r}: choose one of {sorted(OFFLOAD_CHOICES)}, True (all), or None / False "
+                         "(nothing offloaded).")
+    return OFFLOAD_CHOICES[choice]

@@ -152,6 +152,11 @@ def test_host_offload_keeps_the_state_in_pinned_host_memory_and_trains_identical
     TrainLoop(on_device, FixtureBatches(), on_step=expected.append).run(on_device.init_state(), 3)
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {"pinned_host"}
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in expected], rtol=1e-6)
+    for part, (params_kind, opt_kind) in {"optimizer": ("device", "pinned_host"),
+                                          "parameters": ("pinned_host", "device")}.items():
+        state = build_trainer(None, offload=part)[1].init_state()
+        assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {params_kind}, part
+        assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {opt_kind}
 
 
 def test_a_batch_the_layout_cannot_split_is_refused(trainers):
@@ -226,3 +231,20 @@ def test_the_gradient_norm_leaves_the_optimizer_its_own_squares(max_norm):
     assert compiled.memory_analysis().temp_size_in_bytes < smallest_gradient_bytes
     _, _, norm = compiled(jax.tree.map(jnp.copy, params), optimizer.init(params), grads)
     np.testing.assert_allclose(float(norm), float(optax.tree.norm(grads)), rtol=1e-6)
+
+
+@pytest.mark.heavy   # the suite checks the placement (below) on one device
+def test_optimizer_only_offload_keeps_the_parameters_on_the_device_and_trains_identically():
+    """offload="optimizer" on fsdp8/ep8: parameters on the device, the optimizer state in pinned host memory
+    between steps; 10 steps' losses equal the run without offload (1e-6)."""
+    fsdp8_ep8 = dict(fsdp_size=8, ep_size=8, ep_implementation="all_to_all")
+    _, on_device = build_trainer(fsdp8_ep8)
+    _, offloaded = build_trainer(fsdp8_ep8, offload="optimizer")
+    records, expected = [], []
+    state, _ = TrainLoop(offloaded, FixtureBatches(), on_step=records.append).run(offloaded.init_state(), 10)
+    TrainLoop(on_device, FixtureBatches(), on_step=expected.append).run(on_device.init_state(), 10)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"device"}
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {"pinned_host"}
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in expected], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"offload='gpu': choose one of \['all', 'optimizer', 'parameters'\]"):
+        build_trainer(None, offload="gpu")
