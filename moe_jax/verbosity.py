@@ -37,6 +37,15 @@ def is_gloo_connection_line(line: bytes) -> bool:
     return GLOO_CONNECTED.match(line) is not None
 
 
+# JAX's preemption notifier logs the SIGTERM it catches as a C++ warning; a preempted training run says so itself.
+PREEMPTION_NOTICE = re.compile(rb"^W\d{4} [\d:.]+\s+\d+ preemption_notifier\.cc:\d+\] SIGTERM caught")
+
+
+def is_quiet_line(line: bytes) -> bool:
+    """Lines a launcher relays only when verbose: gloo's connection lines, JAX's preemption notice."""
+    return is_gloo_connection_line(line) or PREEMPTION_NOTICE.match(line) is not None
+
+
 class _NoTorchNotice(logging.Filter):
     """Drops Transformers' notice that torch is missing, unless verbose (decided when it is logged)."""
 

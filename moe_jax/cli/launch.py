@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..distributed.runtime import FAILURE_REPORTS
 from ..host_memory import huge_page_tunables
-from ..verbosity import VERBOSE, is_gloo_connection_line, verbose
+from ..verbosity import VERBOSE, is_quiet_line, verbose
 
 POLL_S = 0.05
 SETTLE_S = 0.3  # after a first failure, for the others close behind it (see _blame)
@@ -116,9 +116,9 @@ class _Child:
 def _relay(stream, out, prefix: bytes, lock: threading.Lock, last_lines: deque, verbose: bool = False) -> None:
     """Copy `stream` to `out` line by line, each line prefixed (whole lines only, so output never
     interleaves), keeping the last lines (as a terminal shows them: after the last carriage return) in
-    `last_lines`; gloo's connection lines only when `verbose` (`moe_jax.verbosity`)."""
+    `last_lines`; gloo's connection lines and JAX's preemption notice only when `verbose` (`moe_jax.verbosity`)."""
     for line in iter(stream.readline, b""):
-        if not verbose and is_gloo_connection_line(line):
+        if not verbose and is_quiet_line(line):
             continue
         line = line if line.endswith(b"\n") else line + b"\n"
         with lock:
