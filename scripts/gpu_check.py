@@ -1,7 +1,7 @@
 """The GPU check: correctness against the CPU, MoE-layer TFLOP/s and MFU at Qwen3-30B-A3B
 shapes per grouped-matmul backend, and a reduced-depth Qwen3-30B-A3B train step's tokens/s and MFU.
 
-    scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~4 minutes
+    scripts/gpu_check.sh OUT_DIR                    # on the lent GPU machine (the device tool), ~5 minutes
     python scripts/gpu_check.py OUT_DIR --small     # the same code paths at toy shapes, on any machine
 
 Writes OUT_DIR/gpu_check.json (every figure) and OUT_DIR/gpu_check.txt (the printed report). Nothing is
@@ -17,7 +17,9 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
      on the same inputs where torch is importable;
   4. train step: Qwen3-30B-A3B at --layers layers (full width and vocab), mixed precision (fp32 masters, bf16
      compute), AdamW, batch --batch x --seq, tokens/s and MFU (6 x active parameters x tokens per second);
-  5. serving: continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
+  5. offload: the train step with its state in host memory between steps (none, optimizer, all): the device's
+     and the host's bytes at the step's peak (XLA's memory analysis) and the step's time;
+  6. serving: continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
      new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s.
 `--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
@@ -68,7 +70,7 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
 
 
 
-SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "serving")
+SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "offload", "serving")
 
 
 def backends() -> list[str]:
@@ -306,6 +308,38 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     return result
 
 
+def offload(config: dict, layers: int, batch: int, seq: int, repeats: int, report) -> dict:
+    """The train step of `train_step` with its state kept in host memory between steps (`make_train_step(offload=)`:
+    none, the optimizer state, all): XLA's memory analysis of the compiled step (the device's bytes at the step's
+    peak, and the host's) and the step's time. What offload saves at the peak depends on when XLA brings the state
+    back: only a GPU's analysis separates the two memories (XLA:CPU's does not)."""
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1])
+    model.init_params(seed=0)
+    ids = np.random.default_rng(2).integers(0, config["vocab_size"], (batch, seq))
+    results = {}
+    for choice in (None, "optimizer", "all"):
+        step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True, offload=choice)
+        state = step.init_state(params=model.params)
+        analysis = step.lower(state, {"input_ids": ids}).compile().memory_analysis()
+        device = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+                  + analysis.temp_size_in_bytes)
+        host = (analysis.host_argument_size_in_bytes + analysis.host_output_size_in_bytes
+                - analysis.host_alias_size_in_bytes + analysis.host_temp_size_in_bytes)
+        state, metrics = step(state, {"input_ids": ids})  # compile
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            state, metrics = step(state, {"input_ids": ids})
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        name = choice or "none"
+        results[name] = {"device_bytes": device, "host_bytes": host, "step_ms": seconds * 1e3}
+        report(f"  offload {name}: device {device / 2**20:.1f} MiB, host {host / 2**20:.1f} MiB at the step's peak; "
+               f"{seconds * 1e3:.1f} ms/step")
+    return results
+
+
 def serving(config: dict, layers: int, requests: int, slots: int, small: bool, report) -> dict:
     """Continuous batching (`ServingEngine`, no HTTP) against static `generate` batches of the same requests, bf16:
     generated tokens per second of each, over one pass (every program compiled before it)."""
@@ -396,6 +430,7 @@ def main() -> int:
                       ("attention", lambda: attention(config, args.batch, args.seq, peak, args.repeats, report)),
                       ("train_step", lambda: train_step(config, args.layers, args.batch, args.seq, peak, args.repeats,
                                                         report)),
+                      ("offload", lambda: offload(config, args.layers, args.batch, args.seq, args.repeats, report)),
                       ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
                                                   4 if args.small else 32, args.small, report))]
     failed = False
