@@ -289,14 +289,7 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True)
     state = step.init_state(params=model.params)
     ids = np.random.default_rng(2).integers(0, config["vocab_size"], (batch, seq))
-    state, metrics = step(state, {"input_ids": ids})  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, metrics = step(state, {"input_ids": ids})
-        jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    seconds, metrics = median_step_seconds(step, state, {"input_ids": ids}, repeats)
     tokens_per_s = batch * seq / seconds
     # The model FLOPs `moe-jax train --peak-tflops` reports MFU with (6 x active parameters + causal attention).
     mfu = train_flops_per_token(model, seq) * tokens_per_s / peak
@@ -306,6 +299,19 @@ def train_step_with(backend: str | None, config: dict, layers: int, batch: int, 
     report(f"  {label}backend {result['backend']}, {layers} layers, batch {batch} x {seq}: {seconds * 1e3:.1f} ms/step, "
            f"{tokens_per_s:.0f} tokens/s, MFU {mfu:.1%} (loss {result['loss']:.3f})")
     return result
+
+
+def median_step_seconds(run, state, batch: dict, repeats: int) -> tuple[float, dict]:
+    """(the median seconds of `repeats` steps of `run(state, batch) -> (state, metrics)` after a first, untimed one
+    (its compilation), the last step's metrics); the state is donated, each step takes the one before's."""
+    state, metrics = run(state, batch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = run(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), metrics
 
 
 def offload(config: dict, layers: int, batch: int, seq: int, repeats: int, report) -> dict:
@@ -320,19 +326,13 @@ def offload(config: dict, layers: int, batch: int, seq: int, repeats: int, repor
     for choice in (None, "optimizer", "all"):
         step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True, offload=choice)
         state = step.init_state(params=model.params)
-        analysis = step.lower(state, {"input_ids": ids}).compile().memory_analysis()
+        compiled = step.lower(state, {"input_ids": ids}).compile()   # every parameter trained: no frozen arguments
+        analysis = compiled.memory_analysis()
         device = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
                   + analysis.temp_size_in_bytes)
         host = (analysis.host_argument_size_in_bytes + analysis.host_output_size_in_bytes
                 - analysis.host_alias_size_in_bytes + analysis.host_temp_size_in_bytes)
-        state, metrics = step(state, {"input_ids": ids})  # compile
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            state, metrics = step(state, {"input_ids": ids})
-            jax.block_until_ready(metrics["loss"])
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
+        seconds, _ = median_step_seconds(compiled, state, {"input_ids": ids}, repeats)   # the program analysed
         name = choice or "none"
         results[name] = {"device_bytes": device, "host_bytes": host, "step_ms": seconds * 1e3}
         report(f"  offload {name}: device {device / 2**20:.1f} MiB, host {host / 2**20:.1f} MiB at the step's peak; "
