@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100   # `training.loss.IGNORE_INDEX`: positions the loss does not count
+from ..training.loss import IGNORE_INDEX
 
 
 def rollout_batch(outputs: Sequence, advantages, *, length: int, pad_token_id: int = 0) -> dict[str, np.ndarray]:
