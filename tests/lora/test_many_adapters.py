@@ -99,6 +99,8 @@ def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path)
     dispatched.load_adapters({"narrow": adapter_dirs["narrow"]})   # dense targets: any layout
 
 
+# heavy: ngram drafts and mixed adapters each have their suite test
+@pytest.mark.heavy
 def test_mixed_adapters_with_ngram_drafts_equal_plain_decoding(adapter_dirs):
     """Verification steps (and mixed steps that verify) carry each row's adapter to every drafted position."""
     names = [None, "wide", "narrow"]

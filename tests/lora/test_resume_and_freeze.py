@@ -26,6 +26,8 @@ def argv(tmp_path, steps: int, *extra) -> list[str]:
             "--lr", "1e-2", "--no-progress", *extra]
 
 
+# heavy: resuming a run is the suite's in tests/training; the adapter's state restores in tests/lora
+@pytest.mark.heavy
 def test_a_lora_run_resumes_with_the_uninterrupted_losses(tmp_path):
     assert main(argv(tmp_path, 4, *LORA_FLAGS, "--metrics-jsonl", str(tmp_path / "whole.jsonl"))) == 0
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2"]

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from moe_jax.checkpoint_files import read_config
 from moe_jax.planning.compile_cache import CompileCache
 from moe_jax.planning.compile_order import LAYOUT_FAMILIES, compile_order
@@ -66,6 +68,8 @@ def test_a_second_plan_reads_the_compiled_steps_from_the_cache(tmp_path):
     assert not any(e.cached for e in other.estimates)       # another config is another key
 
 
+# heavy: two plans; the cache read is the suite's in the test above
+@pytest.mark.heavy
 def test_cached_layouts_are_read_whatever_the_budget(tmp_path):
     """A plan that compiled two layouts leaves them for the next, which reads both though its budget compiles
     nothing new (the floor of one guess, time budget 0)."""

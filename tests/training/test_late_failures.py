@@ -58,6 +58,8 @@ def test_a_run_failing_before_its_first_record_removes_the_files_it_created(tmp_
     assert list((tmp_path / "run").iterdir()) == []
 
 
+# heavy: a second failing CLI run; the failure before records stays in the suite
+@pytest.mark.heavy
 def test_a_run_failing_after_records_keeps_them_and_says_so(tmp_path, monkeypatch, capsys):
     (tmp_path / "run").mkdir()
     failing_from(monkeypatch, 2)   # steps 1-2 are recorded and saved (a save drains the queue) before batch 2

@@ -27,6 +27,8 @@ def train(tmp_path, *extra) -> list[str]:
             str(tmp_path / "metrics.jsonl"), "--no-progress", *extra]
 
 
+# heavy: a resumed CLI run; resuming is the suite's in tests/training/test_train_job.py
+@pytest.mark.heavy
 def test_a_resume_that_lengthens_the_schedule_says_so_and_lr_decay_steps_keeps_it(tmp_path, capsys):
     assert main(train(tmp_path)) == 0
     shutil.copytree(tmp_path / "ckpt", tmp_path / "first")

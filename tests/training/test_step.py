@@ -47,6 +47,8 @@ def test_a_skipping_state_is_returned_unchanged_and_stays_skipping(trainers):
     jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
+# heavy: a second compile of the step under a patched backend
+@pytest.mark.heavy
 def test_on_accelerators_a_skipped_step_is_a_select_with_the_conditionals_results(monkeypatch):
     """Off XLA:CPU the overflow check selects inside the update (a conditional there holds a second copy of the
     whole state); the select gives the conditional's states, applied and skipped."""
