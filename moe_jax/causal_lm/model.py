@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from ..distributed.activations import UNCONSTRAINED, ActivationLayouts, LogicalAxisRules
 from ..distributed.capacity import CapacitySchedule, CapacityTracker
 from ..distributed.config import DistributedConfig
+from ..distributed.context import ContextLayout
 from ..distributed.experts import ShardedExperts
 from ..distributed.mesh import DeviceLayout, build_mesh, model_devices
 from ..distributed.plans import PlannedModel, resolve_parallel_plans
@@ -165,7 +166,8 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                               ep_size=self.layout.ep_size if self.layout.ep_size > 1 and any(
                                   module.implementation is not None for module in self.sharded_experts.values())
                               else 1, num_redundant_experts=self.num_redundant_experts, mtp_layers=self.mtp_layers,
-                              device=None if self.mesh is None else self.mesh.devices.flat[0])
+                              device=None if self.mesh is None else self.mesh.devices.flat[0],
+                              context=ContextLayout.of(self.mesh, self.layout, self.distributed_config.cp_strategy))
         self.params: dict | None = None
         # `apply`'s own jit, for eager callers; programs that own their jit trace `step_math` directly.
         self._apply_jit = self._new_apply_jit()
@@ -401,15 +403,15 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                   inference: bool = True, return_hidden: bool = False, compute_dtype=None,
                   segment_ids=None, adapter: Mapping[str, Any] | None = None, expert_placement=None,
                   return_mtp_logits: bool = False, final_norm: bool = True, routing=None,
-                  return_routing: bool = False) -> ModelOutput:
+                  return_routing: bool = False, context_order: bool = False) -> ModelOutput:
         """`apply` without its checks and its jit: the pure step, traced into the caller's program. The train
         step, the generator's prefill / decode and an NNX step each own the one jit around it and run
         `check_step` at their boundary; called eagerly it would run op by op (call `apply` instead)."""
         return step_math(self.core, params, input_ids, attention_mask=attention_mask, positions=positions,
                          cache=cache, capacity=capacity, rng=rng, inference=inference, return_hidden=return_hidden,
                          compute_dtype=compute_dtype, segment_ids=segment_ids, adapter=adapter,
-                         expert_placement=expert_placement, return_mtp_logits=return_mtp_logits,
-                         final_norm=final_norm, routing=routing, return_routing=return_routing)
+                         expert_placement=expert_placement, return_mtp_logits=return_mtp_logits, final_norm=final_norm,
+                         routing=routing, return_routing=return_routing, context_order=context_order)
 
     def forward(self, input_ids, attention_mask=None, *, params: Mapping | None = None, positions=None,
                 inference: bool = True, rng: jax.Array | None = None, return_hidden: bool = False) -> DroplessOutput:

@@ -5,9 +5,13 @@ module or a mesh axis (MaxText's `logical_axis_rules`, in this library's terms).
 model, built once from its `DeviceLayout` and resolved TP plan (`logical_axis_rules`), maps each name:
 
     batch               the batch axes: FSDP gathers weights, never the batch
-    tokens              the batch axes: [B*S] rows flattened batch-major (router logits), split as the batch
-    length, embed       never split: no sequence parallelism; the residual stream is whole over tp, as every
-                        HF TP block ends with a reduced (rowwise) or gathered output
+    length              the cp axes (context parallelism, `distributed.context`), else whole
+    sequence            the residual stream's sequence: the cp axes, then tp's under sequence parallelism
+                        (`enable_sequence_parallel`: tp's all-reduce of a rowwise output becomes a
+                        reduce-scatter, and the next colwise input an all-gather, Megatron's SP)
+    tokens              the batch axes, then the cp axes: [B*S] rows flattened batch-major (router logits)
+    embed               never split: the residual stream is whole over tp, as every HF TP block ends with a
+                        reduced (rowwise) or gathered output
     heads, kv_heads, mlp, experts, vocab, q_lora, kv_lora
                         output features of projections: the tp axes when the plan rule of every module that
                         outputs the axis (the model's `output_axes`) keeps its output split on its last dim
@@ -39,8 +43,8 @@ from .plans import replace_layer_number_by_wildcard
 from .styles import ALL_PARALLEL_STYLES, SHARDED_LAST_DIM
 
 # Logical axes whose mesh axes do not depend on plan rules, and those a projection's rule decides.
-BATCH_AXES = ("batch", "tokens")
-WHOLE_AXES = ("length", "embed")
+BATCH_AXES = ("batch", "tokens", "length", "sequence")
+WHOLE_AXES = ("embed",)
 PLANNED_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "q_lora", "kv_lora")
 WEIGHT_AXES = ("head_rows",)
 # A dim laid out as the compiler chooses (e.g. the loss's vocab: split over tp where the head's weight is).
@@ -108,7 +112,9 @@ def logical_axis_rules(layout: DeviceLayout, tp_plan: Mapping[str, str],
     if unknown := sorted(set(output_axes.values()) - set(PLANNED_AXES)):
         raise ValueError(f"output_axes names {unknown}; outputs are one of {', '.join(PLANNED_AXES)}.")
     styles = {replace_layer_number_by_wildcard(name): style for name, style in tp_plan.items()}
-    rules: list[tuple[str, MeshAxes]] = [(name, layout.batch_axes or None) for name in BATCH_AXES]
+    rules: list[tuple[str, MeshAxes]] = [("batch", layout.batch_axes or None), ("tokens", layout.token_axes or None),
+                                         ("length", layout.cp_axes or None),
+                                         ("sequence", layout.sequence_axes or None)]
     rules += [(name, None) for name in WHOLE_AXES]
     for axis in PLANNED_AXES:
         modules = [module for module, name in output_axes.items() if name == axis]

@@ -16,6 +16,27 @@ from typing import Literal
 
 from .runtime import is_main_process
 
+# Fields beyond the reference's (after its own, in this order), with their defaults.
+EXTENSION_DEFAULTS = {"cp_size": 1, "cp_strategy": "all_gather"}
+# How attention sees the other cp ranks' keys (`moe_jax.nn.context_attention` runs them).
+CP_STRATEGIES = ("all_gather", "ring")
+
+
+def check_context_parallel(config) -> None:
+    """A `DistributedConfig`'s context-parallel fields (ValueError naming the bad value and the fix)."""
+    if config.cp_strategy not in CP_STRATEGIES:
+        raise ValueError(f"`cp_strategy` must be one of {', '.join(map(repr, CP_STRATEGIES))}, got "
+                         f"{config.cp_strategy!r}.")
+    if config.cp_size == 1 or config.ep_size == 1:
+        return
+    cp, tp, fsdp, ep = config.cp_size, config.tp_size, config.fsdp_size, config.ep_size
+    groups = ep // tp   # an expert group's cp x fsdp ranks
+    if not (cp % groups == 0 or (groups % cp == 0 and fsdp % (groups // cp) == 0)):
+        raise ValueError(
+            f"`ep_size` ({ep}) must divide `fsdp_size * cp_size * tp_size` ({fsdp * cp * tp}) with expert groups "
+            f"that nest in cp: `ep_size / tp_size` ({groups}) must divide `cp_size` ({cp}), or be a multiple of it "
+            "whose quotient divides `fsdp_size`.")
+
 
 def _world_size_for_tp() -> int:
     """The number of ranks a missing `tp_size` is derived from.
@@ -57,7 +78,9 @@ class DistributedConfig:
             else the number of JAX devices); `None` without a `tp_plan`: 1.
         tp_plan: `"auto"`/`None` use the model's plan; a dict overrides rules of it key by key; `{}` applies
             no tensor-parallel rule.
-        enable_sequence_parallel: reserved for sequence parallelism. Not wired up yet.
+        enable_sequence_parallel: sequence parallelism over tp (Megatron's): the residual stream, norms and
+            router inputs are split over tp along the sequence, tp's all-reduces become reduce-scatter +
+            all-gather. Same results; less activation memory. No effect with `tp_size == 1`.
         enable_expert_parallel: deprecated. Without `ep_size`, same as `ep_size=tp_size, tp_plan={}`.
         fsdp_size: devices that FSDP-shard parameters and see distinct batches. Default 1.
         dp_replicate_size: HSDP replicas of the FSDP-sharded model. Default 1.
@@ -69,6 +92,10 @@ class DistributedConfig:
         ep_size: devices owning distinct expert shards; a multiple of `tp_size` that divides
             `fsdp_size * tp_size`. Default 1.
         ep_plan: overrides of the model's expert-parallel plan, applied when `ep_size > 1`.
+        cp_size: context parallelism (an extension beyond the reference's fields): devices that split each
+            sequence of a batch between them (`moe_jax.distributed.context`). Default 1.
+        cp_strategy: how attention sees the other ranks' keys under `cp_size > 1`: "all_gather" (gather keys
+            and values: few KV heads, GQA / MLA) or "ring" (pass them around with `ppermute`, online softmax).
         ep_implementation: how tokens reach the experts: "auto", "all_to_all", "all_reduce",
             "deepgemm_megamoe" or a name registered in `EPImplementationInterface` (register it before
             building the config). Checked here, after the reference's checks; the reference defers the
@@ -88,16 +115,19 @@ class DistributedConfig:
     ep_size: int | None = None
     ep_plan: dict[str, str] | None = None
     ep_implementation: str = "auto"
+    cp_size: int | None = None
+    cp_strategy: str = "all_gather"
 
     @property
     def efsdp_size(self) -> int:
-        """Devices that own the same experts and FSDP-shard them: `fsdp_size * tp_size // ep_size`.
+        """Devices that own the same experts and FSDP-shard them: `fsdp_size * tp_size // ep_size` (times
+        `cp_size`, whose ranks hold the same experts).
 
             pp x fsdp x tp == pp x efsdp x ep
 
         ep == tp gives efsdp == fsdp; ep == fsdp * tp gives efsdp == 1 (every expert whole on one device).
         """
-        return self.fsdp_size * self.tp_size // self.ep_size
+        return self.fsdp_size * self.cp_size * self.tp_size // self.ep_size
 
     @property
     def dp_size(self) -> int:
@@ -109,7 +139,8 @@ class DistributedConfig:
         self._validate_mesh_config()
 
     def _resolve_parallelism(self) -> None:
-        for value in (self.tp_size, self.fsdp_size, self.dp_replicate_size, self.pp_size, self.ep_size):
+        for value in (self.tp_size, self.fsdp_size, self.dp_replicate_size, self.pp_size, self.ep_size,
+                      self.cp_size):
             if value is not None and value < 1:
                 raise ValueError(f"Parallelism sizes must be >= 1, got {value}.")
 
@@ -119,13 +150,15 @@ class DistributedConfig:
             self.dp_replicate_size = 1
         if self.pp_size is None:
             self.pp_size = 1
+        if self.cp_size is None:
+            self.cp_size = 1
         if self.tp_size is None and self.tp_plan is not None:
             world_size = _world_size_for_tp()
-            other_parallel_size = self.dp_replicate_size * self.fsdp_size * self.pp_size
+            other_parallel_size = self.dp_replicate_size * self.fsdp_size * self.pp_size * self.cp_size
             if world_size % other_parallel_size != 0:
+                sizes = "dp_replicate_size * fsdp_size * pp_size" + (" * cp_size" if self.cp_size > 1 else "")
                 raise ValueError(
-                    f"WORLD_SIZE ({world_size}) must be divisible by dp_replicate_size * fsdp_size * pp_size "
-                    f"({other_parallel_size}) to derive tp_size."
+                    f"WORLD_SIZE ({world_size}) must be divisible by {sizes} ({other_parallel_size}) to derive tp_size."
                 )
             self.tp_size = world_size // other_parallel_size
         elif self.tp_size is None:
@@ -157,8 +190,9 @@ class DistributedConfig:
         if self.ep_size > 1:
             if self.ep_size % self.tp_size:
                 raise ValueError("`ep_size` must be a multiple of `tp_size`.")
-            if (self.fsdp_size * self.tp_size) % self.ep_size:
+            if self.cp_size == 1 and (self.fsdp_size * self.tp_size) % self.ep_size:
                 raise ValueError("`ep_size` must divide `fsdp_size * tp_size`.")
+        check_context_parallel(self)
 
         # The reference refuses FSDP / HSDP with pp here ("Combining FSDP with pipeline parallelism is not
         # supported yet"); moe_jax runs them together (moe_jax.models.pipeline), a documented divergence.
@@ -175,8 +209,9 @@ class DistributedConfig:
 
     @property
     def num_devices(self) -> int:
-        """Devices this layout needs: `pp_size * dp_replicate_size * fsdp_size * tp_size` (ep adds none)."""
-        return self.pp_size * self.dp_replicate_size * self.fsdp_size * self.tp_size
+        """Devices this layout needs: `pp_size * dp_replicate_size * fsdp_size * cp_size * tp_size` (ep adds
+        none)."""
+        return self.pp_size * self.dp_replicate_size * self.fsdp_size * self.cp_size * self.tp_size
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> DistributedConfig:
@@ -186,7 +221,11 @@ class DistributedConfig:
         return cls(**{key: value for key, value in merged.items() if key in valid_keys})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; the extensions beyond the reference's fields only where they are set, so a
+        config without them writes the reference's JSON."""
+        values = asdict(self)
+        return {name: value for name, value in values.items()
+                if name not in EXTENSION_DEFAULTS or value != EXTENSION_DEFAULTS[name]}
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"

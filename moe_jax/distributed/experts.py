@@ -168,7 +168,7 @@ class ShardedExperts:
 
     # Sharding of the inputs of the shard_map body.
     def _batch_spec(self) -> P:
-        return P(spec_entry(self.layout.batch_axes), None)
+        return P(spec_entry(self.layout.token_axes), None)   # [B*S] rows: the batch's axes, then cp's
 
     def _param_spec_and_view(self, name: str, array: jax.Array):
         """(array view, PartitionSpec) the body receives for one expert parameter."""

@@ -19,6 +19,14 @@ into `efsdp x ep_fsdp` with `ep_fsdp = ep_size // tp_size`:
     batch     0     0     1     1  |  2     2     3     3
     experts   E0E1  E2E3  E4E5  E6E7 | E0E1  E2E3  E4E5  E6E7     efsdp groups {r, r+4}
 
+Context parallelism (`cp_size`, an extension) splits each sequence over `cp_size` devices between the fsdp and
+tp axes. Expert groups may span cp ranks (their tokens are more tokens of one batch): `cp` is factored into
+`cp x ep_cp`, `ep_cp` the part inside an expert group, so an ep group stays consecutive ranks:
+
+    mesh axes (slowest -> fastest):  pp, dp_replicate, efsdp, ep_fsdp, cp, ep_cp, tp
+    batch (B)  (dp_replicate, efsdp, ep_fsdp)   length (S)  (cp, ep_cp)   tokens (B*S)  both, in mesh order
+    ep         (ep_fsdp, ep_cp, tp)             parameters are replicated over cp (FSDP-shard them over fsdp)
+
 Without expert parallelism (`ep_size == 1`) the expert view is not used for sharding; its groups follow the
 reference's formulas anyway (`ep` groups are single devices, the `efsdp` group is the whole block).
 
@@ -41,13 +49,15 @@ PP = "pp"
 DP_REPLICATE = "dp_replicate"
 EFSDP = "efsdp"
 EP_FSDP = "ep_fsdp"
+CP = "cp"
+EP_CP = "ep_cp"
 TP = "tp"
-MESH_AXES = (PP, DP_REPLICATE, EFSDP, EP_FSDP, TP)
+MESH_AXES = (PP, DP_REPLICATE, EFSDP, EP_FSDP, CP, EP_CP, TP)
 # The axes inside one pipeline stage: collectives of a layer (its experts' dispatch, their statistics) never
 # cross `pp`, where another stage runs other layers.
-STAGE_MESH_AXES = (DP_REPLICATE, EFSDP, EP_FSDP, TP)
+STAGE_MESH_AXES = (DP_REPLICATE, EFSDP, EP_FSDP, CP, EP_CP, TP)
 
-LOGICAL_GROUPS = ("batch", "fsdp", "tp", "ep", "efsdp", "dp_replicate", "pp")
+LOGICAL_GROUPS = ("batch", "fsdp", "tp", "ep", "efsdp", "dp_replicate", "pp", "cp")
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class DeviceLayout:
     fsdp_size: int
     tp_size: int
     ep_size: int
+    cp_size: int = 1
+    sequence_parallel: bool = False   # the residual stream split over tp along the sequence (Megatron's SP)
 
     @classmethod
     def from_config(cls, config: DistributedConfig) -> DeviceLayout:
@@ -71,6 +83,8 @@ class DeviceLayout:
             fsdp_size=config.fsdp_size,
             tp_size=config.tp_size,
             ep_size=config.ep_size,
+            cp_size=getattr(config, "cp_size", 1),
+            sequence_parallel=bool(config.enable_sequence_parallel),
         )
 
     @property
@@ -78,9 +92,16 @@ class DeviceLayout:
         return self.ep_size > 1
 
     @property
+    def ep_cp_size(self) -> int:
+        """The part of cp inside one EP group (`DistributedConfig` checks that the groups nest)."""
+        if not self.expert_parallel:
+            return 1
+        return math.gcd(self.ep_size // self.tp_size, self.cp_size)
+
+    @property
     def ep_fsdp_size(self) -> int:
-        """How many TP groups one EP group spans."""
-        return self.ep_size // self.tp_size if self.expert_parallel else 1
+        """How many fsdp ranks one EP group spans (its TP groups, past the cp ranks it holds)."""
+        return self.ep_size // self.tp_size // self.ep_cp_size if self.expert_parallel else 1
 
     @property
     def efsdp_axis_size(self) -> int:
@@ -89,8 +110,9 @@ class DeviceLayout:
 
     @property
     def efsdp_size(self) -> int:
-        """The reference's `efsdp_size = fsdp_size * tp_size // ep_size`."""
-        return self.fsdp_size * self.tp_size // self.ep_size
+        """The reference's `efsdp_size = fsdp_size * tp_size // ep_size` (times `cp_size`: cp ranks hold the
+        same experts)."""
+        return self.fsdp_size * self.cp_size * self.tp_size // self.ep_size
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -99,6 +121,8 @@ class DeviceLayout:
             DP_REPLICATE: self.dp_replicate_size,
             EFSDP: self.efsdp_axis_size,
             EP_FSDP: self.ep_fsdp_size,
+            CP: self.cp_size // self.ep_cp_size,
+            EP_CP: self.ep_cp_size,
             TP: self.tp_size,
         }
 
@@ -120,6 +144,21 @@ class DeviceLayout:
         return self._present((DP_REPLICATE, EFSDP, EP_FSDP))
 
     @property
+    def cp_axes(self) -> tuple[str, ...]:
+        """The axes that split each sequence (`length`)."""
+        return self._present((CP, EP_CP))
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """The axes that split the residual stream's sequence: cp's, and tp's under sequence parallelism."""
+        return self.cp_axes + (self.tp_axes if self.sequence_parallel else ())
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes of flattened [B*S] rows: the batch's, then the sequence's (mesh order = row order)."""
+        return self._present((DP_REPLICATE, EFSDP, EP_FSDP, CP, EP_CP))
+
+    @property
     def fsdp_axes(self) -> tuple[str, ...]:
         return self._present((EFSDP, EP_FSDP))
 
@@ -129,7 +168,7 @@ class DeviceLayout:
 
     @property
     def ep_axes(self) -> tuple[str, ...]:
-        return self._present((EP_FSDP, TP)) if self.expert_parallel else ()
+        return self._present((EP_FSDP, EP_CP, TP)) if self.expert_parallel else ()
 
     @property
     def efsdp_axes(self) -> tuple[str, ...]:
@@ -169,9 +208,10 @@ class DeviceLayout:
         return dict(zip(MESH_AXES, (int(c) for c in np.unravel_index(rank, self.mesh_shape))))
 
     def batch_index(self, rank: int) -> int:
-        """Which data batch a device holds inside its pipeline stage: `rank // tp_size` within the stage."""
+        """Which data batch a device holds inside its pipeline stage: `rank // (cp_size * tp_size)` within the
+        stage (cp ranks hold parts of the same rows)."""
         stage_size = self.num_devices // self.pp_size
-        return (rank % stage_size) // self.tp_size
+        return (rank % stage_size) // (self.cp_size * self.tp_size)
 
     def ep_rank(self, rank: int) -> int:
         """Position of a device in its EP group (the reference's `e = i % ep_size`)."""
@@ -221,7 +261,8 @@ def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
     if len(devices) != layout.num_devices:
         raise RuntimeError(
             f"The parallel mesh requires {layout.num_devices} devices, but world_size is {len(devices)}. "
-            f"Choose sizes with pp_size * dp_replicate_size * fsdp_size * tp_size == {len(devices)}."
+            f"Choose sizes with pp_size * dp_replicate_size * fsdp_size * "
+            f"{'cp_size * ' if layout.cp_size > 1 else ''}tp_size == {len(devices)}."
             + _virtual_devices_hint(layout.num_devices, devices)
         )
     device_grid = np.asarray(devices, dtype=object).reshape(layout.mesh_shape)

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 
 from ..distributed.activations import ActivationLayouts, LogicalAxisRules, logical_axis_rules
 from ..distributed.capacity import DispatchStatistics
+from ..distributed.context import ContextLayout
 from ..distributed.eplb import ExpertPlacement, identity_placement
 from ..distributed.mesh import DeviceLayout
 from ..nn.attention_core import attention_for_device, segment_starts
+from ..nn.context_attention import ContextAttention, ContextTokens
 from ..nn.norms import rms_norm
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits, rope_tables
@@ -46,7 +48,8 @@ class ModelCore:
     num_redundant_experts: R extra expert slots per sparse layer; each step takes an `ExpertPlacement`.
     mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; 0: none).
     device: the first device of the model's mesh, whose kind picks the attention kernels
-    (`nn.attention_core.attention_for_device`; None: the host's default backend's)."""
+    (`nn.attention_core.attention_for_device`; None: the host's default backend's).
+    context: the context-parallel layout (`distributed.context`; None: each sequence on one device)."""
 
     family: Family
     config: Any
@@ -61,6 +64,7 @@ class ModelCore:
     num_redundant_experts: int = 0
     mtp_layers: int = 0
     device: Any = None
+    context: ContextLayout | None = None
 
 
 def nested_weights(core: ModelCore, params: Mapping[str, Any], adapter: Mapping[str, Any] | None = None,
@@ -112,7 +116,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
               return_hidden: bool = False, compute_dtype=None, segment_ids=None,
               adapter: Mapping[str, Any] | None = None, expert_placement: ExpertPlacement | None = None,
               return_mtp_logits: bool = False, final_norm: bool = True, routing=None,
-              return_routing: bool = False) -> ModelOutput:
+              return_routing: bool = False, context_order: bool = False) -> ModelOutput:
     """The pure step: params (storage layout), input_ids [B, S] -> `ModelOutput` (logits [B, S, V], or the final
     hidden states [B, S, H] with `return_hidden`; router logits, aux loss, dispatch statistics, the cache).
     Arguments as the facade's `apply`, whose checks (`check_step`) its callers run at their jit boundary.
@@ -136,7 +140,11 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     routing: [B, L, S, K] expert ids (L sparse layers; -1: the router chooses) each token runs instead of its
     router's top-k, weighted by the router at them (`models.routing_replay`, `ops.routing`); the MTP layers
     route themselves. return_routing: `routing` [B, L, S, K] of the output holds the ids each sparse layer ran
-    (not through pipeline stages)."""
+    (not through pipeline stages).
+
+    Under context parallelism (`core.context`) the step runs on the sequence in the context order and returns
+    hidden states, logits, router logits and routing in the natural order; context_order=True leaves the hidden
+    states / logits in the context order (a loss that orders its targets the same saves the reordering)."""
     if return_mtp_logits:
         check_mtp_step(core, cache)
     if return_routing and core.layer_stack.pipeline is not None:
@@ -162,6 +170,16 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         first = 0 if cache is None else cache.next_index
         positions = jnp.broadcast_to(first + jnp.arange(sequence, dtype=jnp.int32)[None, :], (batch, sequence))
     positions = layouts.batch(jnp.asarray(positions, jnp.int32))
+    context = None
+    if core.context is not None:
+        check_context_step(core, cache, return_mtp_logits)
+        context = ContextAttention(core.context, ContextTokens.of(core.context, attention_mask, segment_ids),
+                                   layouts.constrain)
+        order = core.context.to_context_order
+        in_length = lambda x: layouts.constrain(x, ("batch", "length"))  # noqa: E731
+        input_ids, attention_mask, positions = (in_length(order(x)) for x in (input_ids, attention_mask, positions))
+        segment_ids = None if segment_ids is None else in_length(order(segment_ids))
+        routing = None if routing is None else order(jnp.asarray(routing), axis=2)
     step = StepOptions(
         sharded_experts=core.sharded_experts, capacity=capacity, inference=inference, rng=rng, remat=core.remat,
         layouts=layouts, compute_dtype=compute_dtype, cache=cache, segment_ids=segment_ids, unpadded=unpadded,
@@ -169,7 +187,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
         routing=None if routing is None else layouts.constrain(
             layer_rows(routing, family.sparse_layers(config), config.num_hidden_layers),
             (None, "batch", None, None)),
-        record_routing=return_routing,
+        record_routing=return_routing, context=context,
     )
     if core.num_redundant_experts and expert_placement is None:
         expert_placement = identity_placement(len(family.sparse_layers(config)), config.num_experts,
@@ -215,6 +233,8 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
             expert_load.shape[0], core.ep_size, -1).sum(-1).astype(jnp.int32)
     if return_routing:
         mtp["routing"] = recorded([layer_statistics.routing for layer_statistics in statistics], batch)
+    if core.context is not None:
+        hidden, router_logits, mtp = natural_order(core.context, hidden, router_logits, mtp, batch, keep_hidden=context_order)
     if return_hidden:
         return ModelOutput(None, hidden, router_logits, aux_loss, total, cache, expert_load, ep_rank_load, **mtp)
     # The logits stay where the head's dot computes them: split over tp where tp splits the head's vocab rows,
@@ -223,6 +243,28 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     # run the whole dot on each: slower on tp layouts (docs/benchmarks.md, "Against the reference").
     logits = layouts.constrain(head_logits(config, nested, hidden), ("batch", "length", "head_rows"))
     return ModelOutput(logits, None, router_logits, aux_loss, total, cache, expert_load, ep_rank_load, **mtp)
+
+
+def check_context_step(core: ModelCore, cache, return_mtp_logits: bool) -> None:
+    """Why a step cannot run under context parallelism (ValueError), if it cannot."""
+    if cache is not None:
+        raise ValueError(f"cp_size={core.context.size}: a KV cache's steps (generate, serving) do not split the "
+                         "sequence over cp; generate or serve with a layout without cp (cp_size=1), e.g. the same "
+                         "devices as fsdp or tp.")
+    if return_mtp_logits:
+        raise ValueError(f"cp_size={core.context.size}: the MTP layers read each position's next token along the "
+                         "whole sequence, which cp splits; train the MTP loss with cp_size=1.")
+
+
+def natural_order(context: ContextLayout, hidden, router_logits: list, extras: dict, batch: int, *, keep_hidden: bool):
+    """A context-ordered step's outputs back in the natural order: hidden [B, S, ...] (unless `keep_hidden`),
+    router logits [B*S, E] per layer, routing [B, L, S, K]."""
+    def rows(logits):
+        return context.to_natural_order(logits.reshape(batch, -1, logits.shape[-1])).reshape(logits.shape)
+
+    if "routing" in extras:
+        extras = {**extras, "routing": context.to_natural_order(extras["routing"], axis=2)}
+    return (hidden if keep_hidden else context.to_natural_order(hidden)), [rows(x) for x in router_logits], extras
 
 
 def check_mtp_step(core: ModelCore, cache) -> None:

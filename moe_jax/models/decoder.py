@@ -98,7 +98,7 @@ def decoder_layer(family: Family, config, weights: dict, x, layer: int, layer_in
         )
     else:
         out = mlp(feed_forward, h, config.hidden_act, constrain=layouts.constrain)
-    x = layouts.constrain(x + out, ("batch", "length", "embed"))
+    x = layouts.constrain(x + out, ("batch", "sequence", "embed"))
     return x, router_logits, statistics, layer_cache
 
 
@@ -163,7 +163,7 @@ def embedded_inputs(family: Family, config, model: dict, input_ids, positions, s
     x = embed(model["embed_tokens"], input_ids)
     if step.compute_dtype is not None:
         x = x.astype(step.compute_dtype)  # rows gathered from the masters: their gradient stays float32
-    x = step.layouts.constrain(x, ("batch", "length", "embed"))
+    x = step.layouts.constrain(x, ("batch", "sequence", "embed"))
     return x, rope_tables(family, config, positions, x.dtype)
 
 

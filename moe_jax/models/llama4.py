@@ -159,12 +159,16 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
         first = 0 if layer_kv is None else layer_kv.first_index
         if step.segment_ids is not None:   # packed rows: each document's tokens count from its own start
             first = -segment_starts(step.segment_ids)
+        if step.context is not None:       # the context order: each token's own index (its document's origin)
+            tokens = step.context.tokens
+            first = tokens.index - jnp.arange(h.shape[1]) - (0 if step.segment_ids is None else tokens.origin)
         scale = jnp.broadcast_to(temperature(c, first, h.shape[1]), h.shape[:2])      # [B, S]
         q = (q * scale[:, :, None, None]).astype(q.dtype)
     chunk = options["attention_chunk_size"]
     stored = None
     if layer_kv is None:
-        out = attend(q, k, v, scale=c.head_dim ** -0.5, key_padding_mask=None if step.unpadded else attention_mask,
+        out = step.attend(q, k, v, scale=c.head_dim ** -0.5,
+                          key_padding_mask=None if step.unpadded else attention_mask,
                      attention_chunk_size=chunk, segment_ids=step.segment_ids, implementation=step.attention)
     else:
         def core(q, keys, values, **mask_options):
@@ -174,7 +178,7 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
         out, stored = layer_kv.attend(core, q, k, v)
     batch, sequence = h.shape[:2]
     out = linear(weights["o_proj"], out.reshape(batch, sequence, -1))
-    return constrain(out, ("batch", "length", "embed")), stored
+    return constrain(out, ("batch", "sequence", "embed")), stored
 
 
 def route(config: Llama4TextConfig, router_logits, replay=None):

@@ -118,7 +118,7 @@ def mtp_step(family: Family, config, weights: dict, layer: int, previous_hidden,
         embedded = embedded.astype(step.compute_dtype)
     joined = jnp.concatenate([rms_norm(weights["enorm"], embedded, eps),
                               rms_norm(weights["hnorm"], previous_hidden, eps).astype(embedded.dtype)], axis=-1)
-    x = step.layouts.constrain(linear(weights["eh_proj"], joined), ("batch", "length", "embed"))
+    x = step.layouts.constrain(linear(weights["eh_proj"], joined), ("batch", "sequence", "embed"))
     block = partial(decoder_layer, family, config, layer=layer, rope=rope, attention_mask=attention_mask, step=step,
                     kv_view=kv_view)
     if step.remat != "none":

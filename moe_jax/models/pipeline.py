@@ -79,7 +79,7 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     stages, repeats, m_count = layout.stages, layout.repeats, microbatches
     work_items = m_count * repeats
     layouts = step.layouts
-    inputs = layouts.constrain(microbatched(x, m_count), (None, "batch", "length", "embed"))
+    inputs = layouts.constrain(microbatched(x, m_count), (None, "batch", "sequence", "embed"))
     masks = {key: microbatched(mask, m_count) for key, mask in masks.items()}
     token_masks = microbatched(token_mask, m_count)
     segments = None if step.segment_ids is None else microbatched(step.segment_ids, m_count)
@@ -129,14 +129,14 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
         # is used).
         state = jnp.where((stage_ids == 0)[:, None, None, None], buffer[:, micro[0]], state)
         state = jnp.where(valid[:, None, None, None], state, jnp.zeros_like(state))  # bubbles compute on zeros
-        state = layouts.constrain_staged(state, ("batch", "length", "embed"))
+        state = layouts.constrain_staged(state, ("batch", "sequence", "embed"))
         out, stage_statistics, stage_sums, stage_loads, stage_caches = jax.vmap(stage, spmd_axis_name=PP)(
             stage_weights, state, {key: mask[micro] for key, mask in masks.items()},
             token_masks[micro], None if segments is None else segments[micro],
             None if routings is None else routings[micro],
             jax.tree.map(lambda a: a[micro], ropes), repeat, micro, valid, jnp.asarray(layer_numbers),
             [[jnp.asarray(p) for p in kinds] for kinds in present], loads, stage_caches)
-        out = layouts.constrain_staged(out, ("batch", "length", "embed"))
+        out = layouts.constrain_staged(out, ("batch", "sequence", "embed"))
         statistics = statistics.combine(stage_statistics)
         sums = jax.tree.map(jnp.add, sums, stage_sums)
         return (jnp.roll(out, 1, axis=0), buffer, statistics, sums, stage_loads, stage_caches), None
@@ -147,8 +147,8 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     buffer = jnp.full((stages, *inputs.shape), BUBBLE_FILL, x.dtype).at[0].set(inputs)
     sums = (jnp.zeros((stages, experts), jnp.float32), jnp.zeros((stages, experts), jnp.float32),
             jnp.zeros((stages,), jnp.float32))
-    carry = (layouts.constrain_staged(state, ("batch", "length", "embed")),
-             layouts.constrain_staged(buffer, (None, "batch", "length", "embed")),
+    carry = (layouts.constrain_staged(state, ("batch", "sequence", "embed")),
+             layouts.constrain_staged(buffer, (None, "batch", "sequence", "embed")),
              _zero_statistics((stages,)), sums, jnp.zeros((stages, *load_shape), jnp.float32), stage_caches)
     iterations = work_items + stages - 1
     (state, buffer, statistics, sums, loads, stage_caches), _ = jax.lax.scan(iteration, carry,
@@ -157,7 +157,7 @@ def pipeline_layers(family: Family, config, layout: PipelineLayout, microbatches
     statistics = DispatchStatistics(statistics.dropped.sum(), statistics.padded.sum(),
                                     statistics.buffer_rows.max(), statistics.required_capacity.max())
     # The results leave stage 0 once, for the norm and head (replicated over pp).
-    hidden = layouts.constrain(unmicrobatched(buffer[0]), ("batch", "length", "embed"))
+    hidden = layouts.constrain(unmicrobatched(buffer[0]), ("batch", "sequence", "embed"))
     caches = None if caches is None else jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[3:]), stage_caches)
     expert_load = loads.sum(0)[np.asarray(sparse)] if sparse else None
     return hidden, tuple(s.sum(0) for s in sums) if aux_sums else None, statistics, caches, expert_load

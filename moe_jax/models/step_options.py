@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..distributed.activations import ActivationLayouts
+from ..nn.attention_core import attend
 
 # remat policies of the decoder layers: what a layer keeps for the backward pass.
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -49,6 +50,14 @@ class StepOptions:
     # the router's own choice), or None; record_routing: each sparse layer's statistics carry the ids it ran.
     routing: jax.Array | None = None
     record_routing: bool = False
+    # Context parallelism: the sequence runs split over cp in the context order, and attention over a whole
+    # sequence goes through `nn.context_attention.ContextAttention` (None: one device holds each sequence).
+    context: Any = None
+
+    @property
+    def attend(self) -> Callable:
+        """The attention core over a whole sequence (`attention_core.attend`'s arguments)."""
+        return attend if self.context is None else self.context.attend
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:

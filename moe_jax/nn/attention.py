@@ -15,7 +15,7 @@ numbers positions from the first real token while masks still compare raw indice
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import jax
@@ -122,6 +122,7 @@ def attention(
     query_chunk_size: int | None = None,
     constrain: Constrain = no_constraint,
     segment_ids: jax.Array | None = None,
+    core: Callable = attend,
 ) -> jax.Array:
     """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
 
@@ -134,6 +135,7 @@ def attention(
     clip_qkv: OLMoE's `config.clip_qkv`
     constrain: lays out each projection's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`)
     segment_ids: [B, S] packed rows' document ids (`attend`)
+    core: the attention core, `attend` or its context-parallel form (`nn.context_attention`)
     -> [B, S, H]
 
     The logit scale is `head_dim ** -0.5`, as in all four models.
@@ -154,7 +156,7 @@ def attention(
     # A float32 norm weight or rope table would promote q/k alone (HF would fail on the mixed-dtype matmul);
     # attention runs in the value projection's dtype.
     q, k = q.astype(v.dtype), k.astype(v.dtype)
-    out = attend(
+    out = core(
         q,
         k,
         v,
@@ -167,7 +169,7 @@ def attention(
         segment_ids=segment_ids,
     )
     out = out.reshape(batch, seq, num_heads * head_dim)
-    return constrain(linear(params["o_proj"], out), ("batch", "length", "embed"))
+    return constrain(linear(params["o_proj"], out), ("batch", "sequence", "embed"))
 
 
 def cached_attention(
@@ -213,5 +215,5 @@ def cached_attention(
 
     out, stored = layer_kv.attend(core, q, k, v)
     out = constrain(linear(params["o_proj"], out.reshape(batch, seq, num_heads * head_dim)),
-                    ("batch", "length", "embed"))
+                    ("batch", "sequence", "embed"))
     return out, stored

@@ -17,7 +17,7 @@ zero-padded to the key width and the output cut back, which leaves the result un
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
@@ -87,18 +87,20 @@ def expand_latent(params: Mapping, latent: jax.Array, k_rot: jax.Array, dims: La
     return jnp.concatenate([k_nope, shared], axis=-1), values
 
 
-def attend_latent(q: jax.Array, keys: jax.Array, values: jax.Array, dims: LatentDims, **mask_options) -> jax.Array:
-    """q: [B, S, N, Dq]; keys: [B, T, N, Dq]; values: [B, T, N, Dv] -> [B, S, N, Dv] (`attend`'s masking)."""
+def attend_latent(q: jax.Array, keys: jax.Array, values: jax.Array, dims: LatentDims, core: Callable = attend,
+                  **mask_options) -> jax.Array:
+    """q: [B, S, N, Dq]; keys: [B, T, N, Dq]; values: [B, T, N, Dv] -> [B, S, N, Dv] (`attend`'s masking; core:
+    `attend` or its context-parallel form)."""
     width = max(q.shape[-1], values.shape[-1])
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
     values = values.astype(q.dtype)
-    out = attend(pad(q), pad(keys.astype(q.dtype)), pad(values), scale=dims.scale, **mask_options)
+    out = core(pad(q), pad(keys.astype(q.dtype)), pad(values), scale=dims.scale, **mask_options)
     return out[..., :dims.v_head_dim]
 
 
 def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array, *, dims: LatentDims,
                      attention_mask: jax.Array | None = None, constrain: Constrain = no_constraint,
-                     segment_ids: jax.Array | None = None) -> jax.Array:
+                     segment_ids: jax.Array | None = None, core: Callable = attend) -> jax.Array:
     """Causal MLA over a full sequence (prefill / training).
 
     params: HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`,
@@ -109,8 +111,8 @@ def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: ja
     q = latent_query(params, hidden, dims, cos, sin, constrain)
     latent, k_rot = latent_compression(params, hidden, dims, cos, sin, constrain)
     keys, values = expand_latent(params, latent, k_rot, dims, constrain)
-    out = attend_latent(q, keys, values, dims, key_padding_mask=attention_mask, segment_ids=segment_ids)
-    return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
+    out = attend_latent(q, keys, values, dims, core, key_padding_mask=attention_mask, segment_ids=segment_ids)
+    return constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "sequence", "embed"))
 
 
 def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array, layer_kv, *,
@@ -131,5 +133,5 @@ def cached_latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, 
         return attend_latent(q, keys, values, dims, **mask_options)
 
     out, stored = layer_kv.attend(core, q, latent, k_rot)
-    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "length", "embed"))
+    out = constrain(linear(params["o_proj"], out.reshape(batch, seq, -1)), ("batch", "sequence", "embed"))
     return out, stored

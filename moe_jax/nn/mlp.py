@@ -28,4 +28,4 @@ def mlp(params: Mapping[str, Mapping[str, jax.Array]], x: jax.Array, act: str | 
     act_fn = get_activation(act)
     gate = constrain(linear(params["gate_proj"], x), ("batch", "length", "mlp"))
     up = constrain(linear(params["up_proj"], x), ("batch", "length", "mlp"))
-    return constrain(linear(params["down_proj"], act_fn(gate) * up), ("batch", "length", "embed"))
+    return constrain(linear(params["down_proj"], act_fn(gate) * up), ("batch", "sequence", "embed"))

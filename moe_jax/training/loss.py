@@ -175,6 +175,13 @@ def model_loss(model, params, input_ids, attention_mask, targets, *, total_token
     ce_sum is then its summed loss and terms["objective_sums"] its terms' sums."""
     step = model.step_math if step is None else step
     packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+    # Context parallelism: the targets follow the hidden states into the context order (no reordering of [B, S, H]);
+    # `apply` (an eager call) returns the natural order.
+    context = getattr(model.core, "context", None) if step != model.apply else None
+    if context is not None:
+        packed["context_order"] = True
+        targets = context.to_context_order(targets)
+        extras = None if extras is None else {key: context.to_context_order(value) for key, value in extras.items()}
     adapted = ({} if adapter is None else {"adapter": adapter}) | (
         {} if expert_placement is None else {"expert_placement": expert_placement}) | (
         {} if mtp_targets is None else {"return_mtp_logits": True}) | (

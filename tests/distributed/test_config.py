@@ -7,6 +7,7 @@ from dataclasses import fields
 import pytest
 
 from moe_jax import DistributedConfig
+from moe_jax.distributed.config import EXTENSION_DEFAULTS
 
 from .tiny_qwen3_moe import FIXTURE
 
@@ -60,8 +61,12 @@ def test_config_case_matches_reference(case, monkeypatch):
 
 def test_field_order_and_defaults_match_reference():
     names = [field.name for field in fields(DistributedConfig)]
-    assert names == list(CONFIG_CASES["defaults"]["to_dict"])
+    reference = list(CONFIG_CASES["defaults"]["to_dict"])
+    assert names == reference + list(EXTENSION_DEFAULTS)   # the extensions (context parallelism) after
     assert DistributedConfig().to_dict() == CONFIG_CASES["defaults"]["to_dict"]
+    extended = DistributedConfig(cp_size=2, cp_strategy="ring").to_dict()
+    assert extended == {**CONFIG_CASES["defaults"]["to_dict"], "cp_size": 2, "cp_strategy": "ring"}
+    assert DistributedConfig.from_dict(extended).cp_strategy == "ring"
 
 
 @pytest.mark.parametrize(

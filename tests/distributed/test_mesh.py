@@ -131,7 +131,7 @@ def test_trivial_config_uses_one_device():
 
 def test_spec_example_tp2_fsdp4_ep4():
     layout = DeviceLayout.from_config(DistributedConfig(tp_size=2, fsdp_size=4, ep_size=4))
-    assert layout.mesh_shape == (1, 1, 2, 2, 2)
+    assert layout.axis_sizes == {"pp": 1, "dp_replicate": 1, "efsdp": 2, "ep_fsdp": 2, "cp": 1, "ep_cp": 1, "tp": 2}
     assert layout.device_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout.device_groups("fsdp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert layout.device_groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]

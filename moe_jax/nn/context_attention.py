@@ -1,0 +1,193 @@
+"""Attention over a sequence split between context-parallel devices (`distributed.context`).
+
+Each device holds its slice of the queries, keys and values, in the zig-zag context order, and beside every
+token what the masks compare (`ContextTokens`): its original index, its document (packed rows), the start its
+Llama 4 attention chunks count from, and whether it is a real token. Two strategies see the other slices' keys:
+
+    all_gather  gather every slice's keys and values (and their facts), then attend as one device would: the
+                right choice for few KV heads (GQA, MLA's latent-expanded keys are not gathered twice)
+    ring        pass the keys and values around the ring with `ppermute`, one hop per step, while the current
+                block is attended; an online softmax merges the blocks. With the zig-zag order a block pair is
+                either whole, half (the other half is causally masked and skipped) or the local diagonal, so
+                every rank does the same work each step.
+
+A query that sees no key at all (a padding row) gets finite, meaningless output, as in `attention_core`; the
+ring's may differ from one device's there (it averages the blocks it computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ..distributed.context import ContextLayout
+from .attention_core import MASKED_LOGIT, _masked_attention, attend_with_sinks, segment_starts
+from .linear import no_constraint
+
+# Below MASKED_LOGIT: a running max no block has raised yet weighs nothing once one does.
+_EMPTY_MAX = -float(jnp.finfo(jnp.float32).max)
+
+
+@dataclass(frozen=True)
+class ContextTokens:
+    """What the masks compare of each token, [B, S] int32 in the context order: `index` its original position in
+    the row, `origin` the index its attention chunks count from (its document's first token in a packed row, else
+    the row's first real token: `visibility_mask`'s chunk rule)."""
+
+    index: jax.Array
+    origin: jax.Array
+
+    @classmethod
+    def of(cls, layout: ContextLayout, attention_mask: jax.Array, segment_ids: jax.Array | None) -> ContextTokens:
+        """From the natural-order inputs: attention_mask [B, S] (1 = real), segment_ids [B, S] or None."""
+        batch, length = attention_mask.shape
+        if segment_ids is not None:
+            origin = segment_starts(segment_ids)
+        else:
+            left_padding = jnp.sum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) == 0, axis=1)
+            origin = jnp.broadcast_to(left_padding[:, None], (batch, length))
+        index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
+        return cls(layout.to_context_order(index), layout.to_context_order(origin.astype(jnp.int32)))
+
+
+def token_visibility(queries: tuple, keys: tuple, sliding_window: int | None, chunk_size: int | None) -> jax.Array:
+    """queries: (index, segment, origin, valid) each [B, Sq]; keys: the same [B, Tk] -> [B, 1, Sq, Tk] bool: the
+    rules of `attention_core.visibility_mask` on each token's own facts instead of its slot."""
+    q_index, q_segment, q_origin, _ = (array[:, :, None] for array in queries)
+    k_index, k_segment, k_origin, k_valid = (array[:, None, :] for array in keys)
+    visible = (k_index <= q_index) & (q_segment == k_segment) & (k_valid > 0)
+    if sliding_window is not None:
+        visible &= k_index > q_index - sliding_window
+    if chunk_size is not None:
+        visible &= (k_index - k_origin) // chunk_size == (q_index - q_origin) // chunk_size
+    return visible[:, None]
+
+
+def _gathered(q, k, v, *facts_and_sinks, layout: ContextLayout, scale, sliding_window, chunk_size, query_chunk_size,
+              implementation):
+    """The all_gather strategy, on one device's slice: q [B, Sl, N, D], k, v [B, Sl, K, D] -> [B, Sl, N, Dv]."""
+    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
+    gather = partial(jax.lax.all_gather, axis_name=layout.axes, axis=1, tiled=True)
+    keys, values = gather(k), gather(v)
+    key_facts = tuple(gather(array) for array in facts)
+
+    @jax.checkpoint
+    def block(q_block, *query_facts):
+        mask = token_visibility(query_facts, key_facts, sliding_window, chunk_size)
+        if sinks is not None:
+            return attend_with_sinks(q_block, keys, values, mask, sinks, scale)
+        return _masked_attention(q_block, keys, values, mask=mask, scale=scale, implementation=implementation)
+
+    local = q.shape[1]
+    if not query_chunk_size or query_chunk_size >= local or local % query_chunk_size:
+        return block(q, *facts)
+    blocks = local // query_chunk_size
+    split = lambda x: x.reshape(x.shape[0], blocks, query_chunk_size, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    out = jax.lax.map(lambda args: block(*args), (split(q), *(split(array) for array in facts)))
+    return out.swapaxes(0, 1).reshape(*q.shape[:3], -1)
+
+
+def _block_partial(q, query_facts, k, v, key_facts, *, scale, sliding_window, chunk_size):
+    """One query block against one key block: (running max [B, K, G, Sq], sum [B, K, G, Sq], weighted values
+    [B, K, G, Sq, Dv]) in float32. q: [B, Sq, N, D]; k: [B, Tk, K, D]; v: [B, Tk, K, Dv]."""
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * scale
+    mask = token_visibility(query_facts, key_facts, sliding_window, chunk_size)
+    logits = jnp.where(mask[:, :, None], logits, MASKED_LOGIT)
+    running_max = jnp.max(logits, axis=-1)
+    weights = jnp.exp(logits - running_max[..., None])
+    values = jnp.einsum("bkgst,btkd->bkgsd", weights, v.astype(jnp.float32))
+    return running_max, jnp.sum(weights, axis=-1), values
+
+
+def _merge(first, second):
+    """Two blocks' online-softmax partials of the same queries -> one."""
+    (max_a, sum_a, out_a), (max_b, sum_b, out_b) = first, second
+    new_max = jnp.maximum(max_a, max_b)
+    scale_a, scale_b = jnp.exp(max_a - new_max), jnp.exp(max_b - new_max)
+    return new_max, sum_a * scale_a + sum_b * scale_b, out_a * scale_a[..., None] + out_b * scale_b[..., None]
+
+
+def _ring(q, k, v, *facts_and_sinks, layout: ContextLayout, scale, sliding_window, chunk_size, query_chunk_size,
+          implementation):
+    """The ring strategy, on one device's slice (its zig-zag chunks r and 2 cp - 1 - r): q [B, Sl, N, D], k, v
+    [B, Sl, K, D] -> [B, Sl, N, Dv]."""
+    del query_chunk_size, implementation   # blocks are already a slice by half a slice; its own core
+    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
+    cp, rank, half = layout.size, layout.rank(), q.shape[1] // 2
+    block = jax.checkpoint(partial(_block_partial, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size))
+    late = lambda x: x[:, half:]  # noqa: E731
+    early = lambda x: x[:, :half]  # noqa: E731
+
+    def from_earlier(kv):   # its chunk src < r: every query sees the early half of the keys only
+        k_block, v_block, *key_facts = kv
+        return block(q, facts, early(k_block), early(v_block), tuple(map(early, key_facts)))
+
+    def from_later(kv):     # src > r: only the late queries see anything, all of the keys
+        k_block, v_block, *key_facts = kv
+        row_max, row_sum, out = block(late(q), tuple(map(late, facts)), k_block, v_block, tuple(key_facts))
+        pad = lambda x, value: jnp.concatenate([jnp.full_like(x, value), x], axis=3)  # noqa: E731
+        return pad(row_max, _EMPTY_MAX), pad(row_sum, 0.0), pad(out, 0.0)
+
+    kv = (k, v, *facts)
+    shift = [(i, (i + 1) % cp) for i in range(cp)]
+    running = block(q, facts, k, v, facts)            # step 0: the local diagonal
+    for step in range(1, cp):
+        kv = tuple(jax.lax.ppermute(array, layout.axes, shift) for array in kv)   # now from rank - step
+        source = (rank - step) % cp
+        running = _merge(running, jax.lax.cond(source < rank, from_earlier, from_later, kv))
+    row_max, row_sum, out = running
+    if sinks is not None:   # gpt-oss: one more softmax column per head, no value
+        kv_heads = k.shape[2]
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, -1, 1)
+        top = jnp.maximum(row_max, sink)
+        keep = jnp.exp(row_max - top)
+        out = out * (keep / (row_sum * keep + jnp.exp(sink - top)))[..., None]
+    else:
+        out = out / row_sum[..., None]
+    batch, _, groups, length, width = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1, width).astype(v.dtype)
+
+
+STRATEGY_CORES = {"all_gather": _gathered, "ring": _ring}
+
+
+@dataclass(frozen=True)
+class ContextAttention:
+    """`attend` for one step under context parallelism: the model's layout and this batch's token facts."""
+
+    layout: ContextLayout
+    tokens: ContextTokens
+    constrain: Callable = no_constraint   # the model's activation layouts (heads over tp where the plan splits them)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
+               key_padding_mask: jax.Array | None = None, query_index: jax.Array | None = None,
+               sliding_window: int | None = None, implementation: str | None = None,
+               query_chunk_size: int | None = None, sinks: jax.Array | None = None,
+               attention_chunk_size: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+        """`attention_core.attend`'s arguments for a whole sequence in the context order, split over cp.
+
+        q: [B, S, N, D]; k, v: [B, S, K, D]; key_padding_mask, segment_ids: [B, S] in the context order -> [B, S, N, D]
+        """
+        if query_index is not None:
+            raise ValueError("context-parallel attention runs over a whole sequence (training, scoring): a KV "
+                             "cache's queries are not split over cp.")
+        batch, length = q.shape[:2]
+        shape = (batch, length)
+        valid = jnp.ones(shape, jnp.int32) if key_padding_mask is None else key_padding_mask.astype(jnp.int32)
+        segments = jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        facts = (self.tokens.index, segments, self.tokens.origin, valid)
+        core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout,
+                       scale=q.shape[-1] ** -0.5 if scale is None else scale, sliding_window=sliding_window,
+                       chunk_size=attention_chunk_size, query_chunk_size=query_chunk_size,
+                       implementation=implementation)
+        heads = lambda x, axis: self.constrain(x, ("batch", "length", axis, None))  # noqa: E731
+        q, k, v = heads(q, "heads"), heads(k, "kv_heads"), heads(v, "kv_heads")
+        out = self.layout.shard_sequence(core, (q, k, v, *facts), () if sinks is None else (sinks,))
+        return heads(out, "heads")

@@ -1,0 +1,106 @@
+"""Attention split over cp ranks equals one device's `attend`, for both strategies and every mask the families use."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from moe_jax.distributed.context import ContextLayout
+from moe_jax.nn.attention_core import attend
+from moe_jax.nn.context_attention import ContextAttention, ContextTokens
+
+B, S, N, K, D = 2, 32, 4, 2, 8
+
+
+def context_layout(strategy: str, cp: int = 4) -> ContextLayout:
+    mesh = Mesh(np.asarray(jax.devices()[:2 * cp]).reshape(2, cp), ("efsdp", "cp"))
+    return ContextLayout(mesh, ("cp",), cp, strategy)
+
+
+def inputs(seed: int = 0, value_width: int = D):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (B, S, N, D))
+    k = jax.random.normal(keys[1], (B, S, K, D))
+    v = jax.random.normal(keys[2], (B, S, K, value_width))
+    return q, k, v, jax.random.normal(keys[3], (N,))
+
+
+def split_attend(layout, q, k, v, *, key_padding_mask=None, segment_ids=None, **options):
+    """`attend` through `ContextAttention`: inputs and output in the natural order."""
+    mask = jnp.ones((B, S), jnp.int32) if key_padding_mask is None else key_padding_mask
+    tokens = ContextTokens.of(layout, mask, segment_ids)
+    order = layout.to_context_order
+    out = jax.jit(lambda q, k, v, m, s: ContextAttention(layout, tokens).attend(
+        q, k, v, key_padding_mask=m, segment_ids=s, **options))(
+        order(q), order(k), order(v), None if key_padding_mask is None else order(key_padding_mask),
+        None if segment_ids is None else order(segment_ids))
+    return layout.to_natural_order(out)
+
+
+LEFT_PADDED = np.ones((B, S), np.int32)
+LEFT_PADDED[1, :5] = 0
+PACKED = np.repeat(np.asarray([[1] * 11 + [2] * 14 + [3] * 5 + [0] * 2, [1] * 32]), 1, axis=0).astype(np.int32)
+
+CASES = {
+    "causal": {},
+    "left padding": dict(key_padding_mask=LEFT_PADDED),
+    "sliding window": dict(key_padding_mask=LEFT_PADDED, sliding_window=6),
+    "sinks": dict(sliding_window=6, sinks=True),
+    "chunked, left padding": dict(key_padding_mask=LEFT_PADDED, attention_chunk_size=6),
+    "packed, chunked": dict(key_padding_mask=(PACKED > 0).astype(np.int32), segment_ids=PACKED,
+                            attention_chunk_size=4),
+}
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_strategy_equals_one_devices_attention(strategy, case):
+    q, k, v, sinks = inputs()
+    options = dict(CASES[case])
+    if options.pop("sinks", False):
+        options["sinks"] = sinks
+    expected = attend(q, k, v, **options)
+    got = split_attend(context_layout(strategy), q, k, v, **options)
+    seen = options.get("key_padding_mask", np.ones((B, S))).astype(bool)   # rows that see a key
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-6)
+
+
+def test_the_ring_on_eight_ranks_and_the_gather_in_query_chunks_equal_one_device():
+    q, k, v, _ = inputs(1)
+    expected = attend(q, k, v, key_padding_mask=LEFT_PADDED)
+    mesh = Mesh(np.asarray(jax.devices()), ("cp",))
+    ring = split_attend(ContextLayout(mesh, ("cp",), 8, "ring"), q, k, v, key_padding_mask=LEFT_PADDED)
+    chunked = split_attend(context_layout("all_gather"), q, k, v, key_padding_mask=LEFT_PADDED, query_chunk_size=4)
+    seen = LEFT_PADDED.astype(bool)
+    for got in (ring, chunked):
+        np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-6)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_gradients_equal_one_devices(strategy):
+    q, k, v, sinks = inputs(2)
+    weights = jax.random.normal(jax.random.key(9), (B, S, N, D))
+    layout = context_layout(strategy)
+
+    def loss(split, q, k, v, sinks):
+        options = dict(sliding_window=9, sinks=sinks)
+        if not split:
+            return jnp.sum(attend(q, k, v, **options) * weights)
+        tokens = ContextTokens.of(layout, jnp.ones((B, S), jnp.int32), None)
+        order = layout.to_context_order
+        out = ContextAttention(layout, tokens).attend(order(q), order(k), order(v), **options)
+        return jnp.sum(layout.to_natural_order(out) * weights)
+
+    expected = jax.grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    got = jax.jit(jax.grad(lambda *a: loss(True, *a), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=2e-5)
+
+
+def test_a_kv_cache_query_is_refused():
+    layout = context_layout("ring")
+    tokens = ContextTokens.of(layout, jnp.ones((B, S), jnp.int32), None)
+    q, k, v, _ = inputs()
+    with pytest.raises(ValueError, match="a KV cache's queries are not split over cp"):
+        ContextAttention(layout, tokens).attend(q, k, v, query_index=jnp.arange(S))
