@@ -80,3 +80,19 @@ def test_pointers_to_a_guides_section_name_a_section_it_has():
         missing += [f"{path.relative_to(ROOT)}: {target} {section!r}" for target, section in pointer.findall(flat)
                     if target in headings and section not in headings[target]]
     assert not missing, "\n".join(missing)
+
+
+LAYOUT_PICTURE = re.compile(r"^```bash\n(?P<command>moe-jax layout [^\n]*)\n```\n\n```\n(?P<output>.*?)^```", re.S | re.M)
+
+
+def test_a_layout_picture_is_what_the_command_prints(capsys):
+    """A `moe-jax layout ...` command shown in a guide with a plain block after it: the block is its output."""
+    from moe_jax.cli import main
+
+    pictures = [(document, match) for document in DOCUMENTS
+                for match in LAYOUT_PICTURE.finditer(document.read_text(encoding="utf-8"))]
+    assert any(str(document).endswith("docs/parallelism.md") for document, _ in pictures), pictures
+    for document, match in pictures:
+        capsys.readouterr()
+        assert main(match["command"].split()[1:]) == 0, match["command"]
+        assert capsys.readouterr().out == match["output"], f"{document.relative_to(ROOT)}: {match['command']}"

@@ -115,6 +115,8 @@ def test_a_smaller_layout_takes_the_first_devices_by_default():
     model = moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", DistributedConfig(fsdp_size=2),
                                                          progress=False)
     assert list(model.mesh.devices.flat) == jax.devices()[:2]
+    unset = moe_jax.AutoModelForCausalLM.from_config(FIXTURES / "qwen3_moe", DistributedConfig(fsdp_size=4))
+    assert list(unset.mesh.devices.flat) == jax.devices()[:4]
 
 
 def test_save_pretrained_of_a_quantised_model_carries_the_tokenizer(tmp_path):

@@ -84,25 +84,27 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
                  pipeline_microbatches: int | None = None, pipeline_schedule: str = "gpipe",
                  pipeline_repeats: int = 1, num_redundant_experts: int = 0, kept_quantization: str | None = None,
                  weight_quantization: WeightQuantization | None = None, mtp_layers: int = 0):
-        """`abstract=True` resolves plans and shardings without devices (no mesh): for planning tools.
+        """The family's model on the mesh of `distributed_config`, its parameters unset (`init_params`).
 
-        scan_layers: run each run of identical layers as one `jax.lax.scan` over stacked parameters
-            (True / False / "auto": from 16 layers on). remat: what each layer keeps for the backward pass,
-            one of `REMAT_POLICIES` ("none", "full", "dots_saveable").
-        With `pp_size > 1` (`moe_jax.models.pipeline`): pipeline_microbatches: M, how many microbatches a batch
-            is cut into (default pp_size); pipeline_schedule: "gpipe" (the reference's split of the layers) or
-            "circular" (pipeline_repeats chunks of layers per stage, needs M >= pp_size); the three are options
-            of this library, outside `DistributedConfig`, so a reference config means the same here.
-        num_redundant_experts: R extra expert slots per sparse layer over the ep ranks ((E + R) % ep_size == 0,
-            ep_size > 1, pp_size == 1), which `set_expert_placement` fills with replicas of busy experts
-            (`causal_lm.placement`); parameters stay per logical expert.
-        kept_quantization: a checkpoint's `quant_method` ("mxfp4") whose weights stay in that format on the
-            devices (`from_pretrained(..., dequantize=False)` sets it): the family's kept-quantised declaration
-            (`models.family.KEPT_QUANTIZED_FAMILIES`), decoded inside the step; inference only.
-        weight_quantization: weight-only int8 / fp8 of a plain checkpoint's experts (and `modules`), quantised as
-            it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only.
-        mtp_layers: the multi-token-prediction layers after the decoder layers (`models.mtp`; DeepSeek-V3, at most
-            num_nextn_predict_layers): `from_pretrained` holds those the checkpoint has."""
+        Args:
+            config: the family's config dataclass, or its config.json dict.
+            distributed_config: the layout, a `DistributedConfig` or its dict (default: one device).
+            devices: the mesh's devices in rank order (default: the first that many of `jax.devices()`).
+            experts_backend: the experts' grouped matmul, "ragged_dot", "tiled" or "tokamax" (default: platform's).
+            dtype: the parameters' dtype, "float32" (default), "bfloat16" or "float16".
+            abstract: resolve plans and shardings without devices or a mesh, for planning tools (default False).
+            scan_layers: run each run of identical layers as one `jax.lax.scan`: True, False or "auto" (from 16).
+            remat: what each layer keeps for the backward pass: "none" (default), "full" or "dots_saveable".
+            pipeline_microbatches: with pp_size > 1 (`models.pipeline`), the M microbatches of a batch (default pp).
+            pipeline_schedule: "gpipe" (the reference's split of the layers) or "circular" (needs M >= pp_size).
+            pipeline_repeats: with a circular schedule, the chunks of layers per stage (default 1).
+            num_redundant_experts: R extra expert slots per sparse layer over the ep ranks ((E + R) % ep_size == 0,
+                ep_size > 1, pp_size == 1), which `set_expert_placement` fills with replicas of busy experts
+                (`causal_lm.placement`); parameters stay per logical expert.
+            kept_quantization: a checkpoint's `quant_method` kept on the devices (dequantize=False); inference only.
+            weight_quantization: weight-only int8 / fp8 of a plain checkpoint's experts (and `modules`), quantised
+                as it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only.
+            mtp_layers: the multi-token-prediction layers held (DeepSeek-V3; `from_pretrained`: the checkpoint's)."""
         if isinstance(config, dict):
             config = self.config_class.from_dict(config)
         if isinstance(distributed_config, dict):

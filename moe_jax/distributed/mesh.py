@@ -247,15 +247,17 @@ def _virtual_devices_hint(needed: int, devices: list) -> str:
 
 
 def build_mesh(config: DistributedConfig, devices: Sequence | None = None):
-    """The `jax.sharding.Mesh` of `config` over `devices` (default: every device of the job, in rank order:
-    `runtime.job_devices`).
+    """The `jax.sharding.Mesh` of `config` over `devices` (default: `model_devices`, the first
+    `pp * dp_replicate * fsdp * tp` of the job in rank order, as `jax.devices()[:n]` would pick; a multi-process
+    job: all of its devices).
 
-    A config that needs one device (no parallelism) uses the first device when more are given.
+    Devices given explicitly must be as many as the layout needs (the reference's world-size error), except that
+    a config that needs one device (no parallelism) uses the first device when more are given.
     """
     import jax
 
     layout = DeviceLayout.from_config(config)
-    devices = list(job_devices() if devices is None else devices)
+    devices = model_devices(config, devices)
     if layout.num_devices == 1:
         devices = devices[:1]
     if len(devices) != layout.num_devices:
@@ -273,7 +275,7 @@ def model_devices(config: DistributedConfig, devices: Sequence | None = None) ->
     """The devices a model's mesh is built over: `devices` as given, or by default the first
     `pp * dp_replicate * fsdp * tp` of the job (`runtime.job_devices`), as `jax.devices()[:n]` would pick. A
     multi-process job uses all of its devices (every process must hold a part of the mesh): there, as with
-    too few devices, `build_mesh` raises the reference's world-size error."""
+    too few devices, `build_mesh` raises the reference's world-size error. `build_mesh`'s default."""
     import jax
 
     if devices is not None:

@@ -401,21 +401,29 @@ def make_train_step(model, optimizer: optax.GradientTransformation, *, grad_accu
                     routing_replay: bool = False, objective=None) -> TrainStep:
     """The train step of `model` with any optax `optimizer`.
 
-    mixed_precision / offload default to the model's `DistributedConfig` (`fsdp_mixed_precision`: float32
-    parameters and optimizer state, bfloat16 compute; `fsdp_cpu_offload`: state in host memory). offload:
-    "optimizer", "parameters" or "all" (True) keep that part of the state in host memory between steps (moved to
-    the devices for each step's compute); None: the config's (`fsdp_cpu_offload=True`: "all").
-    pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's).
-    trainable: what to train, a glob, list of globs or predicate over HF parameter names (the adapter's
-    factors included); default: the model's LoRA adapter when it has one, else every parameter. The state holds
-    only those and their optimizer state; the rest stays frozen in the model (`moe_jax.training.trainable`).
-    router_z_loss_coef: adds ST-MoE's router z-loss times it; router_bias_update_rate: moves DeepSeek-V3's router
-    bias toward balance after each step (`moe_jax.training.balance`; both 0, off, by default). mtp_loss_coef: adds
-    DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`; a model holding MTP layers).
-    routing_replay: each batch's "routing" [B, L, S, K] (what the sampler's forward returned with
-    return_routing=True; -1 where a token routes itself) forces the experts; the router weighs them.
-    objective: the per-token loss instead of cross entropy (`training.objectives`, e.g.
-    `moe_jax.rl.ClippedPolicyObjective`); its `batch_keys` join each batch ("ce_loss" is then its mean loss)."""
+    Args:
+        model: the `MoeForCausalLM` to train (its mesh, plans and adapter).
+        optimizer: any optax `GradientTransformation` (`training.optimizers.build_optimizer` makes the usual ones).
+        grad_accum: micro-batches per step whose gradients are summed before the update (default 1).
+        grad_clip: max global gradient norm (None: no clipping).
+        loss_chunk: positions per lm_head call in the loss, which never holds [B, S, V] (default 512).
+        mixed_precision: float32 parameters and optimizer state, bfloat16 compute (None: the model's
+            `DistributedConfig.fsdp_mixed_precision`).
+        offload: "optimizer", "parameters" or "all" (True) keep that part of the state in host memory between
+            steps (moved to the devices for each step's compute); None: the config's (`fsdp_cpu_offload`: "all").
+        check_overflow: skip a step whose expert dispatch dropped pairs (default True).
+        pipeline_microbatches: with pp_size > 1, the microbatches per micro-batch (default: the model's).
+        trainable: what to train, a glob, list of globs or predicate over HF parameter names (the adapter's
+            factors included); default: the model's LoRA adapter when it has one, else every parameter. The state
+            holds only those and their optimizer state; the rest stays frozen (`moe_jax.training.trainable`).
+        router_z_loss_coef: adds ST-MoE's router z-loss times it (default 0, off).
+        router_bias_update_rate: moves DeepSeek-V3's router bias toward balance after each step
+            (`moe_jax.training.balance`; default 0, off).
+        mtp_loss_coef: adds DeepSeek-V3's multi-token-prediction loss times it (`moe_jax.training.mtp_loss`).
+        routing_replay: each batch's "routing" [B, L, S, K] (what the sampler's forward returned with
+            return_routing=True; -1 where a token routes itself) forces the experts; the router weighs them.
+        objective: the per-token loss instead of cross entropy (`training.objectives`, e.g.
+            `moe_jax.rl.ClippedPolicyObjective`); its `batch_keys` join each batch ("ce_loss" is its mean loss)."""
     config = model.distributed_config
     mixed_precision = config.fsdp_mixed_precision if mixed_precision is None else mixed_precision
     offload = config.fsdp_cpu_offload if offload is None else offload

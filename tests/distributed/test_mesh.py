@@ -107,14 +107,23 @@ def test_mesh_collectives_run_over_reference_groups(tp, fsdp, ep, replicate):
 
 
 def test_mesh_needs_matching_device_count():
+    """Devices passed explicitly must be exactly the layout's: the reference's world-size error."""
     config = DistributedConfig(tp_size=2, fsdp_size=2)
     with pytest.raises(RuntimeError, match="The parallel mesh requires 4 devices, but world_size is 8"):
-        build_mesh(config)
+        build_mesh(config, jax.devices())
     assert build_mesh(config, jax.devices()[:4]).devices.size == 4
 
 
+def test_a_mesh_takes_the_first_devices_it_needs_by_default():
+    """A 4-device layout on 8 devices (one process): `build_mesh` picks the first 4, as `jax.devices()[:4]`."""
+    mesh = build_mesh(DistributedConfig(fsdp_size=4))
+    assert list(mesh.devices.flat) == jax.devices()[:4]
+    with pytest.raises(RuntimeError, match="requires 16 devices, but world_size is 8"):
+        build_mesh(DistributedConfig(fsdp_size=16))
+
+
 def test_a_model_takes_the_first_devices_it_needs_by_default():
-    """`build_mesh` keeps the reference's world-size error; a model's default devices are the job's first N."""
+    """A model's default devices are the job's first N (`model_devices`, `build_mesh`'s default too)."""
     from moe_jax.distributed.mesh import model_devices
 
     config = DistributedConfig(tp_size=2, fsdp_size=2)
