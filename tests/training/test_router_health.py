@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+import numpy as np
 import pytest
 
+from moe_jax.distributed.capacity import CapacitySchedule
+from moe_jax.training.loop import TrainLoop
 from moe_jax.training.router_health import COLLAPSE_SHARE, COLLAPSE_STEPS, RouterCollapseWatch
 
 
@@ -36,3 +40,58 @@ def test_a_spike_shorter_than_the_steps_and_an_even_router_say_nothing():
             load = [9, 1, 1, 1] if hot else [3, 3, 3, 3]
             assert watch(record(step, [load, [3, 3, 3, 3]])) is None
         assert watch({"step": 8, "loss": 1.0}) is None                 # no expert_load: nothing to watch
+
+
+def test_a_given_remedy_and_reporter_make_the_one_line_a_command_prints():
+    lines = []
+    watch = RouterCollapseWatch(share=2.0, steps=2, remedy="--router-aux-loss-coef C (e.g. 1e-3)", report=lines.append)
+    for step in (1, 2, 3):
+        watch(record(step, [[8, 0, 0, 0], [2, 2, 2, 2]]))                # layer 1: 4.0x the mean
+    assert lines == ["the router of layer 1 has sent its busiest expert more than 2x the mean tokens per expert for 2 "
+                     "steps (now 4.0x, step 2): it is collapsing onto a few experts. Balance it with "
+                     "--router-aux-loss-coef C (e.g. 1e-3)."]
+
+
+class _State:
+    """What TrainLoop reads of a state when the model dispatches without buffers (capacity None)."""
+
+    def __init__(self, step: int):
+        self.step, self.data_position, self.capacity = np.int32(step), np.int32(step), None
+
+
+class _CollapsedStep:
+    """A train step whose every step sends all of a layer's tokens to one of 4 experts (4.0x the mean)."""
+
+    class model:
+        capacity_schedule = CapacitySchedule((1.0,))
+        num_redundant_experts = 0
+
+        @staticmethod
+        def batch_sharding():
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        @staticmethod
+        def sparse_layers():
+            return [1]
+
+    def __call__(self, state, batch):
+        step = int(state.step) + 1
+        metrics = dict(step=step, loss=1.0, ce_loss=1.0, aux_loss=0.0, grad_norm=1.0, tokens=8, padded=0,
+                       required_capacity=0.0, applied=True, dropped=0, data_position=step,
+                       expert_load=np.array([[16, 0, 0, 0]]))
+        return _State(step), {name: np.asarray(value) for name, value in metrics.items()}
+
+
+class _Batches:
+    def batch(self, index):
+        return {"input_ids": np.zeros((1, 8), np.int32)}
+
+
+def test_the_train_loop_hands_each_record_to_its_router_watch():
+    lines, records = [], []
+    watch = RouterCollapseWatch(steps=3, report=lines.append)
+    TrainLoop(_CollapsedStep(), _Batches(), on_step=records.append, router_watch=watch).run(_State(0), until_step=5)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert len(lines) == 1 and "layer 1" in lines[0] and "(now 4.0x, step 3)" in lines[0]
+    with pytest.warns(RuntimeWarning, match=r"router of layer 1 .* for 20 steps \(now 4.0x, step 20\)"):
+        TrainLoop(_CollapsedStep(), _Batches()).run(_State(0), until_step=20)    # the default watch
