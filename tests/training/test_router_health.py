@@ -44,7 +44,8 @@ def test_a_spike_shorter_than_the_steps_and_an_even_router_say_nothing():
 
 def test_a_given_remedy_and_reporter_make_the_one_line_a_command_prints():
     lines = []
-    watch = RouterCollapseWatch(share=2.0, steps=2, remedy="--router-aux-loss-coef C (e.g. 1e-3)", report=lines.append)
+    watch = RouterCollapseWatch(share=2.0, steps=2, remedy="--router-aux-loss-coef C (e.g. 1e-3)",
+                                report=lines.append)
     for step in (1, 2, 3):
         watch(record(step, [[8, 0, 0, 0], [2, 2, 2, 2]]))                # layer 1: 4.0x the mean
     assert lines == ["the router of layer 1 has sent its busiest expert more than 2x the mean tokens per expert for 2 "
