@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import warnings
 
-import jax
-import numpy as np
 import pytest
 
-from moe_jax.distributed.capacity import CapacitySchedule
 from moe_jax.training.loop import TrainLoop
 from moe_jax.training.router_health import COLLAPSE_SHARE, COLLAPSE_STEPS, RouterCollapseWatch
+
+from .fake_steps import FakeBatches, FakeState, FakeStep
 
 
 def record(step: int, loads: list[list[int]]) -> dict:
@@ -53,46 +52,11 @@ def test_a_given_remedy_and_reporter_make_the_one_line_a_command_prints():
                      "--router-aux-loss-coef C (e.g. 1e-3)."]
 
 
-class _State:
-    """What TrainLoop reads of a state when the model dispatches without buffers (capacity None)."""
-
-    def __init__(self, step: int):
-        self.step, self.data_position, self.capacity = np.int32(step), np.int32(step), None
-
-
-class _CollapsedStep:
-    """A train step whose every step sends all of a layer's tokens to one of 4 experts (4.0x the mean)."""
-
-    class model:
-        capacity_schedule = CapacitySchedule((1.0,))
-        num_redundant_experts = 0
-
-        @staticmethod
-        def batch_sharding():
-            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-        @staticmethod
-        def sparse_layers():
-            return [1]
-
-    def __call__(self, state, batch):
-        step = int(state.step) + 1
-        metrics = dict(step=step, loss=1.0, ce_loss=1.0, aux_loss=0.0, grad_norm=1.0, tokens=8, padded=0,
-                       required_capacity=0.0, applied=True, dropped=0, data_position=step,
-                       expert_load=np.array([[16, 0, 0, 0]]))
-        return _State(step), {name: np.asarray(value) for name, value in metrics.items()}
-
-
-class _Batches:
-    def batch(self, index):
-        return {"input_ids": np.zeros((1, 8), np.int32)}
-
-
 def test_the_train_loop_hands_each_record_to_its_router_watch():
     lines, records = [], []
     watch = RouterCollapseWatch(steps=3, report=lines.append)
-    TrainLoop(_CollapsedStep(), _Batches(), on_step=records.append, router_watch=watch).run(_State(0), until_step=5)
+    TrainLoop(FakeStep(), FakeBatches(), on_step=records.append, router_watch=watch).run(FakeState(), until_step=5)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert len(lines) == 1 and "layer 1" in lines[0] and "(now 4.0x, step 3)" in lines[0]
     with pytest.warns(RuntimeWarning, match=r"router of layer 1 .* for 20 steps \(now 4.0x, step 20\)"):
-        TrainLoop(_CollapsedStep(), _Batches()).run(_State(0), until_step=20)    # the default watch
+        TrainLoop(FakeStep(), FakeBatches()).run(FakeState(), until_step=20)    # the default watch
