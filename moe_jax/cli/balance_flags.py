@@ -1,6 +1,7 @@
 """`moe-jax train`'s expert load balance flags (`moe_jax.training.balance`; both off by default), and its
 multi-token-prediction loss flag (`moe_jax.training.mtp_loss`; off by default):
 
+    moe-jax train ... --router-aux-loss-coef 1e-3        # the family's aux loss on, whatever config.json says
     moe-jax train ... --router-z-loss-coef 1e-3          # ST-MoE's router z-loss joins the loss
     moe-jax train ... --router-bias-update-rate 1e-3     # DeepSeek-V3: move the router bias toward balance
     moe-jax train ... --ep 8 --num-redundant-experts 8 --rebalance-every 100   # EPLB: replicas of busy experts
@@ -8,7 +9,8 @@ multi-token-prediction loss flag (`moe_jax.training.mtp_loss`; off by default):
     moe-jax train --model DeepSeek-V3/ ... --mtp-loss-coef 0.3   # DeepSeek-V3's MTP layers trained beside the model
 
 A negative value is refused with one `error:` line before anything starts; a bias update on a family without a
-router bias is refused, naming the families that have one, from config.json before any weight is read;
+router bias is refused, naming the families that have one, from config.json before any weight is read, and so is
+an aux loss for a family whose reference computes none;
 --rebalance-every without --num-redundant-experts is refused before anything starts, and a number of redundant
 slots the layout cannot take when the model is built; an MTP loss for a model without MTP layers (a checkpoint
 that holds none) when the step is built.
@@ -21,6 +23,10 @@ import argparse
 
 def add_balance_flags(parser: argparse.ArgumentParser) -> None:
     balance = parser.add_argument_group("expert load balance")
+    balance.add_argument("--router-aux-loss-coef", type=float, default=None, metavar="C",
+                         help="add C x the family's load-balancing aux loss to the loss (config.json's "
+                              "output_router_logits and router_aux_loss_coef for this run, and in --export-hf's "
+                              "config; 0 turns it off; default: as config.json says)")
     balance.add_argument("--router-z-loss-coef", type=float, default=0.0, metavar="C",
                          help="add C x ST-MoE's router z-loss (mean over tokens of logsumexp(router logits)^2, "
                               "averaged over sparse layers) to the loss; reported as router_z_loss (default 0: off)")
@@ -52,6 +58,7 @@ def check_balance_flags(args, config: dict) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
     check_slot_flags(args)
     check_router_bias(config, args.router_bias_update_rate)
+    check_router_aux_loss(config, args.router_aux_loss_coef)
 
 
 def check_slot_flags(args) -> None:
@@ -77,11 +84,54 @@ def check_router_bias(config: dict, rate: float) -> None:
     if not rate:
         return
     from ..causal_lm.families import model_class_for
-    from ..module_tree import ModuleTree
-    from ..training.balance import ROUTER_BIAS, no_router_bias
+    from ..training.balance import no_router_bias
+
+    if not _has_router_bias(model_class_for(config), config):
+        raise ValueError(no_router_bias(float(rate), config["model_type"]))
+
+
+def check_router_aux_loss(config: dict, coef: float | None) -> None:
+    """Refuse --router-aux-loss-coef (negative, or for a family whose reference computes no aux loss)."""
+    if coef is None:
+        return
+    if coef < 0:
+        raise ValueError(f"--router-aux-loss-coef {coef} must be >= 0 (0 turns the aux loss off).")
+    from ..causal_lm.families import model_class_for
+
+    if coef and not model_class_for(config).family.has_router_aux_loss:
+        raise ValueError(f"--router-aux-loss-coef {coef}: a {config['model_type']} model has no router aux loss (its "
+                         "reference computes none); balance it with --router-bias-update-rate where its router "
+                         "has a bias, or --router-z-loss-coef.")
+
+
+def with_router_aux_loss(config: dict, coef: float | None) -> dict:
+    """config.json's values with the aux loss --router-aux-loss-coef asks for (unchanged without the flag)."""
+    if coef is None:
+        return config
+    return {**config, "output_router_logits": coef > 0, "router_aux_loss_coef": coef}
+
+
+def collapse_remedy(args, config: dict) -> str:
+    """The flag a collapsing router's warning names (`training.router_health`): the balance term this model's
+    family has, or a larger value of the one the run already uses."""
+    from ..causal_lm.families import model_class_for
 
     model_class = model_class_for(config)
+    if _has_router_bias(model_class, config):
+        rate = args.router_bias_update_rate
+        return (f"a larger --router-bias-update-rate than {rate:g}" if rate
+                else "--router-bias-update-rate GAMMA (e.g. 1e-3)")
+    if model_class.family.has_router_aux_loss:
+        values = model_class.config_class.from_dict(config)
+        coef = values.router_aux_loss_coef if values.output_router_logits else 0.0
+        return f"a larger --router-aux-loss-coef than {coef:g}" if coef else "--router-aux-loss-coef C (e.g. 1e-2)"
+    return "--router-z-loss-coef C (e.g. 1e-3; this family has neither an aux loss nor a router bias)"
+
+
+def _has_router_bias(model_class, config: dict) -> bool:
+    from ..module_tree import ModuleTree
+    from ..training.balance import ROUTER_BIAS
+
     family, values, tree = model_class.family, model_class.config_class.from_dict(config), ModuleTree()
     family.declare_sparse_mlp(tree, values, family.experts_intermediate_size(values))
-    if not any(buffer.endswith("." + ROUTER_BIAS) for buffer in tree.buffers()):
-        raise ValueError(no_router_bias(float(rate), values.model_type))
+    return any(buffer.endswith("." + ROUTER_BIAS) for buffer in tree.buffers())

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .adapter_flags import add_train_flags, export_adapter, lora_config_from_flags, trainable_from_flags
-from .balance_flags import add_balance_flags, balance_options, check_balance_flags
+from .balance_flags import (add_balance_flags, balance_options, check_balance_flags, collapse_remedy,
+                            with_router_aux_loss)
 from .layout_flags import (
     add_layout_flags,
     add_scan_layers_flag,
@@ -185,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     initialize()  # only now: a request refused above ends this process before any peer waits on it
     from ..training.loop import TrainLoop
+    from ..training.router_health import RouterCollapseWatch
 
     model, devices = _build_model(args, request.config, request.model_dir)
     if request.lora is not None:
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         should_evaluate=should_evaluate, rebalance_every=args.rebalance_every,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None, preemption=preemption_from_flags(args),
+        router_watch=RouterCollapseWatch(remedy=collapse_remedy(args, request.config), report=progress.warn),
     )
     began = time.perf_counter()
     try:
@@ -250,6 +253,7 @@ def _checked_request(args) -> _Request:
     _check_positive(args)
     config, model_dir = _model_config(args)
     check_balance_flags(args, config)
+    config = with_router_aux_loss(config, args.router_aux_loss_coef)
     schedules = learning_rate_schedules(args)
     data = training_source(args, config, model_dir)
     check_sequence(data.seq_len, config)

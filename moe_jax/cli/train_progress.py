@@ -70,6 +70,14 @@ class TrainProgress:
                              capacity=record["capacity"], replays=record["replays"], refresh=False, **extra)
         self.bar.update(1)
 
+    def warn(self, line: str) -> None:
+        """One `warning:` line on stderr, above the bar (one process of a multi-process job says it)."""
+        import jax
+        from tqdm.auto import tqdm
+
+        if jax.process_index() == 0:
+            tqdm.write(f"warning: {line}", file=sys.stderr)
+
     def close(self, *, failed: bool = False) -> tuple[list[str], list[str]]:
         """Close the writers. After a failure, remove what this run created and holds nothing. Returns (what was
         kept, what was removed), each described for the user (both empty after a success)."""

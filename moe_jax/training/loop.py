@@ -77,6 +77,8 @@ class TrainLoop:
         docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True`.
     preemption: a `training.preemption.Preemption`: once it is `reached`, the loop dispatches no more steps,
         confirms those in flight, saves the last (`save`, when given) and returns; `preempted_at` is then that step.
+    router_watch: called with each record before `on_step` (default: a `RouterCollapseWatch`, which warns once
+        when a sparse layer's router keeps sending most tokens to a few experts).
     """
 
     def __init__(self, train_step, data: BatchSource, *, schedule: CapacitySchedule | None = None,
@@ -86,7 +88,7 @@ class TrainLoop:
                  checkpoints=None, learning_rate: Callable[[int], float] | None = None,
                  evaluate: Callable[[int, TrainState], dict] | None = None,
                  should_evaluate: Callable[[int], bool] | None = None, rebalance_every: int | None = None,
-                 preemption=None):
+                 preemption=None, router_watch: Callable[[dict], Any] | None = None):
         if rebalance_every is not None and rebalance_every < 1:
             raise ValueError(f"rebalance_every={rebalance_every} must be >= 1 (steps between re-placements).")
         if rebalance_every is not None and not train_step.model.num_redundant_experts:
@@ -107,7 +109,7 @@ class TrainLoop:
         self.replays = 0
         self.preemption, self.preempted_at = preemption, None
         self._save_wait = 0.0   # seconds the loop waited in saves since the last record
-        self.router_watch = RouterCollapseWatch()   # warns once when a router collapses onto a few experts
+        self.router_watch = router_watch or RouterCollapseWatch()
         self.batch_sharding = train_step.model.batch_sharding()
         # expert_load's rows are the sparse layers in order; records name them by the model's layer index.
         self._sparse_layers = list(train_step.model.sparse_layers())

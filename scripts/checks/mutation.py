@@ -80,6 +80,8 @@ TESTS = {
     "inference.generate": ("tests/inference/test_generate.py",),
     "inference.manager": ("tests/inference/test_continuous.py",),
     "training.evaluation": ("tests/training/test_evaluation.py",),
+    "training.loop": ("tests/training/test_loop_records.py", "tests/training/test_router_health.py"),
+    "training.router_health": ("tests/training/test_router_health.py",),
     "training.data": ("tests/training/test_data.py", "tests/training/test_evaluation.py"),
     "training.corpus": ("tests/training/test_evaluation.py", "tests/training/test_corpus.py"),
     "models.pipeline": ("tests/models/test_pipeline.py",),
@@ -186,6 +188,16 @@ SLIPS: list[Slip] = [
          "eos = tuple(token for token in eos if token > 0)", "an EOS id of 0 filtered out as no EOS"),
     slip("inference.manager", "eos = config.eos_token_id if eos_token_id is None else eos_tuple(eos_token_id)",
          "eos = config.eos_token_id", "a call's eos_token_id ignored"),
+
+    # ---- training: the loop's records and the router-collapse warning ------------------------------------------------
+    slip("training.loop", "pending.append(_InFlight(next_index, state.capacity, metrics, next_index in overflowed))",
+         "pending.append(_InFlight(next_index, state.capacity, metrics, next_index in overflowed "
+         "or next_index - 1 in overflowed))",
+         "the step queued behind an overflow is marked replayed too (records disagree with the replays count)"),
+    slip("training.loop", "            self.router_watch(record)\n", "",
+         "the loop never hands its records to the router-collapse watch"),
+    slip("training.router_health", "if self.streaks[layer] >= self.steps:", "if self.streaks[layer] > self.steps:",
+         "the collapse warning comes one step after the stated number of steps"),
 
     # ---- training: evaluation, batch sources, corpora ----------------------------------------------------------------
     slip("training.evaluation",

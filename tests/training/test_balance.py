@@ -294,3 +294,35 @@ def test_a_bias_update_is_checked_against_config_json_before_loading(monkeypatch
     assert main(["train", "--model", str(FIXTURES / "models" / "qwen3_moe"), "--steps", "1",
                  "--router-bias-update-rate", "0.01", "--no-progress"]) == 2
     assert "which a qwen3_moe model does not have" in error_line(capsys)
+
+
+def test_the_aux_loss_flag_sets_the_config_and_a_collapse_names_the_family_s_balance_flag(capsys):
+    """--router-aux-loss-coef turns the family's aux loss on (or off) for the run, is refused for a family whose
+    reference has none, and is the flag a collapsing router's warning names where the family has no router bias."""
+    from moe_jax.checkpoint_files import read_config
+    from moe_jax.cli import build_parser
+    from moe_jax.cli.balance_flags import check_router_aux_loss, collapse_remedy, with_router_aux_loss
+    from moe_jax.cli.train import _checked_request
+
+    qwen, deepseek = read_config(FIXTURES / "models" / "qwen3_moe"), read_config(DEEPSEEK)
+    parse = build_parser().parse_args
+    args = parse(["train", "--model", str(FIXTURES / "models" / "qwen3_moe"), "--router-aux-loss-coef", "0.02"])
+    config = _checked_request(args).config
+    assert (config["output_router_logits"], config["router_aux_loss_coef"]) == (True, 0.02)
+    assert with_router_aux_loss(qwen, 0.0)["output_router_logits"] is False and with_router_aux_loss(qwen, None) is qwen
+    with pytest.raises(SystemExit):
+        parse(["train", "--help"])
+    assert "--router-aux-loss-coef C" in capsys.readouterr().out    # the flag the warning names is offered
+
+    no_flags = parse(["train"])
+    assert collapse_remedy(no_flags, {**qwen, "output_router_logits": False}) == "--router-aux-loss-coef C (e.g. 1e-2)"
+    assert collapse_remedy(no_flags, config) == "a larger --router-aux-loss-coef than 0.02"
+    assert collapse_remedy(no_flags, deepseek) == "--router-bias-update-rate GAMMA (e.g. 1e-3)"
+    assert collapse_remedy(parse(["train", "--router-bias-update-rate", "0.005"]), deepseek) == (
+        "a larger --router-bias-update-rate than 0.005")
+
+    check_router_aux_loss(deepseek, 0.0)   # off: nothing to refuse
+    with pytest.raises(ValueError, match="a deepseek_v3 model has no router aux loss .* --router-bias-update-rate"):
+        check_router_aux_loss(deepseek, 0.01)
+    assert main(["train", "--steps", "1", "--router-aux-loss-coef", "-1"]) == 2
+    assert error_line(capsys) == "--router-aux-loss-coef -1.0 must be >= 0 (0 turns the aux loss off)."
