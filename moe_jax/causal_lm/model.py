@@ -99,8 +99,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
             pipeline_schedule: "gpipe" (the reference's split of the layers) or "circular" (needs M >= pp_size).
             pipeline_repeats: with a circular schedule, the chunks of layers per stage (default 1).
             num_redundant_experts: R extra expert slots per sparse layer over the ep ranks ((E + R) % ep_size == 0,
-                ep_size > 1, pp_size == 1), which `set_expert_placement` fills with replicas of busy experts
-                (`causal_lm.placement`); parameters stay per logical expert.
+                ep_size > 1, pp_size == 1) for replicas of busy experts (`set_expert_placement`).
             kept_quantization: a checkpoint's `quant_method` kept on the devices (dequantize=False); inference only.
             weight_quantization: weight-only int8 / fp8 of a plain checkpoint's experts (and `modules`), quantised
                 as it is read (`from_pretrained(..., quantize=...)` sets it; `models.weight_only`); inference only.
@@ -114,8 +113,7 @@ class MoeForCausalLM(ParameterStorage, GenerationMixin, AdapterMixin, ExpertPlac
         self.config = config
         self.dtype = parameter_dtype(dtype)
         self.remat = remat
-        self.kept_quantization = kept_quantization
-        self.weight_quantization = weight_quantization
+        self.kept_quantization, self.weight_quantization = kept_quantization, weight_quantization
         if kept_quantization is not None:
             if weight_quantization is not None:
                 raise ValueError(f"The checkpoint is already quantised ({kept_quantization}) and kept so; quantize="
