@@ -1,0 +1,136 @@
+"""Models under context parallelism: PyTorch's logits and training curve on cp layouts, gradients equal to cp=1
+(packed rows too), and one clear error for what cp does not run. Every family x cp x strategy x packing:
+`python scripts/checks/check_context_parallel.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax import DistributedConfig
+from moe_jax.checkpoint_files import read_config
+from moe_jax.training.loss import model_loss, predicted_tokens, prediction_targets
+
+from ..heavy import representative
+from ..training.conftest import build_trainer, reference_curve  # noqa: F401  (a fixture)
+from ..training.hf_training import SETUP
+from ..training.test_loss_curves import AUX_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, train_curve
+from .test_fixture_parity import FAMILIES, FIXTURES, check_against_fixture, has_ep_plan
+
+# The fixtures' rows are 12 tokens: cp 2 (2 x 2 zig-zag chunks of 3).
+CP2_LAYOUTS = [dict(cp_size=2, fsdp_size=4, ep_size=4), dict(cp_size=2, tp_size=2, fsdp_size=2, cp_strategy="ring"),
+               dict(cp_size=2, fsdp_size=2, ep_size=2, tp_size=2, enable_sequence_parallel=True),
+               dict(cp_size=2, fsdp_size=4, ep_size=8, cp_strategy="ring")]
+
+
+def cp2_layout(index: int, family: str) -> dict:
+    layout = CP2_LAYOUTS[index % len(CP2_LAYOUTS)]
+    return layout if has_ep_plan(family) else dict(cp_size=2, tp_size=2, fsdp_size=2, cp_strategy="ring")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_pytorch_with_the_sequence_split_over_cp(family):
+    check_against_fixture(family, cp2_layout(FAMILIES.index(family), family))
+
+
+@pytest.mark.parametrize("layout", representative(
+    [dict(cp_size=2, fsdp_size=4, ep_size=4), dict(cp_size=2, tp_size=2, fsdp_size=2, cp_strategy="ring")],
+    suite=("cp2_fsdp4_ep4",), ids=["cp2_fsdp4_ep4", "cp2_tp2_fsdp2_ring"]))
+def test_ten_adamw_steps_follow_the_reference_curve_under_cp(reference_curve, layout):
+    _, train_step = build_trainer(layout)
+    records = train_curve(train_step)
+    np.testing.assert_allclose([r["loss"] for r in records], reference_curve["losses"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose([r["aux_loss"] for r in records], reference_curve["aux_losses"], rtol=AUX_RTOL)
+    np.testing.assert_allclose([r["grad_norm"] for r in records], reference_curve["grad_norms"], rtol=GRAD_NORM_RTOL)
+
+
+def packed_batch(vocab: int, batch: int = 2, length: int = 32):
+    """Rows of several documents (segment ids 1, 2, ...; 0 padding at the end) and random tokens."""
+    ids = np.random.default_rng(3).integers(1, vocab, (batch, length)).astype(np.int32)
+    segments = np.zeros((batch, length), np.int32)
+    segments[0, :9], segments[0, 9:23], segments[0, 23:30] = 1, 2, 3
+    segments[1, :20], segments[1, 20:] = 1, 2
+    return ids, segments
+
+
+def loss_and_gradients(model, ids, segments):
+    targets = prediction_targets(jnp.asarray(ids), jnp.asarray(segments))
+
+    def loss(params):
+        return model_loss(model, params, ids, None, targets, total_tokens=predicted_tokens(targets), aux_weight=0.01,
+                          capacity=None, segment_ids=segments)[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(model.params)
+    return float(value), jax.tree.map(np.asarray, grads)
+
+
+def assert_equal_to_one_device(family: str, layout: dict, atol: float = 1e-5):
+    load = lambda config=None: moe_jax.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        FIXTURES / family, config, devices=jax.devices()[:1] if config is None else None, progress=False)
+    single = load()
+    ids, segments = packed_batch(single.config.vocab_size)
+    expected = loss_and_gradients(single, ids, segments)
+    got = loss_and_gradients(load(DistributedConfig(**layout)), ids, segments)
+    assert abs(got[0] - expected[0]) < atol
+    for name, grad in got[1].items():
+        np.testing.assert_allclose(grad, expected[1][name], atol=atol, err_msg=name)
+
+
+# Packed rows: documents end inside cp chunks; gpt-oss adds sinks and sliding windows, DeepSeek-V3 MLA, Llama 4
+# chunked attention and its NoPE layers' temperature (from each token's index in its document).
+PACKED_CASES = [("gpt_oss", dict(cp_size=4, fsdp_size=2, ep_size=4, cp_strategy="ring")),
+                ("deepseek_v3", dict(cp_size=4, tp_size=2)),
+                ("llama4_text", dict(cp_size=8, cp_strategy="ring")),
+                ("qwen2_moe", dict(cp_size=4, fsdp_size=2, ep_size=4))]
+
+
+@pytest.mark.parametrize("family, layout", representative(
+    PACKED_CASES, suite=("gpt_oss",), ids=[case[0] for case in PACKED_CASES]))
+def test_packed_rows_give_one_devices_loss_and_gradients(family, layout):
+    assert_equal_to_one_device(family, layout)
+
+
+@pytest.fixture(scope="module")
+def cp_model():
+    return moe_jax.AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3_moe", DistributedConfig(cp_size=4),
+                                                        progress=False)
+
+
+def test_generation_is_refused_with_what_to_use_instead(cp_model):
+    with pytest.raises(ValueError, match=r"cp_size=4: a KV cache's steps .* layout without cp \(cp_size=1\)"):
+        cp_model.generate(np.ones((1, 8), np.int32), max_new_tokens=2)
+
+
+def test_a_sequence_cp_cannot_split_is_refused(cp_model):
+    with pytest.raises(ValueError, match=r"sequence length 12 cannot be split over cp_size=4.*multiple of 8"):
+        cp_model.forward(np.ones((2, 12), np.int32))
+
+
+def test_the_mtp_loss_is_refused_under_cp():
+    config = {**read_config(FIXTURES / "deepseek_v3"), "num_nextn_predict_layers": 1}
+    model = moe_jax.AutoModelForCausalLM.from_config(config, DistributedConfig(cp_size=2), mtp_layers=1)
+    model.init_params(0)
+    with pytest.raises(ValueError, match=r"cp_size=2: the MTP layers .* train the MTP loss with cp_size=1"):
+        model.apply(model.params, np.ones((2, 8), np.int32), return_mtp_logits=True)
+
+
+def test_sequence_parallelism_keeps_the_norms_split_over_tp_and_the_losses():
+    """`enable_sequence_parallel`: the compiled step's RMSNorm statistics are [B/fsdp, S/tp, 1] per device, and its
+    temporaries fewer."""
+    ids, _ = packed_batch(128, batch=4, length=64)
+    records = {}
+    for parallel in (False, True):
+        model = moe_jax.AutoModelForCausalLM.from_pretrained(
+            FIXTURES / "qwen3_moe", DistributedConfig(tp_size=4, fsdp_size=2, enable_sequence_parallel=parallel),
+            progress=False)
+        targets = prediction_targets(jnp.asarray(ids))
+        step = jax.jit(jax.value_and_grad(lambda p, m=model: model_loss(
+            m, p, ids, None, targets, total_tokens=predicted_tokens(targets), aux_weight=0.01, capacity=None)[0]))
+        compiled = step.lower(model.params).compile()
+        records[parallel] = (float(step(model.params)[0]), compiled.as_text(),
+                             compiled.memory_analysis().temp_size_in_bytes)
+    assert abs(records[True][0] - records[False][0]) < 1e-6
+    assert "f32[2,16,1]{2,1,0} rsqrt(" in records[True][1] and "f32[2,16,1]{2,1,0} rsqrt(" not in records[False][1]
+    assert "f32[2,64,1]{2,1,0} rsqrt(" in records[False][1]
+    assert records[True][2] < records[False][2]
