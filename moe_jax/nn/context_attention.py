@@ -11,8 +11,10 @@ Llama 4 attention chunks count from, and whether it is a real token. Two strateg
                 either whole, half (the other half is causally masked and skipped) or the local diagonal, so
                 every rank does the same work each step.
 
-A query that sees no key at all (a padding row) gets finite, meaningless output, as in `attention_core`; the
-ring's may differ from one device's there (it averages the blocks it computed).
+Both run flash-style: blocks of `CONTEXT_BLOCK` queries against blocks of as many keys with an online softmax,
+each block recomputed for the backward pass and a block no query of it can see (causally later, or before the
+window) skipped, so the scores in flight are one block's whatever the sequence length. A query that sees no key
+at all (a padding row) gets finite, meaningless output, as in `attention_core` (here: from the blocks computed).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from ..distributed.context import ContextLayout
-from .attention_core import MASKED_LOGIT, _masked_attention, attend_with_sinks, segment_starts
+from ..ops.varying import vary_like
+from .attention_core import MASKED_LOGIT, segment_starts
 from .linear import no_constraint
 
 # Below MASKED_LOGIT: a running max no block has raised yet weighs nothing once one does.
 _EMPTY_MAX = -float(jnp.finfo(jnp.float32).max)
+# Query and key rows of one block of scores: [B, K, G, 512, 512] float32 in flight, whatever the sequence.
+CONTEXT_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -67,30 +72,6 @@ def token_visibility(queries: tuple, keys: tuple, sliding_window: int | None, ch
     return visible[:, None]
 
 
-def _gathered(q, k, v, *facts_and_sinks, layout: ContextLayout, scale, sliding_window, chunk_size, query_chunk_size,
-              implementation):
-    """The all_gather strategy, on one device's slice: q [B, Sl, N, D], k, v [B, Sl, K, D] -> [B, Sl, N, Dv]."""
-    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
-    gather = partial(jax.lax.all_gather, axis_name=layout.axes, axis=1, tiled=True)
-    keys, values = gather(k), gather(v)
-    key_facts = tuple(gather(array) for array in facts)
-
-    @jax.checkpoint
-    def block(q_block, *query_facts):
-        mask = token_visibility(query_facts, key_facts, sliding_window, chunk_size)
-        if sinks is not None:
-            return attend_with_sinks(q_block, keys, values, mask, sinks, scale)
-        return _masked_attention(q_block, keys, values, mask=mask, scale=scale, implementation=implementation)
-
-    local = q.shape[1]
-    if not query_chunk_size or query_chunk_size >= local or local % query_chunk_size:
-        return block(q, *facts)
-    blocks = local // query_chunk_size
-    split = lambda x: x.reshape(x.shape[0], blocks, query_chunk_size, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
-    out = jax.lax.map(lambda args: block(*args), (split(q), *(split(array) for array in facts)))
-    return out.swapaxes(0, 1).reshape(*q.shape[:3], -1)
-
-
 def _block_partial(q, query_facts, k, v, key_facts, *, scale, sliding_window, chunk_size):
     """One query block against one key block: (running max [B, K, G, Sq], sum [B, K, G, Sq], weighted values
     [B, K, G, Sq, Dv]) in float32. q: [B, Sq, N, D]; k: [B, Tk, K, D]; v: [B, Tk, K, Dv]."""
@@ -114,45 +95,104 @@ def _merge(first, second):
     return new_max, sum_a * scale_a + sum_b * scale_b, out_a * scale_a[..., None] + out_b * scale_b[..., None]
 
 
-def _ring(q, k, v, *facts_and_sinks, layout: ContextLayout, scale, sliding_window, chunk_size, query_chunk_size,
-          implementation):
-    """The ring strategy, on one device's slice (its zig-zag chunks r and 2 cp - 1 - r): q [B, Sl, N, D], k, v
-    [B, Sl, K, D] -> [B, Sl, N, Dv]."""
-    del query_chunk_size, implementation   # blocks are already a slice by half a slice; its own core
-    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
-    cp, rank, half = layout.size, layout.rank(), q.shape[1] // 2
-    block = jax.checkpoint(partial(_block_partial, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size))
-    late = lambda x: x[:, half:]  # noqa: E731
-    early = lambda x: x[:, :half]  # noqa: E731
+def _in_blocks(x: jax.Array, size: int) -> jax.Array:
+    """x: [B, L, ...] -> [L / size, B, size, ...]."""
+    return x.reshape(x.shape[0], x.shape[1] // size, size, *x.shape[2:]).swapaxes(0, 1)
 
-    def from_earlier(kv):   # its chunk src < r: every query sees the early half of the keys only
-        k_block, v_block, *key_facts = kv
-        return block(q, facts, early(k_block), early(v_block), tuple(map(early, key_facts)))
 
-    def from_later(kv):     # src > r: only the late queries see anything, all of the keys
-        k_block, v_block, *key_facts = kv
-        row_max, row_sum, out = block(late(q), tuple(map(late, facts)), k_block, v_block, tuple(key_facts))
-        pad = lambda x, value: jnp.concatenate([jnp.full_like(x, value), x], axis=3)  # noqa: E731
-        return pad(row_max, _EMPTY_MAX), pad(row_sum, 0.0), pad(out, 0.0)
+def _block_size(length: int, block: int) -> int:
+    """The block rows for `length` tokens: `block` where it divides them, else all of them."""
+    return block if length > block and length % block == 0 else length
 
-    kv = (k, v, *facts)
-    shift = [(i, (i + 1) % cp) for i in range(cp)]
-    running = block(q, facts, k, v, facts)            # step 0: the local diagonal
-    for step in range(1, cp):
-        kv = tuple(jax.lax.ppermute(array, layout.axes, shift) for array in kv)   # now from rank - step
-        source = (rank - step) % cp
-        running = _merge(running, jax.lax.cond(source < rank, from_earlier, from_later, kv))
-    row_max, row_sum, out = running
-    if sinks is not None:   # gpt-oss: one more softmax column per head, no value
+
+def _partials(q, query_facts, k, v, key_facts, *, scale, sliding_window, chunk_size, block):
+    """Flash-style online softmax of q against k, v: query blocks (`lax.map`) against key blocks (`lax.scan`) of
+    `block` tokens, each recomputed for the backward pass, and a key block that no query of the block can see
+    (all later, or all before the window) skipped -> the partials of `_block_partial` for all of q."""
+    attend_block = jax.checkpoint(partial(_block_partial, scale=scale, sliding_window=sliding_window,
+                                          chunk_size=chunk_size))
+    query_size, key_size = _block_size(q.shape[1], block), _block_size(k.shape[1], block)
+    if query_size == q.shape[1] and key_size == k.shape[1]:   # one block: no loops
+        return attend_block(q, tuple(query_facts), k, v, tuple(key_facts))
+    key_blocks = (_in_blocks(k, key_size), _in_blocks(v, key_size), *(_in_blocks(x, key_size) for x in key_facts))
+
+    def one_query_block(inputs):
+        q_block, *facts = inputs
+        first, last = jnp.min(facts[0]), jnp.max(facts[0])
+        batch, length, heads = q_block.shape[:3]
         kv_heads = k.shape[2]
+        shape = (batch, kv_heads, heads // kv_heads, length)
+        empty = tuple(vary_like(x, q_block, k, v, *facts, *key_facts) for x in (
+            jnp.full(shape, _EMPTY_MAX), jnp.zeros(shape), jnp.zeros((*shape, v.shape[-1]))))
+
+        def step(running, block_inputs):
+            k_block, v_block, *block_facts = block_inputs
+            seen = jnp.min(block_facts[0]) <= last
+            if sliding_window is not None:
+                seen &= jnp.max(block_facts[0]) > first - sliding_window
+            update = lambda: _merge(running, attend_block(q_block, tuple(facts), k_block, v_block,  # noqa: E731
+                                                          tuple(block_facts)))
+            return jax.lax.cond(seen, update, lambda: running), None
+
+        return jax.lax.scan(step, empty, key_blocks)[0]
+
+    partials = jax.lax.map(one_query_block, (_in_blocks(q, query_size),
+                                             *(_in_blocks(x, query_size) for x in query_facts)))
+    # [Q blocks, B, K, G, C, ...] -> [B, K, G, Sq, ...]
+    return tuple(jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, *x.shape[5:]) for x in partials)
+
+
+def _finish(partials, sinks, kv_heads: int, dtype) -> jax.Array:
+    """Merged partials -> [B, Sq, N, Dv] in `dtype`; sinks: gpt-oss's [N] sink logits (one more softmax column per
+    head, no value) or None."""
+    row_max, row_sum, out = partials
+    if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(1, kv_heads, -1, 1)
         top = jnp.maximum(row_max, sink)
         keep = jnp.exp(row_max - top)
         out = out * (keep / (row_sum * keep + jnp.exp(sink - top)))[..., None]
     else:
         out = out / row_sum[..., None]
-    batch, _, groups, length, width = out.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1, width).astype(v.dtype)
+    batch, _, _, length, width = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1, width).astype(dtype)
+
+
+def _gathered(q, k, v, *facts_and_sinks, layout: ContextLayout, mask_options: dict, block: int):
+    """The all_gather strategy, on one device's slice: q [B, Sl, N, D], k, v [B, Sl, K, D] -> [B, Sl, N, Dv]."""
+    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
+    gather = partial(jax.lax.all_gather, axis_name=layout.axes, axis=1, tiled=True)
+    partials = _partials(q, facts, gather(k), gather(v), tuple(gather(x) for x in facts), block=block,
+                         **mask_options)
+    return _finish(partials, sinks, k.shape[2], v.dtype)
+
+
+def _ring(q, k, v, *facts_and_sinks, layout: ContextLayout, mask_options: dict, block: int):
+    """The ring strategy, on one device's slice (its zig-zag chunks r and 2 cp - 1 - r): q [B, Sl, N, D], k, v
+    [B, Sl, K, D] -> [B, Sl, N, Dv]."""
+    facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
+    cp, rank, half = layout.size, layout.rank(), q.shape[1] // 2
+    attend = partial(_partials, block=block, **mask_options)
+    late = lambda x: x[:, half:]  # noqa: E731
+    early = lambda x: x[:, :half]  # noqa: E731
+
+    def from_earlier(kv):   # its chunk src < r: every query sees the early half of the keys only
+        k_block, v_block, *key_facts = kv
+        return attend(q, facts, early(k_block), early(v_block), tuple(map(early, key_facts)))
+
+    def from_later(kv):     # src > r: only the late queries see anything, all of the keys
+        k_block, v_block, *key_facts = kv
+        row_max, row_sum, out = attend(late(q), tuple(map(late, facts)), k_block, v_block, tuple(key_facts))
+        pad = lambda x, value: jnp.concatenate([jnp.full_like(x, value), x], axis=3)  # noqa: E731
+        return pad(row_max, _EMPTY_MAX), pad(row_sum, 0.0), pad(out, 0.0)
+
+    kv = (k, v, *facts)
+    shift = [(i, (i + 1) % cp) for i in range(cp)]
+    running = attend(q, facts, k, v, facts)            # step 0: the local diagonal
+    for step in range(1, cp):
+        kv = tuple(jax.lax.ppermute(array, layout.axes, shift) for array in kv)   # now from rank - step
+        source = (rank - step) % cp
+        running = _merge(running, jax.lax.cond(source < rank, from_earlier, from_later, kv))
+    return _finish(running, sinks, k.shape[2], v.dtype)
 
 
 STRATEGY_CORES = {"all_gather": _gathered, "ring": _ring}
@@ -183,10 +223,11 @@ class ContextAttention:
         valid = jnp.ones(shape, jnp.int32) if key_padding_mask is None else key_padding_mask.astype(jnp.int32)
         segments = jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         facts = (self.tokens.index, segments, self.tokens.origin, valid)
-        core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout,
-                       scale=q.shape[-1] ** -0.5 if scale is None else scale, sliding_window=sliding_window,
-                       chunk_size=attention_chunk_size, query_chunk_size=query_chunk_size,
-                       implementation=implementation)
+        del implementation   # the strategies' own blocked core
+        mask_options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, sliding_window=sliding_window,
+                            chunk_size=attention_chunk_size)
+        core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout, mask_options=mask_options,
+                       block=query_chunk_size or CONTEXT_BLOCK)
         heads = lambda x, axis: self.constrain(x, ("batch", "length", axis, None))  # noqa: E731
         q, k, v = heads(q, "heads"), heads(k, "kv_heads"), heads(v, "kv_heads")
         out = self.layout.shard_sequence(core, (q, k, v, *facts), () if sinks is None else (sinks,))

@@ -54,27 +54,35 @@ def packed_batch(vocab: int, batch: int = 2, length: int = 32):
     return ids, segments
 
 
-def loss_and_gradients(model, ids, segments):
-    targets = prediction_targets(jnp.asarray(ids), jnp.asarray(segments))
+def loss_and_gradients(model, ids, segments=None, mask=None):
+    targets = prediction_targets(jnp.asarray(ids), jnp.asarray(segments if mask is None else mask))
 
     def loss(params):
-        return model_loss(model, params, ids, None, targets, total_tokens=predicted_tokens(targets), aux_weight=0.01,
+        return model_loss(model, params, ids, mask, targets, total_tokens=predicted_tokens(targets), aux_weight=0.01,
                           capacity=None, segment_ids=segments)[0]
 
     value, grads = jax.jit(jax.value_and_grad(loss))(model.params)
     return float(value), jax.tree.map(np.asarray, grads)
 
 
-def assert_equal_to_one_device(family: str, layout: dict, atol: float = 1e-5):
+def differences_from_one_device(family: str, layout: dict, packed: bool = True) -> tuple[float, float]:
+    """(|loss - one device's|, max |gradient - one device's|) of `family` on `layout`, fp32, on packed rows or
+    left-padded ones."""
     load = lambda config=None: moe_jax.AutoModelForCausalLM.from_pretrained(  # noqa: E731
         FIXTURES / family, config, devices=jax.devices()[:1] if config is None else None, progress=False)
     single = load()
     ids, segments = packed_batch(single.config.vocab_size)
-    expected = loss_and_gradients(single, ids, segments)
-    got = loss_and_gradients(load(DistributedConfig(**layout)), ids, segments)
-    assert abs(got[0] - expected[0]) < atol
-    for name, grad in got[1].items():
-        np.testing.assert_allclose(grad, expected[1][name], atol=atol, err_msg=name)
+    inputs = dict(segments=segments) if packed else dict(mask=np.where(np.arange(ids.shape[1]) < 5 * np.arange(
+        ids.shape[0])[:, None], 0, 1).astype(np.int32))
+    expected = loss_and_gradients(single, ids, **inputs)
+    got = loss_and_gradients(load(DistributedConfig(**layout)), ids, **inputs)
+    return abs(got[0] - expected[0]), max(float(np.max(np.abs(got[1][name] - expected[1][name])))
+                                          for name in expected[1])
+
+
+def assert_equal_to_one_device(family: str, layout: dict, packed: bool = True, atol: float = 1e-5):
+    loss, gradients = differences_from_one_device(family, layout, packed)
+    assert loss < atol and gradients < atol, (family, layout, loss, gradients)
 
 
 # Packed rows: documents end inside cp chunks; gpt-oss adds sinks and sliding windows, DeepSeek-V3 MLA, Llama 4
@@ -134,3 +142,36 @@ def test_sequence_parallelism_keeps_the_norms_split_over_tp_and_the_losses():
     assert "f32[2,16,1]{2,1,0} rsqrt(" in records[True][1] and "f32[2,16,1]{2,1,0} rsqrt(" not in records[False][1]
     assert "f32[2,64,1]{2,1,0} rsqrt(" in records[False][1]
     assert records[True][2] < records[False][2]
+
+
+# A model whose activations, not its parameters, fill a long sequence's step (the fixtures' are too narrow).
+LONG_SEQUENCE_CONFIG = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                            moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=2,
+                            max_position_embeddings=65536)
+
+
+def step_temporaries(cp: int, length: int, strategy: str = "all_gather") -> int:
+    """Per-device temporaries (bytes, XLA's memory analysis) of the loss-and-gradient step of one row of `length`
+    tokens on cp devices."""
+    config = {**read_config(FIXTURES / "qwen3_moe"), **LONG_SEQUENCE_CONFIG}
+    model = moe_jax.AutoModelForCausalLM.from_config(
+        config, DistributedConfig(cp_size=cp, cp_strategy=strategy) if cp > 1 else None, devices=jax.devices()[:cp])
+
+    def loss(params, ids):
+        targets = prediction_targets(ids)
+        return model_loss(model, params, ids, None, targets, total_tokens=predicted_tokens(targets), aux_weight=0.01,
+                          capacity=None)[0]
+
+    ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(model.abstract_params(), ids).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("cps", representative([[2, 4], [2, 4, 8]], suite=("cp2-4",), ids=["cp2-4", "cp2-4-8"]))
+def test_per_device_activation_memory_falls_as_one_over_cp_at_16k_tokens(cps):
+    """Each doubling of cp halves the step's temporaries within 15% (attention in blocks: no [S, S] scores).
+    cp 1 runs the one-device attention path, which holds [S, S] scores: far more (docs/benchmarks.md)."""
+    sizes = {cp: step_temporaries(cp, 16384) for cp in cps}
+    for cp in sizes:
+        if 2 * cp in sizes:
+            assert abs(sizes[2 * cp] / sizes[cp] - 0.5) <= 0.5 * 0.15, sizes

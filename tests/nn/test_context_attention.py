@@ -66,14 +66,17 @@ def test_each_strategy_equals_one_devices_attention(strategy, case):
     np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-6)
 
 
-def test_the_ring_on_eight_ranks_and_the_gather_in_query_chunks_equal_one_device():
-    q, k, v, _ = inputs(1)
-    expected = attend(q, k, v, key_padding_mask=LEFT_PADDED)
+def test_the_ring_on_eight_ranks_and_both_in_blocks_of_four_tokens_equal_one_device():
+    """Blocks of 4 (`query_chunk_size`): causally later key blocks and those before the window are skipped."""
+    q, k, v, sinks = inputs(1)
+    options = dict(key_padding_mask=LEFT_PADDED, sliding_window=7, sinks=sinks)
+    expected = attend(q, k, v, **options)
     mesh = Mesh(np.asarray(jax.devices()), ("cp",))
-    ring = split_attend(ContextLayout(mesh, ("cp",), 8, "ring"), q, k, v, key_padding_mask=LEFT_PADDED)
-    chunked = split_attend(context_layout("all_gather"), q, k, v, key_padding_mask=LEFT_PADDED, query_chunk_size=4)
+    ring = split_attend(ContextLayout(mesh, ("cp",), 8, "ring"), q, k, v, **options)
+    blocked = [split_attend(context_layout(strategy), q, k, v, query_chunk_size=4, **options)
+               for strategy in ("all_gather", "ring")]
     seen = LEFT_PADDED.astype(bool)
-    for got in (ring, chunked):
+    for got in (ring, *blocked):
         np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-6)
 
 
