@@ -12,7 +12,6 @@ The model runs on the tokens in that order; every mask compares each token's ori
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .config import CP_STRATEGIES  # noqa: F401  (the names, checked by DistributedConfig)
-from .mesh import DeviceLayout, spec_entry
+from .mesh import PP, DeviceLayout, spec_entry
 
 def zigzag_order(length: int, cp: int) -> np.ndarray:
     """[length] the original index of each slot when rank r holds chunks r and 2 cp - 1 - r of 2 cp chunks."""
@@ -62,19 +61,19 @@ class ContextLayout:
         """The inverse of `to_context_order`."""
         return jnp.take(x, jnp.asarray(np.argsort(self.order(x.shape[axis]))), axis=axis)
 
-    @cached_property
-    def _entry(self):
-        return spec_entry(self.axes)
-
     def rank(self) -> jax.Array:
         """Inside `shard_sequence`: this device's position along cp (0 .. size - 1)."""
         return jax.lax.axis_index(self.axes)
 
-    def shard_sequence(self, fn, sequences: tuple, replicated: tuple = ()):
-        """fn(*local sequences, *replicated) run on each device's slice of the sequence (manual over the cp axes
-        only; the other mesh axes stay the compiler's). sequences: arrays [B, S, ...] split on S; replicated:
-        arrays every cp rank reads whole. fn returns one array [B, S_local, ...]."""
-        split = P(None, self._entry)
-        in_specs = tuple(split for _ in sequences) + tuple(P() for _ in replicated)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=split,
-                             axis_names=frozenset(self.axes))(*sequences, *replicated)
+    def sequence_spec(self, *entries) -> P:
+        """The PartitionSpec of an array [B, S, ...] whose S is split over cp: `entries` for B, then the rest."""
+        batch, *rest = entries
+        return P(batch, spec_entry(self.axes), *rest)
+
+    def shard_sequence(self, fn, arguments: tuple, in_specs: tuple, out_spec: P):
+        """fn(*local arguments) on each device's slice, manual over every mesh axis (`in_specs` say how each
+        argument splits; those of sequences split S over cp, `sequence_spec`) -> one array laid out `out_spec`."""
+        # Under a pipeline's vmap over stages JAX's mesh-variance types lose track of `pp` (as in
+        # `distributed.experts`); the pipeline's parity with pp 1 checks this body without them.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec,
+                             check_vma=self.mesh.shape.get(PP, 1) == 1)(*arguments)

@@ -22,7 +22,7 @@ from ..distributed.context import ContextLayout
 from ..distributed.eplb import ExpertPlacement, identity_placement
 from ..distributed.mesh import DeviceLayout
 from ..nn.attention_core import attention_for_device, segment_starts
-from ..nn.context_attention import ContextAttention, ContextTokens
+from ..nn.context_attention import ContextAttention
 from ..nn.norms import rms_norm
 from ..ops.routing import load_balancing_from_sums, load_balancing_loss
 from .decoder import decoder_hidden, head_logits, rope_tables
@@ -173,8 +173,7 @@ def step_math(core: ModelCore, params: Mapping[str, Any], input_ids, *, attentio
     context = None
     if core.context is not None:
         check_context_step(core, cache, return_mtp_logits)
-        context = ContextAttention(core.context, ContextTokens.of(core.context, attention_mask, segment_ids),
-                                   layouts.constrain)
+        context = ContextAttention(core.context, layouts.rules)
         order = core.context.to_context_order
         in_length = lambda x: layouts.constrain(x, ("batch", "length"))  # noqa: E731
         input_ids, attention_mask, positions = (in_length(order(x)) for x in (input_ids, attention_mask, positions))

@@ -30,6 +30,7 @@ from ..module_tree import ModuleTree
 from ..nn.activations import get_activation
 from ..nn.attention import project_qkv
 from ..nn.attention_core import attend, segment_starts
+from ..nn.context_attention import chunk_origins
 from ..nn.linear import linear
 from ..nn.mlp import mlp
 from ..nn.moe import sparse_moe_block
@@ -159,9 +160,11 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
         first = 0 if layer_kv is None else layer_kv.first_index
         if step.segment_ids is not None:   # packed rows: each document's tokens count from its own start
             first = -segment_starts(step.segment_ids)
-        if step.context is not None:       # the context order: each token's own index (its document's origin)
-            tokens = step.context.tokens
-            first = tokens.index - jnp.arange(h.shape[1]) - (0 if step.segment_ids is None else tokens.origin)
+        if step.context is not None:       # the context order: each token's own index (in its document)
+            index = step.context.index(h.shape[1])
+            first = index - jnp.arange(h.shape[1])
+            if step.segment_ids is not None:
+                first = first - chunk_origins(index, step.segment_ids > 0, step.segment_ids)
         scale = jnp.broadcast_to(temperature(c, first, h.shape[1]), h.shape[:2])      # [B, S]
         q = (q * scale[:, :, None, None]).astype(q.dtype)
     chunk = options["attention_chunk_size"]

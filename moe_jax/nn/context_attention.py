@@ -1,8 +1,8 @@
 """Attention over a sequence split between context-parallel devices (`distributed.context`).
 
 Each device holds its slice of the queries, keys and values, in the zig-zag context order, and beside every
-token what the masks compare (`ContextTokens`): its original index, its document (packed rows), the start its
-Llama 4 attention chunks count from, and whether it is a real token. Two strategies see the other slices' keys:
+token what the masks compare: its original index, its document (packed rows), the start its Llama 4 attention
+chunks count from (`chunk_origins`), and whether it is a real token. Two strategies see the other slices' keys:
 
     all_gather  gather every slice's keys and values (and their facts), then attend as one device would: the
                 right choice for few KV heads (GQA, MLA's latent-expanded keys are not gathered twice)
@@ -19,17 +19,17 @@ at all (a padding row) gets finite, meaningless output, as in `attention_core` (
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from ..distributed.activations import LogicalAxisRules
 from ..distributed.context import ContextLayout
 from ..ops.varying import vary_like
-from .attention_core import MASKED_LOGIT, segment_starts
-from .linear import no_constraint
+from .attention_core import MASKED_LOGIT
 
 # Below MASKED_LOGIT: a running max no block has raised yet weighs nothing once one does.
 _EMPTY_MAX = -float(jnp.finfo(jnp.float32).max)
@@ -37,26 +37,20 @@ _EMPTY_MAX = -float(jnp.finfo(jnp.float32).max)
 CONTEXT_BLOCK = 512
 
 
-@dataclass(frozen=True)
-class ContextTokens:
-    """What the masks compare of each token, [B, S] int32 in the context order: `index` its original position in
-    the row, `origin` the index its attention chunks count from (its document's first token in a packed row, else
-    the row's first real token: `visibility_mask`'s chunk rule)."""
+def chunk_origins(index: jax.Array, valid: jax.Array, segments: jax.Array | None) -> jax.Array:
+    """The index each token's attention chunks count from, in any order of the tokens: its document's first token
+    in a packed row, else its row's first real token (`visibility_mask`'s chunk rule).
 
-    index: jax.Array
-    origin: jax.Array
-
-    @classmethod
-    def of(cls, layout: ContextLayout, attention_mask: jax.Array, segment_ids: jax.Array | None) -> ContextTokens:
-        """From the natural-order inputs: attention_mask [B, S] (1 = real), segment_ids [B, S] or None."""
-        batch, length = attention_mask.shape
-        if segment_ids is not None:
-            origin = segment_starts(segment_ids)
-        else:
-            left_padding = jnp.sum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) == 0, axis=1)
-            origin = jnp.broadcast_to(left_padding[:, None], (batch, length))
-        index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
-        return cls(layout.to_context_order(index), layout.to_context_order(origin.astype(jnp.int32)))
+    index: [S] each slot's original index; valid: [B, S] 1 = real token; segments: [B, S] packed rows' document
+    ids or None -> [B, S] int32"""
+    batch, length = valid.shape
+    index = jnp.broadcast_to(index.astype(jnp.int32)[None, :], (batch, length))
+    if segments is None:
+        first_real = jnp.min(jnp.where(valid > 0, index, length), axis=1)
+        return jnp.broadcast_to(first_real[:, None], (batch, length))
+    groups = (jnp.arange(batch, dtype=jnp.int32)[:, None] * (length + 1) + segments).reshape(-1)
+    firsts = jax.ops.segment_min(index.reshape(-1), groups, num_segments=batch * (length + 1))
+    return firsts[groups].reshape(batch, length)
 
 
 def token_visibility(queries: tuple, keys: tuple, sliding_window: int | None, chunk_size: int | None) -> jax.Array:
@@ -203,8 +197,21 @@ class ContextAttention:
     """`attend` for one step under context parallelism: the model's layout and this batch's token facts."""
 
     layout: ContextLayout
-    tokens: ContextTokens
-    constrain: Callable = no_constraint   # the model's activation layouts (heads over tp where the plan splits them)
+    rules: LogicalAxisRules | None = None   # the model's: batch and heads split as its activations are
+
+    def _entries(self, q: jax.Array, k: jax.Array) -> tuple:
+        """(batch entry, heads entry) of the shard_map's specs: heads split only where q's and k's heads split
+        over the same tp axes (a query head then finds its key/value head on its own device)."""
+        if self.rules is None:
+            return None, None
+        batch = self.rules.spec(("batch",), q.shape[:1])[0]
+        q_heads, k_heads = (self.rules.spec((None, name), x.shape[1:3])[1]
+                            for name, x in (("heads", q), ("kv_heads", k)))
+        return batch, q_heads if q_heads == k_heads else None
+
+    def index(self, length: int) -> jax.Array:
+        """[S] each slot's original index in the row (the context order)."""
+        return jnp.asarray(self.layout.order(length), jnp.int32)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
                key_padding_mask: jax.Array | None = None, query_index: jax.Array | None = None,
@@ -222,13 +229,18 @@ class ContextAttention:
         shape = (batch, length)
         valid = jnp.ones(shape, jnp.int32) if key_padding_mask is None else key_padding_mask.astype(jnp.int32)
         segments = jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-        facts = (self.tokens.index, segments, self.tokens.origin, valid)
+        index = self.index(length)
+        origin = (jnp.zeros(shape, jnp.int32) if attention_chunk_size is None else
+                  chunk_origins(index, valid, segment_ids))
+        facts = (jnp.broadcast_to(index[None, :], shape), segments, origin, valid)
         del implementation   # the strategies' own blocked core
         mask_options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, sliding_window=sliding_window,
                             chunk_size=attention_chunk_size)
         core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout, mask_options=mask_options,
                        block=query_chunk_size or CONTEXT_BLOCK)
-        heads = lambda x, axis: self.constrain(x, ("batch", "length", axis, None))  # noqa: E731
-        q, k, v = heads(q, "heads"), heads(k, "kv_heads"), heads(v, "kv_heads")
-        out = self.layout.shard_sequence(core, (q, k, v, *facts), () if sinks is None else (sinks,))
-        return heads(out, "heads")
+        batch_entry, heads_entry = self._entries(q, k)
+        heads = self.layout.sequence_spec(batch_entry, heads_entry, None)
+        rows = self.layout.sequence_spec(batch_entry)
+        in_specs = (heads, heads, heads, *(rows for _ in facts)) + (() if sinks is None else (P(heads_entry),))
+        arguments = (q, k, v, *facts) + (() if sinks is None else (sinks,))
+        return self.layout.shard_sequence(core, arguments, in_specs, heads)

@@ -4,7 +4,8 @@
 
 Each committed fixture family on cp 2, 4 and 8, alone and with ep (cp4 x fsdp2 with ep4) and tp (tp2 x cp4),
 both strategies (all_gather, ring), on packed rows (documents ending inside cp chunks) and on left-padded rows
-(`tests/models/test_context_parallel.py`'s check; Llama 4, without an EP plan, takes cp4 x fsdp2). Then
+(`tests/models/test_context_parallel.py`'s check; Llama 4, without an EP plan, takes cp4 x fsdp2), and through
+pipeline stages (pp2 x cp2 x fsdp2). Then
 sequence parallelism over tp: ten AdamW steps' losses with `enable_sequence_parallel` on and off within 1e-6.
 The suite runs a representative few.
 """
@@ -33,7 +34,8 @@ ATOL = 1e-5
 
 def layouts(family: str) -> list[dict]:
     with_ep = dict(cp_size=4, fsdp_size=2, ep_size=4) if has_ep_plan(family) else dict(cp_size=4, fsdp_size=2)
-    return [dict(cp_size=2), dict(cp_size=8), with_ep, dict(tp_size=2, cp_size=4)]
+    return [dict(cp_size=2), dict(cp_size=8), with_ep, dict(tp_size=2, cp_size=4),
+            dict(pp_size=2, cp_size=2, fsdp_size=2)]
 
 
 def check_sequence_parallelism() -> float:
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> int:
                           f"{gradients:.1e} {verdict} ({time.perf_counter() - began:.1f} s)", flush=True)
     sequence = check_sequence_parallelism()
     print(f"sequence parallelism: ten steps' losses within {sequence:.1e} of tp's all-reduce")
-    total = len(families) * 16
+    total = len(families) * 20
     print(f"{total - len(failed)} of {total} cases within {ATOL:g} of one device (worst {worst:.1e})")
     return 1 if failed or sequence > 1e-6 else 0
 

@@ -45,12 +45,13 @@ def test_ten_adamw_steps_follow_the_reference_curve_under_cp(reference_curve, la
     np.testing.assert_allclose([r["grad_norm"] for r in records], reference_curve["grad_norms"], rtol=GRAD_NORM_RTOL)
 
 
-def packed_batch(vocab: int, batch: int = 2, length: int = 32):
+def packed_batch(vocab: int, batch: int = 4, length: int = 32):
     """Rows of several documents (segment ids 1, 2, ...; 0 padding at the end) and random tokens."""
     ids = np.random.default_rng(3).integers(1, vocab, (batch, length)).astype(np.int32)
     segments = np.zeros((batch, length), np.int32)
-    segments[0, :9], segments[0, 9:23], segments[0, 23:30] = 1, 2, 3
-    segments[1, :20], segments[1, 20:] = 1, 2
+    for row in range(0, batch, 2):
+        segments[row, :9], segments[row, 9:23], segments[row, 23:30] = 1, 2, 3
+        segments[row + 1, :20], segments[row + 1, 20:] = 1, 2
     return ids, segments
 
 
@@ -62,7 +63,8 @@ def loss_and_gradients(model, ids, segments=None, mask=None):
                           capacity=None, segment_ids=segments)[0]
 
     value, grads = jax.jit(jax.value_and_grad(loss))(model.params)
-    return float(value), jax.tree.map(np.asarray, grads)
+    by_name = model.hf_params(grads)   # the same names whatever the layout stores (pipeline stages stack them)
+    return float(value), {name: np.asarray(by_name[name]) for name in by_name}
 
 
 def differences_from_one_device(family: str, layout: dict, packed: bool = True) -> tuple[float, float]:
@@ -86,15 +88,17 @@ def assert_equal_to_one_device(family: str, layout: dict, packed: bool = True, a
 
 
 # Packed rows: documents end inside cp chunks; gpt-oss adds sinks and sliding windows, DeepSeek-V3 MLA, Llama 4
-# chunked attention and its NoPE layers' temperature (from each token's index in its document).
+# chunked attention and its NoPE layers' temperature (from each token's index in its document); Qwen3-MoE runs
+# through pipeline stages.
 PACKED_CASES = [("gpt_oss", dict(cp_size=4, fsdp_size=2, ep_size=4, cp_strategy="ring")),
+                ("qwen3_moe", dict(pp_size=2, cp_size=2, fsdp_size=2, ep_size=2, cp_strategy="ring")),
                 ("deepseek_v3", dict(cp_size=4, tp_size=2)),
                 ("llama4_text", dict(cp_size=8, cp_strategy="ring")),
                 ("qwen2_moe", dict(cp_size=4, fsdp_size=2, ep_size=4))]
 
 
 @pytest.mark.parametrize("family, layout", representative(
-    PACKED_CASES, suite=("gpt_oss",), ids=[case[0] for case in PACKED_CASES]))
+    PACKED_CASES, suite=("gpt_oss", "qwen3_moe"), ids=[case[0] for case in PACKED_CASES]))
 def test_packed_rows_give_one_devices_loss_and_gradients(family, layout):
     assert_equal_to_one_device(family, layout)
 

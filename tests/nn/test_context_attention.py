@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from moe_jax.distributed.context import ContextLayout
 from moe_jax.nn.attention_core import attend
-from moe_jax.nn.context_attention import ContextAttention, ContextTokens
+from moe_jax.nn.context_attention import ContextAttention
 
 B, S, N, K, D = 2, 32, 4, 2, 8
 
@@ -28,10 +28,8 @@ def inputs(seed: int = 0, value_width: int = D):
 
 def split_attend(layout, q, k, v, *, key_padding_mask=None, segment_ids=None, **options):
     """`attend` through `ContextAttention`: inputs and output in the natural order."""
-    mask = jnp.ones((B, S), jnp.int32) if key_padding_mask is None else key_padding_mask
-    tokens = ContextTokens.of(layout, mask, segment_ids)
     order = layout.to_context_order
-    out = jax.jit(lambda q, k, v, m, s: ContextAttention(layout, tokens).attend(
+    out = jax.jit(lambda q, k, v, m, s: ContextAttention(layout).attend(
         q, k, v, key_padding_mask=m, segment_ids=s, **options))(
         order(q), order(k), order(v), None if key_padding_mask is None else order(key_padding_mask),
         None if segment_ids is None else order(segment_ids))
@@ -90,9 +88,8 @@ def test_gradients_equal_one_devices(strategy):
         options = dict(sliding_window=9, sinks=sinks)
         if not split:
             return jnp.sum(attend(q, k, v, **options) * weights)
-        tokens = ContextTokens.of(layout, jnp.ones((B, S), jnp.int32), None)
         order = layout.to_context_order
-        out = ContextAttention(layout, tokens).attend(order(q), order(k), order(v), **options)
+        out = ContextAttention(layout).attend(order(q), order(k), order(v), **options)
         return jnp.sum(layout.to_natural_order(out) * weights)
 
     expected = jax.grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3))(q, k, v, sinks)
@@ -103,7 +100,6 @@ def test_gradients_equal_one_devices(strategy):
 
 def test_a_kv_cache_query_is_refused():
     layout = context_layout("ring")
-    tokens = ContextTokens.of(layout, jnp.ones((B, S), jnp.int32), None)
     q, k, v, _ = inputs()
     with pytest.raises(ValueError, match="a KV cache's queries are not split over cp"):
-        ContextAttention(layout, tokens).attend(q, k, v, query_index=jnp.arange(S))
+        ContextAttention(layout).attend(q, k, v, query_index=jnp.arange(S))
