@@ -40,8 +40,8 @@ def test_a_cp_layout_trains_with_falling_losses(repeated_rows, tmp_path, capsys)
 # heavy: three layouts compiled, the expert dispatch replayed at several capacities (about 40 s on 2 cores)
 @pytest.mark.heavy
 def test_expert_groups_spanning_cp_ranks_train_as_the_data_parallel_layout(repeated_rows, tmp_path):
-    """--cp 4 --fsdp 2 --ep 4 (ep groups inside cp), all_gather and ring: the losses of --fsdp 8 --ep 4."""
-    reference = _train(repeated_rows, tmp_path, "dp.jsonl", "--fsdp", "8", "--ep", "4")
+    """--cp 4 --fsdp 2 --ep 4 (ep groups inside cp), all_gather and ring: the losses of --fsdp 4 --ep 4."""
+    reference = _train(repeated_rows, tmp_path, "dp.jsonl", "--fsdp", "4", "--ep", "4")
     for strategy in ("all_gather", "ring"):
         losses = _train(repeated_rows, tmp_path, f"{strategy}.jsonl", "--cp", "4", "--fsdp", "2", "--ep", "4",
                         "--cp-strategy", strategy)
