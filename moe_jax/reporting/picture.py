@@ -127,7 +127,9 @@ def layout_picture(config: DistributedConfig, num_experts: int) -> str:
     lines = [header, ""]
     for line in table:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
-    mesh_shape = ", ".join(f"{name}={size}" for name, size in layout.axis_sizes.items())
+    # Without cp its two axes (both of size 1) are left out: the pictures of layouts without cp read as before.
+    mesh_shape = ", ".join(f"{name}={size}" for name, size in layout.axis_sizes.items()
+                           if context or name not in ("cp", "ep_cp"))
     lines += ["", f"mesh axes: ({mesh_shape})"]
     lines += context_notes(layout, config)
     return "\n".join(lines)
