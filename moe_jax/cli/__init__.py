@@ -36,7 +36,7 @@ def command(name: str, help_text: str):
 
 
 def _layout_arguments(parser: argparse.ArgumentParser) -> None:
-    add_layout_flags(parser)
+    add_layout_flags(parser, context=True)
     parser.add_argument("--num-experts", type=int, default=8, help="experts per MoE layer (default 8)")
 
 
@@ -52,7 +52,7 @@ command("layout", "print which batch, TP position and experts each device holds"
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or config.json of an HF MoE model")
-    add_layout_flags(parser, ep_implementation=True)
+    add_layout_flags(parser, ep_implementation=True, context=True)
     parser.add_argument("--train", action="store_true",
                         help="also print the bytes of parameters and optimizer state one device holds (builds "
                              "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")

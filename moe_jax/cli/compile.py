@@ -26,6 +26,8 @@ from .layout_flags import (
     LAYOUT_FLAGS,
     add_dequantize_flag,
     add_layout_flags,
+    check_context_flags,
+    check_no_context_parallel,
     decode_scan_layers,
     kept_quantization_from_flags,
     pipeline_options_from_flags,
@@ -41,7 +43,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="h100", help=f"what to compile for: {HARDWARE_HELP} (default h100)")
     parser.add_argument("--devices", type=int, required=True,
                         help="devices to compile for (one host of up to 8 GPUs, then hosts of 8)")
-    add_layout_flags(parser, ep_implementation=True, what=" (default: --fsdp DEVICES)")
+    add_layout_flags(parser, ep_implementation=True, what=" (default: --fsdp DEVICES)", context=True)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--train", action="store_true", help="compile the train step")
     mode.add_argument("--serve", action="store_true",
@@ -87,13 +89,14 @@ def _distributed_config(args: argparse.Namespace):
     from ..distributed.mesh import DeviceLayout
 
     values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items() if getattr(args, flag) is not None}
-    others = values.get("tp_size", 1) * values.get("dp_replicate_size", 1) * values.get("pp_size", 1)
+    others = (values.get("tp_size", 1) * values.get("dp_replicate_size", 1) * values.get("pp_size", 1)
+              * values.get("cp_size", 1))
     if "fsdp_size" not in values and args.devices % others == 0:
         values["fsdp_size"] = args.devices // others     # fsdp fills the devices the other sizes leave
     config = DistributedConfig(**values)
     needed = DeviceLayout.from_config(config).num_devices
     if needed != args.devices:
-        raise ValueError(f"the layout (--tp x --fsdp x --dp-replicate x --pp = {needed}) does not fill --devices "
+        raise ValueError(f"the layout (--tp x --fsdp x --dp-replicate x --pp x --cp = {needed}) does not fill --devices "
                          f"{args.devices}: choose sizes whose product is {args.devices}.")
     return config
 
@@ -128,6 +131,10 @@ def run_compile(args: argparse.Namespace) -> int:
 
         use_cpu_devices(args.devices, override=True)
     _check_outputs(args)
+    if args.train:
+        check_context_flags(args, args.seq_len)
+    else:
+        check_no_context_parallel(args, "serve" if args.serve else "generate")
     request = _request(args)
     config = _distributed_config(args)
     from ..planning.compile_pool import quiet_compiler_logs

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..checkpoint_files import TRAINING_SETTINGS_FILE
 from .layout_flags import (
     add_layout_flags,
+    check_context_flags,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "512)")
     parser.add_argument("--batches", type=int, default=None, help="batches to evaluate (default: one pass)")
     parser.add_argument("--loss-chunk", type=int, default=512, help="positions per lm_head call (default 512)")
-    add_layout_flags(parser, ep_implementation=True)
+    add_layout_flags(parser, ep_implementation=True, context=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if limit is not None and data.seq_len > limit:
         raise ValueError(f"rows of {data.seq_len} tokens are longer than the model's max_position_embeddings "
                          f"({limit}); pass --seq-len {limit} or less.")
+    check_context_flags(args, data.seq_len)
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     devices = (jax.devices()[:1] if distributed_config is None else
                layout_devices(DeviceLayout.from_config(distributed_config).num_devices, "eval"))

@@ -30,6 +30,7 @@ from .layout_flags import (
     add_dequantize_flag,
     add_layout_flags,
     add_scan_layers_flag,
+    check_no_context_parallel,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
@@ -65,7 +66,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "p (default: the checkpoint's generation_config.json, else 1.0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_speculative_flags(parser)
-    add_layout_flags(parser, ep_implementation=True)
+    add_layout_flags(parser, ep_implementation=True, context="decoding")
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
     add_use_flags(parser, merge_help="with --adapter: merge it into the weights first (the same tokens, no adapter "
@@ -130,6 +131,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..distributed.mesh import DeviceLayout
     from ..inference.generation_config import GenerationConfig
 
+    check_no_context_parallel(args, "generate")
     directory = Path(args.model)
     if not directory.is_dir():
         raise ValueError(f"--model {directory} is not a checkpoint directory.")

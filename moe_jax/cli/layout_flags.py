@@ -1,6 +1,8 @@
 """The layout flags every `moe-jax` command shares, and the `DistributedConfig` they spell.
 
     add_layout_flags(parser)                        # --tp --fsdp --ep --dp-replicate [--pp] [--ep-implementation]
+    add_layout_flags(parser, context=True)          # ... and --cp --cp-strategy --sequence-parallel (full sequences)
+    check_no_context_parallel(args, "generate")     # a decoding command refuses --cp > 1
     config = distributed_config_from_flags(args)    # DistributedConfig(tp_size=args.tp, ...)
     options = pipeline_options_from_flags(args)     # pipeline_microbatches=args.pp_microbatches, ... (model kwargs)
     add_scan_layers_flag(parser); scan_layers_from_flags(args)   # --scan-layers auto|true|false -> scan_layers
@@ -15,12 +17,24 @@ import argparse
 
 # flag -> DistributedConfig field
 LAYOUT_FLAGS = {"tp": "tp_size", "fsdp": "fsdp_size", "ep": "ep_size", "dp_replicate": "dp_replicate_size",
-                "pp": "pp_size", "ep_implementation": "ep_implementation"}
+                "pp": "pp_size", "ep_implementation": "ep_implementation", "cp": "cp_size",
+                "cp_strategy": "cp_strategy", "sequence_parallel": "enable_sequence_parallel"}
+# The flags that size a layout (a command without any of them runs on one device).
+LAYOUT_SIZE_FLAGS = ("tp", "fsdp", "ep", "dp_replicate", "pp", "cp")
+CP_HELP = ("cp_size: context parallelism, devices that split each sequence between them (2 x cp zig-zag chunks: "
+           "rank r holds chunks r and 2cp-1-r, so --seq-len must be a multiple of 2 x cp); parameters are "
+           "replicated over cp, FSDP-sharded over --fsdp; expert groups (--ep) may span cp ranks")
+CP_STRATEGY_HELP = ("with --cp: how attention sees the other ranks' keys: all_gather (gather keys and values whole: "
+                    "few KV heads, GQA / MLA; the default) or ring (pass them around with ppermute, online softmax: "
+                    "less memory, long sequences)")
+SEQUENCE_PARALLEL_HELP = ("enable_sequence_parallel: with --tp, split the residual stream, norms and router inputs "
+                          "over tp along the sequence (same results, less activation memory)")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
-                     ep_implementation: bool = False, what: str = "") -> None:
-    """Add --tp/--fsdp/--ep/--dp-replicate (and --pp, --ep-implementation when asked) to `parser`."""
+                     ep_implementation: bool = False, what: str = "", context: bool | str = False) -> None:
+    """Add --tp/--fsdp/--ep/--dp-replicate (and --pp, --ep-implementation, and with `context` --cp /
+    --cp-strategy / --sequence-parallel, when asked) to `parser`; context="decoding": --cp alone, refused."""
     parser.add_argument("--tp", type=int, default=None, help=f"tp_size{what}")
     parser.add_argument("--fsdp", type=int, default=None, help=f"fsdp_size{what}")
     parser.add_argument("--ep", type=int, default=None, help=f"ep_size{what}")
@@ -37,6 +51,47 @@ def add_layout_flags(parser: argparse.ArgumentParser, *, pipeline: bool = True,
     if ep_implementation:
         parser.add_argument("--ep-implementation", default="auto",
                             help="a registered EP implementation: auto, all_to_all, all_reduce, ...")
+    if context:
+        add_context_flags(parser, decoding=context == "decoding")
+
+
+DECODE_CP_HELP = ("refused here: a KV cache step does not split the sequence; use a layout without --cp (--cp "
+                  "is for train, eval, plan, compile --train)")
+
+
+def add_context_flags(parser: argparse.ArgumentParser, *, decoding: bool = False) -> None:
+    """--cp, --cp-strategy and --sequence-parallel (commands that run whole sequences: train, eval, plan, ...);
+    `decoding`: --cp alone, refused by `check_no_context_parallel` (generate, serve)."""
+    from ..distributed.config import CP_STRATEGIES
+
+    if decoding:
+        parser.add_argument("--cp", type=int, default=None, help=DECODE_CP_HELP)
+        return
+    parser.add_argument("--cp", type=int, default=None, help=CP_HELP)
+    parser.add_argument("--cp-strategy", choices=CP_STRATEGIES, default=None, help=CP_STRATEGY_HELP)
+    parser.add_argument("--sequence-parallel", action="store_true", default=None, help=SEQUENCE_PARALLEL_HELP)
+
+
+def check_context_flags(args: argparse.Namespace, seq_len: int | None) -> None:
+    """--cp-strategy needs --cp > 1; --seq-len (when known) must split into 2 x cp chunks. Raised before
+    anything is loaded."""
+    cp = getattr(args, "cp", None)
+    if getattr(args, "cp_strategy", None) is not None and (cp or 1) == 1:
+        raise ValueError("--cp-strategy chooses how context parallelism's attention runs: add --cp N (N > 1), "
+                         "or drop --cp-strategy.")
+    if cp is not None and cp > 1 and seq_len is not None and seq_len % (2 * cp):
+        raise ValueError(f"--seq-len {seq_len} cannot be split over --cp {cp}: context parallelism cuts each "
+                         f"sequence into 2 x cp = {2 * cp} equal chunks; use a --seq-len that is a multiple of "
+                         f"{2 * cp} (e.g. {(seq_len // (2 * cp) + 1) * 2 * cp}).")
+
+
+def check_no_context_parallel(args: argparse.Namespace, command: str) -> None:
+    """A decoding command (generate, serve) refuses --cp > 1 before loading anything: a KV cache step does not
+    split the sequence."""
+    if (getattr(args, "cp", None) or 1) > 1:
+        raise ValueError(f"`moe-jax {command}` decodes with a KV cache, which context parallelism does not split: "
+                         f"drop --cp (and --cp-strategy) and use a layout without cp, e.g. --fsdp "
+                         f"{args.cp * (getattr(args, 'fsdp', None) or 1)} for the same devices.")
 
 
 # --scan-layers value -> the model's `scan_layers` option
@@ -116,7 +171,8 @@ def distributed_config_from_flags(args: argparse.Namespace):
     """The `DistributedConfig` of the layout flags present on `args` (absent flags keep its defaults)."""
     from ..distributed.config import DistributedConfig
 
-    values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items() if hasattr(args, flag)}
+    values = {field: getattr(args, flag) for flag, field in LAYOUT_FLAGS.items()
+              if getattr(args, flag, None) is not None}
     return DistributedConfig(**values)
 
 
@@ -131,7 +187,7 @@ def pipeline_options_from_flags(args: argparse.Namespace) -> dict:
 
 def layout_given(args: argparse.Namespace) -> bool:
     """Whether any layout size flag was passed (without one, commands run on one device)."""
-    return any(getattr(args, flag, None) is not None for flag in LAYOUT_FLAGS if flag != "ep_implementation")
+    return any(getattr(args, flag, None) is not None for flag in LAYOUT_SIZE_FLAGS)
 
 
 def layout_devices(count: int, command: str) -> list:
@@ -169,8 +225,11 @@ def layout_devices(count: int, command: str) -> list:
 
 def describe_layout(distributed_config) -> str:
     stages = f" pp={distributed_config.pp_size}" if distributed_config.pp_size > 1 else ""
+    cp = getattr(distributed_config, "cp_size", 1)
+    context = f" cp={cp} ({distributed_config.cp_strategy})" if cp > 1 else ""
+    sequence = " sequence_parallel" if distributed_config.enable_sequence_parallel and distributed_config.tp_size > 1 else ""
     return (f"tp={distributed_config.tp_size} fsdp={distributed_config.fsdp_size} ep={distributed_config.ep_size} "
-            f"dp_replicate={distributed_config.dp_replicate_size}{stages}")
+            f"dp_replicate={distributed_config.dp_replicate_size}{stages}{context}{sequence}")
 
 
 def warn_about_head_split(model) -> None:

@@ -62,6 +62,7 @@ from .layout_flags import (
     add_dequantize_flag,
     add_layout_flags,
     add_scan_layers_flag,
+    check_no_context_parallel,
     describe_layout,
     distributed_config_from_flags,
     layout_devices,
@@ -150,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                         help="on SIGTERM / Ctrl-C, how long the running requests may go on before they are ended "
                              f"with an error event (a second signal ends them at once; default {SHUTDOWN_TIMEOUT_S})")
-    add_layout_flags(parser, pipeline=False, ep_implementation=True)
+    add_layout_flags(parser, pipeline=False, ep_implementation=True, context="decoding")
     add_slot_flags(parser.add_argument_group("expert load balance"), "engine steps")
     add_scan_layers_flag(parser, DECODE_SCAN_HELP)
     add_dequantize_flag(parser)
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed.mesh import DeviceLayout
     from ..tokenization import load_checkpoint_tokenizer
 
+    check_no_context_parallel(args, "serve")
     directory = Path(args.model)
     if not directory.is_dir():
         raise ValueError(f"--model {directory} is not a checkpoint directory.")

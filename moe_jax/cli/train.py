@@ -32,6 +32,7 @@ from .balance_flags import (add_balance_flags, balance_options, check_balance_fl
                             with_router_aux_loss)
 from .layout_flags import (
     add_layout_flags,
+    check_context_flags,
     add_scan_layers_flag,
     describe_layout,
     distributed_config_from_flags,
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", type=float, default=1.0,
                         help="max global gradient norm over all parameters (default 1.0, as HF Trainer; 0 = off)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    add_layout_flags(parser, ep_implementation=True)
+    add_layout_flags(parser, ep_implementation=True, context=True)
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--data", default=None,
                       help=".npy file of int token ids [num_sequences, seq_len], or a text corpus (.parquet, "
@@ -255,8 +256,10 @@ def _checked_request(args) -> _Request:
     check_balance_flags(args, config)
     config = with_router_aux_loss(config, args.router_aux_loss_coef)
     schedules = learning_rate_schedules(args)
+    check_context_flags(args, args.seq_len)
     data = training_source(args, config, model_dir)
     check_sequence(data.seq_len, config)
+    check_context_flags(args, data.seq_len)
     eval_data = (None if args.eval_data is None else
                  eval_source(args.eval_data, config, model_dir, args.batch_size, data.seq_len, "--eval-data", args))
     check_export_dir(args, args.export_hf, "--export-hf")
@@ -286,7 +289,7 @@ def _build_model(args, config: dict, model_dir=None):
     distributed_config = distributed_config_from_flags(args) if layout_given(args) else None
     if distributed_config is None and jax.process_count() > 1:
         raise ValueError(f"this job has {jax.process_count()} processes and {len(jax.devices())} devices: pass a "
-                         "layout (--tp / --fsdp / --ep / --dp-replicate) that uses all of them.")
+                         "layout (--tp / --fsdp / --ep / --dp-replicate / --cp) that uses all of them.")
     if distributed_config is None:
         devices = jax.devices()[:1]
         seen = count_text(len(jax.devices()), "device")

@@ -4,7 +4,7 @@
 
 `order`: the likely winners first, by the analytic guess (`analytic`), less state breaking ties. `floor`: the
 layouts an answer has to rest on: the `TOP_GUESSES` best guesses, and the best-guessed layout of every family
-(each ep size, each pp size, tp or not, HSDP or not) so that a family the guess misjudges is still seen.
+(each ep size, each pp size, tp or not, HSDP or not, each cp size) so that a family the guess misjudges is still seen.
 The floor comes first in `order`, in guess order.
 """
 
@@ -22,6 +22,7 @@ LAYOUT_FAMILIES: dict[str, Callable[[Layout], object]] = {
     "pp size": lambda layout: layout.pp,
     "tp or fsdp": lambda layout: layout.tp > 1,
     "HSDP": lambda layout: layout.dp_replicate > 1,
+    "cp size": lambda layout: layout.cp,
 }
 
 

@@ -38,8 +38,10 @@ class LayoutEstimate:
     """layout: the sizes, EP implementation and pipeline choice; memory: per-device bytes; usable_bytes: the
     device memory less the margin; step_seconds / step_parts: None when not compiled; notes: how the row was
     computed (scanned layers, loops counted at their bound, XLA:CPU copies left out); guess_seconds: the
-    analytic guess that ordered the compiles (`analytic`), not a prediction to rank by; cached: the compiled
-    step was read from the compile cache."""
+    analytic guess that ordered the compiles (`analytic`), not a prediction to rank by; activation_guess_bytes:
+    the analytic guess of the activations one device keeps for the backward pass (`analytic.activation_bytes_guess`:
+    divided by cp, all_gather's gathered keys and values added; None when serving), known for every layout,
+    compiled or not; cached: the compiled step was read from the compile cache."""
 
     layout: Layout
     memory: MemoryBreakdown
@@ -56,6 +58,7 @@ class LayoutEstimate:
     rank: int = 0
     guess_seconds: float | None = None
     cached: bool = False
+    activation_guess_bytes: float | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -100,6 +103,7 @@ class LayoutEstimate:
             "compiled": self.compiled,
             "compiled_step_cached": self.cached,
             "analytic_guess_seconds": self.guess_seconds,
+            "analytic_activation_bytes": self.activation_guess_bytes,
             "step_seconds": self.step_seconds,
             "step_parts": dict(self.step_parts),
             "flops_per_device": self.flops,

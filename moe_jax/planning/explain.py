@@ -72,7 +72,8 @@ def no_fit_hint(estimates: list[LayoutEstimate], request: PlanRequest) -> str:
 def distributed_config_text(layout: Layout) -> str:
     sizes = layout.config_sizes()
     text = ", ".join(f"{name}={value!r}" for name, value in sizes.items()
-                     if name == "ep_implementation" and layout.ep > 1 or name != "ep_implementation")
+                     if (name == "ep_implementation" and layout.ep > 1 or name != "ep_implementation")
+                     and (name != "cp_size" or layout.cp > 1))
     return f"DistributedConfig({text})"
 
 

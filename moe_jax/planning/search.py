@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ..checkpoint_files import read_config
 from ..distributed.capacity import buffer_rows
 from ..training.optimizers import build_optimizer
-from .analytic import analytic_step_seconds
+from .analytic import activation_bytes_guess, analytic_step_seconds
 from .compile_cache import CompileCache
 from .compile_pool import CompilePool, DeviceSpec
 from .compile_order import TOP_GUESSES, compile_order
@@ -199,7 +199,8 @@ def _uncompiled(candidate: Candidate, state, request, usable, why: str = "",
     optimizer = state.optimizer if request.mode == "train" else 0
     gradients = state.gradients if request.mode == "train" else 0
     memory = MemoryBreakdown(state.parameters, gradients, optimizer, None, None, state.parameters + optimizer + gradients)
-    return LayoutEstimate(candidate.layout, memory, usable, why=why, guess_seconds=guess)
+    return LayoutEstimate(candidate.layout, memory, usable, why=why, guess_seconds=guess,
+                          activation_guess_bytes=activation_bytes_guess(candidate, request))
 
 
 def _progress_text(position: int, floor: int, count: int, layout: Layout, best: LayoutEstimate | None) -> str:
@@ -253,13 +254,13 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
     if compiler == "target":
         cpu_devices = lambda count: DeviceSpec(profile.name, count).devices()   # noqa: E731  (whole hosts)
     unreachable = unreachable_implementations(profile.name if profile is not None else "cpu")
-    left_out = Counter(layout.ep_implementation for layout in layout_space(devices, mode)
+    left_out = Counter(layout.ep_implementation for layout in layout_space(devices, mode, seq_len)
                        if layout.ep_implementation in unreachable)
     candidates, excluded = enumerate_layouts(values, devices=devices, batch_size=batch_size, seq_len=seq_len,
                                              mode=mode, grad_accum=request.grad_accum,
                                              model_options=request.model_options(),
                                              space=lambda count, mode_: [
-                                                 layout for layout in layout_space(count, mode_)
+                                                 layout for layout in layout_space(count, mode_, seq_len)
                                                  if layout.ep_implementation not in unreachable])
     if not candidates:
         raise ValueError(no_layout_message(devices, batch_size, excluded))
@@ -302,6 +303,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
         estimate = _estimate(candidate, states[id(candidate)], request, usable, step, profile, devices_per_node,
                              on_cpu or on_target, cached)
         estimate.guess_seconds = guesses[id(candidate)]
+        estimate.activation_guess_bytes = activation_bytes_guess(candidate, request)
         estimates.append(estimate)
         if estimate.fits and (best is None or estimate.sort_key() < best.sort_key()):
             best = estimate

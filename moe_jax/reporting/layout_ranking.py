@@ -71,7 +71,7 @@ def evidence_line(plan: LayoutPlan) -> str:
     missed = plan.floor_missed
     if missed:
         line += (f"; the budget stopped before {len(missed)} of the {len(plan.floor)} layouts an answer should "
-                 "rest on (the best guesses and one of every ep size, pp size, tp and HSDP): raise --time-budget "
+                 "rest on (the best guesses and one of every ep size, pp size, cp size, tp and HSDP): raise --time-budget "
                  "or --max-compiles, or leave both at their defaults")
     return line
 

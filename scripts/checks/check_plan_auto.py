@@ -74,7 +74,8 @@ def layout_of(row: dict) -> Layout:
     sizes = row["distributed_config"]
     pipeline = None if row["pipeline"] is None else PipelineChoice(**row["pipeline"])
     return Layout(sizes["tp_size"], sizes["ep_size"], sizes["fsdp_size"], sizes["dp_replicate_size"],
-                  sizes["pp_size"], sizes["ep_implementation"], pipeline)
+                  sizes["pp_size"], sizes["ep_implementation"], pipeline, sizes.get("cp_size", 1),
+                  sizes.get("cp_strategy", "all_gather"))
 
 
 def main() -> int:

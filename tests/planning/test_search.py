@@ -78,7 +78,7 @@ def test_the_json_rows_carry_the_public_fields():
     assert set(row) >= {"rank", "distributed_config", "pipeline", "memory_bytes", "fits", "step_seconds",
                         "step_parts", "why"}
     assert set(row["distributed_config"]) == {"tp_size", "ep_size", "fsdp_size", "dp_replicate_size", "pp_size",
-                                              "ep_implementation"}
+                                              "cp_size", "ep_implementation"}   # cp_strategy too with cp > 1
     assert set(row["memory_bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporaries",
                                         "total"}
     assert row["rank"] == 1 and row["fits"] and isinstance(row["step_seconds"], float)

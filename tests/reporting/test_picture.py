@@ -55,3 +55,36 @@ def test_the_experts_a_device_stores_are_the_parameter_table_s_per_device_shape(
     shape = model.module_tree.params[name].shape
     assert model.named_shardings()[name].shard_shape(shape)[0] == 1
     assert layout_picture(DistributedConfig(fsdp_size=8, ep_size=8), 8).splitlines()[0].endswith("(1 per device)")
+
+
+def test_cp_rows_name_the_zigzag_chunks_each_device_holds_under_the_model_sharding():
+    """--cp 4 --fsdp 2 --ep 4: a device's cp rank and chunks are those of the slice the sequence sharding gives it."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moe_jax.distributed.context import zigzag_order
+    from moe_jax.distributed.mesh import DeviceLayout, build_mesh, spec_entry
+
+    config = DistributedConfig(cp_size=4, fsdp_size=2, ep_size=4)
+    rows = layout_rows(config, num_experts=8)
+    assert [row["cp"] for row in rows] == [0, 1, 2, 3] * 2
+    assert [row["chunks"] for row in rows] == [(r, 7 - r) for r in range(4)] * 2
+    assert [row["cp_group"] for row in rows] == [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
+    assert [row["ep_group"] for row in rows] == [row["cp_group"] for row in rows]   # ep groups inside cp
+    mesh = build_mesh(config, jax.devices()[:8])
+    sharding = NamedSharding(mesh, PartitionSpec(None, spec_entry(DeviceLayout.from_config(config).cp_axes)))
+    order = zigzag_order(16, 4)                                   # 8 chunks of 2 tokens
+    rank_of = {device: rank for rank, device in enumerate(mesh.devices.flat)}
+    for device, (_, slots) in sharding.devices_indices_map((2, 16)).items():
+        chunks = sorted(set(order[slots] // 2))
+        assert tuple(chunks) == rows[rank_of[device]]["chunks"]
+
+
+def test_layout_command_draws_the_cp_axis(capsys):
+    assert main(["layout", "--cp", "4", "--fsdp", "2", "--ep", "4", "--cp-strategy", "ring"]) == 0
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line[:1].isdigit() and "devices:" not in line]
+    assert table[1] == ["1", "B0", "1", "S1", "S6", "{0,1,2,3}", "0", "E2", "E3", "{0,1,2,3}", "{1,5}"]
+    assert table[7] == ["7", "B1", "3", "S3", "S4", "{4,5,6,7}", "0", "E6", "E7", "{4,5,6,7}", "{3,7}"]
+    assert "cp_size=4 (ring)" in out and "multiple of 8" in out and "expert groups span 4 cp ranks" in out
