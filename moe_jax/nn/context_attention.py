@@ -6,15 +6,14 @@ chunks count from (`chunk_origins`), and whether it is a real token. Two strateg
 
     all_gather  gather every slice's keys and values (and their facts), then attend as one device would: the
                 right choice for few KV heads (GQA, MLA's latent-expanded keys are not gathered twice)
-    ring        pass the keys and values around the ring with `ppermute`, one hop per step, while the current
-                block is attended; an online softmax merges the blocks. With the zig-zag order a block pair is
-                either whole, half (the other half is causally masked and skipped) or the local diagonal, so
-                every rank does the same work each step.
+    ring        pass the keys and values around the ring with `ppermute`, one hop per step, each rank's block
+                attended as it arrives. With the zig-zag order a block pair is either whole, half (the other
+                half is causally masked and skipped) or the local diagonal, so every rank does the same work.
 
-Both run flash-style: blocks of `CONTEXT_BLOCK` queries against blocks of as many keys with an online softmax,
-each block recomputed for the backward pass and a block no query of it can see (causally later, or before the
-window) skipped, so the scores in flight are one block's whatever the sequence length. A query that sees no key
-at all (a padding row) gets finite, meaningless output, as in `attention_core` (here: from the blocks computed).
+Both attend in blocks of `CONTEXT_BLOCK` queries and keys, in two passes (`block_attention`: the softmax's
+statistics, then the normalised values), each block recomputed for the backward pass and a block no query of it
+can see skipped, so memory grows with the local slice, not with [S, S]. A query that sees no key at all (a padding
+row) gets finite, meaningless output, as in `attention_core` (the ring's: from the blocks it computed).
 """
 
 from __future__ import annotations
@@ -28,12 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed.activations import LogicalAxisRules
 from ..distributed.context import ContextLayout
-from ..ops.varying import vary_like
-from .attention_core import MASKED_LOGIT
+from .block_attention import EMPTY_MAX, Masking, heads_last, key_lse, weighted_values, with_sinks
 
-# Below MASKED_LOGIT: a running max no block has raised yet weighs nothing once one does.
-_EMPTY_MAX = -float(jnp.finfo(jnp.float32).max)
-# Query and key rows of one block of scores: [B, K, G, 512, 512] float32 in flight, whatever the sequence.
+# Query and key rows of one block of logits: [B, K, G, 512, 512] float32 in flight, whatever the sequence.
 CONTEXT_BLOCK = 512
 
 
@@ -53,140 +49,51 @@ def chunk_origins(index: jax.Array, valid: jax.Array, segments: jax.Array | None
     return firsts[groups].reshape(batch, length)
 
 
-def token_visibility(queries: tuple, keys: tuple, sliding_window: int | None, chunk_size: int | None) -> jax.Array:
-    """queries: (index, segment, origin, valid) each [B, Sq]; keys: the same [B, Tk] -> [B, 1, Sq, Tk] bool: the
-    rules of `attention_core.visibility_mask` on each token's own facts instead of its slot."""
-    q_index, q_segment, q_origin, _ = (array[:, :, None] for array in queries)
-    k_index, k_segment, k_origin, k_valid = (array[:, None, :] for array in keys)
-    visible = (k_index <= q_index) & (q_segment == k_segment) & (k_valid > 0)
-    if sliding_window is not None:
-        visible &= k_index > q_index - sliding_window
-    if chunk_size is not None:
-        visible &= (k_index - k_origin) // chunk_size == (q_index - q_origin) // chunk_size
-    return visible[:, None]
-
-
-def _block_partial(q, query_facts, k, v, key_facts, *, scale, sliding_window, chunk_size):
-    """One query block against one key block: (running max [B, K, G, Sq], sum [B, K, G, Sq], weighted values
-    [B, K, G, Sq, Dv]) in float32. q: [B, Sq, N, D]; k: [B, Tk, K, D]; v: [B, Tk, K, Dv]."""
-    batch, length, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
-    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32) * scale
-    mask = token_visibility(query_facts, key_facts, sliding_window, chunk_size)
-    logits = jnp.where(mask[:, :, None], logits, MASKED_LOGIT)
-    running_max = jnp.max(logits, axis=-1)
-    weights = jnp.exp(logits - running_max[..., None])
-    values = jnp.einsum("bkgst,btkd->bkgsd", weights, v.astype(jnp.float32))
-    return running_max, jnp.sum(weights, axis=-1), values
-
-
-def _merge(first, second):
-    """Two blocks' online-softmax partials of the same queries -> one."""
-    (max_a, sum_a, out_a), (max_b, sum_b, out_b) = first, second
-    new_max = jnp.maximum(max_a, max_b)
-    scale_a, scale_b = jnp.exp(max_a - new_max), jnp.exp(max_b - new_max)
-    return new_max, sum_a * scale_a + sum_b * scale_b, out_a * scale_a[..., None] + out_b * scale_b[..., None]
-
-
-def _in_blocks(x: jax.Array, size: int) -> jax.Array:
-    """x: [B, L, ...] -> [L / size, B, size, ...]."""
-    return x.reshape(x.shape[0], x.shape[1] // size, size, *x.shape[2:]).swapaxes(0, 1)
-
-
-def _block_size(length: int, block: int) -> int:
-    """The block rows for `length` tokens: `block` where it divides them, else all of them."""
-    return block if length > block and length % block == 0 else length
-
-
-def _partials(q, query_facts, k, v, key_facts, *, scale, sliding_window, chunk_size, block):
-    """Flash-style online softmax of q against k, v: query blocks (`lax.map`) against key blocks (`lax.scan`) of
-    `block` tokens, each recomputed for the backward pass, and a key block that no query of the block can see
-    (all later, or all before the window) skipped -> the partials of `_block_partial` for all of q."""
-    attend_block = jax.checkpoint(partial(_block_partial, scale=scale, sliding_window=sliding_window,
-                                          chunk_size=chunk_size))
-    query_size, key_size = _block_size(q.shape[1], block), _block_size(k.shape[1], block)
-    if query_size == q.shape[1] and key_size == k.shape[1]:   # one block: no loops
-        return attend_block(q, tuple(query_facts), k, v, tuple(key_facts))
-    key_blocks = (_in_blocks(k, key_size), _in_blocks(v, key_size), *(_in_blocks(x, key_size) for x in key_facts))
-
-    def one_query_block(inputs):
-        q_block, *facts = inputs
-        first, last = jnp.min(facts[0]), jnp.max(facts[0])
-        batch, length, heads = q_block.shape[:3]
-        kv_heads = k.shape[2]
-        shape = (batch, kv_heads, heads // kv_heads, length)
-        empty = tuple(vary_like(x, q_block, k, v, *facts, *key_facts) for x in (
-            jnp.full(shape, _EMPTY_MAX), jnp.zeros(shape), jnp.zeros((*shape, v.shape[-1]))))
-
-        def step(running, block_inputs):
-            k_block, v_block, *block_facts = block_inputs
-            seen = jnp.min(block_facts[0]) <= last
-            if sliding_window is not None:
-                seen &= jnp.max(block_facts[0]) > first - sliding_window
-            update = lambda: _merge(running, attend_block(q_block, tuple(facts), k_block, v_block,  # noqa: E731
-                                                          tuple(block_facts)))
-            return jax.lax.cond(seen, update, lambda: running), None
-
-        return jax.lax.scan(step, empty, key_blocks)[0]
-
-    partials = jax.lax.map(one_query_block, (_in_blocks(q, query_size),
-                                             *(_in_blocks(x, query_size) for x in query_facts)))
-    # [Q blocks, B, K, G, C, ...] -> [B, K, G, Sq, ...]
-    return tuple(jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, *x.shape[5:]) for x in partials)
-
-
-def _finish(partials, sinks, kv_heads: int, dtype) -> jax.Array:
-    """Merged partials -> [B, Sq, N, Dv] in `dtype`; sinks: gpt-oss's [N] sink logits (one more softmax column per
-    head, no value) or None."""
-    row_max, row_sum, out = partials
-    if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, -1, 1)
-        top = jnp.maximum(row_max, sink)
-        keep = jnp.exp(row_max - top)
-        out = out * (keep / (row_sum * keep + jnp.exp(sink - top)))[..., None]
-    else:
-        out = out / row_sum[..., None]
-    batch, _, _, length, width = out.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1, width).astype(dtype)
-
-
-def _gathered(q, k, v, *facts_and_sinks, layout: ContextLayout, mask_options: dict, block: int):
+def _gathered(q, k, v, *facts_and_sinks, layout: ContextLayout, masking: Masking):
     """The all_gather strategy, on one device's slice: q [B, Sl, N, D], k, v [B, Sl, K, D] -> [B, Sl, N, Dv]."""
     facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
     gather = partial(jax.lax.all_gather, axis_name=layout.axes, axis=1, tiled=True)
-    partials = _partials(q, facts, gather(k), gather(v), tuple(gather(x) for x in facts), block=block,
-                         **mask_options)
-    return _finish(partials, sinks, k.shape[2], v.dtype)
+    keys, values, key_facts = gather(k), gather(v), tuple(gather(x) for x in facts)
+    lse = with_sinks(key_lse(masking, q, facts, keys, key_facts), sinks, k.shape[2])
+    return heads_last(weighted_values(masking, q, facts, keys, values, key_facts, lse), v.dtype)
 
 
-def _ring(q, k, v, *facts_and_sinks, layout: ContextLayout, mask_options: dict, block: int):
+def _ring(q, k, v, *facts_and_sinks, layout: ContextLayout, masking: Masking):
     """The ring strategy, on one device's slice (its zig-zag chunks r and 2 cp - 1 - r): q [B, Sl, N, D], k, v
-    [B, Sl, K, D] -> [B, Sl, N, Dv]."""
+    [B, Sl, K, D] -> [B, Sl, N, Dv].
+
+    One trip around the ring brings every rank's keys; at step s they are rank r - s's, whose chunk src is
+    earlier than r's (every query sees their early half only) or later (only the late queries see anything)."""
     facts, sinks = facts_and_sinks[:4], (facts_and_sinks[4] if len(facts_and_sinks) > 4 else None)
     cp, rank, half = layout.size, layout.rank(), q.shape[1] // 2
-    attend = partial(_partials, block=block, **mask_options)
-    late = lambda x: x[:, half:]  # noqa: E731
-    early = lambda x: x[:, :half]  # noqa: E731
-
-    def from_earlier(kv):   # its chunk src < r: every query sees the early half of the keys only
-        k_block, v_block, *key_facts = kv
-        return attend(q, facts, early(k_block), early(v_block), tuple(map(early, key_facts)))
-
-    def from_later(kv):     # src > r: only the late queries see anything, all of the keys
-        k_block, v_block, *key_facts = kv
-        row_max, row_sum, out = attend(late(q), tuple(map(late, facts)), k_block, v_block, tuple(key_facts))
-        pad = lambda x, value: jnp.concatenate([jnp.full_like(x, value), x], axis=3)  # noqa: E731
-        return pad(row_max, _EMPTY_MAX), pad(row_sum, 0.0), pad(out, 0.0)
-
-    kv = (k, v, *facts)
+    early = lambda x, axis=1: jax.lax.slice_in_dim(x, 0, half, axis=axis)  # noqa: E731
+    late = lambda x, axis=1: jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)  # noqa: E731
+    pad = lambda x, value: jnp.concatenate([jnp.full_like(x, value), x], axis=3)  # noqa: E731
     shift = [(i, (i + 1) % cp) for i in range(cp)]
-    running = attend(q, facts, k, v, facts)            # step 0: the local diagonal
+    arrivals = [(k, v, *facts)]
+    for _ in range(1, cp):
+        arrivals.append(tuple(jax.lax.ppermute(array, layout.axes, shift) for array in arrivals[-1]))
+    earlier = [(rank - step) % cp < rank for step in range(cp)]
+
+    lse = key_lse(masking, q, facts, k, facts)            # step 0: the local diagonal
     for step in range(1, cp):
-        kv = tuple(jax.lax.ppermute(array, layout.axes, shift) for array in kv)   # now from rank - step
-        source = (rank - step) % cp
-        running = _merge(running, jax.lax.cond(source < rank, from_earlier, from_later, kv))
-    return _finish(running, sinks, k.shape[2], v.dtype)
+        k_step, _, *key_facts = arrivals[step]
+        from_earlier = lambda k_step=k_step, key_facts=key_facts: key_lse(  # noqa: E731
+            masking, q, facts, early(k_step), tuple(map(early, key_facts)))
+        from_later = lambda k_step=k_step, key_facts=key_facts: pad(key_lse(  # noqa: E731
+            masking, late(q), tuple(map(late, facts)), k_step, tuple(key_facts)), EMPTY_MAX)
+        lse = jnp.logaddexp(lse, jax.lax.cond(earlier[step], from_earlier, from_later))
+    lse = with_sinks(lse, sinks, k.shape[2])
+
+    out = weighted_values(masking, q, facts, k, v, facts, lse)
+    for step in range(1, cp):
+        k_step, v_step, *key_facts = arrivals[step]
+        from_earlier = lambda k_step=k_step, v_step=v_step, key_facts=key_facts: weighted_values(  # noqa: E731
+            masking, q, facts, early(k_step), early(v_step), tuple(map(early, key_facts)), lse)
+        from_later = lambda k_step=k_step, v_step=v_step, key_facts=key_facts: pad(weighted_values(  # noqa: E731
+            masking, late(q), tuple(map(late, facts)), k_step, v_step, tuple(key_facts), late(lse, axis=3)), 0.0)
+        out = out + jax.lax.cond(earlier[step], from_earlier, from_later)
+    return heads_last(out, v.dtype)
 
 
 STRATEGY_CORES = {"all_gather": _gathered, "ring": _ring}
@@ -234,10 +141,9 @@ class ContextAttention:
                   chunk_origins(index, valid, segment_ids))
         facts = (jnp.broadcast_to(index[None, :], shape), segments, origin, valid)
         del implementation   # the strategies' own blocked core
-        mask_options = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, sliding_window=sliding_window,
-                            chunk_size=attention_chunk_size)
-        core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout, mask_options=mask_options,
-                       block=query_chunk_size or CONTEXT_BLOCK)
+        masking = Masking(float(q.shape[-1] ** -0.5 if scale is None else scale), sliding_window,
+                          attention_chunk_size, query_chunk_size or CONTEXT_BLOCK)
+        core = partial(STRATEGY_CORES[self.layout.strategy], layout=self.layout, masking=masking)
         batch_entry, heads_entry = self._entries(q, k)
         heads = self.layout.sequence_spec(batch_entry, heads_entry, None)
         rows = self.layout.sequence_spec(batch_entry)

@@ -78,18 +78,21 @@ def test_the_ring_on_eight_ranks_and_both_in_blocks_of_four_tokens_equal_one_dev
         np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(expected)[seen], atol=2e-6)
 
 
+@pytest.mark.parametrize("block", [None, 4])
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-def test_gradients_equal_one_devices(strategy):
+def test_gradients_equal_one_devices(strategy, block):
+    """Block 4: the backward passes' loops over blocks, with skipped pairs and a padded row."""
     q, k, v, sinks = inputs(2)
-    weights = jax.random.normal(jax.random.key(9), (B, S, N, D))
+    weights = jax.random.normal(jax.random.key(9), (B, S, N, D)) * LEFT_PADDED[:, :, None, None]
     layout = context_layout(strategy)
 
     def loss(split, q, k, v, sinks):
-        options = dict(sliding_window=9, sinks=sinks)
+        options = dict(sliding_window=9, sinks=sinks, key_padding_mask=LEFT_PADDED)
         if not split:
             return jnp.sum(attend(q, k, v, **options) * weights)
         order = layout.to_context_order
-        out = ContextAttention(layout).attend(order(q), order(k), order(v), **options)
+        out = ContextAttention(layout).attend(order(q), order(k), order(v), query_chunk_size=block,
+                                              **{**options, "key_padding_mask": order(LEFT_PADDED)})
         return jnp.sum(layout.to_natural_order(out) * weights)
 
     expected = jax.grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3))(q, k, v, sinks)
