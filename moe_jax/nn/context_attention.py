@@ -148,5 +148,8 @@ class ContextAttention:
         heads = self.layout.sequence_spec(batch_entry, heads_entry, None)
         rows = self.layout.sequence_spec(batch_entry)
         in_specs = (heads, heads, heads, *(rows for _ in facts)) + (() if sinks is None else (P(heads_entry),))
+        # The facts are the same in every layer: through a barrier with q, so XLA cannot hoist the masks they make
+        # out of a scan over layers (it did: every block pair's mask at once, [Q/C, T/C, ..., C, C]).
+        q, *facts = jax.lax.optimization_barrier((q, *facts))
         arguments = (q, k, v, *facts) + (() if sinks is None else (sinks,))
         return self.layout.shard_sequence(core, arguments, in_specs, heads)
