@@ -139,6 +139,8 @@ def test_an_fp8_export_loads_back_kept_or_dequantised_and_writes_the_same_bytes(
     np.testing.assert_allclose(np.asarray(dequantised(IDS)), np.asarray(model(IDS)), rtol=0, atol=1e-5)
 
 
+# heavy: quantised logits are the suite's; the engines agree on plain weights in tests/inference
+@pytest.mark.heavy
 def test_generate_and_continuous_batching_agree_on_quantised_weights():
     from moe_jax.inference import ContinuousBatchingConfig
 

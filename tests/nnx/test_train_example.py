@@ -27,6 +27,8 @@ def load_script():
     return module
 
 
+# heavy: the example script end to end; the NNX module's steps are the suite's in tests/nnx
+@pytest.mark.heavy
 def test_the_example_trains_and_writes_a_restorable_state_and_an_hf_checkpoint(tmp_path, capsys):
     out = tmp_path / "out"
     assert load_script().main(["--model", str(CHECKPOINT), "--steps", "2", "--fsdp", "2", "--ep", "2",

@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import moe_jax.nnx
@@ -24,6 +25,8 @@ def guarded_step(model, optimizer, batch):
     return loss, applied
 
 
+# heavy: the replay is the train step's in tests/training; the module shares it
+@pytest.mark.heavy
 def test_a_step_that_dropped_pairs_is_undone_and_replayed_at_the_capacity_it_required():
     model = load_module("tp2_fsdp4_ep4")
     schedule = model.engine.capacity_schedule

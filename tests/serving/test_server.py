@@ -226,6 +226,8 @@ def test_a_client_that_goes_away_frees_its_slot_and_pages(served, monkeypatch):
     assert response.usage.completion_tokens == 2
 
 
+# heavy: many clients; one leaving mid-stream is the suite's
+@pytest.mark.heavy
 def test_200_requests_with_10_percent_of_clients_leaving_mid_stream(served):
     """The issue's fault test: random prompt and output lengths, 16 clients at a time, every tenth client reads
     one chunk and disconnects. Every completed response equals `generate`'s greedy text for its prompt, the

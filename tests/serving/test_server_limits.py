@@ -81,6 +81,8 @@ def test_beyond_the_queue_bound_requests_get_429_with_retry_after(model_and_toke
         assert {r.json()["choices"][0]["text"] for r in accepted} == {expected}
 
 
+# heavy: a second admission bound; the queue's 429 stays in the suite
+@pytest.mark.heavy
 def test_a_request_waiting_past_the_queue_timeout_gets_503(model_and_tokenizer, monkeypatch):
     model, tokenizer = model_and_tokenizer
     manager = slow_manager(model, tokenizer, monkeypatch, queue_timeout=0.2)
@@ -94,6 +96,8 @@ def test_a_request_waiting_past_the_queue_timeout_gets_503(model_and_tokenizer, 
             assert all(future.result().status_code == 200 for future in long)
 
 
+# heavy: the SIGTERM drain test runs a drain in the suite
+@pytest.mark.heavy
 def test_a_drain_ends_every_stream_with_done_or_an_error_event(model_and_tokenizer, monkeypatch):
     """What SIGTERM does (uvicorn sets should_exit): the queued requests are refused at once, the running ones
     have the drain time, then end with an error event; none is cut without one."""

@@ -42,6 +42,8 @@ def valid(value) -> bool:
     return isinstance(value, dict) and set(value) == {"a"} and type(value["a"]) is int and 0 <= value["a"] <= 99
 
 
+# heavy: guided_json is the suite's in the test above
+@pytest.mark.heavy
 def test_json_schema_outputs_always_validate(served):
     """112 completions sampled at temperature 1 (7 requests of n=16, chat and completions): each ends ("stop")
     as JSON that validates against the schema."""

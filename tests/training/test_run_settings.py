@@ -57,6 +57,8 @@ def test_lr_decay_steps_needs_a_decaying_schedule(tmp_path, capsys):
     assert not (tmp_path / "m.jsonl").exists()
 
 
+# heavy: a second CLI run; eval's settings are unit-tested in tests/training/test_evaluation.py
+@pytest.mark.heavy
 def test_moe_jax_eval_follows_the_training_run_s_data_settings_and_prints_them(tmp_path, capsys):
     """(was: eval read the file at seq 512, one document per row, and gave another perplexity than the run's own
     evaluation of the same file at seq 32, packed)"""
