@@ -178,3 +178,16 @@ def test_the_grpo_step_with_routing_replay_compiles_for_h100():
              "advantages": floats, "routing": routing}
     compiled = step.lower(state, batch).compile()
     assert "all-to-all" in compiled.as_text()
+
+
+def test_a_context_parallel_train_step_compiles_for_h100_with_memory_linear_in_the_sequence():
+    """cp4 x fsdp2 with ep4, scanned layers: doubling the sequence roughly doubles the step's temporaries (XLA once
+    hoisted every attention block pair's mask out of the layer scan: quadratic, 976 GiB for 4 layers at 131k)."""
+    config = {**DEMO_CONFIG, "num_hidden_layers": 4}
+    layout = DistributedConfig(cp_size=4, fsdp_size=2, ep_size=4)
+    temporaries = []
+    for seq_len in (4096, 8192):
+        report = compile_for_target(config, hardware="h100", devices=8, distributed_config=layout, scan_layers=True,
+                                    request=PlanRequest(batch_size=2, seq_len=seq_len, mixed_precision=True))
+        temporaries.append(report.largest.memory.temp)
+    assert temporaries[1] / temporaries[0] < 2.6, temporaries
