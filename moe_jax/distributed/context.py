@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .config import CP_STRATEGIES  # noqa: F401  (the names, checked by DistributedConfig)
 from .mesh import PP, DeviceLayout, spec_entry
+
 
 def zigzag_order(length: int, cp: int) -> np.ndarray:
     """[length] the original index of each slot when rank r holds chunks r and 2 cp - 1 - r of 2 cp chunks."""

@@ -106,3 +106,10 @@ def test_a_kv_cache_query_is_refused():
     q, k, v, _ = inputs()
     with pytest.raises(ValueError, match="a KV cache's queries are not split over cp"):
         ContextAttention(layout).attend(q, k, v, query_index=jnp.arange(S))
+
+
+def test_every_strategy_the_config_accepts_has_a_core():
+    from moe_jax.distributed.config import CP_STRATEGIES
+    from moe_jax.nn.context_attention import STRATEGY_CORES
+
+    assert tuple(STRATEGY_CORES) == CP_STRATEGIES
