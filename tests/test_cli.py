@@ -117,6 +117,28 @@ def test_plan_train_with_a_lora_rank_counts_the_adapter_state_beside_the_frozen_
     assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--lora-rank", "4"]) == 2
 
 
+def test_plan_train_counts_the_offloaded_state_in_host_memory_apart(capsys):
+    from tests.models.test_fixture_parity import FIXTURES
+
+    def split(*flags) -> tuple[float, float]:
+        assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--fsdp", "8", "--ep", "8", "--train",
+                     *flags]) == 0
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if "between steps" in line)
+        device, host = re.findall(r"([\d.]+) (?:KiB|B) ", line)   # KiB, or "0 B"
+        return float(device), float(host)
+
+    assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--fsdp", "8", "--ep", "8", "--train"]) == 0
+    parts = {row.split()[0]: float(row.split()[-7]) for row in capsys.readouterr().out.splitlines()
+             if row.strip().startswith(("expert", "dense", "optimizer", "total"))}
+    assert split("--offload-optimizer") == pytest.approx((parts["total"] - parts["optimizer"], parts["optimizer"]),
+                                                         abs=0.1)
+    assert split("--offload-optimizer", "--offload-parameters") == (0.0, parts["total"])
+    assert split("--offload-parameters") == pytest.approx((parts["optimizer"], parts["expert"] + parts["dense"]),
+                                                          abs=0.1)
+    assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--offload-optimizer"]) == 2
+
+
 def test_plan_auto_ranks_layouts_and_writes_the_json_rows(tmp_path, capsys):
     checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
     output = tmp_path / "plan.json"

@@ -58,6 +58,10 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "the layout's mesh, on virtual CPU devices if need be; allocates nothing)")
     parser.add_argument("--optimizer", choices=("adamw", "muon", "sgd"), default=None,
                         help="with --train: the optimizer whose state is counted (default adamw)")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="with --train: count the optimizer state in host memory between steps")
+    parser.add_argument("--offload-parameters", action="store_true",
+                        help="with --train: count the parameters in host memory between steps")
     add_dequantize_flag(parser)
     add_plan_flags(parser)
 
@@ -66,7 +70,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_auto_arguments(parser)
 
 
-def _train_memory_text(model, optimizer_name: str) -> str:
+def _train_memory_text(model, optimizer_name: str, offload: str | None = None) -> str:
     """The train-state memory table of `model` (built on a mesh) with `optimizer_name`'s state, as the train
     step holds it (buffers get no optimizer state; with a LoRA adapter, the adapter's alone)."""
     from ..training.memory import memory_table, train_state_memory
@@ -75,7 +79,8 @@ def _train_memory_text(model, optimizer_name: str) -> str:
 
     state = abstract_train_state(model, freeze_buffers(build_optimizer(optimizer_name, learning_rate=1e-3), model))
     adapter = "" if model.adapter_layout is None else f", LoRA r={model.adapter_layout.config.r} adapter trained"
-    table = memory_table(train_state_memory(state), f"train state ({optimizer_name}, {model.dtype.name} parameters{adapter})")
+    table = memory_table(train_state_memory(state),
+                         f"train state ({optimizer_name}, {model.dtype.name} parameters{adapter})", offload)
     if model.adapter_layout is None:
         return table
     from ..reporting.plan_report import parameter_bytes_text
@@ -88,6 +93,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     from ..checkpoint_files import read_config
     from ..reporting.plan_report import plan_report
 
+    if args.auto and (args.offload_optimizer or args.offload_parameters):
+        raise ValueError("plan --auto does not rank offload choices: count one layout's state with "
+                         "plan --train --offload-optimizer / --offload-parameters.")
     if args.auto:
         from .plan_auto import run_auto
 
@@ -96,6 +104,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--lora-rank counts a LoRA run's train state: add --train.")
     if args.optimizer is not None and not args.train:
         raise ValueError("--optimizer only applies with --train (the train-state memory table).")
+    if (args.offload_optimizer or args.offload_parameters) and not args.train:
+        raise ValueError("--offload-optimizer / --offload-parameters count where the train state sits: add --train.")
     distributed_config = distributed_config_from_flags(args)
     kept = kept_quantization_from_flags(args, read_config(args.model))
     quantized = weight_quantization_from_flags(args, read_config(args.model))
@@ -115,7 +125,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     print()
     if (lora := lora_config_from_flags(args, None)) is not None:
         model.add_adapter(lora)
-    print(_train_memory_text(model, args.optimizer or "adamw"))
+    from .train import offload_from_flags
+
+    print(_train_memory_text(model, args.optimizer or "adamw", offload_from_flags(args)))
     return 0
 
 

@@ -332,7 +332,7 @@ def _read_shares(args, model, data, eval_data):
     return data, eval_data, packing_efficiency
 
 
-def _offload(args) -> str | None:
+def offload_from_flags(args) -> str | None:
     """The state kept in host memory between steps: --offload-optimizer and/or --offload-parameters."""
     parts = {"optimizer": args.offload_optimizer, "parameters": args.offload_parameters}
     chosen = [part for part, on in parts.items() if on]
@@ -347,7 +347,7 @@ def _build_train_step(args, model, schedules):
     optimizer = build_optimizer(args.optimizer, schedule, args.weight_decay, expert_learning_rate=expert_schedule)
     train_step = make_train_step(model, optimizer, grad_accum=args.grad_accum,
                                  grad_clip=args.grad_clip or None, loss_chunk=args.loss_chunk,
-                                 mixed_precision=args.mixed_precision or None, offload=_offload(args),
+                                 mixed_precision=args.mixed_precision or None, offload=offload_from_flags(args),
                                  trainable=trainable_from_flags(args, model), **balance_options(args))
     if not train_step.trainable.everything:
         print(f"training {train_step.trainable.describe()}; the rest of the model is frozen")

@@ -89,8 +89,21 @@ def _ratio_text(part: int, whole: int) -> str:
     return f"{ratio:.3f} = 1/{1 / ratio:.3g}"
 
 
-def memory_table(memory: TrainStateMemory, title: str = "train state") -> str:
-    """The per-device bytes of each part next to the one-device bytes and their ratio."""
+def offload_split(memory: TrainStateMemory, offload: str | None) -> tuple[int, int]:
+    """(device bytes, host bytes) of the busiest device's train state between steps under an `offload` choice
+    ("optimizer", "parameters", "all" or None: `make_train_step(offload=)`). Within a step the offloaded state is
+    moved onto the device; what that costs at the step's peak only a compile for the device, run on it, shows."""
+    from .step_options import offload_memory_kinds
+
+    kinds = offload_memory_kinds(offload) or (None, None)
+    parameters = memory.per_device["expert parameters"] + memory.per_device["dense parameters"]
+    host = (parameters if kinds[0] else 0) + (memory.per_device["optimizer state"] if kinds[1] else 0)
+    return memory.per_device[TOTAL] - host, host
+
+
+def memory_table(memory: TrainStateMemory, title: str = "train state", offload: str | None = None) -> str:
+    """The per-device bytes of each part next to the one-device bytes and their ratio; with `offload`, where they
+    sit between steps (`offload_split`)."""
     rows = [("", "per device", "1 device", "ratio")]
     for part in (*PARTS, TOTAL):
         per_device, whole = memory.per_device[part], memory.unsharded[part]
@@ -100,4 +113,8 @@ def memory_table(memory: TrainStateMemory, title: str = "train state") -> str:
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
         lines.append("  " + "  ".join(cells).rstrip())
+    if offload is not None:
+        device, host = offload_split(memory, offload)
+        lines.append(f"  between steps, offloading {offload}: {human_bytes(device)} on the device, {human_bytes(host)} "
+                     "in pinned host memory (per device)")
     return "\n".join(lines)
