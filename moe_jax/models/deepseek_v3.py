@@ -166,7 +166,7 @@ def self_attention(config: DeepseekV3Config, weights, h, options, rope, attentio
     constrain = step.layouts.constrain
     if layer_kv is None:
         return latent_attention(weights, h, cos, sin, dims=latent_dims(config), attention_mask=attention_mask,
-                                constrain=constrain, segment_ids=step.segment_ids, core=step.attend), None
+                                constrain=constrain, segment_ids=step.segment_ids, core=step.attention_core), None
     return cached_latent_attention(weights, h, cos, sin, layer_kv, dims=latent_dims(config), constrain=constrain)
 
 

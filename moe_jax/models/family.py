@@ -137,7 +137,7 @@ def rope_attention(config, weights: dict, h, options: dict, rope: tuple, attenti
                    implementation=step.attention, **options)
     if layer_kv is None:
         return attention(weights, h, cos, sin, attention_mask=None if step.unpadded else attention_mask,
-                         segment_ids=step.segment_ids, core=step.attend, **options), None
+                         segment_ids=step.segment_ids, core=step.attention_core, **options), None
     return cached_attention(weights, h, cos, sin, layer_kv, **options)
 
 

@@ -170,7 +170,7 @@ def self_attention(config: Llama4TextConfig, weights, h, options, rope, attentio
     chunk = options["attention_chunk_size"]
     stored = None
     if layer_kv is None:
-        out = step.attend(q, k, v, scale=c.head_dim ** -0.5,
+        out = (step.attention_core or attend)(q, k, v, scale=c.head_dim ** -0.5,
                           key_padding_mask=None if step.unpadded else attention_mask,
                      attention_chunk_size=chunk, segment_ids=step.segment_ids, implementation=step.attention)
     else:

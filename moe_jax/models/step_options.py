@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from ..distributed.activations import ActivationLayouts
-from ..nn.attention_core import attend
 
 # remat policies of the decoder layers: what a layer keeps for the backward pass.
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -55,9 +54,10 @@ class StepOptions:
     context: Any = None
 
     @property
-    def attend(self) -> Callable:
-        """The attention core over a whole sequence (`attention_core.attend`'s arguments)."""
-        return attend if self.context is None else self.context.attend
+    def attention_core(self) -> Callable | None:
+        """The context-parallel attention core over a whole sequence (`attention_core.attend`'s arguments), or
+        None: the layer's own `attend`."""
+        return None if self.context is None else self.context.attend
 
     def layer_experts(self, layer: int) -> Callable:
         """Layer `layer`'s experts module bound to this step's mode and capacity:

@@ -122,7 +122,7 @@ def attention(
     query_chunk_size: int | None = None,
     constrain: Constrain = no_constraint,
     segment_ids: jax.Array | None = None,
-    core: Callable = attend,
+    core: Callable | None = None,
 ) -> jax.Array:
     """Causal self-attention over a full sequence (prefill / training), as HF's `*Attention.forward`.
 
@@ -135,7 +135,7 @@ def attention(
     clip_qkv: OLMoE's `config.clip_qkv`
     constrain: lays out each projection's output by its dims' logical axes (`moe_jax.nn.linear.Constrain`)
     segment_ids: [B, S] packed rows' document ids (`attend`)
-    core: the attention core, `attend` or its context-parallel form (`nn.context_attention`)
+    core: the attention core: None for `attend`, or its context-parallel form (`nn.context_attention`)
     -> [B, S, H]
 
     The logit scale is `head_dim ** -0.5`, as in all four models.
@@ -156,7 +156,7 @@ def attention(
     # A float32 norm weight or rope table would promote q/k alone (HF would fail on the mixed-dtype matmul);
     # attention runs in the value projection's dtype.
     q, k = q.astype(v.dtype), k.astype(v.dtype)
-    out = core(
+    out = (core or attend)(
         q,
         k,
         v,

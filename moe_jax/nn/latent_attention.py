@@ -87,20 +87,20 @@ def expand_latent(params: Mapping, latent: jax.Array, k_rot: jax.Array, dims: La
     return jnp.concatenate([k_nope, shared], axis=-1), values
 
 
-def attend_latent(q: jax.Array, keys: jax.Array, values: jax.Array, dims: LatentDims, core: Callable = attend,
-                  **mask_options) -> jax.Array:
+def attend_latent(q: jax.Array, keys: jax.Array, values: jax.Array, dims: LatentDims,
+                  core: Callable | None = None, **mask_options) -> jax.Array:
     """q: [B, S, N, Dq]; keys: [B, T, N, Dq]; values: [B, T, N, Dv] -> [B, S, N, Dv] (`attend`'s masking; core:
-    `attend` or its context-parallel form)."""
+    None for `attend`, or its context-parallel form)."""
     width = max(q.shape[-1], values.shape[-1])
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
     values = values.astype(q.dtype)
-    out = core(pad(q), pad(keys.astype(q.dtype)), pad(values), scale=dims.scale, **mask_options)
+    out = (core or attend)(pad(q), pad(keys.astype(q.dtype)), pad(values), scale=dims.scale, **mask_options)
     return out[..., :dims.v_head_dim]
 
 
 def latent_attention(params: Mapping, hidden: jax.Array, cos: jax.Array, sin: jax.Array, *, dims: LatentDims,
                      attention_mask: jax.Array | None = None, constrain: Constrain = no_constraint,
-                     segment_ids: jax.Array | None = None, core: Callable = attend) -> jax.Array:
+                     segment_ids: jax.Array | None = None, core: Callable | None = None) -> jax.Array:
     """Causal MLA over a full sequence (prefill / training).
 
     params: HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`; `kv_a_proj_with_mqa`,

@@ -133,13 +133,19 @@ def test_colwise_outputs_map_to_tp_and_the_rest_stays_whole():
     assert set(rules) == set(LOGICAL_AXES)
     batch = ("efsdp", "ep_fsdp")
     assert rules == {
-        "batch": batch, "tokens": batch, "length": None, "embed": None,
+        "batch": batch, "tokens": batch, "length": None, "sequence": None, "embed": None,
         "heads": ("tp",), "kv_heads": ("tp",),   # q/k/v_proj colwise
         "mlp": None,                             # no dense layer: nothing outputs it
         "experts": None, "vocab": None,          # router: no rule; lm_head: colwise_gather_output
         "q_lora": None, "kv_lora": None,
         "head_rows": ("tp",),                    # lm_head's weight: vocab rows split over tp
     }
+
+
+def test_cp_splits_the_length_and_sequence_parallelism_the_residual_stream_over_tp_too():
+    rules = rules_of(Qwen3MoeForCausalLM, CONFIG, tp_size=2, fsdp_size=2, cp_size=2, enable_sequence_parallel=True)
+    assert (rules["batch"], rules["length"], rules["sequence"]) == (("efsdp",), ("cp",), ("cp", "tp"))
+    assert rules["tokens"] == ("efsdp", "cp") and rules["heads"] == ("tp",) and rules["embed"] is None
 
 
 def test_the_head_rows_follow_the_weight_the_logits_come_from():

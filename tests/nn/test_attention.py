@@ -356,7 +356,7 @@ def test_projections_name_the_logical_axes_of_their_outputs():
     attention(params, jnp.ones((2, 7, 24)), cos, sin, num_heads=4, num_kv_heads=2, head_dim=8,
               constrain=lambda y, axes: calls.append((y.shape, axes)) or y)
     assert calls == [((2, 7, 32), ("batch", "length", "heads")), ((2, 7, 16), ("batch", "length", "kv_heads")),
-                     ((2, 7, 16), ("batch", "length", "kv_heads")), ((2, 7, 24), ("batch", "length", "embed"))]
+                     ((2, 7, 16), ("batch", "length", "kv_heads")), ((2, 7, 24), ("batch", "sequence", "embed"))]
 
 
 @pytest.mark.parametrize("bad_window", [0, -2, 2.5])

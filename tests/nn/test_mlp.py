@@ -46,7 +46,7 @@ def test_projections_name_the_logical_axes_of_their_outputs():
     calls = []
     mlp(params, jnp.ones((2, 3, 8)), "silu", constrain=lambda y, axes: calls.append((y.shape, axes)) or y)
     assert calls == [((2, 3, 12), ("batch", "length", "mlp")), ((2, 3, 12), ("batch", "length", "mlp")),
-                     ((2, 3, 8), ("batch", "length", "embed"))]
+                     ((2, 3, 8), ("batch", "sequence", "embed"))]
 
 
 @pytest.mark.reference
