@@ -41,6 +41,8 @@ def test_qwen3_30b_state_is_the_hand_count_over_eight(qwen3_plan, name):
     assert row.memory.gradients == pytest.approx(count * 4 / 8, rel=0.05)
 
 
+# heavy: a second real config (DeepSeek-V3 needs more devices); Qwen3-30B-A3B's plan stays in the suite
+@pytest.mark.heavy
 def test_deepseek_v3_fits_no_layout_of_eight_devices_and_says_how_many_would():
     """671B bfloat16 weights alone are 1.3 TB, more than 8 x 80 GiB: no row fits, and the smallest count where
     a layout holds the state is found (this process has too few CPU devices to compile there: said so)."""

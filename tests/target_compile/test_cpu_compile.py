@@ -46,6 +46,8 @@ def test_the_report_reads_memory_collectives_and_the_expert_kernel():
     assert JSON_KEYS <= set(report.as_json())
 
 
+# heavy: a second compile to disk and back; the report's reading stays in the suite
+@pytest.mark.heavy
 def test_a_saved_executable_loads_back_and_runs_the_step(config_file, tmp_path, capsys):
     out = tmp_path / "exe"
     assert main(["compile", "--model", str(config_file), "--hardware", "cpu", "--devices", "8", "--tp", "2",

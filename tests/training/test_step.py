@@ -183,6 +183,8 @@ def test_the_step_traces_the_model_s_step_into_its_one_jit_and_checks_its_inputs
         train_step(state.replace(params=params), batch)
 
 
+# heavy: every rung compiled; one compile per capacity is asserted by the curve tests
+@pytest.mark.heavy
 def test_precompile_builds_each_rung_s_program_before_the_run_and_the_step_then_compiles_nothing(trainers, monkeypatch):
     """A capacity move mid-run finds its program ready: the precompiled step runs without compiling and gives
     the step a call compiles itself."""
