@@ -237,7 +237,8 @@ class ContinuousBatchingConfig:
     decoding requests; every one is compiled at each page width); None: max_slots / groups and its quarters,
     sixteenths, ... down to 1 (16 slots: 16, 4 and 1 rows). The largest is always max_slots / groups;
     rebalance_every: with redundant expert slots (`num_redundant_experts`), re-place the experts after every that
-    many engine steps from the real tokens each expert served in them (`eplb.balanced_placement`; None: never);
+    many engine steps from the real tokens each expert served in them (`placement_search.searched_placement`;
+    None: never);
     prefix_caching: a request reuses the stored keys and values of every full page of its longest prefix that an
     earlier request computed (`kv_cache.page_book`), and prefills only the rest (None, the default: on wherever a
     prompt can fill a page, `page_size <= max_model_len - 2`; True: on, and a page size no prompt can fill is

@@ -46,7 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed.eplb import balanced_placement, better_placement
+from ..distributed.eplb import better_placement
+from ..distributed.placement_search import searched_placement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
@@ -195,7 +196,7 @@ class StepPrograms:
         self._steps += 1
         if self._steps % self.rebalance_every == 0:
             model, window = self.model, np.asarray(jax.device_get(self._load_window))
-            proposed = balanced_placement(window, num_redundant_experts=model.num_redundant_experts,
+            proposed = searched_placement(window, num_redundant_experts=model.num_redundant_experts,
                                           ep_size=model.layout.ep_size)
             current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), model.expert_placement)
             # Per layer, only where it gives the window's busiest rank less (`eplb.better_placement`).

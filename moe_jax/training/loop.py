@@ -16,7 +16,8 @@ Data sources are indexable (`data.batch(index) -> {"input_ids": [B, S], ...}`), 
 resume exact: the state's `data_position` is the index of the next batch.
 
 With redundant expert slots, `rebalance_every=N` re-places the experts after every N-th step (host side, between
-steps, the queue drained as for a save): `balanced_placement` of the real tokens each expert got in the last N
+steps, the queue drained as for a save): `placement_search.searched_placement` (EPLB's, or better where a few
+experts take most tokens) of the real tokens each expert got in the last N
 applied steps (the state's `expert_load_window`, summed by the step itself, in logical expert ids whatever the
 placement each step ran), which the following steps run as an input of the same program; a layer keeps its
 placement where the new one would not give that window's busiest rank less (`eplb.better_placement`). The
@@ -36,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
-from ..distributed.eplb import balanced_placement, better_placement
+from ..distributed.eplb import better_placement
+from ..distributed.placement_search import searched_placement
 from .data import place_batch
 from .router_health import RouterCollapseWatch
 from .state import TrainState
@@ -208,7 +210,7 @@ class TrainLoop:
         model = self.train_step.model
         window = state.expert_load_window
         load, ep = np.asarray(jax.device_get(window)), model.layout.ep_size
-        proposed = balanced_placement(load, num_redundant_experts=model.num_redundant_experts, ep_size=ep)
+        proposed = searched_placement(load, num_redundant_experts=model.num_redundant_experts, ep_size=ep)
         current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), state.expert_placement)
         placement = model.set_expert_placement(better_placement(current, proposed, load, ep))
         # A copy: the step donates its state, and the model keeps running its own placement after the loop.

@@ -4,7 +4,7 @@
     python scripts/checks/check_rebalance_records.py run.jsonl --num-redundant-experts 8
 
 Replays the loop's re-placements from the records (the identity placement first; at each `rebalanced` step the
-`balanced_placement` of the window's summed `expert_load`, kept per layer only where better, as `TrainLoop` does)
+`searched_placement` of the window's summed `expert_load`, kept per layer only where better, as `TrainLoop` does)
 and prints per step and sparse layer the busiest rank's share (max / mean of the ranks' pairs):
 
     actual     the step's `ep_rank_load`
@@ -30,12 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import numpy as np  # noqa: E402
 
-from moe_jax.distributed.eplb import (  # noqa: E402
-    balanced_placement,
-    better_placement,
-    expected_rank_load,
-    identity_placement,
-)
+from moe_jax.distributed.eplb import better_placement, expected_rank_load, identity_placement  # noqa: E402
+from moe_jax.distributed.placement_search import searched_placement  # noqa: E402
 
 
 def share(rank_load) -> np.ndarray:
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print("step  actual / placed / own (per sparse layer)  moved")
     for record in records:
         load = np.asarray(record["expert_load"], np.float64)
-        own = balanced_placement(load, num_redundant_experts=redundant, ep_size=ep)
+        own = searched_placement(load, num_redundant_experts=redundant, ep_size=ep)
         moved = "" if last_window is None else " ".join(
             f"{0.5 * np.abs(load[i] / load[i].sum() - last_window[i] / last_window[i].sum()).sum():.2f}"
             for i in range(layers))
@@ -72,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("  re-placed" if record.get("rebalanced") else ""))
         window += load
         if record.get("rebalanced"):
-            proposed = balanced_placement(window, num_redundant_experts=redundant, ep_size=ep)
+            proposed = searched_placement(window, num_redundant_experts=redundant, ep_size=ep)
             placement = better_placement(placement, proposed, window, ep)
             last_window, window = window, np.zeros_like(window)
     return 0

@@ -1,0 +1,99 @@
+"""The placement search (`moe_jax.distributed.placement_search`): the case EPLB's greedy replication gets wrong,
+never worse than EPLB, close to a brute-force optimum on small layers, and quick on DeepSeek-V3's sizes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from moe_jax.distributed.eplb import balanced_placement, expected_rank_load
+from moe_jax.distributed.placement_search import replica_counts, searched_placement
+
+
+def busiest_share(placement, load, ranks: int) -> np.ndarray:
+    """[L]: the busiest rank's tokens over the mean rank's."""
+    ranks_load = expected_rank_load(placement, load, ranks)
+    return ranks_load.max(1) / ranks_load.mean(1)
+
+
+def test_two_hot_experts_get_one_heavy_replica_per_rank_where_eplb_puts_two_on_a_rank():
+    load = np.array([[490.0, 480, 10, 8, 6, 3, 2, 1]])
+    eplb = balanced_placement(load, num_redundant_experts=8, ep_size=8)
+    searched = searched_placement(load, num_redundant_experts=8, ep_size=8).check(1, 8, 8, 8)
+    assert np.asarray(eplb.replica_count)[0, :2].tolist() == [5, 5]
+    assert round(float(busiest_share(eplb, load, 8)[0]), 2) == 1.54
+    assert np.asarray(searched.replica_count)[0, :2].tolist() == [4, 4]
+    assert busiest_share(searched, load, 8)[0] < 1.05
+    slots = np.asarray(searched.physical_to_logical)[0].reshape(8, 2)
+    assert ((slots < 2).sum(1) == 1).all()            # every rank one replica of a hot expert
+
+
+def test_replica_counts_cover_every_slot_and_give_each_expert_one():
+    load = np.array([578.3, 0.0, 227.9, 193.7])
+    counts = replica_counts(load, 8)
+    assert counts and all(count.sum() == 8 and (count >= 1).all() for count in counts)
+    assert len({tuple(count) for count in counts}) == len(counts)
+
+
+def test_never_worse_than_eplb_and_eplbs_own_where_it_is_within_two_percent():
+    rng = np.random.default_rng(0)
+    for concentration in (0.2, 1.0, 50.0):
+        load = rng.dirichlet(np.full(16, concentration), size=12) * 4096
+        for redundant, ranks in ((16, 8), (8, 4), (0, 8)):
+            eplb = balanced_placement(load, num_redundant_experts=redundant, ep_size=ranks)
+            searched = searched_placement(load, num_redundant_experts=redundant, ep_size=ranks)
+            searched.check(12, 16, redundant, ranks)
+            before, after = busiest_share(eplb, load, ranks), busiest_share(searched, load, ranks)
+            assert (after <= before * (1 + 1e-9)).all()
+            even = before <= 1.02
+            np.testing.assert_array_equal(np.asarray(searched.physical_to_logical)[even],
+                                          np.asarray(eplb.physical_to_logical)[even])
+    skewed = rng.dirichlet(np.full(16, 0.2), size=12) * 4096
+    gain = busiest_share(balanced_placement(skewed, num_redundant_experts=16, ep_size=8), skewed, 8) / \
+        busiest_share(searched_placement(skewed, num_redundant_experts=16, ep_size=8), skewed, 8)
+    assert gain.max() > 1.1, gain                      # skewed layers: a real improvement somewhere
+
+
+def _pairings(items):
+    if not items:
+        yield []
+        return
+    for index in range(1, len(items)):
+        for rest in _pairings(items[1:index] + items[index + 1:]):
+            yield [(items[0], items[index])] + rest
+
+
+def _optimum(load: np.ndarray, slots: int) -> float:
+    """The least busiest rank over every replica count and every packing of `slots` replicas, 2 per rank."""
+    experts, best = load.shape[0], np.inf
+    for cuts in itertools.combinations(range(slots - 1), experts - 1):
+        count = np.diff([-1, *cuts, slots - 1])
+        weight = np.repeat(load / count, count)
+        for pairs in _pairings(list(range(slots))):
+            best = min(best, max(weight[a] + weight[b] for a, b in pairs))
+    return best
+
+
+def test_small_layers_come_within_15_percent_of_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    ratios, eplb_ratios = [], []
+    for _ in range(16):
+        load = rng.dirichlet(np.full(4, 0.3))[None] * 1000
+        optimum = _optimum(load[0], 8)
+        for placement, out in ((searched_placement, ratios), (balanced_placement, eplb_ratios)):
+            out.append(expected_rank_load(placement(load, num_redundant_experts=4, ep_size=4), load, 4).max()
+                       / optimum)
+    ratios, eplb_ratios = np.array(ratios), np.array(eplb_ratios)
+    assert ratios.min() >= 1 - 1e-9 and ratios.max() < 1.15, ratios
+    assert (np.isclose(ratios, 1)).mean() >= 0.5, ratios
+    assert eplb_ratios.max() > 1.3                      # where EPLB's greedy is far off
+
+
+def test_deepseek_v3_sizes_take_seconds_at_most():
+    load = np.random.default_rng(0).gamma(0.3, 1.0, (58, 256)) * 1000
+    start = time.perf_counter()
+    placement = searched_placement(load, num_redundant_experts=32, ep_size=32)
+    assert time.perf_counter() - start < 10
+    placement.check(58, 256, 32, 32)
