@@ -482,3 +482,18 @@ def test_each_token_s_adapter_index_reaches_the_rows_its_experts_see(layout_size
     output, _ = jax.jit(run)(hidden, index, weights, params)
     expected = adapter_index * weights.sum(axis=1)
     np.testing.assert_allclose(output, np.broadcast_to(expected[:, None], output.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_an_implementation_without_adapter_index_is_refused_for_several_adapters_on_the_experts():
+    from moe_jax.ops.lora import AdapterRows
+
+    EPImplementationInterface.register("masking_untagged", MaskingEP)
+    try:
+        _, run = sharded_runner((1, 8, 8, 1), "masking_untagged", experts_forward=adapter_tagging_experts)
+        hidden, index, weights, params, _ = make_inputs(16, "random")
+        factors = AdapterRows(np.zeros((2, EXPERTS, 1, INTERMEDIATE), np.float32),
+                              np.zeros((2, EXPERTS, HIDDEN, 1), np.float32), np.zeros(16, np.int32), (0.0, 1.0))
+        with pytest.raises(ValueError, match="EP implementation MaskingEP takes no `adapter_index`"):
+            jax.eval_shape(run, hidden, index, weights, {**params, "lora": {"down_proj": factors}})
+    finally:
+        del EPImplementationInterface._global_mapping["masking_untagged"]
