@@ -141,7 +141,7 @@ def add_lora_modules_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
                         help="serve several LoRA adapters (PEFT's format) beside the base model, as vLLM's: a "
                              "request's `model` names one (or the base); requests of different adapters share each "
-                             "step. An adapter of the fused experts needs --ep 1 (tokens not dispatched) and no "
+                             "step, the fused experts' adapters included on any --tp/--fsdp/--ep layout and with "
                              "redundant expert slots. Not with --adapter or --speculative mtp")
     parser.add_argument("--max-loras", type=int, default=None, metavar="K",
                         help="the most adapters --lora-modules may name (default: any number); every named adapter "

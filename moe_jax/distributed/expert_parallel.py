@@ -14,11 +14,13 @@ force (`capacity`), so an implementation keeps no per-call state. Implementation
 
     EPImplementationInterface.register("my_ep", MyEP)
 
-`__call__` may take any of the keywords `experts_forward`, `capacity` and `inference` (the MoE block's mode,
-for implementations that pick a path per call, as `auto` does): it receives those it names. The reference's
-form, `__call__(self, hidden_states, top_k_index, top_k_weights)` calling `self.experts_forward(...)`, works
-too: such a class is built again for each call being traced, with that call's experts as `experts_forward`
-(and the call's capacity as its `capacity` option when it takes capacity options).
+`__call__` may take any of the keywords `experts_forward`, `capacity` and `inference` (the MoE block's mode, for
+implementations that pick a path per call, as `auto` does): it receives those it names. `adapter_index` ([T]
+int32, each token's adapter, where several LoRA adapters adapt the experts) goes with the tokens, each row's to
+`experts_forward(..., adapter_index=[rows])` (the registered ones carry it). The reference's form,
+`__call__(self, hidden_states, top_k_index, top_k_weights)` calling `self.experts_forward(...)`, works too: such
+a class is built again for each call being traced, with that call's experts as `experts_forward` (and the call's
+capacity as its `capacity` option when it takes capacity options).
 
 Registered:
     "all_to_all"  token dispatch: each TP rank of a batch sends a disjoint slice of its rows to the devices
@@ -43,6 +45,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import jax
@@ -54,11 +57,11 @@ from .capacity import CapacitySchedule, DispatchStatistics, buffer_rows, require
 
 # This device's experts, bound to their weights: (tokens [N, H], local expert ids [N, K], weights [N, K]) ->
 # [N, H]; the sentinel id `num_local_experts` contributes nothing. One per activation kind in
-# `moe_jax.ops.experts` (`swiglu_experts`, ...), bound by `ShardedExperts` for each call.
+# `moe_jax.ops.experts` (`swiglu_experts`, ...), bound by `ShardedExperts` for each call (and `adapter_index=` [N]).
 ExpertsForward = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 # The keywords an implementation's `__call__` may take, passed when it names them.
-CALL_KEYWORDS = ("experts_forward", "capacity", "inference")
+CALL_KEYWORDS = ("experts_forward", "capacity", "inference", "adapter_index")
 
 
 def call_keywords(implementation_class: type) -> frozenset[str]:
@@ -129,6 +132,11 @@ class EPImplementation:
         return jax.lax.axis_index(self.groups.ep_axes)
 
 
+def rows_adapter(adapter_index: jax.Array, token_of_row: jax.Array) -> jax.Array:
+    """adapter_index [T], token_of_row [C] (>= T: none) -> each buffer row's adapter [C] int32, empty rows 0."""
+    return jnp.take(adapter_index, token_of_row, mode="fill", fill_value=0).astype(jnp.int32)
+
+
 def tp_row_slice(rows: int, tp_size: int) -> int:
     """Rows each TP rank takes from a shared batch of `rows` (torch.chunk: trailing slices may be short)."""
     return -(-rows // tp_size) if rows else 0
@@ -184,9 +192,10 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         self._init_capacity(capacity, capacity_factor, schedule)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
-                 capacity: float | None = None):
+                 capacity: float | None = None, adapter_index: jax.Array | None = None):
         """hidden_states: [T, H]; top_k_index: [T, K] global ids; top_k_weights: [T, K] -> ([T, H], stats).
-        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's."""
+        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's;
+        adapter_index: [T] each token's adapter, sent with it to its experts (None: no adapter set)."""
         experts_forward = experts_forward or self.experts_forward
         groups = self.groups
         rows, top_k = top_k_index.shape
@@ -194,7 +203,8 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         if slice_rows == 0:
             return jnp.zeros_like(hidden_states), DispatchStatistics.zeros()
 
-        hidden, index, weights, row_valid = self._take_tp_slice(hidden_states, top_k_index, top_k_weights, slice_rows)
+        row_valid, hidden, index, weights, adapters = self._take_tp_slice(
+            slice_rows, hidden_states, top_k_index, top_k_weights, adapter_index)
         pairs = slice_rows * top_k
         num_local = self.num_local_experts
         num_global = num_local * groups.ep_size
@@ -220,6 +230,10 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         local_id = jnp.where(slot_valid, sorted_expert[jnp.minimum(position, pairs - 1)] % num_local, num_local)
         received = jax.lax.all_to_all(send_tokens, groups.ep_axes, 0, 0, tiled=True)
         received_ids = jax.lax.all_to_all(local_id.reshape(-1), groups.ep_axes, 0, 0, tiled=True)
+        if adapters is not None:   # each row's adapter goes where its token goes
+            sent_adapters = rows_adapter(adapters, slot_pair // top_k)
+            experts_forward = partial(experts_forward, adapter_index=jax.lax.all_to_all(
+                sent_adapters, groups.ep_axes, 0, 0, tiled=True))
         expert_out = experts_forward(received, received_ids[:, None], jnp.ones((received.shape[0], 1), hidden.dtype))
         returned = jax.lax.all_to_all(expert_out, groups.ep_axes, 0, 0, tiled=True)
         # Pairs past the buffer were not sent (dropped): their rows read zeros.
@@ -234,21 +248,23 @@ class AllToAllEP(CapacityBuffers, EPImplementation):
         statistics = self.statistics(jnp.sum(peer_counts), sent, groups.ep_size * peer_rows, jnp.max(peer_counts), pairs)
         return output, statistics
 
-    def _take_tp_slice(self, hidden_states, top_k_index, top_k_weights, slice_rows):
-        """TP rank t of a shared batch keeps rows [t * c, (t + 1) * c) (padded past the end)."""
+    def _take_tp_slice(self, slice_rows, *arrays):
+        """TP rank t of a shared batch keeps rows [t * c, (t + 1) * c) of each array (padded; None stays None)."""
         groups = self.groups
-        rows = top_k_index.shape[0]
+        rows = arrays[0].shape[0]
         if groups.tp_size == 1:
-            return hidden_states, top_k_index, top_k_weights, jnp.ones((rows,), bool)
+            return jnp.ones((rows,), bool), *arrays
         padded_rows = slice_rows * groups.tp_size
 
-        def pad(array):
-            return jnp.pad(array, [(0, padded_rows - rows)] + [(0, 0)] * (array.ndim - 1))
+        def take(array):
+            if array is None:
+                return None
+            padded = jnp.pad(array, [(0, padded_rows - rows)] + [(0, 0)] * (array.ndim - 1))
+            return jax.lax.dynamic_slice_in_dim(padded, start, slice_rows)
 
         start = jax.lax.axis_index(groups.tp_axes) * slice_rows
-        take = lambda array: jax.lax.dynamic_slice_in_dim(pad(array), start, slice_rows)  # noqa: E731
         row_valid = (start + jnp.arange(slice_rows)) < rows
-        return take(hidden_states), take(top_k_index), take(top_k_weights), row_valid
+        return row_valid, *(take(array) for array in arrays)
 
     def _gather_tp_slices(self, token_output, rows):
         if self.groups.tp_size == 1:
@@ -276,9 +292,10 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         self._init_capacity(capacity, capacity_factor, schedule)
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
-                 capacity: float | None = None):
+                 capacity: float | None = None, adapter_index: jax.Array | None = None):
         """hidden_states: [T, H]; top_k_index: [T, K] global; top_k_weights: [T, K] -> ([T, H], stats).
-        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's."""
+        experts_forward: this device's experts (None: `self.experts_forward`); capacity: the call's;
+        adapter_index: [T] each token's adapter (None: no adapter set)."""
         experts_forward = experts_forward or self.experts_forward
         rows, top_k = top_k_index.shape
         pairs = rows * top_k
@@ -298,7 +315,10 @@ class AllReduceEP(CapacityBuffers, EPImplementation):
         )
         slot_valid = slot_pair < pairs
         pair = jnp.minimum(slot_pair, pairs - 1)
-        tokens = take_rows(hidden_states, jnp.where(slot_valid, pair // top_k, rows), pair_slot)  # [C, H]
+        slot_token = jnp.where(slot_valid, pair // top_k, rows)
+        tokens = take_rows(hidden_states, slot_token, pair_slot)  # [C, H]
+        if adapter_index is not None:
+            experts_forward = partial(experts_forward, adapter_index=rows_adapter(adapter_index, slot_token))
         local_id = jnp.where(slot_valid, index[pair] % num_local, num_local)
         expert_out = experts_forward(tokens, local_id[:, None], jnp.ones((slots, 1), hidden_states.dtype))
         # The combine: routing weights applied and summed over k in at least fp32 (other devices' pairs read
@@ -332,9 +352,9 @@ class AutoEP(EPImplementation):
         return self.all_reduce if (inference and self.all_reduce is not None) else self.all_to_all
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward: ExpertsForward | None = None,
-                 capacity: float | None = None, inference: bool = False):
+                 capacity: float | None = None, inference: bool = False, adapter_index: jax.Array | None = None):
         return self.choose(inference)(hidden_states, top_k_index, top_k_weights, experts_forward=experts_forward,
-                                      capacity=capacity)
+                                      capacity=capacity, adapter_index=adapter_index)
 
 
 class DeepGemmMegaMoeEP(EPImplementation):

@@ -22,13 +22,17 @@ ep_size each; which logical expert each slot holds is one layer of an `ExpertPla
 new program. Parameters stay per logical expert [E, ...]: the call gathers the physical weights
 `take(logical, physical_to_logical, axis=0)` (their gradient sums back into each logical expert through the
 gather) and sends each (token, k) pair to one replica of its expert (`choose_replica`, by the token's row in the
-call's global batch).
+call's global batch). LoRA factors of the experts are gathered per physical slot the same way.
+
+Several adapters on the experts (`AdapterRows` of a [K, E, ...] factor, `moe_jax.lora.AdapterSet`): the factors
+are folded (`ExpertAdapterRows`) and split by whole experts as their weights are, and each token's adapter index
+reaches the rows its experts see: in "local" and "tp" mode the device's own tokens', in "ep" mode carried with
+the tokens by the EP implementation (its `adapter_index` keyword).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import chex
 import jax
@@ -70,6 +74,31 @@ def _joined(local: jax.Array, packed_dim: int | None) -> jax.Array:
         return local
     shape = local.shape
     return local.reshape(*shape[:packed_dim], shape[packed_dim] * shape[packed_dim + 1], *shape[packed_dim + 2:])
+
+
+def _physical_factors(factors: LoraFactors | AdapterRows, slots: jax.Array) -> LoraFactors | AdapterRows:
+    """An expert weight's LoRA factors per physical slot: each slot takes its logical expert's (slots [E + R]);
+    an adapter set's carry the experts axis behind the adapters' ([K, E, ...])."""
+    axis = 1 if isinstance(factors, AdapterRows) else 0
+    a, b = jnp.take(factors.a, slots, axis=axis), jnp.take(factors.b, slots, axis=axis)
+    return AdapterRows(a, b, factors.index, factors.scales) if axis else LoraFactors(a, b, factors.scaling)
+
+
+def _bound_experts(experts_forward: Callable[..., jax.Array], params: dict) -> Callable[..., jax.Array]:
+    """The experts function bound to this device's weights. Its `adapter_index` [rows] (several adapters on the
+    experts) is each row's adapter: it becomes the index of the factors' `ExpertAdapterRows`."""
+    per_row = any(isinstance(factors, ExpertAdapterRows) for factors in params.get("lora", {}).values())
+
+    def bound(tokens, expert_ids, weights, *, adapter_index=None):
+        if not per_row:
+            return experts_forward(tokens, expert_ids, weights, **params)
+        if adapter_index is None:
+            raise ValueError("several LoRA adapters on the experts: the experts were called without each row's "
+                             "`adapter_index` (an EP implementation must pass the one it was given, with its rows).")
+        lora = {name: ExpertAdapterRows(factors.a, factors.b, adapter_index, factors.scales)
+                if isinstance(factors, ExpertAdapterRows) else factors for name, factors in params["lora"].items()}
+        return experts_forward(tokens, expert_ids, weights, **{**params, "lora": lora})
+    return bound
 
 
 def experts_mode(module_name: str, tp_plan: dict[str, str], ep_plan: dict[str, str]) -> str:
@@ -156,11 +185,9 @@ class ShardedExperts:
                              "need one layer's expert placement under 'placement' (`moe_jax.models.core."
                              "nested_weights` attaches it).")
         slots = jnp.asarray(placement.physical_to_logical)
-        take = lambda array: jnp.take(array, slots, axis=0)  # noqa: E731
-        gathered = {name: take(array) for name, array in params.items() if name != "lora"}
+        gathered = {name: jnp.take(array, slots, axis=0) for name, array in params.items() if name != "lora"}
         if params.get("lora"):
-            gathered["lora"] = {name: LoraFactors(take(factors.a), take(factors.b), factors.scaling)
-                                for name, factors in params["lora"].items()}
+            gathered["lora"] = {name: _physical_factors(factors, slots) for name, factors in params["lora"].items()}
         physical = choose_replica(placement, top_k_index, jnp.arange(top_k_index.shape[0], dtype=jnp.int32))
         real = jnp.ones(top_k_index.shape[:1], jnp.int32) if token_mask is None else token_mask
         rank_load = expert_load(physical // self.local_slots, real, self.layout.ep_size).astype(jnp.int32)
@@ -266,8 +293,8 @@ class ShardedExperts:
             if adapted:
                 joined = [_in_compute_dtype(_joined(array, packed_dim), hidden)
                           for array, packed_dim in zip(local_factors, packed_dims)]
-                local_params["lora"] = {
-                    name: ExpertAdapterRows(joined[2 * i], joined[2 * i + 1], local_rows, lora[name].scales)
+                local_params["lora"] = {   # an adapter set's index: each row's, set by `_bound_experts`
+                    name: ExpertAdapterRows(joined[2 * i], joined[2 * i + 1], None, lora[name].scales)
                     if isinstance(lora[name], ExpertAdapterRows) else
                     LoraFactors(joined[2 * i], joined[2 * i + 1], lora[name].scaling) for i, name in enumerate(adapted)}
             packing = self.intermediate_dims.get("gate_up_proj")
@@ -277,8 +304,9 @@ class ShardedExperts:
             elif self.mode == TENSOR_PARALLEL and packing == "packed_last":
                 view = local_params["gate_up_proj"]
                 local_params["gate_up_proj"] = view.reshape(*view.shape[:2], -1)
-            experts_forward = partial(self.experts_forward, **local_params)
-            output, statistics = self._run_on_device(experts_forward, hidden, index, weights, inference, capacity)
+            experts_forward = _bound_experts(self.experts_forward, local_params)
+            output, statistics = self._run_on_device(experts_forward, hidden, index, weights, inference, capacity,
+                                                     local_rows)
             # Counts are per device (TP ranks count disjoint slices), so the sum over the stage's devices is the
             # total (a pipeline stage's; the pipeline adds its stages' up where they are valid).
             return output.astype(hidden.dtype), statistics.over_devices(STAGE_MESH_AXES)
@@ -297,13 +325,27 @@ class ShardedExperts:
                                  *(() if rows is None else (rows,)))
         return output, statistics if rank_load is None else statistics.with_ep_rank_load(rank_load)
 
-    def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity):
+    @property
+    def carries_adapters(self) -> bool:
+        """Whether each token's adapter index reaches the rows its experts see (several adapters on the experts):
+        always without dispatch; in "ep" mode where the EP implementation takes `adapter_index`."""
+        return self.mode != EP_DISPATCH or "adapter_index" in self.call_keywords
+
+    def _run_on_device(self, experts_forward, hidden, index, weights, inference, capacity, adapter_index):
+        """adapter_index: [N] each token's adapter where several adapters adapt the experts, else None."""
         if self.mode == EP_DISPATCH:
+            if adapter_index is not None and not self.carries_adapters:
+                raise ValueError(f"several LoRA adapters on the experts: EP implementation "
+                                 f"{type(self.implementation).__name__} takes no `adapter_index`, so each token's "
+                                 "adapter cannot follow it to its experts (all_to_all and all_reduce carry it).")
             implementation = self.implementation
-            arguments = {"experts_forward": experts_forward, "capacity": capacity, "inference": inference}
+            arguments = {"experts_forward": experts_forward, "capacity": capacity, "inference": inference,
+                         "adapter_index": adapter_index}
             if "experts_forward" not in self.call_keywords:
                 implementation = self._reference_style_call(experts_forward, capacity)
-            result = implementation(hidden, index, weights, **{name: arguments[name] for name in self.call_keywords})
+            # adapter_index only where a batch mixes adapters: an implementation taking **kwargs sees no new keyword
+            keywords = self.call_keywords - ({"adapter_index"} if adapter_index is None else set())
+            result = implementation(hidden, index, weights, **{name: arguments[name] for name in keywords})
             output, statistics = result if isinstance(result, tuple) else (result, DispatchStatistics.zeros())
             # Implementations can be user classes (EPImplementationInterface): check the contract when traced.
             contract = (f"EP implementation {type(implementation).__name__} must return this device's tokens' "
@@ -311,7 +353,7 @@ class ShardedExperts:
             chex.assert_shape(output, hidden.shape, custom_message=contract)
             chex.assert_type(output, hidden.dtype, custom_message=contract)
             return output, statistics
-        output = experts_forward(hidden, index.astype(jnp.int32), weights)
+        output = experts_forward(hidden, index.astype(jnp.int32), weights, adapter_index=adapter_index)
         if self.mode == TENSOR_PARALLEL:
             output = jax.lax.psum(output, self.layout.tp_axes)
         return output, DispatchStatistics.zeros()

@@ -14,13 +14,17 @@ Adapter 0 is all zeros (the base); a smaller rank is zero-padded and a weight an
 zero factors, so each token's update is exactly its adapter's (`moe_jax.ops.lora.per_token_low_rank`); the
 scalings stay per adapter. Without an `ADAPTER_INDEX` entry every token runs as the base.
 
-The fused expert weights' factors ([L, K + 1, E, r, I]) reach the experts with each token's index, which follows
-the tokens through the sort by expert (`moe_jax.ops.lora.ExpertAdapterRows`: the adapters' ranks side by side,
-all but the row's zeroed between the two grouped matmuls).
+The fused expert weights' factors ([L, K + 1, E, r, I], split over ep by whole experts as their weights are) reach
+the experts with each token's index, which follows the token: through the dispatch over ep (the EP
+implementation's `adapter_index`: all_to_all sends it with the token, all_reduce's ranks each hold the batch), to
+a redundant expert slot (which takes its logical expert's factors), and through the sort by expert
+(`moe_jax.ops.lora.ExpertAdapterRows`: the adapters' ranks side by side, all but the row's zeroed between the two
+grouped matmuls). So ep, tp, fsdp and redundant expert slots all serve them.
 
-Limits, each refused by name: adapters of the experts only where tokens are not dispatched over ep (ep = 1; tp
-may split the experts) and without redundant expert slots (here), and on SwiGLU experts (gpt-oss's and FP8-scaled
-ones refuse the factors when a step is traced). No pipeline stages. An adapter set is served, not trained, saved or merged.
+Limits, each refused by name: adapters of the experts only on SwiGLU experts (gpt-oss's and FP8-scaled ones refuse
+the factors when a step is traced) and, where tokens are dispatched over ep, only with an EP implementation that
+carries the index (one whose `__call__` takes no `adapter_index` is refused here). No pipeline stages. An adapter
+set is served, not trained, saved or merged.
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ from .layout import AdapterLayout, Attachment, _with_factors
 from .peft_files import read_adapter_config, read_adapter_tensors
 
 
+def _check_experts_carry_adapters(model, layouts: Mapping[str, AdapterLayout]) -> None:
+    """ValueError naming an adapter of the fused expert weights where an experts module cannot bring each token's
+    adapter index to its experts (an EP implementation that takes no `adapter_index`)."""
+    refusing = next((module for module in getattr(model, "sharded_experts", {}).values()
+                     if not module.carries_adapters), None)
+    for name, layout in layouts.items():
+        experts = [target.parameter for target in layout.targets if target.experts is not None]
+        if experts and refusing is not None:
+            raise ValueError(f"adapter {name!r} adapts the fused expert weights ({experts[0]}, ...): several adapters "
+                             f"at once there need an EP implementation that carries each token's adapter index "
+                             f"(`adapter_index`; all_to_all and all_reduce do), not "
+                             f"{type(refusing.implementation).__name__}; serve it alone (--adapter) or merge it "
+                             "(--merge-adapter).")
+
 
 class AdapterSet:
     """The layout of several adapters on one built model (`core.adapter` of a model holding them): the union of
@@ -49,13 +67,7 @@ class AdapterSet:
             raise ValueError("an adapter set needs at least one adapter.")
         if model.layer_stack.pipeline is not None:
             raise ValueError("several adapters at once: not with pipeline stages (pp_size > 1).")
-        for name, layout in layouts.items():
-            experts = [target.parameter for target in layout.targets if target.experts is not None]
-            if experts and (model.core.dispatches or model.num_redundant_experts):
-                raise ValueError(f"adapter {name!r} adapts the fused expert weights ({experts[0]}, ...): several "
-                                 "adapters at once adapt experts only where tokens are not dispatched over ep and "
-                                 "there are no redundant expert slots; serve it alone (--adapter) or merge it "
-                                 "(--merge-adapter).")
+        _check_experts_carry_adapters(model, layouts)
         self.names = tuple(layouts)
         self.layouts = dict(layouts)
         self.scales = (0.0,) + tuple(layout.scaling for layout in layouts.values())

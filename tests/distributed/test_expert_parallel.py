@@ -442,3 +442,58 @@ def test_efsdp_sharded_expert_weights_give_single_device_results(layout_sizes):
     np.testing.assert_allclose(output, expected_out, rtol=2e-5, atol=2e-5)
     for name in params:
         np.testing.assert_allclose(grads[2][name], expected_grads[2][name], rtol=2e-5, atol=2e-5)
+
+
+def adapter_tagging_experts(hidden, expert_ids, weights, *, gate_up_proj, down_proj, lora):
+    """Experts whose output for a row is its adapter index (the `ExpertAdapterRows` index the row reached them
+    with) times its routing weight, on every hidden feature: [N, H]; a tp rank returns its share of the
+    intermediate dim (tp mode sums them)."""
+    mine = expert_ids < gate_up_proj.shape[0]
+    share = down_proj.shape[2] / INTERMEDIATE
+    tag = lora["down_proj"].index.astype(hidden.dtype) * jnp.sum(jnp.where(mine, weights, 0.0), axis=1) * share
+    return jnp.broadcast_to(tag[:, None], hidden.shape)
+
+
+# (layout, implementation, redundant slots): local, tp, all_to_all alone over ep and beside tp, all_reduce, and
+# redundant slots under a placement that moves every expert.
+ADAPTER_INDEX_CASES = [((1, 8, 1, 1), None, 0), ((2, 4, 1, 1), None, 0), ((1, 8, 8, 1), "all_to_all", 0),
+                       ((2, 4, 4, 1), "all_to_all", 0), ((2, 4, 2, 1), "all_reduce", 0),
+                       ((1, 8, 8, 1), "all_to_all", 8)]
+
+
+@pytest.mark.parametrize("layout_sizes, implementation, redundant", ADAPTER_INDEX_CASES)
+def test_each_token_s_adapter_index_reaches_the_rows_its_experts_see(layout_sizes, implementation, redundant):
+    """Several adapters on the experts (`AdapterRows` of a [K, E, r, I] factor): whatever way tokens reach their
+    experts, each (token, choice) row carries its token's adapter index: out[t] = index[t] * sum_k weights[t, k]."""
+    from moe_jax.distributed.eplb import placement_from_slots
+    from moe_jax.ops.lora import AdapterRows
+
+    rows, rank, adapters = 32, 2, 3
+    hidden, index, weights, params, _ = make_inputs(rows, "random")
+    adapter_index = np.random.default_rng(1).integers(0, adapters, rows).astype(np.int32)
+    a = np.zeros((adapters, EXPERTS, rank, INTERMEDIATE), np.float32)
+    b = np.zeros((adapters, EXPERTS, HIDDEN, rank), np.float32)
+    params = {**params, "lora": {"down_proj": AdapterRows(a, b, adapter_index, (0.0, 1.0, 2.0))}}
+    if redundant:
+        slots = np.random.default_rng(2).permutation(np.arange(EXPERTS + redundant) % EXPERTS)
+        params["placement"] = placement_from_slots(slots[None], EXPERTS).layer(0)
+    _, run = sharded_runner(layout_sizes, implementation, inference=True, capacity=float(layout_sizes[2]),
+                            experts_forward=adapter_tagging_experts, num_redundant_experts=redundant)
+    output, _ = jax.jit(run)(hidden, index, weights, params)
+    expected = adapter_index * weights.sum(axis=1)
+    np.testing.assert_allclose(output, np.broadcast_to(expected[:, None], output.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_an_implementation_without_adapter_index_is_refused_for_several_adapters_on_the_experts():
+    from moe_jax.ops.lora import AdapterRows
+
+    EPImplementationInterface.register("masking_untagged", MaskingEP)
+    try:
+        _, run = sharded_runner((1, 8, 8, 1), "masking_untagged", experts_forward=adapter_tagging_experts)
+        hidden, index, weights, params, _ = make_inputs(16, "random")
+        factors = AdapterRows(np.zeros((2, EXPERTS, 1, INTERMEDIATE), np.float32),
+                              np.zeros((2, EXPERTS, HIDDEN, 1), np.float32), np.zeros(16, np.int32), (0.0, 1.0))
+        with pytest.raises(ValueError, match="EP implementation MaskingEP takes no `adapter_index`"):
+            jax.eval_shape(run, hidden, index, weights, {**params, "lora": {"down_proj": factors}})
+    finally:
+        del EPImplementationInterface._global_mapping["masking_untagged"]

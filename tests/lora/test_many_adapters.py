@@ -1,16 +1,20 @@
 """Several LoRA adapters in one engine (`model.load_adapters`): requests naming different adapters, and none,
 share steps, and each request's greedy tokens are those of its adapter served alone; adapters of other ranks and
-targets (the fused experts' included) stack; what the set cannot serve is refused by name."""
+targets (the fused experts' included, on every layout: tokens dispatched over ep with their adapter index, and
+redundant expert slots) stack; what the set cannot serve is refused by name."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import AutoModelForCausalLM
+from moe_jax import AutoModelForCausalLM, EPImplementation, EPImplementationInterface
 from moe_jax.distributed.config import DistributedConfig
+from moe_jax.distributed.eplb import placement_from_slots
 from moe_jax.lora import LoraConfig
+from moe_jax.ops.lora import ADAPTER_INDEX
 
 from ..heavy import representative
 from ..inference.hf_generation import MODELS
@@ -18,15 +22,20 @@ from ..inference.test_manager import collect, with_handlers
 
 FLAGS = dict(max_slots=4, page_size=4, max_model_len=64, prefill_chunk=4)
 NEW_TOKENS = 5
+# Both adapt the experts (wide: both fused weights, narrow: one) beside attention, at other ranks and scalings.
 ADAPTERS = {"wide": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
-            "narrow": LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj", "v_proj", "q_proj"], use_rslora=True)}
+            "narrow": LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj", "v_proj", "q_proj"], use_rslora=True,
+                                 target_parameters=["mlp.experts.down_proj"])}
 
 
 # (distributed config, devices, scan_layers): layers one by one, a scanned run (the index broadcast over its
-# layers), and tensor / fully sharded parallel (the factors split with their weights, the experts' over tp).
+# layers), tensor / fully sharded parallel (the factors split with their weights, the experts' over tp), and expert
+# parallel (each token's adapter index dispatched with it: all_to_all, and all_reduce where ep = tp).
 LAYOUTS = {"one-device": (None, 1, False), "scanned": (None, 1, True),
-           "tp2-fsdp2": (DistributedConfig(tp_size=2, fsdp_size=2), 4, True)}
+           "tp2-fsdp2": (DistributedConfig(tp_size=2, fsdp_size=2), 4, True),
+           "fsdp2-ep2": (DistributedConfig(fsdp_size=2, ep_size=2), 2, True),
+           "tp2-ep2": (DistributedConfig(tp_size=2, ep_size=2), 2, True)}
 
 
 def load(layout: str = "one-device"):
@@ -84,6 +93,88 @@ def test_mixed_adapters_in_one_engine_equal_each_adapter_alone(adapter_dirs, lay
     assert len({tuple(mixed[0]), tuple(mixed[4]), tuple(mixed[8])}) == 3
 
 
+# (distributed config, redundant expert slots): tokens dispatched by all_to_all (alone over ep, and beside tp),
+# by all_reduce (ep = tp: every rank sees the batch), and redundant slots under a placement that moves every expert.
+EP_LAYOUTS = {"fsdp8-ep8": (dict(fsdp_size=8, ep_size=8), 0),
+              "tp2-fsdp4-ep2-all_reduce": (dict(tp_size=2, fsdp_size=4, ep_size=2, ep_implementation="all_reduce"),
+                                           0),
+              "tp2-fsdp4-ep4": (dict(tp_size=2, fsdp_size=4, ep_size=4), 0),
+              "fsdp8-ep8-redundant8": (dict(fsdp_size=8, ep_size=8), 8)}
+
+
+def shuffled_placement(model, seed: int = 0):
+    """Each sparse layer's E + R slots holding the experts in a random order (not the identity placement's)."""
+    experts, rng = model.config.num_experts, np.random.default_rng(seed)
+    slots = np.arange(experts + model.num_redundant_experts) % experts
+    return placement_from_slots(np.stack([rng.permutation(slots) for _ in range(model.num_sparse_layers)]), experts)
+
+
+@pytest.mark.parametrize("layout", representative(EP_LAYOUTS, ["fsdp8-ep8", "tp2-fsdp4-ep2-all_reduce",
+                                                               "fsdp8-ep8-redundant8"]))
+def test_expert_adapters_over_ep_give_each_row_its_adapter_s_logits(adapter_dirs, layout):
+    """Rows of the base, wide and narrow in one batch: each row's logits are those of its adapter loaded alone."""
+    config, redundant = EP_LAYOUTS[layout]
+    model = AutoModelForCausalLM.from_pretrained(MODELS / "qwen3_moe", DistributedConfig(**config), progress=False,
+                                                 num_redundant_experts=redundant)
+    placement = model.set_expert_placement(shuffled_placement(model)) if redundant else None
+    ids = np.random.default_rng(3).integers(3, 100, (8, 6)).astype(np.int32)
+    index = np.repeat(np.arange(8)[:, None] % 3, ids.shape[1], axis=1).astype(np.int32)   # rows: base, wide, narrow
+
+    def logits(adapter=None):
+        return np.asarray(model.apply(model.params, ids, adapter=adapter, expert_placement=placement).logits)
+
+    alone = [logits()]
+    for name in ("wide", "narrow"):
+        model.load_adapter(adapter_dirs[name])
+        alone.append(logits(model.adapter))
+        model.delete_adapter()
+    model.load_adapters(adapter_dirs)
+    factor = model.adapter[next(name for name in model.adapter if "experts.gate_up_proj.lora_A" in name)]
+    assert factor.addressable_shards[0].data.shape[1] == model.config.num_experts // config["ep_size"]  # not gathered
+    mixed = logits({**model.adapter, ADAPTER_INDEX: index})
+    for row in range(ids.shape[0]):
+        np.testing.assert_allclose(mixed[row], alone[row % 3][row], atol=1e-5, rtol=0, err_msg=f"row {row}")
+    assert min(np.abs(alone[i] - alone[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.1   # adapters matter
+
+
+def test_mixed_expert_adapters_over_ep_serve_each_request_its_adapter_s_tokens(adapter_dirs):
+    """fsdp2/ep2 (all_to_all) serving the base, wide and narrow at once: each request's greedy tokens are those of
+    its adapter merged into the weights, served alone (one engine, its weights swapped between adapters; the
+    heavy grid above serves each adapter unmerged in an engine of its own)."""
+    model = load("fsdp2-ep2")
+    names = [None, "wide", "narrow"]
+    requests = [(prompt, names[i % 3]) for i, prompt in enumerate(prompts()[:6])]
+    weights = {None: model.params}
+    for name in ("wide", "narrow"):
+        model.load_adapter(adapter_dirs[name])
+        weights[name] = model.merged_params()
+        model.delete_adapter()
+    alone = {}
+    with model.init_continuous_batching(**FLAGS) as manager:
+        add = with_handlers(manager)
+        for name, params in weights.items():
+            manager.update_parameters(params)   # swapped in before the requests added next take a step
+            ids = [add(prompt, max_new_tokens=NEW_TOKENS) for prompt, adapter in requests if adapter == name]
+            outputs = collect(manager, ids, timeout=600)
+            alone[name] = [outputs[request_id][-1].generated_tokens for request_id in ids]
+    model.load_adapters(adapter_dirs)
+    mixed = served(model, requests)
+    assert mixed == [alone[name].pop(0) for _, name in requests]
+    assert len({tuple(mixed[0]), tuple(mixed[1]), tuple(mixed[2])}) == 3
+
+
+class UntaggedEP(EPImplementation):
+    """Gathers the group's rows and runs its own experts on them: it takes no `adapter_index`."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, *, experts_forward):
+        axes, local = self.groups.ep_axes, self.num_local_experts
+        rows, index, weights = (jax.lax.all_gather(a, axes, tiled=True)
+                                for a in (hidden_states, top_k_index, top_k_weights))
+        mine = index // local == self.ep_rank()
+        out = experts_forward(rows, jnp.where(mine, index % local, local), jnp.where(mine, weights, 0.0))
+        return jax.lax.psum_scatter(out, axes, tiled=True)
+
+
 def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path):
     model = load()
     model.load_adapters({"wide": adapter_dirs["wide"]})
@@ -92,11 +183,16 @@ def test_unknown_adapter_and_expert_adapters_are_refused(adapter_dirs, tmp_path)
         manager.add_request([5, 6, 7], adapter="other")
     with pytest.raises(ValueError, match="several adapters"):
         model.merge_adapter()
-    dispatched = AutoModelForCausalLM.from_pretrained(MODELS / "qwen3_moe", DistributedConfig(ep_size=2, fsdp_size=2),
-                                                      devices=jax.devices()[:2], progress=False)
-    with pytest.raises(ValueError, match="adapter 'wide' adapts the fused expert weights .* dispatched over ep"):
-        dispatched.load_adapters({"narrow": adapter_dirs["narrow"], "wide": adapter_dirs["wide"]})
-    dispatched.load_adapters({"narrow": adapter_dirs["narrow"]})   # dense targets: any layout
+    EPImplementationInterface.register("untagged_example", UntaggedEP)
+    try:
+        untagged = AutoModelForCausalLM.from_pretrained(
+            MODELS / "qwen3_moe", DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="untagged_example"),
+            devices=jax.devices()[:2], progress=False)
+        with pytest.raises(ValueError, match="adapter 'wide' adapts the fused expert weights .* not UntaggedEP"):
+            untagged.load_adapters({"wide": adapter_dirs["wide"]})
+        untagged.load_adapter(adapter_dirs["wide"])   # one adapter needs no index: any EP implementation serves it
+    finally:
+        del EPImplementationInterface._global_mapping["untagged_example"]
 
 
 # heavy: ngram drafts and mixed adapters each have their suite test
