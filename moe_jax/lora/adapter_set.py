@@ -21,10 +21,10 @@ a redundant expert slot (which takes its logical expert's factors), and through 
 (`moe_jax.ops.lora.ExpertAdapterRows`: the adapters' ranks side by side, all but the row's zeroed between the two
 grouped matmuls). So ep, tp, fsdp and redundant expert slots all serve them.
 
-Limits, each refused by name: adapters of the experts only on SwiGLU experts (gpt-oss's and FP8-scaled ones refuse
-the factors when a step is traced) and, where tokens are dispatched over ep, only with an EP implementation that
-carries the index (one whose `__call__` takes no `adapter_index` is refused here). No pipeline stages. An adapter
-set is served, not trained, saved or merged.
+Every family's experts take them (SwiGLU, gpt-oss's biased clamped ones, Llama 4's [E, in, out] ones, FP8 weights
+kept quantised). Limits, each refused by name: where tokens are dispatched over ep, only with an EP implementation
+that carries the index (one whose `__call__` takes no `adapter_index` is refused here). No pipeline stages. An
+adapter set is served, not trained, saved or merged.
 """
 
 from __future__ import annotations

@@ -73,11 +73,19 @@ def _varying_like(lora: ExpertsLora | None, like: jax.Array) -> dict:
                                 for name, factors in lora.items()}
 
 
-def _one_adapter(lora: dict, what: str) -> None:
-    """ValueError where several adapters' factors (`ExpertAdapterRows`) reach experts that take one adapter's."""
-    if any(isinstance(factors, ExpertAdapterRows) for factors in lora.values()):
-        raise ValueError(f"several LoRA adapters at once on {what}: not supported (SwiGLU experts only); serve an "
-                         "adapter of the experts alone (load_adapter).")
+def _sorted_adapter_rows(lora: dict, order: jax.Array, top_k: int) -> dict:
+    """Several adapters' factors (`ExpertAdapterRows`) with each sorted row's adapter (order: `sort_by_expert`'s)."""
+    return {name: factors.sorted_rows(order, top_k) if isinstance(factors, ExpertAdapterRows) else factors
+            for name, factors in lora.items()}
+
+
+def _oriented(factors: LoraFactors | ExpertAdapterRows) -> LoraFactors | ExpertAdapterRows:
+    """Factors of an [E, in, out] weight in the [E, out, in] chain's orientation: swapaxes(W + s B A) =
+    swapaxes(W) + s swapaxes(A) swapaxes(B) (several adapters' ranks stay side by side)."""
+    a, b = jnp.swapaxes(factors.b, 1, 2), jnp.swapaxes(factors.a, 1, 2)
+    if isinstance(factors, ExpertAdapterRows):
+        return ExpertAdapterRows(a, b, factors.index, factors.scales)
+    return LoraFactors(a, b, factors.scaling)
 
 
 def _varying_together(*operands):
@@ -136,8 +144,7 @@ def swiglu_experts(
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
     if lora:   # several adapters: each sorted row takes its token's
-        lora = {name: factors.sorted_rows(order, top_k) if isinstance(factors, ExpertAdapterRows) else factors
-                for name, factors in lora.items()}
+        lora = _sorted_adapter_rows(lora, order, top_k)
     y_sorted = grouped_swiglu(x_sorted, gate_up_proj, down_proj, group_sizes, act=act, backend=backend,
                               lora=lora)  # [M, H]
 
@@ -260,10 +267,10 @@ def biased_clamped_swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
     lora = _varying_like(lora, hidden)
-    _one_adapter(lora, "gpt-oss's experts")
 
     order, group_sizes = sort_by_expert(expert_ids, num_experts)
     x_sorted = gather_rows(hidden, order, top_k)  # [M, H]
+    lora = _sorted_adapter_rows(lora, order, top_k)   # several adapters: each sorted row takes its token's
     # Expert of each sorted row; E for the sentinel rows past sum(group_sizes), which get no bias.
     row_expert = count_at_most(jnp.cumsum(group_sizes), jnp.arange(x_sorted.shape[0], dtype=jnp.int32))
     gate_up = adapted_grouped_matmul(x_sorted, gate_up_proj, group_sizes, lora.get("gate_up_proj"), backend=backend)
@@ -314,7 +321,6 @@ def prescaled_swiglu_experts(
     hidden, expert_ids, weights, gate_up_proj, down_proj = _varying_together(
         hidden, expert_ids, weights, gate_up_proj, down_proj)
     lora = _varying_like(lora, hidden)
-    _one_adapter(lora, "these experts")
 
     mine = expert_ids < num_experts
     weights = jnp.where(mine, weights, jnp.zeros_like(weights))
@@ -322,9 +328,7 @@ def prescaled_swiglu_experts(
     x_sorted = gather_rows(hidden, order, top_k)                                        # [M, H]
     row_weights = jnp.take(weights.reshape(-1), order)[:, None]                          # [M, 1]
     x_sorted = (x_sorted * row_weights).astype(hidden.dtype)
-    # swapaxes(W + s B A) = swapaxes(W) + s swapaxes(A) swapaxes(B): the factors in the chain's orientation.
-    oriented = {name: LoraFactors(jnp.swapaxes(factors.b, 1, 2), jnp.swapaxes(factors.a, 1, 2), factors.scaling)
-                for name, factors in lora.items()}
+    oriented = _sorted_adapter_rows({name: _oriented(factors) for name, factors in lora.items()}, order, top_k)
     y_sorted = grouped_swiglu(x_sorted, jnp.swapaxes(gate_up_proj, 1, 2), jnp.swapaxes(down_proj, 1, 2),
                               group_sizes, act=act, backend=backend, lora=oriented)
     return unpermute(y_sorted, order, mine.astype(y_sorted.dtype)).astype(hidden.dtype)

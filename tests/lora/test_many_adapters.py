@@ -206,3 +206,51 @@ def test_mixed_adapters_with_ngram_drafts_equal_plain_decoding(adapter_dirs):
     model.load_adapters(adapter_dirs)
     drafting = dict(speculative="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=2)
     assert served(model, requests, **drafting) == served(model, requests)
+
+
+# Families whose experts differ from Qwen3-MoE's SwiGLU: gpt-oss (biased, clamped, [E, in, out] read transposed),
+# Llama 4 ([E, in, out] read as [E, out, in]: the rows meet B first) and DeepSeek-V3 with its FP8 weights kept.
+OTHER_EXPERTS = {"gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                 "llama4_text": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+                 "deepseek_v3_kept_fp8": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+def other_family(name: str, tmp_path):
+    if name != "deepseek_v3_kept_fp8":
+        return AutoModelForCausalLM.from_pretrained(MODELS / name, devices=jax.devices()[:1], progress=False)
+    from tests.converters.fp8_checkpoints import write_fp8_checkpoint
+
+    directory = tmp_path / "deepseek_v3_fp8"
+    write_fp8_checkpoint(MODELS / "deepseek_v3", directory, (8, 8))
+    return AutoModelForCausalLM.from_pretrained(directory, devices=jax.devices()[:1], progress=False,
+                                                dequantize=False)
+
+
+@pytest.mark.parametrize("family", representative(OTHER_EXPERTS, ["gpt_oss"]))
+def test_several_adapters_on_other_families_experts_give_each_row_its_adapter_s_logits(family, tmp_path):
+    model = other_family(family, tmp_path)
+    rng = np.random.default_rng(0)
+    dirs = {}
+    for name, (rank, down_only) in {"wide": (4, False), "narrow": (2, True)}.items():
+        experts = OTHER_EXPERTS[family][1:] if down_only else OTHER_EXPERTS[family]
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["o_proj"],
+                                     target_parameters=experts))
+        model.set_adapter_params({key: 0.5 * rng.standard_normal(array.shape) for key, array in model.adapter.items()})
+        dirs[name] = model.save_adapter(tmp_path / name)
+        model.delete_adapter()
+    ids = rng.integers(3, 60, (6, 6)).astype(np.int32)
+    index = np.repeat(np.arange(6)[:, None] % 3, ids.shape[1], axis=1).astype(np.int32)   # base, wide, narrow
+
+    def logits(adapter=None):
+        return np.asarray(model.apply(model.params, ids, adapter=adapter).logits)
+
+    alone = [logits()]
+    for name in ("wide", "narrow"):
+        model.load_adapter(dirs[name])
+        alone.append(logits(model.adapter))
+        model.delete_adapter()
+    model.load_adapters(dirs)
+    mixed = logits({**model.adapter, ADAPTER_INDEX: index})
+    for row in range(ids.shape[0]):
+        np.testing.assert_allclose(mixed[row], alone[row % 3][row], atol=1e-5, rtol=0, err_msg=f"row {row}")
+    assert min(np.abs(alone[i] - alone[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.05   # adapters matter
