@@ -73,7 +73,8 @@ def served(model, requests, **engine) -> list[list[int]]:
     return [outputs[request_id][-1].generated_tokens for request_id in ids]
 
 
-@pytest.mark.parametrize("layout", representative(LAYOUTS, ["scanned"]))
+# Heavy: the suite's engine mixing runs on fsdp2/ep2 below (scanned, expert adapters over ep).
+@pytest.mark.parametrize("layout", representative(LAYOUTS, []))
 def test_mixed_adapters_in_one_engine_equal_each_adapter_alone(adapter_dirs, layout):
     names = [None, "wide", "narrow"]
     requests = [(prompt, names[i % 3]) for i, prompt in enumerate(prompts())]

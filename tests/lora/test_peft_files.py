@@ -14,6 +14,7 @@ from moe_jax import DistributedConfig
 from moe_jax.distributed.mesh import DeviceLayout
 from moe_jax.lora.peft_files import WEIGHTS_FILE, peft_key
 
+from ..heavy import representative
 from ..models.hf_reference import LOGITS_ATOL
 
 pytestmark = [pytest.mark.reference, pytest.mark.peft]
@@ -46,7 +47,9 @@ def peft_adapter(tmp_path_factory):
     return state, directory, ids, peft_logits(model, ids), TINY_CONFIGS["qwen3_moe"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+# The suite runs one device and the two EP layouts; --heavy adds pipeline stages.
+@pytest.mark.parametrize("layout", representative(LAYOUTS, suite=("single", "tp2-fsdp2-ep4", "fsdp8-ep8"),
+                                                  ids=[layout_id(layout) for layout in LAYOUTS]))
 def test_a_peft_adapter_gives_peft_s_logits(peft_adapter, layout):
     state, directory, ids, expected, config = peft_adapter
     model = build("qwen3_moe", config, layout, state)

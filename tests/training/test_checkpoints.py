@@ -31,6 +31,7 @@ def run(train_step, state, until_step, checkpoints=None, capacity_state=None):
     return state, capacity_state, records
 
 
+@pytest.mark.heavy   # scripts/checks/check_training_layouts.py resumes across layouts too
 def test_a_state_saved_on_one_layout_resumes_on_another_with_the_same_next_losses(trainers, tmp_path):
     _, saving_step = trainers("tp2_fsdp4_ep4")
     checkpoints = TrainCheckpoints(tmp_path / "ckpt", saving_step.model, saving_step, save_every=3, keep=2)
