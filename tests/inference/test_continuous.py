@@ -65,7 +65,7 @@ ATTENTION_KIND_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text")
 
 # The suite runs gpt-oss (sinks and sliding windows of 4-5 crossing pages of 4); DeepSeek's latent pages are in
 # the 8-device test below.
-@pytest.mark.parametrize("model_type", representative(ATTENTION_KIND_FAMILIES, suite=("gpt_oss",)))
+@pytest.mark.parametrize("model_type", representative(ATTENTION_KIND_FAMILIES, suite=()))
 def test_greedy_tokens_equal_transformers_when_requests_arrive_at_different_times(model_type):
     """2 slots for 3 requests (the third waits for a free slot), prompts prefilled in chunks of 3 across steps,
     pages of 4 tokens (sliding windows of 4-5 and Llama 4's chunks of 4 cross page boundaries)."""

@@ -36,6 +36,7 @@ def assert_replayable(model, output) -> None:
     assert (routing[:, -1] == -1).all()
 
 
+@pytest.mark.heavy   # the suite's routing records: generate's and the ep layout's below
 def test_generate_batch_records_every_read_token_through_chunks_and_mixed_steps(model):
     prompts, _, _ = fixture_prompts("qwen3_moe")   # 7, 4 and 2 tokens: chunks of 3; the third waits for a slot
     outputs = model.generate_batch(prompts, continuous_batching_config=CONFIG, max_new_tokens=5,
@@ -70,6 +71,7 @@ def test_only_recording_requests_get_routing_and_they_bypass_the_prefix_cache(mo
     assert not any(name.endswith("+routing") for name, _, _ in plain.compiled_shapes)   # nothing to pay for
 
 
+@pytest.mark.heavy
 def test_verification_steps_record_the_accepted_drafts_only(model):
     prompts, _, _ = fixture_prompts("qwen3_moe")
     config = ContinuousBatchingConfig(max_slots=2, page_size=4, max_model_len=64, prefill_chunk=4,

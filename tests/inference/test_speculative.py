@@ -162,6 +162,7 @@ def test_greedy_tokens_are_plain_decodings_with_ngram_speculation(layout):
     assert decode_steps["ngram"] <= decode_steps[None]
 
 
+@pytest.mark.heavy   # the suite keeps the rejection sampler's statistical tests
 def test_sampled_tokens_are_plain_samplings_with_ngram_speculation():
     """A seed draws the same tokens with and without speculation (each output index keyed alike), whatever else is
     batched: two requests of one seed, admitted a step apart (at a temperature low enough that the random model's
@@ -217,6 +218,7 @@ def mtp_model(tmp_path_factory):
     return model
 
 
+@pytest.mark.heavy   # the suite's MTP speculation: generate's, below
 def test_mtp_drafts_are_the_mtp_layers_predictions_and_greedy_tokens_are_plain_decodings(mtp_model):
     """Drafts are verified and the greedy tokens are plain decoding's; a request's last drafts are the straight-line
     MTP logits' argmax after its whole sequence (the MTP layer's paged keys and values, written over prefill and

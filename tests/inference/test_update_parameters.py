@@ -100,6 +100,7 @@ def test_the_generator_takes_new_parameters_without_recompiling(model):
                                                        params=jax.device_put(new, model.storage_shardings())))
 
 
+@pytest.mark.heavy   # the suite's parameter update: the base weights' test above
 def test_an_adapters_arrays_are_replaced_alone():
     lora = load("qwen3_moe")
     lora.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))

@@ -103,6 +103,7 @@ def test_tensor_parallel_experts_are_refused_with_the_way_out(hub_checkpoint):
         load(hub_checkpoint, dict(tp_size=2, fsdp_size=4), dequantize=False)
 
 
+@pytest.mark.heavy   # the suite's kept-FP8 experts take several adapters' factors (tests/lora/test_many_adapters.py)
 def test_a_lora_adapter_trains_on_the_frozen_fp8_base(hub_checkpoint):
     """QLoRA's way: the adapter on the latent attention's kept FP8 projections trains; the codes and scales stay
     bit-identical, and the trained adapter's logits equal the dequantised model's with the same adapter."""

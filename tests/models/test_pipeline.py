@@ -102,6 +102,7 @@ def test_gradients_through_stages_match_one_stage(one_stage, layout, options):
     chex.assert_trees_all_close(grads, expected_grads, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.heavy   # the suite's gradients through stages above; scripts/checks/check_pipeline_training.py
 def test_training_curve_through_stages_matches_one_stage(one_stage):
     """10 AdamW steps on pp2 x dp_replicate2 x fsdp2 with 2 microbatches per micro-batch (make_train_step's
     own count) follow the one-stage losses."""

@@ -67,7 +67,7 @@ ATTENTION_KIND_CASES = [
 
 
 @pytest.mark.parametrize("family, layout, options", representative(
-    ATTENTION_KIND_CASES, suite=("llama4_text",), ids=[case[0] for case in ATTENTION_KIND_CASES]))
+    ATTENTION_KIND_CASES, suite=(), ids=[case[0] for case in ATTENTION_KIND_CASES]))   # the suite: the CLI's below
 def test_packed_rows_through_stages_give_one_stage_s_loss_gradients_and_loads(family, layout, options):
     ids, segments = packed_batch()
     expected_loss, expected_terms, expected_grads = loss_and_grads(load(family), ids, segments)

@@ -22,7 +22,7 @@ CASES = {
     "qwen3_moe_tp2_fsdp4_ep2": ("qwen3_moe", TINY_QWEN3_MOE, TP2_FSDP4_EP2),
     "deepseek_v3_fsdp8_ep8": ("deepseek_v3", TINY_DEEPSEEK_V3, FSDP8_EP8),
 }
-HEAVY = ("qwen3_moe_tp2_fsdp4_ep2", "deepseek_v3_fsdp8_ep8")
+HEAVY = ("qwen3_moe_tp2_fsdp4_ep2", "deepseek_v3_fsdp8_ep8", "qwen3_moe_fsdp8_ep8")   # the suite: all_reduce
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.heavy) if name in HEAVY else name

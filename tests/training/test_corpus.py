@@ -206,6 +206,7 @@ def test_bad_corpora_are_one_error_line_and_nothing_written(case, message, check
     assert not metrics.exists() and not states.exists()
 
 
+@pytest.mark.heavy   # scripts/checks/check_corpus_resume.py runs it on 1 and 2 processes
 def test_sigkill_then_resume_continues_on_exactly_the_next_packed_batch(checkpoint, tmp_path):
     """The corpus's batches are a function of the data position in the train state: a run killed mid-epoch and
     resumed gives the uninterrupted run's losses and learning rates (cosine schedule), step for step, across an
