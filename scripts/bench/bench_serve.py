@@ -60,7 +60,6 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import socket
 import statistics
 import subprocess
@@ -429,9 +428,6 @@ def main() -> int:
                         help="another checkout whose `moe-jax serve` runs beside ours, alternated with it each repeat "
                              "(its flags: --baseline-flags, or else --server-flags)")
     parser.add_argument("--skip-static", action="store_true", help="do not time static generate batches")
-    parser.add_argument("--copy-steps", type=int, default=0,
-                        help="first train the checkpoint this many steps to copy spans it has seen (copy_model.py): "
-                             "code-edit answers then copy their file, as a code model's do (default 0: random)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -461,14 +457,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         build(workdir, args.size, args.max_model_len)
-        if args.copy_steps:
-            from copy_model import train as train_to_copy
-
-            accuracy = train_to_copy(workdir / "checkpoint", workdir / "copying", args.copy_steps, seq_len=256)
-            shutil.rmtree(workdir / "checkpoint")
-            (workdir / "copying").rename(workdir / "checkpoint")
-            print(f"# checkpoint trained {args.copy_steps} steps to copy: held-out copy accuracy {accuracy:.3f}",
-                  flush=True)
         print(f"# workload {args.workload}: {requests_count(first)} requests"
               + (f" in {len(first)} conversations of {args.turns} turns" if args.workload == "multi-turn" else "")
               + (f", a {args.system_tokens}-token system prompt" if args.workload == "shared-prefix" else "")
