@@ -52,9 +52,19 @@ if importlib.util.find_spec("jax") is not None:
     jax.config.update("jax_enable_x64", False)
     jax.config.update("jax_enable_compilation_cache", False)  # this process only; see the module docstring
 
-# The longest files first: pytest-xdist (--dist loadfile) hands out files in collection order, so a long
-# file collected last would keep one worker busy after the other has finished.
-LONGEST_FIRST = ("tests/multiprocess/", "tests/training/test_train_job.py")
+# The longest files first, longest of all first: pytest-xdist (--dist loadfile) hands out files in collection
+# order, so a long file collected last would keep one worker busy after the other has finished.
+LONGEST_FIRST = ("tests/multiprocess/", "tests/inference/test_continuous.py", "tests/test_docs.py",
+                 "tests/models/test_context_parallel.py", "tests/serving/test_server.py",
+                 "tests/lora/test_many_adapters.py", "tests/models/test_pipeline.py",
+                 "tests/serving/test_server_limits.py", "tests/distributed/test_redundant_experts.py",
+                 "tests/training/test_balance.py", "tests/inference/test_speculative.py",
+                 "tests/training/test_step.py", "tests/models/test_apply.py", "tests/training/test_train_job.py")
+
+
+def _schedule_rank(item) -> int:
+    return next((rank for rank, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                len(LONGEST_FIRST))
 
 
 def pytest_addoption(parser):
@@ -70,7 +80,7 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
+    items.sort(key=_schedule_rank)
     # `heavy` tests repeat what a representative case in the suite already checks (more families, layouts or
     # stage counts) at a cost CI's 15 minutes cannot carry; they are deselected, not skipped, and run before an
     # issue is resolved (scripts/run_heavy_tests.sh).
