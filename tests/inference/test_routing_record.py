@@ -45,6 +45,7 @@ def test_generate_batch_records_every_read_token_through_chunks_and_mixed_steps(
         assert_replayable(model, output)
 
 
+@pytest.mark.heavy
 def test_only_recording_requests_get_routing_and_they_bypass_the_prefix_cache(model):
     prompts, _, _ = fixture_prompts("qwen3_moe")
     engine = model.continuous_batching_engine(CONFIG)

@@ -110,7 +110,8 @@ def shuffled_placement(model, seed: int = 0):
     return placement_from_slots(np.stack([rng.permutation(slots) for _ in range(model.num_sparse_layers)]), experts)
 
 
-@pytest.mark.parametrize("layout", representative(EP_LAYOUTS, ["tp2-fsdp4-ep2-all_reduce", "fsdp8-ep8-redundant8"]))
+# The suite: all_to_all with redundant slots (all_reduce's rows: tests/distributed/test_expert_parallel.py).
+@pytest.mark.parametrize("layout", representative(EP_LAYOUTS, ["fsdp8-ep8-redundant8"]))
 def test_expert_adapters_over_ep_give_each_row_its_adapter_s_logits(adapter_dirs, layout):
     """Rows of the base, wide and narrow in one batch: each row's logits are those of its adapter loaded alone."""
     config, redundant = EP_LAYOUTS[layout]

@@ -56,6 +56,7 @@ def test_rows_not_compiled_are_not_known_to_fit_and_say_so(tmp_path):
     assert not any(" 0.00 " in line for line in lines)
 
 
+@pytest.mark.heavy
 def test_a_second_plan_reads_the_compiled_steps_from_the_cache(tmp_path):
     options = dict(devices=8, batch_size=16, seq_len=32, max_compiles=1, cache=CompileCache(tmp_path))
     first = plan_layouts(CHECKPOINT, **options)

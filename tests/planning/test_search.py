@@ -71,6 +71,7 @@ def test_bad_settings_name_themselves():
         _plan(nodes=3)
 
 
+@pytest.mark.heavy   # the suite's JSON rows: tests/test_cli.py's plan --auto
 def test_the_json_rows_carry_the_public_fields():
     document = _plan(max_compiles=2).as_json()
     assert set(document) >= {"layouts", "min_devices_to_fit"}

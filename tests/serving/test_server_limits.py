@@ -62,6 +62,7 @@ def stream_events(url: str, body: dict) -> list:
     return events
 
 
+@pytest.mark.heavy   # the suite keeps the queue timeout's 503 below
 def test_beyond_the_queue_bound_requests_get_429_with_retry_after(model_and_tokenizer, monkeypatch):
     """40 concurrent requests on 2 slots with 8 queued at most: the rest are refused at once, every accepted one
     completes with generate's greedy text."""
