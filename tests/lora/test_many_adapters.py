@@ -119,23 +119,29 @@ def test_expert_adapters_over_ep_give_each_row_its_adapter_s_logits(adapter_dirs
                                                  num_redundant_experts=redundant)
     placement = model.set_expert_placement(shuffled_placement(model)) if redundant else None
     ids = np.random.default_rng(3).integers(3, 100, (8, 6)).astype(np.int32)
-    index = np.repeat(np.arange(8)[:, None] % 3, ids.shape[1], axis=1).astype(np.int32)   # rows: base, wide, narrow
+    assert_each_row_takes_its_adapter(model, adapter_dirs, ids, placement, matters=0.1)
+    factor = model.adapter[next(name for name in model.adapter if "experts.gate_up_proj.lora_A" in name)]
+    assert factor.addressable_shards[0].data.shape[1] == model.config.num_experts // config["ep_size"]  # not gathered
+
+
+def assert_each_row_takes_its_adapter(model, dirs, ids, placement=None, *, matters: float):
+    """Rows of the base, wide and narrow (in turn) in one batch of the model holding both (`load_adapters`, left
+    loaded): each row's logits are those of its adapter loaded alone (1e-5), and the three differ by `matters`."""
+    index = np.repeat(np.arange(ids.shape[0])[:, None] % 3, ids.shape[1], axis=1).astype(np.int32)
 
     def logits(adapter=None):
         return np.asarray(model.apply(model.params, ids, adapter=adapter, expert_placement=placement).logits)
 
     alone = [logits()]
     for name in ("wide", "narrow"):
-        model.load_adapter(adapter_dirs[name])
+        model.load_adapter(dirs[name])
         alone.append(logits(model.adapter))
         model.delete_adapter()
-    model.load_adapters(adapter_dirs)
-    factor = model.adapter[next(name for name in model.adapter if "experts.gate_up_proj.lora_A" in name)]
-    assert factor.addressable_shards[0].data.shape[1] == model.config.num_experts // config["ep_size"]  # not gathered
+    model.load_adapters(dirs)
     mixed = logits({**model.adapter, ADAPTER_INDEX: index})
     for row in range(ids.shape[0]):
         np.testing.assert_allclose(mixed[row], alone[row % 3][row], atol=1e-5, rtol=0, err_msg=f"row {row}")
-    assert min(np.abs(alone[i] - alone[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.1   # adapters matter
+    assert min(np.abs(alone[i] - alone[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > matters
 
 
 def test_mixed_expert_adapters_over_ep_serve_each_request_its_adapter_s_tokens(adapter_dirs):
@@ -239,19 +245,4 @@ def test_several_adapters_on_other_families_experts_give_each_row_its_adapter_s_
         model.set_adapter_params({key: 0.5 * rng.standard_normal(array.shape) for key, array in model.adapter.items()})
         dirs[name] = model.save_adapter(tmp_path / name)
         model.delete_adapter()
-    ids = rng.integers(3, 60, (6, 6)).astype(np.int32)
-    index = np.repeat(np.arange(6)[:, None] % 3, ids.shape[1], axis=1).astype(np.int32)   # base, wide, narrow
-
-    def logits(adapter=None):
-        return np.asarray(model.apply(model.params, ids, adapter=adapter).logits)
-
-    alone = [logits()]
-    for name in ("wide", "narrow"):
-        model.load_adapter(dirs[name])
-        alone.append(logits(model.adapter))
-        model.delete_adapter()
-    model.load_adapters(dirs)
-    mixed = logits({**model.adapter, ADAPTER_INDEX: index})
-    for row in range(ids.shape[0]):
-        np.testing.assert_allclose(mixed[row], alone[row % 3][row], atol=1e-5, rtol=0, err_msg=f"row {row}")
-    assert min(np.abs(alone[i] - alone[j]).max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.05   # adapters matter
+    assert_each_row_takes_its_adapter(model, dirs, rng.integers(3, 60, (6, 6)).astype(np.int32), matters=0.05)
