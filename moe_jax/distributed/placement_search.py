@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .eplb import ExpertPlacement, balanced_placement, check_num_redundant_experts, placement_from_slots
+from .eplb import (
+    ExpertPlacement,
+    balanced_packing,
+    balanced_placement,
+    check_num_redundant_experts,
+    placement_from_slots,
+)
 
 PACKED_CANDIDATES = 24      # replica counts packed per layer (evenly spread over the levels where there are more)
 GOOD_ENOUGH = 1.02          # EPLB's busiest rank within 2% of the mean: no search
@@ -56,19 +62,6 @@ def replica_counts(load: np.ndarray, physical: int) -> list[np.ndarray]:
         keep = np.unique(np.linspace(0, len(candidates) - 1, PACKED_CANDIDATES).round().astype(int))
         candidates = [candidates[index] for index in keep]
     return candidates
-
-
-def greedy_packing(weight: np.ndarray, ranks: int) -> np.ndarray:
-    """weight [n] -> rank [n]: heaviest first onto the lightest rank with room, n / ranks items each."""
-    size = weight.shape[0] // ranks
-    totals, filled = np.zeros(ranks), np.zeros(ranks, np.int64)
-    rank = np.empty(weight.shape[0], np.int64)
-    for item in np.argsort(-weight, kind="stable"):
-        chosen = int(np.argmin(np.where(filled < size, totals, np.inf)))
-        rank[item] = chosen
-        totals[chosen] += weight[item]
-        filled[chosen] += 1
-    return rank
 
 
 def swapped_packing(weight: np.ndarray, rank: np.ndarray, ranks: int) -> np.ndarray:
@@ -106,7 +99,7 @@ def _packed(load: np.ndarray, count: np.ndarray, ranks: int, *, swaps: bool = Tr
     """(busiest rank, slot_to_expert [sum(count)]) of replica counts `count` [E] packed greedily, then swapped."""
     experts = np.repeat(np.arange(load.shape[0]), count)
     weight = load[experts] / count[experts]
-    rank = greedy_packing(weight, ranks)
+    rank = balanced_packing(weight, ranks) // (weight.shape[0] // ranks)   # EPLB's greedy packing, as ranks
     if swaps:
         rank = swapped_packing(weight, rank, ranks)
     return float(np.bincount(rank, weight, minlength=ranks).max()), _slots(experts, rank)
