@@ -8,6 +8,7 @@ compile-bound file) than the few repeats it saved them. Tests that count compila
 """
 
 import atexit
+import gc
 import importlib.util
 import os
 import shutil
@@ -51,6 +52,18 @@ if importlib.util.find_spec("jax") is not None:
 
     jax.config.update("jax_enable_x64", False)
     jax.config.update("jax_enable_compilation_cache", False)  # this process only; see the module docstring
+
+# Tracing builds and drops many small objects, so the cyclic collector runs often, and its full collections walk
+# every object the imports left (jax, flax, the tests' modules). Those are frozen after collection, and the youngest
+# generation is collected per 50,000 allocations instead of 700 (measured: tracing 20% faster, a compile-bound
+# file 5%).
+gc.set_threshold(50_000, 20, 1_000)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
 
 # The longest files first, longest of all first: pytest-xdist (--dist loadfile) hands out files in collection
 # order, so a long file collected last would keep one worker busy after the other has finished.

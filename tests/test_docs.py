@@ -1,13 +1,15 @@
 """The code blocks README.md and docs/*.md mark runnable run as written, on the committed tiny checkpoint.
 
-A block is runnable when the line before its ```python fence is `<!-- runnable -->`: it runs here as a script in a
-fresh process and an empty directory, on 8 virtual CPU devices, with the placeholder `path/to/checkpoint` read as
-the committed tiny Qwen3-MoE. `<!-- runnable: tests/PATH.py -->` says another test runs it (with inputs of its
+A block is runnable when the line before its ```python fence is `<!-- runnable -->`: it runs here as a script's
+`__main__` in an empty directory of its own, on 8 virtual CPU devices, with the placeholder `path/to/checkpoint`
+read as the committed tiny Qwen3-MoE. The blocks run one after another in one fresh process (a process each would
+import JAX and the library once per block). `<!-- runnable: tests/PATH.py -->` says another test runs it (with inputs of its
 own); that test must exist and name the document.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -49,19 +51,63 @@ def test_a_marker_names_the_block_that_follows():
         assert text.count("<!-- runnable") == len(BLOCK.findall(text)), document
 
 
+# Runs each block as `__main__` in its own empty directory, in order; writes {block id: None or the traceback}
+# after each block, so a block that ends the process still leaves the earlier blocks' results.
+DRIVER = """import gc, json, os, sys, traceback
+from moe_jax.host_devices import use_cpu_devices
+use_cpu_devices(8)
+blocks, results_path = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+results = {}
+for name, directory, code in blocks:
+    os.chdir(directory)
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()
+    gc.collect()
+    with open(results_path, "w") as out:
+        json.dump(results, out)
+"""
+
+
+def block_id(document: str, number: int) -> str:
+    return f"{document}-{number}"
+
+
+@pytest.fixture(scope="module")
+def block_runs(tmp_path_factory) -> tuple[dict[str, str | None], str]:
+    """Every runnable block without a runner of its own, run in one fresh process -> ({block id: None, or the
+    traceback it raised}, the process's stderr tail)."""
+    root = tmp_path_factory.mktemp("runnable_blocks")
+    blocks = []
+    for document, number, runner, code in BLOCKS:
+        if runner is None:
+            directory = root / block_id(document, number).replace("/", "_")
+            directory.mkdir()
+            blocks.append((block_id(document, number), str(directory),
+                           code.replace(CHECKPOINT_PLACEHOLDER, str(CHECKPOINT))))
+    (root / "blocks.json").write_text(json.dumps(blocks))
+    (root / "driver.py").write_text(DRIVER)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(root / "driver.py"), str(root / "blocks.json"),
+                             str(root / "results.json")], cwd=root, capture_output=True, text=True, timeout=1200,
+                            env=environment)
+    results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
+    return results, f"exit code {result.returncode}:\n{result.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize(("document", "number", "runner", "code"), BLOCKS,
-                         ids=[f"{document}-{number}" for document, number, *_ in BLOCKS])
-def test_runnable_block(document, number, runner, code, tmp_path):
+                         ids=[block_id(document, number) for document, number, *_ in BLOCKS])
+def test_runnable_block(document, number, runner, code, request):
     if runner is not None:
         runner_text = (ROOT / runner).read_text(encoding="utf-8")
         assert document in runner_text, f"{runner} does not read {document}"
         return
-    script = tmp_path / "example.py"
-    script.write_text(PRELUDE + code.replace(CHECKPOINT_PLACEHOLDER, str(CHECKPOINT)))
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600, env=environment)
-    assert result.returncode == 0, f"{document}, runnable block {number}:\n{result.stderr[-3000:]}"
+    results, process = request.getfixturevalue("block_runs")
+    name = block_id(document, number)
+    assert name in results, f"{name}: the blocks' process ended before this block ran ({process})"
+    assert results[name] is None, f"{document}, runnable block {number}:\n{results[name][-3000:]}"
 
 
 def test_pointers_to_a_guides_section_name_a_section_it_has():

@@ -213,6 +213,9 @@ def test_cancel_frees_the_slot_and_pages_at_once():
     assert not engine.has_work() and engine.cancel("c") is None
 
 
+# heavy: the suite's draws by value (test_sampled_tokens_are_draws_...) already fix each token to the request's
+# own seed and token index, whatever batch it shares
+@pytest.mark.heavy
 def test_a_request_samples_the_same_tokens_whatever_else_runs():
     """Draws come from the request's own seed and token index, not from the batch it shares."""
     engine = ServingEngine(load("olmoe"), SMALL)
@@ -295,15 +298,14 @@ def test_manager_streams_tokens_and_delivers_results():
     assert not manager.is_running()
 
 
-def test_generate_batch_equals_generate_for_each_prompt():
+def test_generate_batch_gives_each_prompt_transformers_tokens_in_order():
+    """(`generate` gives the same tokens: tests/inference/test_generate.py holds it to the same fixture.)"""
     model = load("gpt_oss")
     prompts, greedy, _ = fixture_prompts("gpt_oss")
     outputs = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
     assert list(outputs) == ["req_0", "req_1", "req_2"]
     for output, prompt, expected in zip(outputs.values(), prompts, greedy):
         assert output.prompt_ids == prompt and output.generated_tokens == list(expected)
-        alone = model.generate(np.asarray([prompt]), max_new_tokens=NEW_TOKENS)
-        assert list(alone[0, len(prompt):]) == output.generated_tokens
     assert model.generate_batch([]) == {}
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ..models.hf_reference import LOGITS_ATOL
+from ..heavy import representative
 from .test_peft_files import LAYOUTS, build, layout_id
 
 pytestmark = [pytest.mark.reference, pytest.mark.peft]
@@ -25,7 +26,10 @@ def peft_adapter(tmp_path_factory):
     return saved_peft_adapter("deepseek_v3", tmp_path_factory.mktemp("deepseek_adapter"), TARGETS)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+# The suite runs one device, tp2/fsdp2/ep4 and stages (fsdp8/ep8: tests/lora/test_peft_files.py); --heavy the
+# rest.
+@pytest.mark.parametrize("layout", representative(LAYOUTS, suite=("single", "tp2-fsdp2-ep4", "pp2-fsdp2-ep2"),
+                                                  ids=[layout_id(layout) for layout in LAYOUTS]))
 def test_a_peft_adapter_gives_peft_s_logits(peft_adapter, layout):
     from .peft_reference import TINY_CONFIGS
 

@@ -29,7 +29,9 @@ def cp2_layout(index: int, family: str) -> dict:
     return layout if has_ep_plan(family) else dict(cp_size=2, tp_size=2, fsdp_size=2, cp_strategy="ring")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# heavy: qwen3_moe's layout is the curve's below, qwen2_moe's (ring with tp) DeepSeek-V3's and Llama 4's
+@pytest.mark.parametrize("family", representative(FAMILIES, suite=[family for family in FAMILIES
+                                                                  if family not in ("qwen3_moe", "qwen2_moe")]))
 def test_logits_match_pytorch_with_the_sequence_split_over_cp(family):
     check_against_fixture(family, cp2_layout(FAMILIES.index(family), family))
 

@@ -12,6 +12,8 @@ import moe_jax.nn.attention_core as attention_module
 from moe_jax.nn.attention_core import attend
 from moe_jax.nn.query_blocks import MAX_BLOCKS, MIN_BLOCK_ROWS, causal_block_attention, query_block_rows
 
+from tests.heavy import HEAVY
+
 
 def _qkv(seq, heads, kv_heads, dim=8, batch=2, dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
@@ -43,9 +45,24 @@ def _value_and_grads(fn, q, k, v):
     return (out, *vjp(cotangent))
 
 
-@pytest.mark.parametrize("seq, block_rows", [(13, 4), (16, 4), (5, 8), (40, None), (33, 32)])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
-@pytest.mark.parametrize("sliding_window", [None, 1, 6])
+SEQUENCES = [(13, 4), (16, 4), (5, 8), (40, None), (33, 32)]   # (seq, block_rows)
+HEADS = [(4, 4), (6, 2), (4, 1)]                                 # (heads, kv_heads)
+WINDOWS = [None, 1, 6]
+
+
+def covering_cases() -> list:
+    """The whole grid, with the suite running a Latin square of it: every pair of a sequence, a head grouping and a
+    window once (15 of 45 cases); --heavy runs the rest."""
+    cases = []
+    for i, sequence in enumerate(SEQUENCES):
+        for j, heads in enumerate(HEADS):
+            for k, window in enumerate(WINDOWS):
+                marks = () if k == (i + j) % len(WINDOWS) else HEAVY
+                cases.append(pytest.param(*sequence, *heads, window, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("seq, block_rows, heads, kv_heads, sliding_window", covering_cases())
 def test_blocks_equal_the_xla_path_values_and_gradients(seq, block_rows, heads, kv_heads, sliding_window):
     q, k, v = _qkv(seq, heads, kv_heads)
     blocked = functools.partial(causal_block_attention, scale=q.shape[-1] ** -0.5, sliding_window=sliding_window,

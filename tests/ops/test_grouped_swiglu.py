@@ -56,16 +56,22 @@ def _value_and_grads(fn, x, gate_up, down, group_sizes, cotangent):
     return (out, *vjp(cotangent))
 
 
+@functools.cache
+def _compiled(tiling: str | None, fn):
+    """One jitted value-and-gradients per tiling and function: group sizes are traced, so every case of a tiling
+    runs the same programs (compiled once for the grid, not once per case)."""
+    tiled = fn if tiling is None else functools.partial(fn, **TILINGS[tiling])
+    return jax.jit(functools.partial(_value_and_grads, tiled))
+
+
 @pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("case", GROUP_SIZE_CASES)
 def test_fused_loop_matches_the_reference_and_the_chained_loops(tiling, case):
     group_sizes = jnp.asarray(GROUP_SIZE_CASES[case], jnp.int32)
     x, gate_up, down, cotangent = _operands(seed=len(case))
-    fused = functools.partial(tiled_swiglu_mlp, **TILINGS[tiling])
-    got = jax.jit(functools.partial(_value_and_grads, fused))(x, gate_up, down, group_sizes, cotangent)
-    want = jax.jit(functools.partial(_value_and_grads, reference))(x, gate_up, down, group_sizes, cotangent)
-    chain = jax.jit(functools.partial(_value_and_grads, functools.partial(chained, **TILINGS[tiling])))(
-        x, gate_up, down, group_sizes, cotangent)
+    got = _compiled(tiling, tiled_swiglu_mlp)(x, gate_up, down, group_sizes, cotangent)
+    want = _compiled(None, reference)(x, gate_up, down, group_sizes, cotangent)
+    chain = _compiled(tiling, chained)(x, gate_up, down, group_sizes, cotangent)
     for name, g, r, c in zip(("out", "dx", "dgate_up", "ddown"), got, want, chain, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
         # Same windows, same dots, same order: the chained loops' values exactly.

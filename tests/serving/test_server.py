@@ -271,6 +271,8 @@ def test_200_requests_with_10_percent_of_clients_leaving_mid_stream(served):
     assert response.usage.completion_tokens == 2
 
 
+# heavy: the suite's real command (tests/serving/test_server_limits.py) reports its programs, answers and drains
+@pytest.mark.heavy
 def test_the_serve_command_listens_answers_and_stops_on_sigterm(checkpoint):
     with serve_command(checkpoint, "--max-slots", "2", "--page-size", "16", "--max-model-len", "32",
                        "--prefill-chunk", "16", "--log-level", "warning") as (process, lines):

@@ -195,13 +195,29 @@ def test_a_connection_that_trickles_its_headers_is_closed(model_and_tokenizer):
 
 
 def test_the_serve_command_drains_on_sigterm_and_ends_streams_at_a_second_signal(tmp_path):
-    """The real command: SIGTERM while two streams run and two wait refuses the waiting ones; a Ctrl-C then ends
-    the running ones at once instead of after the 30 s drain. Each stream ends with an error event and `[DONE]`,
-    and the command exits 0 without a traceback."""
+    """The real command: it reports each program as it compiles, then the ready line, and answers. SIGTERM while
+    two streams run and two wait refuses the waiting ones; a Ctrl-C then ends the running ones at once instead of
+    after the 30 s drain. Each stream ends with an error event and `[DONE]`, and the command exits 0 without a
+    traceback."""
     flags = ("--max-slots", "2", "--page-size", "16", "--max-model-len", "256", "--prefill-chunk", "16",
              "--log-level", "warning", "--drain-timeout", "30", "--decode-rows", "2")
     with serve_command(write_checkpoint(tmp_path / "tiny"), *flags) as (process, lines):
-        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)
+        started = lines[-1] if lines else ""
+        assert started.startswith("serving tiny at http://127.0.0.1:"), "".join(lines)
+        assert "tp=1 fsdp=1 ep=1" in started and "2 slots" in started and "pages of 16 tokens" in started
+        # A line for each program as it compiles, then the ready line with the URL.
+        compiling = [line for line in lines if line.startswith("compiling program ")]
+        count = len(compiling)
+        assert count > 1 and f"{count} programs compiled" in started
+        assert [line.split(":")[0] for line in compiling] == [f"compiling program {i} of {count}"
+                                                              for i in range(1, count + 1)]
+        assert re.fullmatch(rf"compiling program 1 of {count}: mixed \[\d+ x 16\] width \d+ \.\.\. \d+\.\d s\n",
+                            compiling[0])
+        assert any("decode [2 x 1] width" in line for line in compiling)
+        url = re.search(r"(http://\S+)/v1", started).group(1)
+        answer = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                                            "temperature": 0}, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["finish_reason"] == "length"
         first_tokens = threading.Semaphore(0)
 
         def stream(i: int) -> list:

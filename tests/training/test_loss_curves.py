@@ -24,9 +24,11 @@ def train_curve(train_step, data=None, until_step=SETUP["steps"], schedule=None)
     return records
 
 
-# The all_reduce + HSDP curve (heavy) shares its experts path with the bf16 train step of
-# tests/models/test_low_precision.py; every layout: scripts/checks/check_training_layouts.py.
-@pytest.mark.parametrize("layout", representative(list(LAYOUTS), suite=("one_device", "tp2_fsdp4_ep4")))
+# The suite's sharded curve is cp2/fsdp4/ep4's (tests/models/test_context_parallel.py), with tp2/fsdp4/ep4's
+# gradients equal to one device's (tests/models/test_gradients.py); the all_reduce + HSDP curve (heavy) shares its
+# experts path with the bf16 train step of tests/models/test_low_precision.py; every layout:
+# scripts/checks/check_training_layouts.py.
+@pytest.mark.parametrize("layout", representative(list(LAYOUTS), suite=("one_device",)))
 def test_ten_adamw_steps_follow_the_reference_curve(trainers, reference_curve, layout):
     _, train_step = trainers(layout)
     with count_compilations("_step") as compilations:
