@@ -46,6 +46,9 @@ def with_handlers(manager):
     return add
 
 
+# heavy: the server streams incremental outputs, and its streamed text equals generate's
+# (tests/serving/test_server.py)
+@pytest.mark.heavy
 def test_incremental_outputs_carry_only_new_tokens_and_add_up_to_generates(model):
     prompts, greedy, _ = fixture_prompts("qwen3_moe")
     with model.init_continuous_batching(**FLAGS) as manager:

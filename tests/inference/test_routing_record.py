@@ -102,6 +102,9 @@ def test_generate_returns_routing_aligned_with_its_left_padded_sequences(model):
     np.testing.assert_array_equal(speculative[1], routing)   # through continuous batching, the same array
 
 
+# heavy: the suite's RL agreement (tests/rl/test_logprob_agreement.py) replays what the engine recorded on
+# tp2/fsdp4/ep2 and gets the sampler's logprobs
+@pytest.mark.heavy
 def test_an_ep_layout_records_the_forwards_routing():
     sharded = load("qwen3_moe", dict(tp_size=2, ep_size=2, fsdp_size=4))
     prompts, _, _ = fixture_prompts("qwen3_moe")
