@@ -1,6 +1,7 @@
 """A placement search that does better than EPLB's greedy where a few experts take most of the tokens.
 
     placement = searched_placement(expert_load, num_redundant_experts=R, ep_size=8)      # host, numpy
+    placement = replacement(current, expert_load, num_redundant_experts=R, ep_size=8)   # never worse than current
 
 EPLB (`eplb.balanced_placement`) gives each redundant slot in turn to the expert with the highest load per
 replica, then packs the replicas heaviest first. Where two experts take most of a layer's tokens that can hand
@@ -27,7 +28,8 @@ from .eplb import (
     ExpertPlacement,
     balanced_packing,
     balanced_placement,
-    check_num_redundant_experts,
+    better_placement,
+    expected_rank_load,
     placement_from_slots,
 )
 
@@ -90,11 +92,6 @@ def _slots(experts: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return experts[np.lexsort((np.arange(rank.shape[0]), rank))]
 
 
-def _busiest(slots: np.ndarray, load: np.ndarray, ranks: int) -> float:
-    count = np.bincount(slots, minlength=load.shape[0])
-    return float((load[slots] / count[slots]).reshape(ranks, -1).sum(-1).max())
-
-
 def _packed(load: np.ndarray, count: np.ndarray, ranks: int, *, swaps: bool = True) -> tuple[float, np.ndarray]:
     """(busiest rank, slot_to_expert [sum(count)]) of replica counts `count` [E] packed greedily, then swapped."""
     experts = np.repeat(np.arange(load.shape[0]), count)
@@ -131,31 +128,41 @@ def moved_replicas(load: np.ndarray, count: np.ndarray, ranks: int, busiest: flo
     return busiest, slots
 
 
-def searched_layer(load: np.ndarray, physical: int, ranks: int, eplb_slots: np.ndarray) -> np.ndarray:
+def searched_layer(load: np.ndarray, physical: int, ranks: int, eplb_slots: np.ndarray, eplb_busiest: float
+                   ) -> np.ndarray:
     """One layer's slot_to_expert [physical]: the least busy busiest rank of the searched candidates and EPLB's
-    (`eplb_slots`), EPLB's on a tie, and EPLB's without a search where its busiest rank is within
-    `GOOD_ENOUGH` of the mean."""
-    best, best_slots = _busiest(eplb_slots, load, ranks), eplb_slots
-    if best <= GOOD_ENOUGH * load.sum() / ranks:
+    (`eplb_slots`, whose busiest rank gets `eplb_busiest`), EPLB's on a tie, and EPLB's without a search where
+    its busiest rank is within `GOOD_ENOUGH` of the mean."""
+    if eplb_busiest <= GOOD_ENOUGH * load.sum() / ranks:
         return eplb_slots
     greedy = sorted(((_packed(load, count, ranks, swaps=False)[0], index, count)
                      for index, count in enumerate(replica_counts(load, physical))), key=lambda item: item[:2])
     refined = [(*_packed(load, count, ranks), count) for _, _, count in greedy[:REFINED_CANDIDATES]]
     busiest, slots, count = min(refined, key=lambda item: item[0])
     busiest, slots = moved_replicas(load, count, ranks, busiest, slots)
-    return slots if busiest < best * (1 - 1e-9) else best_slots
+    return slots if busiest < eplb_busiest * (1 - 1e-9) else eplb_slots
 
 
 def searched_placement(expert_load, *, num_redundant_experts: int, ep_size: int) -> ExpertPlacement:
     """Per layer of `expert_load [L, E]`, the placement whose busiest rank gets the fewest tokens among EPLB's
     (`eplb.balanced_placement`, global policy) and the searched ones (module docstring)."""
     load = np.asarray(expert_load, np.float64)
-    eplb = balanced_placement(load, num_redundant_experts=num_redundant_experts, ep_size=ep_size)
+    eplb = balanced_placement(load, num_redundant_experts=num_redundant_experts, ep_size=ep_size)  # checks the sizes
     layers, experts = load.shape
-    check_num_redundant_experts(experts, num_redundant_experts, ep_size)
     if layers == 0 or experts + num_redundant_experts == ep_size:
         return eplb     # one slot per rank: every packing is the same
     physical = experts + num_redundant_experts
     eplb_slots = np.asarray(eplb.physical_to_logical, np.int64)
-    slots = np.stack([searched_layer(load[layer], physical, ep_size, eplb_slots[layer]) for layer in range(layers)])
+    eplb_busiest = expected_rank_load(eplb, load, ep_size).max(1)
+    slots = np.stack([searched_layer(load[layer], physical, ep_size, eplb_slots[layer], float(eplb_busiest[layer]))
+                      for layer in range(layers)])
     return placement_from_slots(slots, experts)
+
+
+def replacement(current: ExpertPlacement, expert_load, *, num_redundant_experts: int, ep_size: int
+                ) -> ExpertPlacement:
+    """The re-placement for a window's `expert_load [L, E]`: per layer, the searched placement where it gives the
+    busiest rank less than `current` (host numpy arrays) does, else `current`'s (`eplb.better_placement`). What
+    training (`TrainLoop(rebalance_every=)`) and serving (`ContinuousBatchingConfig(rebalance_every=)`) apply."""
+    proposed = searched_placement(expert_load, num_redundant_experts=num_redundant_experts, ep_size=ep_size)
+    return better_placement(current, proposed, expert_load, ep_size)

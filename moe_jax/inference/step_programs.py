@@ -46,8 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed.eplb import better_placement
-from ..distributed.placement_search import searched_placement
+from ..distributed.placement_search import replacement
 from ..distributed.host_arrays import host_to_global
 from ..distributed.mesh import spec_entry
 from ..kv_cache import PagedKVCache, init_page_pools
@@ -196,11 +195,10 @@ class StepPrograms:
         self._steps += 1
         if self._steps % self.rebalance_every == 0:
             model, window = self.model, np.asarray(jax.device_get(self._load_window))
-            proposed = searched_placement(window, num_redundant_experts=model.num_redundant_experts,
-                                          ep_size=model.layout.ep_size)
             current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), model.expert_placement)
-            # Per layer, only where it gives the window's busiest rank less (`eplb.better_placement`).
-            model.set_expert_placement(better_placement(current, proposed, window, model.layout.ep_size))
+            # Per layer, only where it gives the window's busiest rank less (`placement_search.replacement`).
+            model.set_expert_placement(replacement(current, window, num_redundant_experts=model.num_redundant_experts,
+                                                   ep_size=model.layout.ep_size))
             self._load_window = self._rank_load_placed = None
 
     @property

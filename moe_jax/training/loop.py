@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
-from ..distributed.eplb import better_placement
-from ..distributed.placement_search import searched_placement
+from ..distributed.placement_search import replacement
 from .data import place_batch
 from .router_health import RouterCollapseWatch
 from .state import TrainState
@@ -205,14 +204,14 @@ class TrainLoop:
 
     def _rebalanced(self, state: TrainState) -> TrainState:
         """`state` running the balanced placement of its load window (per layer, where it gives the window's
-        busiest rank less than the placement in force: `eplb.better_placement`), the window zeroed (the model's
+        busiest rank less than the placement in force: `placement_search.replacement`), the window zeroed (the model's
         placement too, for what runs it after the loop)."""
         model = self.train_step.model
         window = state.expert_load_window
         load, ep = np.asarray(jax.device_get(window)), model.layout.ep_size
-        proposed = searched_placement(load, num_redundant_experts=model.num_redundant_experts, ep_size=ep)
         current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), state.expert_placement)
-        placement = model.set_expert_placement(better_placement(current, proposed, load, ep))
+        redundant = model.num_redundant_experts
+        placement = model.set_expert_placement(replacement(current, load, num_redundant_experts=redundant, ep_size=ep))
         # A copy: the step donates its state, and the model keeps running its own placement after the loop.
         return state.replace(expert_placement=jax.tree.map(jnp.copy, placement),
                              expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import numpy as np  # noqa: E402
 
-from moe_jax.distributed.eplb import better_placement, expected_rank_load, identity_placement  # noqa: E402
-from moe_jax.distributed.placement_search import searched_placement  # noqa: E402
+from moe_jax.distributed.eplb import expected_rank_load, identity_placement  # noqa: E402
+from moe_jax.distributed.placement_search import replacement, searched_placement  # noqa: E402
 
 
 def share(rank_load) -> np.ndarray:
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("  re-placed" if record.get("rebalanced") else ""))
         window += load
         if record.get("rebalanced"):
-            proposed = searched_placement(window, num_redundant_experts=redundant, ep_size=ep)
-            placement = better_placement(placement, proposed, window, ep)
+            placement = replacement(placement, window, num_redundant_experts=redundant, ep_size=ep)
             last_window, window = window, np.zeros_like(window)
     return 0
 

@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from moe_jax.distributed.eplb import balanced_placement, expected_rank_load
-from moe_jax.distributed.placement_search import replica_counts, searched_placement
+from moe_jax.distributed.eplb import balanced_placement, expected_rank_load, identity_placement
+from moe_jax.distributed.placement_search import replacement, replica_counts, searched_placement
 
 
 def busiest_share(placement, load, ranks: int) -> np.ndarray:
@@ -28,6 +28,19 @@ def test_two_hot_experts_get_one_heavy_replica_per_rank_where_eplb_puts_two_on_a
     assert busiest_share(searched, load, 8)[0] < 1.05
     slots = np.asarray(searched.physical_to_logical)[0].reshape(8, 2)
     assert ((slots < 2).sum(1) == 1).all()            # every rank one replica of a hot expert
+
+
+def test_a_replacement_takes_the_search_per_layer_only_where_it_beats_the_placement_in_force():
+    """Layer 0: the identity placement leaves the two hot experts one heavy replica pair each, and the search
+    spreads them. Layer 1: an even load the identity placement already balances: a tie keeps it (no slot moves)."""
+    load = np.array([[490.0, 480, 10, 8, 6, 3, 2, 1], [100.0] * 8])
+    current = identity_placement(2, 8, num_redundant_experts=8, ep_size=8)
+    chosen = replacement(current, load, num_redundant_experts=8, ep_size=8)
+    searched = searched_placement(load, num_redundant_experts=8, ep_size=8)
+    slots, identity = np.asarray(chosen.physical_to_logical), np.asarray(current.physical_to_logical)
+    np.testing.assert_array_equal(slots[0], np.asarray(searched.physical_to_logical)[0])
+    assert busiest_share(chosen, load, 8)[0] < 1.05 < busiest_share(current, load, 8)[0]
+    np.testing.assert_array_equal(slots[1], identity[1])
 
 
 def test_replica_counts_cover_every_slot_and_give_each_expert_one():
