@@ -3,14 +3,15 @@ train_compile, for our layouts).
 
     moe-jax compile --model CKPT_OR_CONFIG --hardware h100 --devices 8 --fsdp 8 --ep 8 \
         --train --batch-size 16 --seq-len 4096 --mixed-precision [--remat full] [--json report.json] \
-        [--save-executable out/]
+        [--offload-optimizer] [--offload-parameters] [--save-executable out/]
     moe-jax compile --model CKPT_OR_CONFIG --hardware h100 --devices 8 --tp 8 --ep 8 --serve --max-slots 64
     moe-jax compile --model CKPT_OR_CONFIG --hardware h100 --devices 8 --fsdp 8 --ep 8 --generate --seq-len 1024
 
 For GPU hardware (h100, h200, b200, a100) it needs JAX's CUDA plugin, not a GPU: XLA:GPU compiles for abstract
 devices of that model (`moe_jax.distributed.target_devices`). `--hardware cpu` compiles for this machine's
 (virtual) CPU devices. Prints, per program and device: memory against the device (fits or not, and what to
-change), compile seconds, the collectives of one step, the kernel that runs the expert matmuls, host transfers.
+change), compile seconds, the collectives of one step, the kernel that runs the expert matmuls, host transfers;
+with --offload-optimizer / --offload-parameters, the pinned host memory apart from the device's (XLA:GPU).
 A program that does not fit, or a bad request, is one `error:` line and exit 2, with nothing written.
 """
 
@@ -64,6 +65,11 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=1, help="--train: micro-batches per step (default 1)")
     parser.add_argument("--optimizer", choices=("adamw", "muon", "sgd"), default="adamw",
                         help="--train (default adamw)")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="--train: keep the optimizer state in pinned host memory between steps (memory is "
+                             "then counted on the device and in host memory apart)")
+    parser.add_argument("--offload-parameters", action="store_true",
+                        help="--train: keep the trained parameters in pinned host memory between steps")
     parser.add_argument("--max-slots", type=int, default=8, help="--serve: rows decoded together (default 8)")
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="--serve: tokens of KV cache per row (default 2048)")
@@ -103,11 +109,16 @@ def _distributed_config(args: argparse.Namespace):
 
 def _request(args: argparse.Namespace):
     from ..planning.request import PlanRequest
+    from .train import offload_from_flags
+
+    offload = offload_from_flags(args)
+    if offload is not None and not args.train:
+        raise ValueError("--offload-optimizer / --offload-parameters place a train state: add --train.")
 
     return PlanRequest(mode="train" if args.train else "serve", batch_size=args.batch_size, seq_len=args.seq_len,
                        dtype=args.dtype, optimizer=args.optimizer, mixed_precision=args.mixed_precision,
                        grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, offload=offload)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

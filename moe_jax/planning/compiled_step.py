@@ -69,22 +69,33 @@ def planning_compiler_options(platform: str) -> dict:
 @dataclass(frozen=True)
 class CompiledMemory:
     """XLA's `memory_analysis()` of one device's program; `total` = arguments + outputs - aliased + temporaries
-    (what the device holds at the step's peak)."""
+    (what the device holds at the step's peak). host_*: the same in pinned host memory (offloaded state), which
+    XLA:GPU counts apart; XLA:CPU counts it with the rest (host_* 0), both being this machine's memory."""
 
     argument: int
     output: int
     alias: int
     temp: int
+    host_argument: int = 0
+    host_output: int = 0
+    host_alias: int = 0
+    host_temp: int = 0
 
     @property
     def total(self) -> int:
         return self.argument + self.output - self.alias + self.temp
 
+    @property
+    def host_total(self) -> int:
+        return self.host_argument + self.host_output - self.host_alias + self.host_temp
+
     @classmethod
     def of(cls, compiled) -> CompiledMemory:
         analysis = compiled.memory_analysis()
         return cls(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
-                   analysis.temp_size_in_bytes)
+                   analysis.temp_size_in_bytes, analysis.host_argument_size_in_bytes,
+                   analysis.host_output_size_in_bytes, analysis.host_alias_size_in_bytes,
+                   analysis.host_temp_size_in_bytes)
 
 
 @dataclass(frozen=True)
@@ -115,13 +126,16 @@ def _per_device_bytes(tree) -> int:
 
 def _train_program(model, layout: Layout, request: PlanRequest):
     """(lowered train step, its batch's per-device bytes, 0 cache bytes, capacity)."""
+    from ..target_compile.host_placement import lower_train_step
+
     step = make_train_step(model, build_optimizer(request.optimizer, learning_rate=1e-3), grad_clip=1.0,
-                           grad_accum=request.grad_accum, mixed_precision=request.mixed_precision)
+                           grad_accum=request.grad_accum, mixed_precision=request.mixed_precision,
+                           offload=request.offload)
     capacity = None if layout.ep == 1 else model.capacity_schedule.start().capacity
-    state = abstract_train_state(model, step.optimizer, capacity)
+    state = abstract_train_state(model, step.optimizer, capacity, memory_kind=step.memory_kind)
     batch = {"input_ids": jax.ShapeDtypeStruct((request.batch_size, request.seq_len), jnp.int32,
                                                sharding=model.batch_sharding())}
-    return step.lower(state, batch), _per_device_bytes(batch), 0, capacity
+    return lower_train_step(step, state, batch), _per_device_bytes(batch), 0, capacity
 
 
 def _serve_program(model, layout: Layout, request: PlanRequest):

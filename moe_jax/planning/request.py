@@ -15,6 +15,7 @@ from ..training.optimizers import OPTIMIZERS
 
 MODES = ("train", "serve")
 REMAT_CHOICES = ("none", "full", "dots_saveable")
+OFFLOADED = {"optimizer": "optimizer state", "parameters": "parameters", "all": "parameters and optimizer state"}
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class PlanRequest:
     decode step of `max_slots` running requests, with a KV cache of `max_model_len` tokens per slot).
     dtype: the parameters' dtype; mixed_precision: float32 parameters and bfloat16 compute (as `moe-jax train
     --mixed-precision`); optimizer: "adamw", "muon" or "sgd"; grad_accum: micro-batches per step; remat: what each
-    layer keeps for the backward pass."""
+    layer keeps for the backward pass; offload: the train state kept in pinned host memory between steps
+    ("optimizer", "parameters", "all" or None, as `make_train_step(offload=)`)."""
 
     mode: str = "train"
     batch_size: int = 8
@@ -35,6 +37,7 @@ class PlanRequest:
     remat: str = "none"
     max_slots: int = 8
     max_model_len: int = 2048
+    offload: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -47,6 +50,12 @@ class PlanRequest:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}.")
         if self.remat not in REMAT_CHOICES:
             raise ValueError(f"remat {self.remat!r} is not one of {list(REMAT_CHOICES)}.")
+        if self.offload is not None:
+            if self.mode != "train":
+                raise ValueError(f"offload={self.offload!r} places a train state: plan or compile it with --train.")
+            if self.offload not in OFFLOADED:
+                raise ValueError(f"offload={self.offload!r}: choose one of {sorted(OFFLOADED)} (or None: nothing "
+                                 "offloaded).")
         if self.mixed_precision and parameter_dtype(self.dtype).name != "float32":
             raise ValueError(f"mixed precision keeps float32 master parameters; drop --dtype {self.dtype} "
                              "(or use --dtype float32) with --mixed-precision.")
@@ -69,5 +78,6 @@ class PlanRequest:
             precision = "mixed precision (float32 masters, bfloat16 compute)" if self.mixed_precision else self.dtype
             return (f"train: batch {self.batch_size} x {self.seq_len} tokens, {precision}, {self.optimizer}"
                     + (f", grad_accum {self.grad_accum}" if self.grad_accum > 1 else "")
-                    + (f", remat {self.remat}" if self.remat != "none" else ""))
+                    + (f", remat {self.remat}" if self.remat != "none" else "")
+                    + (f", {OFFLOADED[self.offload]} in host memory" if self.offload else ""))
         return f"serve: one decode step of {self.max_slots} slots, KV cache of {self.max_model_len} tokens per slot"

@@ -40,7 +40,16 @@ DEFAULT_MARGIN = 0.1
 
 class CompileFailed(RuntimeError):
     """XLA refused a program: the compiler's own error, with the program and the target named."""
+
+
 HARDWARE_CHOICES = (*GPU_TARGETS, "cpu")
+_OFFLOAD_NOTES = {
+    "gpu": "abstract GPUs have no memory spaces for JAX to name, so the offloaded state's pinned host placement was "
+           "written into the lowered step as JAX writes it on a GPU (target_compile.host_placement); XLA:GPU "
+           "scheduled its transfers and counts host memory apart",
+    "cpu": "XLA:CPU counts pinned host memory with the device's (both are this machine's memory): the total "
+           "includes the offloaded state; compile for a GPU to see the device bytes offload saves",
+}
 EXECUTABLE_SUFFIX = ".xla_executable"
 
 
@@ -153,6 +162,8 @@ def compile_model(model, request: PlanRequest, *, hardware: str, device_memory: 
                      "may pick cuDNN's fused attention instead; the expert matmuls follow the target")
         notes.append("XLA:GPU without a device sorts with its fallback algorithm (no CUB scratch sizes) and "
                      "autotunes no GEMM: the experts' sort and GEMM tilings may differ from a compile on the GPU")
+    if request.offload is not None:
+        notes.append(_OFFLOAD_NOTES["cpu" if hardware == "cpu" else "gpu"])
     report = CompileReport(hardware, devices, compiler_name(hardware), layout, describe(request, programs), memory,
                            int(memory * (1 - margin)), reports, notes, executables)
     if save_executable is not None:

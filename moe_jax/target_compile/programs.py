@@ -25,6 +25,7 @@ from ..planning.request import PlanRequest
 from ..training.optimizers import build_optimizer
 from ..training.state import abstract_train_state
 from ..training.step import make_train_step
+from .host_placement import lower_train_step
 
 GREEDY = Sampling(do_sample=False, top_k=None)
 
@@ -48,14 +49,17 @@ def _weights(model):
 def train_program(model, request: PlanRequest, *, trainable=None, grad_clip: float | None = 1.0):
     """The train step (`make_train_step`) lowered for one batch of `request.batch_size` x `request.seq_len`
     tokens, at the capacity a run starts at; trainable: a selection as `make_train_step` takes it (frozen parts,
-    or the adapter when the model has one)."""
+    or the adapter when the model has one). `request.offload` keeps that part of the state in pinned host memory
+    between steps (on abstract target GPUs, which have no memory spaces to name, written into the lowered step:
+    `host_placement`)."""
     optimizer = build_optimizer(request.optimizer, learning_rate=1e-3)
     step = make_train_step(model, optimizer, grad_clip=grad_clip, grad_accum=request.grad_accum,
-                           mixed_precision=request.mixed_precision,
+                           mixed_precision=request.mixed_precision, offload=request.offload,
                            **({} if trainable is None else {"trainable": trainable}))
     capacity = None if model.layout.ep_size == 1 else model.capacity_schedule.start().capacity
-    state = abstract_train_state(model, step.optimizer, capacity, trainable=step.trainable)
-    return step.lower(state, {"input_ids": _batch(model, request.batch_size, request.seq_len)})
+    state = abstract_train_state(model, step.optimizer, capacity, trainable=step.trainable,
+                                 memory_kind=step.memory_kind)
+    return lower_train_step(step, state, {"input_ids": _batch(model, request.batch_size, request.seq_len)})
 
 
 def _rows(model, request: PlanRequest) -> int:

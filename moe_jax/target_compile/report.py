@@ -32,6 +32,9 @@ class ProgramReport:
             "memory_bytes": {"arguments": self.memory.argument, "outputs": self.memory.output,
                              "aliased": self.memory.alias, "temporaries": self.memory.temp,
                              "total": self.memory.total, "device_memory": device_memory},
+            "host_memory_bytes": {"arguments": self.memory.host_argument, "outputs": self.memory.host_output,
+                                  "aliased": self.memory.host_alias, "temporaries": self.memory.host_temp,
+                                  "total": self.memory.host_total},
             "compile_seconds": round(self.compile_seconds, 2),
             "collectives": [collective.as_dict() for collective in reading.collectives],
             "async_collectives": [overlap.as_dict() for overlap in reading.overlap],
@@ -114,6 +117,10 @@ class CompileReport:
                       f"{size_text(memory.output)} (aliased {size_text(memory.alias)}), temporaries "
                       f"{size_text(memory.temp)}, total {size_text(memory.total)} -> "
                       + ("fits" if memory.total <= self.usable_bytes else "does NOT fit"),
+                      *([f"  pinned host memory per device: arguments {size_text(memory.host_argument)}, outputs "
+                         f"{size_text(memory.host_output)} (aliased {size_text(memory.host_alias)}), temporaries "
+                         f"{size_text(memory.host_temp)}, total {size_text(memory.host_total)}"]
+                        if memory.host_total else []),
                       f"  expert matmuls: {reading.experts_kernel}"
                       + (f" [backend {', '.join(reading.experts_backends)}]" if reading.experts_backends else ""),
                       "  attention: " + (", ".join(reading.attention_kernels) or "fusions (no fused kernel)"),

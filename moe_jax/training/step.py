@@ -87,7 +87,7 @@ class TrainStep:
         if options.grad_clip is not None and options.grad_clip <= 0:
             raise ValueError(f"grad_clip={options.grad_clip} must be > 0, or None for no clipping.")
         offloaded = offload_memory_kinds(options.offload)
-        if offloaded is not None:
+        if offloaded is not None and not model.compiles_only:   # abstract GPUs: target_compile.host_placement
             check_offload_supported(model)
         # What the state holds and trains (`training.trainable`): every parameter by default, the adapter alone
         # when the model has one. Buffers (DeepSeek-V3's e_score_correction_bias) are state, not weights: no

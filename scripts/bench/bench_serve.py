@@ -6,7 +6,7 @@ Transformers' continuous batching, on the same checkpoint, requests and machine,
                                   [--workload random|shared-prefix|multi-turn|code-edit] [--system-tokens 1024]
                                   [--turns 4] [--prompt LOW-HIGH] [--output LOW-HIGH]
                                   [--output-distribution uniform|lognormal]
-                                  [--size default|large] [--seed 0] [--skip-reference]
+                                  [--size default|large|copy] [--copy-steps N] [--seed 0] [--skip-reference]
                                   [--scan-layers auto|true|false]   # ours and static alike
                                   [--huge-pages on|off] [--no-mixed-steps] [--reference-arrival clients|all]
                                   [--decode-rows ROWS[,ROWS...]] [--prefill-rows N] [--repeats 1]
@@ -60,6 +60,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -115,6 +116,23 @@ def build(workdir: Path, size: str, positions: int) -> None:
     (workdir / "checkpoint" / "tokenizer.json").write_text(json.dumps(tokenizer))
     (workdir / "checkpoint" / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
+
+
+COPYING = 0.9   # held-out copy accuracy below which a --copy-steps checkpoint is refused
+
+
+def train_to_copy(workdir: Path, steps: int) -> None:
+    """Replace workdir/checkpoint with itself trained `steps` steps to copy (copy_model.py); refuse one that did
+    not learn to."""
+    from copy_model import train
+
+    accuracy = train(workdir / "checkpoint", workdir / "copying", steps)
+    if accuracy < COPYING:
+        raise SystemExit(f"the checkpoint trained {steps} steps to copy reaches a copy accuracy of {accuracy:.3f} "
+                         f"(< {COPYING}): raise --copy-steps, or use --size copy.")
+    shutil.rmtree(workdir / "checkpoint")
+    (workdir / "copying").rename(workdir / "checkpoint")
+    print(f"# checkpoint trained {steps} steps to copy: held-out copy accuracy {accuracy:.3f}", flush=True)
 
 
 def static_ceiling(requests: list[dict], slots: int) -> float:
@@ -428,6 +446,10 @@ def main() -> int:
                         help="another checkout whose `moe-jax serve` runs beside ours, alternated with it each repeat "
                              "(its flags: --baseline-flags, or else --server-flags)")
     parser.add_argument("--skip-static", action="store_true", help="do not time static generate batches")
+    parser.add_argument("--copy-steps", type=int, default=0,
+                        help="first train the checkpoint this many steps to copy what it has seen (copy_model.py; "
+                             "with --size copy, which learns it in about 100): code-edit answers then copy their "
+                             "file, as a code model's do (default 0: random weights)")
     parser.add_argument("--role", choices=("static", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -457,6 +479,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         build(workdir, args.size, args.max_model_len)
+        if args.copy_steps:
+            train_to_copy(workdir, args.copy_steps)
         print(f"# workload {args.workload}: {requests_count(first)} requests"
               + (f" in {len(first)} conversations of {args.turns} turns" if args.workload == "multi-turn" else "")
               + (f", a {args.system_tokens}-token system prompt" if args.workload == "shared-prefix" else "")

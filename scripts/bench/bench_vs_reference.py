@@ -3,7 +3,7 @@
     pip install torch==2.13.0 transformers==5.23.0 accelerate   # the reference (its distributed loading needs
                                                               # accelerate); needed by this script only
     python scripts/bench/bench_vs_reference.py [--batch 8] [--seq 128] [--steps 4] [--layouts tp4_ep4,fsdp4_ep4]
-                                         [--size default|large] [--huge-pages on|off] [--warm-up N] [--repeats 1]
+                                         [--size default|large|copy] [--huge-pages on|off] [--warm-up N] [--repeats 1]
                                          [--interleave ROUNDS] [--baseline-tree DIR]
 
 Builds one Qwen3-MoE checkpoint (hidden 256, 4 layers, 16 experts top-4, vocab 4096), then measures for
@@ -23,7 +23,8 @@ both sides' processes alive instead and alternates their timed blocks of `--step
 so the machine's drift moves both sides alike; the ratios are the medians of the rounds' ratios (per-round
 figures on stderr).
 
-`--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`). `--huge-pages on` (default)
+`--size large`: hidden 512, 8 layers, 32 experts top-4 (run it with `--seq 256`); `--size copy`: the default
+with a vocabulary of 512 and 2 layers (bench_serve's copying checkpoint). `--huge-pages on` (default)
 runs both sides with glibc's `glibc.malloc.hugetlb=1` tunable where it applies, as the `moe-jax` command
 does (moe_jax/host_memory.py); `off` runs both without it. The header says which.
 
@@ -56,6 +57,8 @@ SIZES = {
     "default": CONFIG,
     "large": {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 512,
               "num_hidden_layers": 8, "head_dim": 64, "num_experts": 32},
+    # what a 2-core CPU trains to copy in a minute (bench_serve --copy-steps: copy_model.py)
+    "copy": {**CONFIG, "vocab_size": 512, "num_hidden_layers": 2},
 }
 # name -> DistributedConfig kwargs (None: one process / one device)
 LAYOUTS = {

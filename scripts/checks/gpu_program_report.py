@@ -1,6 +1,6 @@
 """Qwen3-30B-A3B's train step as XLA:GPU compiles it for 8 (and 16) abstract H100s: what the program does.
 
-    PYTHONPATH=. python scripts/checks/gpu_program_report.py [--sections reduced,depth,memory,overflow]
+    PYTHONPATH=. python scripts/checks/gpu_program_report.py [--sections reduced,depth,memory,overflow,offload]
         [--layouts tp1-ep8-fsdp8-a2a,...] [--hardware h100] [--json FILE] [--hlo-dir DIR]
 
 Each 4- or 8-layer compile takes 1-3 minutes on 2 CPU cores, a 48-layer one 2-5; the default run (every section,
@@ -23,6 +23,10 @@ is one train step (mixed precision: float32 masters, bfloat16 compute; AdamW; se
 - overflow: the full model with and without the train step's overflow check (a step whose dispatch dropped pairs
   is skipped: a conditional around the optimizer update on CPU, a select inside it on accelerators), whose
   memory it changes.
+- offload: the full model at the first layout, remat full, batch 8, with nothing, the optimizer state, the
+  parameters and both kept in pinned host memory between steps (`PlanRequest.offload`; the placement written
+  into the lowered step, `target_compile.host_placement`): device and host bytes per device, and the device
+  bytes each choice saves against none.
 
 The expert FLOPs are read at the tile loop's expected visits: a loop whose trip count is only known at run time
 is counted at its static schedule times the share expected live (1 / capacity behind all_to_all dispatch
@@ -96,6 +100,7 @@ class Case:
     remat: str
     batch: int
     check_overflow: bool = True    # the train step's skip of a step that dropped pairs (make_train_step's default)
+    offload: str | None = None     # the train state kept in pinned host memory between steps (PlanRequest.offload)
 
     @property
     def devices(self) -> int:
@@ -160,7 +165,7 @@ def train_program_without_overflow_check(model, request: PlanRequest):
 def read_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
     config = model_config(case.layers)
     request = PlanRequest(mode="train", batch_size=case.batch, seq_len=SEQ_LEN, mixed_precision=True,
-                          optimizer="adamw", remat=case.remat)
+                          optimizer="adamw", remat=case.remat, offload=case.offload)
     devices, layout = LAYOUTS[case.layout]
     start = time.perf_counter()
     model = build_target_model(config, DistributedConfig(**layout), compile_devices(hardware, devices), request)
@@ -188,6 +193,8 @@ def read_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
         "memory_gib": {"arguments": memory.argument / GIB, "outputs": memory.output / GIB,
                        "aliased": memory.alias / GIB, "temporaries": memory.temp / GIB,
                        "total": memory.total / GIB},
+        "host_memory_gib": {"arguments": memory.host_argument / GIB, "temporaries": memory.host_temp / GIB,
+                            "total": memory.host_total / GIB},
         "usable_gib": usable / GIB, "fits": memory.total <= usable,
         "host_transfers": reading.host_transfers, "experts_kernel": reading.experts_kernel,
         "experts_backends": reading.experts_backends,
@@ -201,8 +208,10 @@ def read_case(case: Case, hardware: str, hlo_dir: Path | None = None) -> dict:
 
 def problems(row: dict) -> list[str]:
     found = []
-    if row["host_transfers"]:
+    if row["host_transfers"] and row["offload"] is None:
         found.append("host transfers: " + ", ".join(row["host_transfers"]))
+    if row["offload"] is not None and not row["host_memory_gib"]["total"]:
+        found.append(f"offload {row['offload']}: no pinned host memory in the compiled program")
     if row["layers"] < SCANNED_FROM and not 1 / FLOPS_RATIO_LIMIT <= row["ratio"] <= FLOPS_RATIO_LIMIT:
         found.append(f"expert FLOPs {row['ratio']:.2f}x the routed pairs' (limit {FLOPS_RATIO_LIMIT}x)")
     if "outside any loop" in row["experts_kernel"] or not row["experts_backends"]:
@@ -296,7 +305,25 @@ def run_overflow(layout: str, recorder: Recorder) -> None:
               flush=True)
 
 
-SECTIONS = ("reduced", "depth", "memory", "overflow")
+def run_offload(layout: str, recorder: Recorder) -> None:
+    print(f"\n### Host offload ({layout}, 48 layers, remat full, batch 8 x 4096): device and pinned host memory per "
+          "device\n")
+    print("| offload | device arguments GiB | device temporaries GiB | device total GiB | saved GiB | host GiB | fits "
+          "| compile s | host transfers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    plain = None
+    for offload in OFFLOAD_CHOICES:
+        row = recorder.case(Case(layout, 48, "full", 8, offload=offload), "offload")
+        memory, host = row["memory_gib"], row["host_memory_gib"]
+        plain = memory["total"] if plain is None else plain
+        print(f"| {offload or 'none'} | {memory['arguments']:.2f} | {memory['temporaries']:.2f} | "
+              f"{memory['total']:.2f} | {plain - memory['total']:.2f} | {host['total']:.2f} | "
+              f"{'yes' if row['fits'] else 'NO'} ({row['usable_gib']:.1f} usable) | {row['compile_seconds']} | "
+              f"{len(row['host_transfers'])} kinds |", flush=True)
+
+
+SECTIONS = ("reduced", "depth", "memory", "overflow", "offload")
+OFFLOAD_CHOICES = (None, "optimizer", "parameters", "all")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             run_depth(layouts[0], recorder)
         elif section == "overflow":
             run_overflow(layouts[0], recorder)
+        elif section == "offload":
+            run_offload(layouts[0], recorder)
         else:
             run_memory(layouts, recorder)
     failed = [row for row in recorder.rows if row["problems"]]

@@ -96,3 +96,18 @@ def test_a_program_that_does_not_fit_writes_nothing(config_file, tmp_path, capsy
     message = _failed(capsys)
     assert "train_step needs" in message and "nothing written" in message
     assert not report.exists() and not out.exists()
+
+
+def test_offload_outside_training_is_one_error(config_file, capsys):
+    assert main(["compile", "--model", str(config_file), "--hardware", "cpu", "--devices", "8", "--ep", "8",
+                 "--serve", "--offload-optimizer"]) == 2
+    assert _failed(capsys) == ("error: --offload-optimizer / --offload-parameters place a train state: add "
+                               "--train.")
+
+
+def test_offload_on_cpu_compiles_the_offloaded_step_and_says_what_xla_cpu_cannot_tell_apart(config_file, capsys):
+    assert main(["compile", "--model", str(config_file), "--hardware", "cpu", "--devices", "8", "--ep", "8",
+                 "--train", "--batch-size", "8", "--seq-len", "16", "--offload-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "adamw, optimizer state in host memory" in out
+    assert "note: XLA:CPU counts pinned host memory with the device's" in out

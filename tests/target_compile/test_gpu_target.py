@@ -191,3 +191,63 @@ def test_a_context_parallel_train_step_compiles_for_h100_with_memory_linear_in_t
                                     request=PlanRequest(batch_size=2, seq_len=seq_len, mixed_precision=True))
         temporaries.append(report.largest.memory.temp)
     assert temporaries[1] / temporaries[0] < 2.6, temporaries
+
+
+def test_offloaded_optimizer_state_is_counted_in_host_memory_on_h100():
+    def compiled(choice):
+        report = compile_for_target(dict(DEMO_CONFIG), hardware="h100", devices=8, distributed_config=FSDP8_EP8,
+                                    request=PlanRequest(batch_size=16, seq_len=64, mixed_precision=True,
+                                                        offload=choice))
+        return report, report.programs[0].memory
+
+    plain, on_device = compiled(None)
+    report, memory = compiled("optimizer")   # "all" and "parameters": scripts/checks/gpu_program_report.py
+    assert on_device.host_total == 0 and memory.host_argument > 0
+    # what left the device's arguments is in host memory, donated and written back in place
+    assert memory.host_argument == on_device.argument - memory.argument
+    assert memory.host_argument == memory.host_output == memory.host_alias
+    transfers = report.programs[0].reading.host_transfers
+    assert any("copy-start to host memory" in transfer for transfer in transfers)
+    assert not plain.programs[0].reading.host_transfers
+    assert "pinned host memory per device" in report.text() and any("host_placement" in note for note in report.notes)
+    assert report.as_json()["host_memory_bytes"]["total"] == memory.host_total
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "all"])
+def test_the_placement_written_for_abstract_gpus_is_what_jax_writes_for_a_gpu(offload):
+    """JAX writes the offloaded step's moves for a GPU where it lowers for "cuda" from CPU devices, which have
+    pinned host memory; abstract GPUs have none, so `host_placement` writes them into the same step."""
+    from tests.target_compile.test_host_placement import host_positions, main_signature
+
+    from moe_jax.target_compile.host_placement import offloaded_leaves
+    from moe_jax.target_compile.programs import train_program
+    from moe_jax.training.optimizers import build_optimizer
+    from moe_jax.training.state import abstract_train_state
+    from moe_jax.training.step import make_train_step
+    from moe_jax.training.step_options import offload_memory_kinds
+
+    request = PlanRequest(batch_size=4, seq_len=16, offload=offload)
+    on_gpus = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), DistributedConfig(fsdp_size=2, ep_size=2),
+                                               devices=target_devices("h100", 2))
+    on_gpus.params = on_gpus.abstract_params()
+    written = train_program(on_gpus, request).as_text()
+    on_cpus = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), DistributedConfig(fsdp_size=2, ep_size=2),
+                                               devices=jax.devices("cpu")[:2])
+    on_cpus.params = on_cpus.abstract_params()
+    step = make_train_step(on_cpus, build_optimizer("adamw", learning_rate=1e-3), offload=offload)
+    state = abstract_train_state(on_cpus, step.optimizer, on_cpus.capacity_schedule.start().capacity,
+                                 trainable=step.trainable, memory_kind=step.memory_kind)
+    batch = {"input_ids": jax.ShapeDtypeStruct((4, 16), jax.numpy.int32, sharding=on_cpus.batch_sharding())}
+    by_jax = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+    leaves = offloaded_leaves(state, offload_memory_kinds(offload))
+    (jax_arguments, jax_results), (arguments, results) = main_signature(by_jax), main_signature(written)
+    assert host_positions(arguments) == host_positions(jax_arguments) == leaves
+    assert host_positions(results) == host_positions(jax_results) == leaves
+    moved = lambda text, memory: text.count(f'_xla_buffer_placement = "{memory}"')   # noqa: E731
+    assert moved(written, "pinned_host") == moved(by_jax, "pinned_host") == len(leaves)
+    assert moved(written, "device") == len(leaves)
+    # JAX also moves the optimizer's count (device to device) and marks each result kept on the device
+    parts = ("opt_state",) if offload == "optimizer" else ("params", "opt_state")
+    in_parts = len(jax.tree.leaves([getattr(state, part) for part in parts]))
+    assert moved(by_jax, "device") == (len(jax_results) - len(leaves)) + in_parts
