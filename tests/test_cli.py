@@ -139,6 +139,23 @@ def test_plan_train_counts_the_offloaded_state_in_host_memory_apart(capsys):
     assert main(["plan", "--model", str(FIXTURES / "qwen3_moe"), "--offload-optimizer"]) == 2
 
 
+def test_plan_auto_counts_the_offloaded_optimizer_state_in_host_memory_apart(tmp_path, capsys):
+    checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
+    output = tmp_path / "plan.json"
+    assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--batch-size", "16",
+                 "--seq-len", "32", "--train", "--max-compiles", "1", "--offload-optimizer", "--no-cache",
+                 "--json", str(output)]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rank"))
+    assert re.search(r"total \w+ +host \w+ +why", header)
+    (row,) = [row for row in json.loads(output.read_text())["layouts"] if row["compiled"]]
+    memory = row["memory_bytes"]
+    assert memory["host"] == memory["optimizer"] > 0      # XLA:CPU: the state's bytes, moved in for the step
+    assert any("XLA:CPU counts the offloaded state in the device's total" in note for note in row["notes"])
+    assert main(["plan", "--auto", "--model", str(checkpoint), "--devices", "8", "--serve",
+                 "--offload-parameters"]) == 2
+    assert "places a train state" in capsys.readouterr().err
+
+
 def test_plan_auto_ranks_layouts_and_writes_the_json_rows(tmp_path, capsys):
     checkpoint = Path(__file__).resolve().parent / "fixtures" / "models" / "qwen3_moe"
     output = tmp_path / "plan.json"

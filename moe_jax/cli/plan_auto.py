@@ -143,6 +143,7 @@ def run_auto(args: argparse.Namespace) -> int:
 
     check_auto_flags(args)
     from ..verbosity import verbose
+    from .train import offload_from_flags
 
     if not verbose():
         # XLA's C++ warnings about the planned programs (a partitioner's resharding, per layout) would bury the
@@ -166,7 +167,7 @@ def run_auto(args: argparse.Namespace) -> int:
         progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
         grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len,
-        compiler=args.compiler, compile_workers=args.compile_workers or default_compile_workers())
+        offload=offload_from_flags(args), compiler=args.compiler, compile_workers=args.compile_workers or default_compile_workers())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(ranking_report(plan, model=args.model, top=args.top))

@@ -6,7 +6,8 @@
 Memory is per device, in bytes: parameters and optimizer state from the layout's shardings (`state_bytes`, as
 `moe-jax plan --train` counts them); activations (the forward pass's buffers still live at the step's peak, or
 the KV cache when serving), gradients (the backward pass's buffers live at the peak) and temporaries (the rest)
-from the compiled program, whose total they add up to. A layout that was not compiled has None activations
+from the compiled program, whose total they add up to; host: what offloaded state (`PlanRequest.offload`) keeps in
+pinned host memory, apart from the device's total. A layout that was not compiled has None activations
 and temporaries and its state as the total: `fits` is False when that state alone exceeds the device, None
 (not known) otherwise.
 """
@@ -28,9 +29,10 @@ class MemoryBreakdown:
     activations: int | None
     temporaries: int | None
     total: int
+    host: int = 0      # pinned host memory per device (offloaded state), apart from the device's total
 
     def as_dict(self) -> dict:
-        return {part: getattr(self, part) for part in (*MEMORY_PARTS, "total")}
+        return {part: getattr(self, part) for part in (*MEMORY_PARTS, "total", "host")}
 
 
 @dataclass

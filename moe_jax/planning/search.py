@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from ..checkpoint_files import read_config
 from ..distributed.capacity import buffer_rows
 from ..training.optimizers import build_optimizer
+from ..training.step_options import offload_memory_kinds
 from .analytic import activation_bytes_guess, analytic_step_seconds
 from .compile_cache import CompileCache
 from .compile_pool import CompilePool, DeviceSpec
@@ -174,13 +175,13 @@ def _estimate(candidate: Candidate, state, request, usable, step, profile, devic
     gradients = step.peak.backward if request.mode == "train" else 0
     optimizer = state.optimizer if request.mode == "train" else 0
     temporaries = max(0, total - state.parameters - optimizer - activations - gradients)
+    host, notes = _host_bytes(step, state, request)
     memory = MemoryBreakdown(state.parameters, gradients, optimizer, activations, temporaries,
-                             state.parameters + optimizer + activations + gradients + temporaries)
+                             state.parameters + optimizer + activations + gradients + temporaries, host)
     padding = padding_fraction(layout, candidate.model, request, step.capacity)
     time_ = predict_step_time(step.costs, profile, compute_dtype=request.compute_dtype,
                               devices_per_node=devices_per_node, bubble_fraction=layout.bubble_fraction,
                               padding_fraction=padding)
-    notes = []
     if step.scanned_runs:
         notes.append(f"{step.layers} layers compiled as {step.scanned_runs} scanned layer(s), costs scaled by "
                      "trip count")
@@ -192,6 +193,20 @@ def _estimate(candidate: Candidate, state, request, usable, step, profile, devic
         notes.append("compiled step read from the compile cache")
     return LayoutEstimate(layout, memory, usable, time_.seconds, time_.parts, time_.flops, time_.collective_bytes,
                           padding, True, step.compile_seconds, notes, cached=cached)
+
+
+def _host_bytes(step, state, request) -> tuple[int, list[str]]:
+    """(pinned host bytes per device, notes) of `request.offload`: XLA:GPU's count where the compiler tells host
+    memory apart; else the offloaded state's bytes, which XLA:CPU counts in the device's total as well (the step
+    moves that state onto the device, so it is there at the peak)."""
+    if request.mode != "train" or request.offload is None:
+        return 0, []
+    if step.memory.host_total:
+        return step.memory.host_total, []
+    parameters, optimizer = offload_memory_kinds(request.offload)
+    host = (state.parameters if parameters else 0) + (state.optimizer if optimizer else 0)
+    return host, ["XLA:CPU counts the offloaded state in the device's total, where the step moves it for the step; "
+                  "XLA:GPU also keeps the update's copies there (--compiler target shows its peak)"]
 
 
 def _uncompiled(candidate: Candidate, state, request, usable, why: str = "",
@@ -220,7 +235,7 @@ def plan_layouts(config, *, devices: int, batch_size: int = 8, seq_len: int = 20
                  progress: Callable[[str], None] | None = None, include: Callable[[Layout], bool] | None = None,
                  compiler: str | None = None, compile_workers: int | None = None, **settings) -> LayoutPlan:
     """Plan `config` (a config.json path, checkpoint directory or dict) on `devices` devices. settings: the
-    `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len).
+    `PlanRequest` fields (dtype, optimizer, mixed_precision, grad_accum, remat, max_slots, max_model_len, offload).
     compile_floor: compile the floor (`compile_order`: the `floor_guesses` best guesses and one layout of every
     family) even after `time_budget` (`max_compiles` still caps); with `time_budget=0`, the floor alone.
     Layouts an earlier plan compiled are read from `cache` whatever the budget.

@@ -41,15 +41,19 @@ def _total(estimate, unit: int) -> str:
 
 
 def ranking_table(plan: LayoutPlan, top: int) -> str:
+    """One row per layout; with offloaded state (`PlanRequest.offload`), its pinned host bytes after the device's
+    total."""
     name, unit = memory_unit(plan)
-    rows = [(*COLUMNS[:-2], f"total {name}", COLUMNS[-1])]
+    offloaded = plan.request.offload is not None
+    rows = [(*COLUMNS[:-2], f"total {name}", *((f"host {name}",) if offloaded else ()), COLUMNS[-1])]
     for estimate in plan.estimates[:top]:
         memory = estimate.memory
         rows.append((str(estimate.rank), estimate.layout.name, FITS_TEXT[estimate.fits],
                      _seconds(estimate.step_seconds), *(_gib(value, unit) for value in (
                          memory.parameters, memory.gradients, memory.optimizer, memory.activations,
-                         memory.temporaries)), _total(estimate, unit), estimate.why))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
+                         memory.temporaries)), _total(estimate, unit),
+                     *((_gib(memory.host, unit),) if offloaded else ()), estimate.why))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
                      for row in rows)
 
