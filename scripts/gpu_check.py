@@ -20,7 +20,12 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
   5. offload: the train step with its state in host memory between steps (none, optimizer, all): the device's
      and the host's bytes at the step's peak (XLA's memory analysis) and the step's time;
   6. serving: continuous batching (`ServingEngine`, 32 slots, 96 requests of 32-512 prompt and 32-256
-     new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s.
+     new tokens, bf16, --layers layers) against static `generate` batches of the same requests, tokens/s;
+  7. speculation: the same engine with n-gram speculation (4 drafts) and without, on 8 slots of prompts that
+     repeat a segment (so prompt lookup finds drafts): tokens/s of each, the acceptance, whether the greedy
+     tokens agree, and the time of a verification step against a decode step: on a GPU, where a decode step is
+     bound by its weights' bytes, a verification of 5 tokens a row should cost little more than one decode
+     (on this project's 2-core CPU it costs about 2x, which caps what speculation can win there).
 `--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
 of scripts/fetch_gpu_wheels.sh, with tokamax importable (device and CPU results agreed exactly both times).
@@ -70,7 +75,7 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
 
 
 
-SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "offload", "serving")
+SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "offload", "serving", "speculation")
 
 
 def backends() -> list[str]:
@@ -392,6 +397,59 @@ def serving(config: dict, layers: int, requests: int, slots: int, small: bool, r
     return result
 
 
+def speculation(config: dict, layers: int, requests: int, small: bool, report) -> dict:
+    """`ServingEngine` with n-gram speculation (4 drafts) and without, bf16, 8 slots: tokens/s, acceptance, greedy
+    agreement, and the mean time of each kind of step (decode, verify), timed one step at a time."""
+    from moe_jax.inference import ContinuousBatchingConfig, Request, RequestSettings, ServingEngine
+
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1],
+                                dtype=jnp.bfloat16)
+    model.init_params(seed=0)
+    rng = np.random.default_rng(7)
+    segment, repeats, new = (8, 3, 16) if small else (48, 4, 128)
+    work = [(np.tile(rng.integers(3, config["vocab_size"], segment), repeats).tolist(), new) for _ in range(requests)]
+    length = segment * repeats + new + 8
+    results, tokens_by_mode = {}, {}
+    for mode in (None, "ngram"):
+        engine = ServingEngine(model, ContinuousBatchingConfig(
+            max_slots=8, page_size=16 if small else 64, max_model_len=length, prefill_chunk=min(256, length),
+            speculative=mode, num_speculative_tokens=4))
+        engine.compile_all()
+
+        def run(tag: str) -> tuple[float, dict, dict]:
+            for i, (prompt, count) in enumerate(work):
+                engine.add(Request(f"{tag}{i}", prompt, RequestSettings(max_new_tokens=count)))
+            times, tokens, start = {}, {}, time.perf_counter()
+            while engine.has_work():
+                before, began = dict(engine.steps), time.perf_counter()
+                for event in engine.step():
+                    tokens.setdefault(event.request.request_id, []).extend(event.new_tokens)
+                kinds = [kind for kind, count in engine.steps.items() if count > before.get(kind, 0)]
+                times.setdefault("+".join(sorted(kinds)), []).append(time.perf_counter() - began)
+            return time.perf_counter() - start, times, tokens
+
+        run("warm")
+        seconds, times, tokens = run("timed")
+        generated = sum(len(ids) for ids in tokens.values())
+        name = mode or "off"
+        tokens_by_mode[name] = [tokens[f"timed{i}"] for i in range(len(work))]
+        results[name] = {"tokens_per_s": generated / seconds, "acceptance": getattr(engine, "acceptance_rate", None),
+                         "step_ms": {kind: 1e3 * statistics.median(values) for kind, values in times.items()},
+                         "steps": {kind: len(values) for kind, values in times.items()}}
+        report(f"  speculative {name}: {results[name]['tokens_per_s']:.0f} tokens/s; median ms per step "
+               + ", ".join(f"{kind} {ms:.2f} (x{results[name]['steps'][kind]})"
+                           for kind, ms in results[name]["step_ms"].items())
+               + (f"; acceptance {results[name]['acceptance']:.2f}" if mode else ""))
+    verify, decode = results["ngram"]["step_ms"].get("verify"), results["off"]["step_ms"].get("decode")
+    results["speedup"] = results["ngram"]["tokens_per_s"] / results["off"]["tokens_per_s"]
+    results["verify_over_decode"] = None if verify is None or decode is None else verify / decode
+    results["greedy_tokens_equal"] = tokens_by_mode["ngram"] == tokens_by_mode["off"]
+    report(f"  ngram / off {results['speedup']:.2f}x; a verify step costs "
+           + ("-" if results["verify_over_decode"] is None else f"{results['verify_over_decode']:.2f}x")
+           + f" a decode step; greedy tokens equal: {results['greedy_tokens_equal']}")
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="directory for gpu_check.json and gpu_check.txt")
@@ -432,7 +490,9 @@ def main() -> int:
                                                         report)),
                       ("offload", lambda: offload(config, args.layers, args.batch, args.seq, args.repeats, report)),
                       ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
-                                                  4 if args.small else 32, args.small, report))]
+                                                  4 if args.small else 32, args.small, report)),
+                      ("speculation", lambda: speculation(config, args.layers, 8 if args.small else 32, args.small,
+                                                          report))]
     failed = False
     for name, run in sections:
         if name not in only:

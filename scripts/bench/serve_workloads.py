@@ -14,14 +14,14 @@ static and reference sides replay.
 - multi-turn: `turns` turns per conversation, each a user message of `prompt` tokens and an answer of `output`.
 - code-edit: one turn: an instruction (8-16 tokens) then a "file" of `prompt` tokens with repetitive structure
   (functions sharing one skeleton, their identifiers drawn per function), for n-gram (prompt lookup) speculative
-  decoding. A request asks for `output` tokens; a model trained on code would copy long spans of the file there,
-  but the random-weight checkpoint's greedy output does not follow the prompt, so what speculation's proposals
-  find here is the file's own repeats and whatever loops the model falls into: the acceptance the server reports
-  on this checkpoint is a property of the random model, not a forecast for real models. bench_serve prints the
-  server's speculative-decoding metrics (moe_jax_spec_*, verify steps; `--server-flags="--speculative ngram"`)
-  and what 3-gram prompt lookup would have proposed on the answers given (`lookup_hits`): an estimate, made at
-  the client, of how often these answers let a proposal be accepted (the server's proposer matches other n-gram
-  lengths too and proposes several tokens).
+  decoding. A request asks for `output` tokens; a model trained on code would copy long spans of the file there.
+  A random-weight checkpoint's greedy output does not follow the prompt (what speculation finds there is the
+  file's own repeats and the loops the model falls into), so bench_serve's `--size copy --copy-steps 150` first
+  trains the checkpoint to copy what it has seen (copy_model.py): its answers then continue the file's pattern, as
+  a code model's do. bench_serve prints the server's speculative-decoding metrics (moe_jax_spec_*, verify steps;
+  `--server-flags="--speculative ngram"`) and what 3-gram prompt lookup would have proposed on the answers given
+  (`lookup_hits`): an estimate, made at the client, of how often these answers let a proposal be accepted (the
+  server's proposer matches other n-gram lengths too and proposes several tokens).
 
 Lengths are drawn from `seed` alone; token ids from (`seed`, the pass), so every timed pass does the same work on
 fresh prompts and none meets the prefix cache's pages of an earlier pass (the warm-up is pass -1), except the
