@@ -167,7 +167,8 @@ def run_auto(args: argparse.Namespace) -> int:
         progress=progress_printer(start),
         dtype=args.dtype, optimizer=args.optimizer or "adamw", mixed_precision=args.mixed_precision,
         grad_accum=args.grad_accum, remat=args.remat, max_slots=args.max_slots, max_model_len=args.max_model_len,
-        offload=offload_from_flags(args), compiler=args.compiler, compile_workers=args.compile_workers or default_compile_workers())
+        offload=offload_from_flags(args), compiler=args.compiler,
+        compile_workers=args.compile_workers or default_compile_workers())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(ranking_report(plan, model=args.model, top=args.top))

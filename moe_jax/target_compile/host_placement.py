@@ -63,9 +63,9 @@ def place_on_host(lowered, *, host_arguments: Iterable[int], host_results: Itera
                   argument_count: int | None = None):
     """A copy of `lowered` (a `jax.stages.Lowered`, left as it is: JAX caches it) whose flat arguments
     `host_arguments` and results `host_results` are declared in pinned host memory, each argument moved to the
-    device where the program starts (as the train step moves it) and each result moved to the host before it returns; compile it as any
-    lowered program. argument_count: the flat arguments the caller counted; a program that dropped unused ones
-    (so indices would shift) is refused."""
+    device where the program starts (as the train step moves it) and each result moved to the host before it
+    returns; compile it as any lowered program. argument_count: the flat arguments the caller counted; a program
+    that dropped unused ones (so indices would shift) is refused."""
     from jaxlib.mlir import ir
 
     original = lowered.compiler_ir("stablehlo")
