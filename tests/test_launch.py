@@ -273,6 +273,36 @@ def test_processes_that_end_on_their_own_after_sigterm_make_the_launcher_exit_0(
     assert "moe-jax launch: got SIGTERM; every process stopped on its own and exited 0." in stderr
 
 
+def test_a_signal_that_comes_while_a_process_starts_reaches_it_too(tmp_path, monkeypatch):
+    """The launcher's handler runs between any two of its bytecodes: here after the second process has started
+    but before the launcher lists it (what a loaded machine made of the test above). It must reach that process
+    too, or the launcher waits out its grace and kills a process that would have stopped on its own."""
+    import io
+
+    from moe_jax.cli import launch as launcher
+
+    script = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+              f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close(); time.sleep(600)")
+    start = launcher._start
+
+    def start_then_signalled(command, index, *args, **kwargs):
+        child = start(command, index, *args, **kwargs)
+        ready = time.monotonic() + 60
+        while not (tmp_path / str(child.process.pid)).exists() and time.monotonic() < ready:
+            time.sleep(0.01)   # its handler is installed
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)   # handled here, before the launcher lists the process
+        return child
+
+    monkeypatch.setattr(launcher, "_start", start_then_signalled)
+    stderr = io.BytesIO()
+    began = time.monotonic()
+    code = launcher.launch([sys.executable, "-c", script], 2, grace_s=20, stdout=io.BytesIO(), stderr=stderr)
+    assert code == 0, stderr.getvalue()[-3000:]
+    assert b"every process stopped on its own and exited 0" in stderr.getvalue()
+    assert time.monotonic() - began < 15        # neither waited out the grace
+
+
 @pytest.mark.heavy
 def test_a_two_process_training_run_sent_sigterm_saves_one_step_and_the_same_command_continues_bit_exactly(
         tmp_path):

@@ -187,17 +187,30 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_process: int | Non
     received: list[int] = []  # signals the launcher got
     previous_handlers = {}
 
+    forwarded: set[int] = set()  # the processes the first signal has reached
+
+    def forward(child: _Child, signum: int) -> None:
+        forwarded.add(child.index)
+        _signal_group(child, signum)
+
     def on_signal(signum, frame):
         # Forwarded at once; the wait below then ends and stops every process. A second signal is SIGKILL.
         received.append(signum)
         for child in children:
-            _signal_group(child, signum if len(received) == 1 else signal.SIGKILL)
+            forward(child, signum if len(received) == 1 else signal.SIGKILL)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous_handlers[signum] = signal.signal(signum, on_signal)
     try:
         for index, environ in enumerate(environs):
-            children.append(_start(command, index, environ, stdout, stderr, lock, verbose))
+            if received:   # stopped while starting: the rest are not started
+                break
+            child = _start(command, index, environ, stdout, stderr, lock, verbose)
+            children.append(child)
+            # The handler runs between any two bytecodes: one that ran after this process started but before it
+            # was listed did not reach it (it printed and waited, and the launcher waited out its grace).
+            if received and child.index not in forwarded:
+                forward(child, received[0])
         failed = _wait_for_first_failure(children, received, Path(reports))
         if failed is None and received and _ended_on_their_own(children, grace_s):
             for child in children:
