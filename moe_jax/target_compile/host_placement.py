@@ -34,8 +34,9 @@ def lower_train_step(step, state, batch: dict):
     if step.memory_kind is None or not step.model.compiles_only:
         return lowered
     offloaded = offloaded_leaves(state, step.memory_kind)
+    frozen = () if step.trainable.everything else (step.frozen(),)   # the step's third argument, when it has one
     return place_on_host(lowered, host_arguments=offloaded, host_results=offloaded,
-                         argument_count=len(jax.tree.leaves((state, batch))))
+                         argument_count=len(jax.tree.leaves((state, batch, *frozen))))
 
 
 def offloaded_leaves(state, memory_kinds: tuple[str | None, str | None]) -> list[int]:
