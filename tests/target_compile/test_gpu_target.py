@@ -251,3 +251,17 @@ def test_the_placement_written_for_abstract_gpus_is_what_jax_writes_for_a_gpu(of
     parts = ("opt_state",) if offload == "optimizer" else ("params", "opt_state")
     in_parts = len(jax.tree.leaves([getattr(state, part) for part in parts]))
     assert moved(by_jax, "device") == (len(jax_results) - len(leaves)) + in_parts
+
+
+def test_an_adapters_offloaded_optimizer_state_compiles_for_h100_beside_its_frozen_base():
+    from moe_jax.lora import LoraConfig
+    from moe_jax.planning.compiled_step import CompiledMemory
+    from moe_jax.target_compile.programs import train_program
+
+    model = AutoModelForCausalLM.from_config(dict(DEMO_CONFIG), DistributedConfig(fsdp_size=2, ep_size=2),
+                                             devices=target_devices("h100", 2))
+    model.params = model.abstract_params()
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))   # the base: the step's third argument
+    memory = CompiledMemory.of(train_program(model, PlanRequest(batch_size=4, seq_len=16,
+                                                                offload="optimizer")).compile())
+    assert 0 < memory.host_argument == memory.host_output == memory.host_alias
