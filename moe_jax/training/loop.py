@@ -18,7 +18,8 @@ resume exact: the state's `data_position` is the index of the next batch.
 With redundant expert slots, `rebalance_every=N` re-places the experts after every N-th step (host side, between
 steps, the queue drained as for a save): `placement_search.searched_placement` (EPLB's, or better where a few
 experts take most tokens) of the real tokens each expert got in the last N
-applied steps (the state's `expert_load_window`, summed by the step itself, in logical expert ids whatever the
+applied steps (the state's `expert_load_window`, added up by the step itself, each step counting
+`step.LOAD_WINDOW_DECAY` of the one after it, in logical expert ids whatever the
 placement each step ran), which the following steps run as an input of the same program; a layer keeps its
 placement where the new one would not give that window's busiest rank less (`eplb.better_placement`). The
 placement and the window are in the state, so checkpoints resume them exactly.

@@ -13,7 +13,8 @@ clears it and replays from the overflowed step at a larger capacity (`moe_jax.tr
 
 With redundant expert slots (`num_redundant_experts`) the state also holds the `ExpertPlacement` the step runs
 (an input: the loop re-places between steps without recompiling) and `expert_load_window`, the `expert_load`
-summed since the last re-placement (`TrainLoop(rebalance_every=)`), so a checkpoint resumes both.
+added up since the last re-placement, each step counting `step.LOAD_WINDOW_DECAY` of the next one
+(`TrainLoop(rebalance_every=)`), so a checkpoint resumes both.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class TrainState:
     data_position: batches consumed (int32; a replayed batch counts once); skipping: the sticky overflow
     flag (bool); capacity: the dispatch capacity in force (static; None without dispatch buffers);
     expert_placement: the `ExpertPlacement` the step runs, and expert_load_window: float32 [sparse layers, E], the
-    real tokens per expert since the last re-placement (both None without redundant expert slots)."""
+    real tokens per expert since the last re-placement, the latest step weighing most (both None without redundant
+    expert slots)."""
 
     step: jax.Array
     params: dict[str, jax.Array]

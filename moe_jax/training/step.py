@@ -55,6 +55,9 @@ from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).
 LOAD_METRICS = ("expert_load", "ep_rank_load")
+# What the load window keeps of itself at each applied step: the latest step weighs most in the next re-placement,
+# since a router that trains moves its load from batch to batch (docs/training.md, "Expert load balance").
+LOAD_WINDOW_DECAY = 0.25
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
@@ -343,7 +346,8 @@ class TrainStep:
             data_position=state.data_position + one,
             skipping=(state.skipping | overflowed) if check_overflow else state.skipping,
             **({} if state.expert_load_window is None else   # what TrainLoop(rebalance_every=) re-places from
-               {"expert_load_window": state.expert_load_window + totals["expert_load"] * one}),
+               {"expert_load_window": state.expert_load_window * jnp.where(applied, LOAD_WINDOW_DECAY, 1.0)
+                + totals["expert_load"] * one}),
         )
         ce_loss = totals["ce_sum"] / total_tokens
         aux_loss = totals["aux_sum"] / options.grad_accum

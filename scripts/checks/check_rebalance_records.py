@@ -4,7 +4,8 @@
     python scripts/checks/check_rebalance_records.py run.jsonl --num-redundant-experts 8
 
 Replays the loop's re-placements from the records (the identity placement first; at each `rebalanced` step the
-`searched_placement` of the window's summed `expert_load`, kept per layer only where better, as `TrainLoop` does)
+`searched_placement` of the window's `expert_load`, each step's decayed by the next as the train step does
+(`LOAD_WINDOW_DECAY`), kept per layer only where better, as `TrainLoop` does)
 and prints per step and sparse layer the busiest rank's share (max / mean of the ranks' pairs):
 
     actual     the step's `ep_rank_load`
@@ -32,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from moe_jax.distributed.eplb import expected_rank_load, identity_placement  # noqa: E402
 from moe_jax.distributed.placement_search import replacement, searched_placement  # noqa: E402
+from moe_jax.training.step import LOAD_WINDOW_DECAY  # noqa: E402
 
 
 def share(rank_load) -> np.ndarray:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{record['step']:4d}  " + "  ".join(" / ".join(f"{column[i]:.2f}" for column in columns)
                                                for i in range(layers)) + f"  {moved}"
               + ("  re-placed" if record.get("rebalanced") else ""))
-        window += load
+        window = window * LOAD_WINDOW_DECAY + load
         if record.get("rebalanced"):
             placement = replacement(placement, window, num_redundant_experts=redundant, ep_size=ep)
             last_window, window = window, np.zeros_like(window)

@@ -1,5 +1,6 @@
 """Redundant expert slots in training: the placement is an input of the train step held in its state (re-placing
-compiles nothing), `TrainLoop(rebalance_every=N)` re-places from the last N steps' expert load, and a checkpoint
+compiles nothing), `TrainLoop(rebalance_every=N)` re-places from the last N steps' expert load (the latest weighing
+most), and a checkpoint
 resumes placement and load window bit-exactly; the command line's flags and errors (serving's re-placement:
 tests/distributed/test_redundant_experts.py)."""
 
@@ -17,6 +18,7 @@ from moe_jax.distributed.placement_search import searched_placement
 from moe_jax.training import make_train_step
 from moe_jax.training.checkpoints import TrainCheckpoints
 from moe_jax.training.loop import TrainLoop
+from moe_jax.training.step import LOAD_WINDOW_DECAY
 
 from ..distributed.test_redundant_experts import imbalance, skewed_batch
 from ..models.test_apply import count_compilations
@@ -54,8 +56,8 @@ def test_rebalancing_compiles_nothing_and_a_resume_continues_bit_exactly(tmp_pat
     assert not np.asarray(final.expert_load_window).any()                    # zeroed by the last re-placement
 
     resumed, capacity_state = checkpoints.restore(2)
-    # The state after step 2 runs the placement balanced from steps 1 and 2's expert load.
-    load = np.add(records[0]["expert_load"], records[1]["expert_load"])
+    # The state after step 2 runs the placement balanced from steps 1 and 2's expert load, the latest weighing most.
+    load = np.add(np.multiply(records[0]["expert_load"], LOAD_WINDOW_DECAY), records[1]["expert_load"])
     np.testing.assert_array_equal(resumed.expert_placement.physical_to_logical,
                                   searched_placement(load, num_redundant_experts=8, ep_size=8).physical_to_logical)
     again, _ = TrainLoop(train_step, SkewedBatches(), rebalance_every=2).run(resumed, 4, capacity_state)
