@@ -203,17 +203,25 @@ def _host_bytes(step, state, request) -> tuple[int, list[str]]:
         return 0, []
     if step.memory.host_total:
         return step.memory.host_total, []
+    return _offloaded_state(state, request), [
+        "XLA:CPU counts the offloaded state in the device's total, where the step moves it for the step; XLA:GPU "
+        "also keeps the update's copies there (--compiler target shows its peak)"]
+
+
+def _offloaded_state(state, request) -> int:
+    """The bytes per device of the state `request.offload` keeps in host memory between steps (0 without)."""
+    if request.mode != "train" or request.offload is None:
+        return 0
     parameters, optimizer = offload_memory_kinds(request.offload)
-    host = (state.parameters if parameters else 0) + (state.optimizer if optimizer else 0)
-    return host, ["XLA:CPU counts the offloaded state in the device's total, where the step moves it for the step; "
-                  "XLA:GPU also keeps the update's copies there (--compiler target shows its peak)"]
+    return (state.parameters if parameters else 0) + (state.optimizer if optimizer else 0)
 
 
 def _uncompiled(candidate: Candidate, state, request, usable, why: str = "",
                 guess: float | None = None) -> LayoutEstimate:
     optimizer = state.optimizer if request.mode == "train" else 0
     gradients = state.gradients if request.mode == "train" else 0
-    memory = MemoryBreakdown(state.parameters, gradients, optimizer, None, None, state.parameters + optimizer + gradients)
+    memory = MemoryBreakdown(state.parameters, gradients, optimizer, None, None, state.parameters + optimizer + gradients,
+                             _offloaded_state(state, request))
     return LayoutEstimate(candidate.layout, memory, usable, why=why, guess_seconds=guess,
                           activation_guess_bytes=activation_bytes_guess(candidate, request))
 
