@@ -75,6 +75,8 @@ TESTS = {
     "inference.step_inputs": ("tests/inference/test_continuous.py",),
     "inference.step_programs": ("tests/inference/test_continuous.py",),
     "kv_cache.paged": ("tests/kv_cache/test_paged.py", "tests/inference/test_continuous.py"),
+    "kv_cache.page_book": ("tests/kv_cache/test_page_book.py", "tests/kv_cache/test_paged.py",
+                           "tests/inference/test_continuous.py"),
     "inference.sampling": ("tests/inference/test_sampling.py", "tests/inference/test_continuous.py",
                            "tests/inference/test_generate.py"),
     "inference.generate": ("tests/inference/test_generate.py",),
@@ -86,6 +88,9 @@ TESTS = {
     "training.corpus": ("tests/training/test_evaluation.py", "tests/training/test_corpus.py"),
     "models.pipeline": ("tests/models/test_pipeline.py",),
     "distributed.capacity": ("tests/distributed/test_capacity.py",),
+    "target_compile.host_placement": ("tests/target_compile/test_host_placement.py",),
+    "training.step": ("tests/training/test_rebalance.py",),
+    "cli.launch": ("tests/test_launch.py",),
 }
 
 
@@ -126,8 +131,8 @@ SLIPS: list[Slip] = [
     slip("inference.step_inputs", 'floats = np.stack([inputs["temperature"], inputs["top_p"]], axis=1)',
          'floats = np.stack([inputs["top_p"], inputs["temperature"]], axis=1)',
          "temperature and top_p swapped in the step's float inputs"),
-    slip("inference.scheduler", "write_sampling(inputs, row, request.settings, len(request.output.generated_tokens))",
-         "write_sampling(inputs, row, request.settings, len(request.prompt_ids))",
+    slip("inference.scheduler", "write_sampling(inputs, row, request.settings, len(request.output.generated_tokens),",
+         "write_sampling(inputs, row, request.settings, len(request.prompt_ids),",
          "every token of a request drawn with one key (the counter from the prompt length)"),
     slip("inference.step_inputs", 'inputs["top_k"][row] = settings.top_k or 0', 'inputs["top_k"][row] = 0',
          "a request's top_k never reaches the step"),
@@ -148,15 +153,16 @@ SLIPS: list[Slip] = [
          "self.book.release(request.group, request.pages[1:])", "a finished request keeps its first page"),
 
     # ---- inference: the page book --------------------------------------------------------------------------------
-    slip("kv_cache.paged", "if count > len(free):", "if count >= len(free):",
+    slip("kv_cache.page_book", "if count < 0 or count > available:", "if count < 0 or count >= available:",
          "a request needing exactly the free pages waits"),
-    slip("kv_cache.paged", "return -(-tokens // self.page_size)", "return tokens // self.page_size",
+    slip("kv_cache.page_book", "return -(-tokens // self.page_size)", "return tokens // self.page_size",
          "pages for a request by floor division"),
-    slip("kv_cache.paged", "self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]",
+    slip("kv_cache.page_book", "self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]",
          "self._free = [list(range(pages_per_group - 1, -1, -1))] * groups",
          "every data-parallel group shares one free list"),
-    slip("kv_cache.paged", "if len(free) + len(pages) > self.pages_per_group or set(pages) & set(free):",
-         "if len(free) + len(pages) > self.pages_per_group:", "a page released twice goes unnoticed"),
+    slip("kv_cache.page_book",
+         "if any(page not in holders for page in pages) or len(set(pages)) != len(pages):",
+         "if any(page not in holders for page in pages):", "a page released twice in one call goes unnoticed"),
     slip("kv_cache.paged", "* jnp.dtype(dtype or model.dtype).itemsize", "* 2",
          "pool bytes assume 2-byte entries"),
 
@@ -206,8 +212,8 @@ SLIPS: list[Slip] = [
     slip("training.evaluation",
          'batch.get("attention_mask") if segments is None else segments,',
          "None if segments is None else segments,", "the eval loss ignores attention_mask (padding counted)"),
-    slip("training.evaluation", 'segment_ids=segments, positions=batch.get("positions"))',
-         'segment_ids=None, positions=batch.get("positions"))',
+    slip("training.evaluation", 'segment_ids=segments, positions=batch.get("positions"), adapter=adapter)',
+         'segment_ids=None, positions=batch.get("positions"), adapter=adapter)',
          "packed rows evaluated with attention across documents"),
     slip("training.evaluation", "total, tokens = total + ce_sum, tokens + predicted",
          "total, tokens = ce_sum, tokens + predicted", "the eval loss keeps only the last batch's sum"),
@@ -251,6 +257,21 @@ SLIPS: list[Slip] = [
     slip("distributed.capacity", "index = jnp.minimum(jnp.sum(busiest_rows > rows), len(ladder) - 1)",
          "index = jnp.minimum(jnp.sum(busiest_rows >= rows), len(ladder) - 1)",
          "a call filling a rung's buffers exactly requires the next rung"),
+
+    # ---- target compile: host offload written for abstract GPUs --------------------------------------------------
+    slip("target_compile.host_placement", 'moved = _placement(argument, "device", ir.InsertionPoint(start))',
+         'moved = _placement(argument, HOST_MEMORY, ir.InsertionPoint(start))',
+         "an offloaded argument is never moved to the device (a second move to the host)"),
+    slip("target_compile.host_placement", "and parameter_sharding_of(path[1:], leaf, names, shapes, False))",
+         ")", "the optimizer's replicated count is declared in host memory with the moments"),
+    slip("target_compile.host_placement", "module = ir.Module.parse(original.operation.get_asm(enable_debug_info=True))",
+         "module = original", "the lowered program JAX caches is patched in place, not a copy"),
+
+    # ---- training: the expert load window, the launcher's signals ------------------------------------------------
+    slip("training.step", "state.expert_load_window * jnp.where(applied, LOAD_WINDOW_DECAY, 1.0)",
+         "state.expert_load_window", "the load window sums its steps (the latest no longer weighs most)"),
+    slip("cli.launch", "            if received and child.index not in forwarded:\n                forward(child, received[0])\n",
+         "", "a signal handled while a process starts never reaches it"),
 ]
 
 

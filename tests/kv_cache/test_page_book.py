@@ -79,3 +79,13 @@ def test_without_caching_nothing_is_matched_and_released_pages_are_free():
     assert book.match(0, [digest]) == [] and book.cached_pages() == 0 and book.free_pages() == 2
     with pytest.raises(RuntimeError, match="released twice"):
         book.release(0, pages)
+
+
+def test_a_page_named_twice_in_one_release_is_refused_and_nothing_is_freed():
+    book = PageBook(groups=1, pages_per_group=4, page_size=2)
+    pages = book.allocate(0, 4)                      # two pages, the one holder of each
+    with pytest.raises(RuntimeError, match="released twice"):
+        book.release(0, [pages[0], pages[0]])        # would drop the holder below zero, freeing it twice
+    assert book.free_pages() == 2
+    book.release(0, pages)
+    assert book.free_pages() == 4
