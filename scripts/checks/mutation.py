@@ -91,6 +91,12 @@ TESTS = {
     "target_compile.host_placement": ("tests/target_compile/test_host_placement.py",),
     "training.step": ("tests/training/test_rebalance.py",),
     "cli.launch": ("tests/test_launch.py",),
+    "distributed.eplb": ("tests/distributed/test_eplb.py", "tests/training/test_rebalance.py"),
+    "training.memory": ("tests/test_cli.py",),
+    "planning.estimate": ("tests/planning/test_plan_arithmetic.py", "tests/planning/test_search.py"),
+    "training.preemption": ("tests/training/test_train_job.py", "tests/training/test_checkpoints.py"),
+    "inference.speculative": ("tests/inference/test_speculative.py",),
+    "inference.prefix_cache": ("tests/inference/test_prefix_caching.py",),
 }
 
 
@@ -272,6 +278,31 @@ SLIPS: list[Slip] = [
          "state.expert_load_window", "the load window sums its steps (the latest no longer weighs most)"),
     slip("cli.launch", "            if received and child.index not in forwarded:\n                forward(child, received[0])\n",
          "", "a signal handled while a process starts never reaches it"),
+
+    # ---- expert placement, the train state's memory, the planner's ranking, preemption ---------------------------
+    slip("distributed.eplb", "takes = busiest[1] < busiest[0] * (1 - 1e-9)", "takes = busiest[1] <= busiest[0]",
+         "a re-placement that ties the placement in force moves slots anyway"),
+    slip("distributed.eplb", "replica = jnp.remainder(positions[:, None], count[ids])", "replica = jnp.zeros_like(ids)",
+         "every token of a replicated expert goes to its first replica"),
+    slip("training.memory", "host = (parameters if kinds[0] else 0) + (memory.per_device[\"optimizer state\"] if kinds[1] else 0)",
+         "host = (parameters if kinds[1] else 0) + (memory.per_device[\"optimizer state\"] if kinds[0] else 0)",
+         "--offload-optimizer counts the parameters in host memory, and the other way round"),
+    slip("planning.estimate", "return (0, self.step_seconds, self.memory.total)",
+         "return (0, self.memory.total, self.step_seconds)", "fitting layouts ranked by memory, not step time"),
+    slip("training.preemption", "        return self.signal_name is not None\n", "        return False\n",
+         "a one-process run never stops at the step boundary after a signal"),
+
+    # ---- serving: speculative decoding's acceptance, prefix caching's keys ---------------------------------------
+    slip("inference.speculative", "accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)",
+         "accepted = jnp.sum(accept, axis=1)", "drafts after a rejected one still accepted"),
+    slip("inference.speculative", "tokens = jnp.where(jnp.arange(length)[None, :] <= accepted[:, None], drawn, -1)",
+         "tokens = jnp.where(jnp.arange(length)[None, :] < accepted[:, None], drawn, -1)",
+         "the target's own token after the accepted drafts dropped"),
+    slip("inference.prefix_cache", "reusable = (len(request.prompt_ids) - 1) // self.page_size",
+         "reusable = len(request.prompt_ids) // self.page_size",
+         "a prompt whose last token ends a page takes that page from the cache (nothing left to prefill)"),
+    slip("inference.prefix_cache", 'f"\\x01adapter {adapter}" if adapter else None,', "None,",
+         "one adapter's cached pages served to another adapter's requests"),
 ]
 
 

@@ -24,6 +24,25 @@ def prefill_starts(step: FakeStep, request_index_row: int = 0) -> list[int]:
             if kind in ("prefill", "mixed") and inputs["mask"][request_index_row].sum() > 1]
 
 
+def test_each_adapter_and_each_weights_version_has_its_own_digests_and_the_last_token_is_never_cached():
+    """A page's keys and values depend on the adapter that computed them and on the weights: one adapter's (or the
+    base's, or older weights') pages never serve another's request (many-adapter serving shares one page book)."""
+    from moe_jax.inference.prefix_cache import PrefixCache
+    from moe_jax.kv_cache import PageBook
+
+    prefix = PrefixCache(PageBook(groups=1, pages_per_group=8, page_size=4), page_size=4, enabled=True, namespace="m")
+
+    def digests(adapter: int) -> list[bytes]:
+        return prefix.reusable(Request(f"r{adapter}", SYSTEM + [1], RequestSettings(max_new_tokens=1, adapter=adapter)))
+
+    base, sql, chat = digests(0), digests(1), digests(2)
+    assert len(base) == 3 and len({base[0], sql[0], chat[0]}) == 3 and digests(1) == sql
+    prefix.new_weights()
+    assert digests(1)[0] != sql[0]
+    # a prompt that fills its last page exactly offers one page fewer: its last token is prefilled to sample from
+    assert len(prefix.reusable(Request("full", SYSTEM, RequestSettings(max_new_tokens=1)))) == 2
+
+
 def test_a_later_request_reuses_the_cached_prefix_pages_and_prefills_only_the_rest():
     step = FakeStep()
     engine = scheduler(step, max_slots=2, page_size=4, max_model_len=32, prefill_chunk=8, mixed_steps=False)
