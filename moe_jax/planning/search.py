@@ -199,11 +199,10 @@ def _host_bytes(step, state, request) -> tuple[int, list[str]]:
     """(pinned host bytes per device, notes) of `request.offload`: XLA:GPU's count where the compiler tells host
     memory apart; else the offloaded state's bytes, which XLA:CPU counts in the device's total as well (the step
     moves that state onto the device, so it is there at the peak)."""
-    if request.mode != "train" or request.offload is None:
-        return 0, []
-    if step.memory.host_total:
+    offloaded = _offloaded_state(state, request)
+    if not offloaded or step.memory.host_total:
         return step.memory.host_total, []
-    return _offloaded_state(state, request), [
+    return offloaded, [
         "XLA:CPU counts the offloaded state in the device's total, where the step moves it for the step; XLA:GPU "
         "also keeps the update's copies there (--compiler target shows its peak)"]
 
