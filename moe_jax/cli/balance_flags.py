@@ -5,13 +5,15 @@ multi-token-prediction loss flag (`moe_jax.training.mtp_loss`; off by default):
     moe-jax train ... --router-z-loss-coef 1e-3          # ST-MoE's router z-loss joins the loss
     moe-jax train ... --router-bias-update-rate 1e-3     # DeepSeek-V3: move the router bias toward balance
     moe-jax train ... --ep 8 --num-redundant-experts 8 --rebalance-every 100   # EPLB: replicas of busy experts
+    moe-jax train ... --rebalance-every 3 --rebalance-lookahead 3   # ... serving the next 3 batches' loads each
     moe-jax serve ... --ep 8 --num-redundant-experts 8 --rebalance-every 1000  # the same, every 1000 engine steps
     moe-jax train --model DeepSeek-V3/ ... --mtp-loss-coef 0.3   # DeepSeek-V3's MTP layers trained beside the model
 
 A negative value is refused with one `error:` line before anything starts; a bias update on a family without a
 router bias is refused, naming the families that have one, from config.json before any weight is read, and so is
 an aux loss for a family whose reference computes none;
---rebalance-every without --num-redundant-experts is refused before anything starts, and a number of redundant
+--rebalance-every without --num-redundant-experts (or --rebalance-lookahead without --rebalance-every) is refused
+before anything starts, and a number of redundant
 slots the layout cannot take when the model is built; an MTP loss for a model without MTP layers (a checkpoint
 that holds none) when the step is built.
 """
@@ -35,6 +37,10 @@ def add_balance_flags(parser: argparse.ArgumentParser) -> None:
                               "e_score_correction_bias) by GAMMA x sign(mean load - load) per expert: "
                               "aux-loss-free balancing (default 0: the bias stays as loaded)")
     add_slot_flags(balance)
+    balance.add_argument("--rebalance-lookahead", type=int, default=None, metavar="B",
+                         help="each re-placement also serves the next B batches' loads under the updated "
+                              "parameters: B forward passes per re-placement (default 1; B >= --rebalance-every: "
+                              "those loads alone; needs --rebalance-every)")
     parser.add_argument_group("multi-token prediction").add_argument(
         "--mtp-loss-coef", type=float, default=0.0, metavar="LAMBDA",
         help="add LAMBDA x the mean over depths of the multi-token-prediction layers' cross entropies (DeepSeek-V3's "
@@ -57,6 +63,13 @@ def check_balance_flags(args, config: dict) -> None:
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0 (0 turns it off).")
     check_slot_flags(args)
+    if args.rebalance_lookahead is not None:
+        if args.rebalance_lookahead < 1:
+            raise ValueError(f"--rebalance-lookahead {args.rebalance_lookahead} must be >= 1 (batches whose load a "
+                             "re-placement measures).")
+        if args.rebalance_every is None:
+            raise ValueError("--rebalance-lookahead sets what each re-placement measures: pass --rebalance-every N "
+                             "too.")
     check_router_bias(config, args.router_bias_update_rate)
     check_router_aux_loss(config, args.router_aux_loss_coef)
 

@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         train_step, data, on_step=progress, evaluate=evaluate,
         learning_rate=request.schedules[0] if callable(request.schedules[0]) else lambda step: request.schedules[0],
         should_evaluate=should_evaluate, rebalance_every=args.rebalance_every,
+        rebalance_lookahead=args.rebalance_lookahead or 1,
         should_save=lambda step: checkpoints is not None and (checkpoints.should_save(step) or step == args.steps),
         save=checkpoints.save if checkpoints is not None else None, preemption=preemption_from_flags(args),
         router_watch=RouterCollapseWatch(remedy=collapse_remedy(args, request.config), report=progress.warn),

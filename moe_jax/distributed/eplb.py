@@ -16,6 +16,7 @@ argument of a jitted step or a shard_map and changes without recompiling: the sh
     placement = better_placement(current, placement, expert_load, ep_size=8)   # per layer, never worse
     layer = placement.layer(i)                       # or jax.tree.map(lambda a: a[i], placement), or a scan
     slots = choose_replica(layer, expert_ids, token_positions)                # traceable, deterministic
+    slots = spread_replicas(layer, expert_ids, blocks=8)                      # each replica an even share
 
 `balanced_placement` is DeepSeek's expert-parallelism load balancer (EPLB), written from its description:
 replicate the experts with the highest load per replica, then pack the replicas onto ranks so that the ranks'
@@ -293,3 +294,28 @@ def choose_replica(placement_layer: ExpertPlacement, expert_ids, token_positions
     positions = jnp.asarray(token_positions, jnp.int32)
     replica = jnp.remainder(positions[:, None], count[ids])
     return where[ids, replica].astype(jnp.int32)
+
+
+def spread_replicas(placement_layer: ExpertPlacement, expert_ids, *, blocks: int = 1, real=None):
+    """The physical slot of each (token, expert) pair, every replica getting an even share of its expert's pairs:
+    expert_ids [N, K] (logical) -> [N, K] int32. Within each of `blocks` contiguous blocks of N / blocks tokens,
+    the pairs of expert e take its replicas in turn in row-major order (the j-th pair of e in block b goes to
+    replica (j + b) % replica_count[e]), so each replica gets its expert's pairs to within one per block wherever
+    the pairs sit (`choose_replica`'s split by position leaves a hot expert's replicas uneven by chance). real: [N],
+    1 for tokens that count (padding's pairs take their turns after the real ones). A sort within each block:
+    with the blocks the token shards of the experts' inputs, no device reads another's pairs."""
+    where = jnp.asarray(placement_layer.logical_to_physical)
+    count = jnp.asarray(placement_layer.replica_count)
+    ids = jnp.asarray(expert_ids, jnp.int32)
+    tokens, k = ids.shape
+    if blocks < 1 or tokens % blocks:
+        raise ValueError(f"{tokens} tokens cannot be cut into {blocks} equal blocks.")
+    padding = 0 if real is None else 1 - jnp.asarray(real, jnp.int32)[:, None]
+    key = (ids * 2 + padding).reshape(blocks, -1)                              # [blocks, N / blocks * K]
+    order = jnp.argsort(key, axis=1, stable=True)
+    ranked = jnp.take_along_axis(ids.reshape(blocks, -1), order, axis=1)      # each block's ids, sorted
+    first = jax.vmap(lambda row: jnp.searchsorted(row, row, side="left"))(ranked)
+    turn_sorted = jnp.arange(key.shape[1], dtype=jnp.int32)[None] - first.astype(jnp.int32)
+    turn = jnp.take_along_axis(turn_sorted, jnp.argsort(order, axis=1), axis=1).reshape(tokens, k)
+    block = (jnp.arange(tokens, dtype=jnp.int32) // (tokens // blocks))[:, None]
+    return where[ids, jnp.remainder(turn + block, count[ids])].astype(jnp.int32)

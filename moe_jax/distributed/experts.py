@@ -21,8 +21,8 @@ ep_size each; which logical expert each slot holds is one layer of an `ExpertPla
 (`moe_jax.distributed.eplb`), an input of the call (`params["placement"]`), so a new placement is new data, not a
 new program. Parameters stay per logical expert [E, ...]: the call gathers the physical weights
 `take(logical, physical_to_logical, axis=0)` (their gradient sums back into each logical expert through the
-gather) and sends each (token, k) pair to one replica of its expert (`choose_replica`, by the token's row in the
-call's global batch). LoRA factors of the experts are gathered per physical slot the same way.
+gather) and sends each (token, k) pair to one replica of its expert (`spread_replicas`: an expert's pairs take its
+replicas in turn within each token shard, so every replica gets an even share). LoRA factors of the experts are gathered per physical slot the same way.
 
 Several adapters on the experts (`AdapterRows` of a [K, E, ...] factor, `moe_jax.lora.AdapterSet`): the factors
 are folded (`ExpertAdapterRows`) and split by whole experts as their weights are, and each token's adapter index
@@ -32,6 +32,7 @@ the tokens by the EP implementation (its `adapter_index` keyword).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import chex
@@ -44,7 +45,7 @@ from ..ops.lora import AdapterRows, ExpertAdapterRows, LoraFactors
 from ..ops.routing import expert_load
 from ..ops.varying import vary_like
 from .capacity import CapacitySchedule, DispatchStatistics
-from .eplb import ExpertPlacement, check_num_redundant_experts, choose_replica
+from .eplb import ExpertPlacement, check_num_redundant_experts, spread_replicas
 from .expert_parallel import (
     EPImplementation,
     ExpertGroups,
@@ -188,7 +189,8 @@ class ShardedExperts:
         gathered = {name: jnp.take(array, slots, axis=0) for name, array in params.items() if name != "lora"}
         if params.get("lora"):
             gathered["lora"] = {name: _physical_factors(factors, slots) for name, factors in params["lora"].items()}
-        physical = choose_replica(placement, top_k_index, jnp.arange(top_k_index.shape[0], dtype=jnp.int32))
+        blocks = math.prod(self.layout.axis_sizes[axis] for axis in self.layout.token_axes)   # the token shards
+        physical = spread_replicas(placement, top_k_index, blocks=blocks, real=token_mask)
         real = jnp.ones(top_k_index.shape[:1], jnp.int32) if token_mask is None else token_mask
         rank_load = expert_load(physical // self.local_slots, real, self.layout.ep_size).astype(jnp.int32)
         return gathered, physical, rank_load

@@ -16,12 +16,14 @@ Data sources are indexable (`data.batch(index) -> {"input_ids": [B, S], ...}`), 
 resume exact: the state's `data_position` is the index of the next batch.
 
 With redundant expert slots, `rebalance_every=N` re-places the experts after every N-th step (host side, between
-steps, the queue drained as for a save): `placement_search.searched_placement` (EPLB's, or better where a few
-experts take most tokens) of the real tokens each expert got in the last N
-applied steps (the state's `expert_load_window`, added up by the step itself, each step counting
-`step.LOAD_WINDOW_DECAY` of the one after it, in logical expert ids whatever the
-placement each step ran), which the following steps run as an input of the same program; a layer keeps its
-placement where the new one would not give that window's busiest rank less (`eplb.better_placement`). The
+steps, the queue drained as for a save) for two loads at once (`placement_search.replacement`): the real tokens
+each expert got in the last N applied steps (the state's `expert_load_window`, added up by the step itself, each
+step counting `step.LOAD_WINDOW_DECAY` of the one after it, in logical expert ids whatever the placement each step
+ran) and the tokens the next batch sends each expert under the updated parameters (`load_probe.NextLoadProbe`: a
+forward pass of that batch; `rebalance_lookahead=B`: of the next B batches, and from B >= N on those loads alone).
+A router that trains moves its hot tokens between experts from step to step; the placement whose busiest rank is
+least under the worst of the loads serves the next step and the ones after it. The following steps run it as an
+input of the same program; a layer keeps its placement where the new one would not do better on those loads. The
 placement and the window are in the state, so checkpoints resume them exactly.
 """
 
@@ -40,6 +42,7 @@ import numpy as np
 from ..distributed.capacity import CapacitySchedule, CapacityState, CapacityTracker
 from ..distributed.placement_search import replacement
 from .data import place_batch
+from .load_probe import NextLoadProbe
 from .router_health import RouterCollapseWatch
 from .state import TrainState
 
@@ -76,7 +79,10 @@ class TrainLoop:
     checkpoints: a `TrainCheckpoints` (anything with should_save, save and wait): the defaults of
         `should_save` and `save`, and `run` waits for its last save before returning.
     rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module
-        docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True`.
+        docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True` and `rebalance_s`:
+        the seconds the re-placement took (the next batches' forward passes and the placement search).
+    rebalance_lookahead: the batches after a re-placement whose load under the updated parameters it serves, one
+        forward pass each (default 1); from `rebalance_every` on, those loads alone (no window).
     preemption: a `training.preemption.Preemption`: once it is `reached`, the loop dispatches no more steps,
         confirms those in flight, saves the last (`save`, when given) and returns; `preempted_at` is then that step.
     router_watch: called with each record before `on_step` (default: a `RouterCollapseWatch`, which warns once
@@ -90,13 +96,17 @@ class TrainLoop:
                  checkpoints=None, learning_rate: Callable[[int], float] | None = None,
                  evaluate: Callable[[int, TrainState], dict] | None = None,
                  should_evaluate: Callable[[int], bool] | None = None, rebalance_every: int | None = None,
-                 preemption=None, router_watch: Callable[[dict], Any] | None = None):
+                 rebalance_lookahead: int = 1, preemption=None, router_watch: Callable[[dict], Any] | None = None):
         if rebalance_every is not None and rebalance_every < 1:
             raise ValueError(f"rebalance_every={rebalance_every} must be >= 1 (steps between re-placements).")
+        if rebalance_lookahead < 1:
+            raise ValueError(f"rebalance_lookahead={rebalance_lookahead} must be >= 1 (batches whose load a "
+                             "re-placement measures).")
         if rebalance_every is not None and not train_step.model.num_redundant_experts:
             raise ValueError("rebalance_every re-places experts into redundant expert slots, and this model has none: "
                              "build it with num_redundant_experts=R (moe-jax train --num-redundant-experts R).")
-        self.rebalance_every = rebalance_every
+        self.rebalance_every, self.rebalance_lookahead = rebalance_every, rebalance_lookahead
+        self._next_load = None if rebalance_every is None else NextLoadProbe(train_step)
         self.train_step, self.data = train_step, data
         self.learning_rate = learning_rate
         self.evaluate = evaluate
@@ -173,8 +183,9 @@ class TrainLoop:
                 if tracker.capacity != state.capacity:
                     state = state.replace(capacity=tracker.capacity)
             if self._should_rebalance(step) and not pending:
-                state = self._rebalanced(state)
-                record["rebalanced"] = True
+                state = self._rebalanced(state, next_index)
+                last_confirmation, began = time.perf_counter(), last_confirmation   # not the next step's time
+                record.update(rebalanced=True, rebalance_s=last_confirmation - began)
             if self.evaluate is not None and self.should_evaluate(step) and not pending:
                 record.update(self.evaluate(step, state))
                 last_confirmation = time.perf_counter()   # the evaluation's time is not the next step's
@@ -203,16 +214,23 @@ class TrainLoop:
     def _should_rebalance(self, step: int) -> bool:
         return self.rebalance_every is not None and step % self.rebalance_every == 0
 
-    def _rebalanced(self, state: TrainState) -> TrainState:
-        """`state` running the balanced placement of its load window (per layer, where it gives the window's
-        busiest rank less than the placement in force: `placement_search.replacement`), the window zeroed (the model's
-        placement too, for what runs it after the loop)."""
+    def _rebalanced(self, state: TrainState, next_index: int) -> TrainState:
+        """`state` running the placement for its load window and batch `next_index`'s load under its parameters
+        (per layer, where it gives the busiest rank less than the placement in force under the worse of the two:
+        `placement_search.replacement`), the window zeroed (the model's placement too, for what runs it after the
+        loop)."""
         model = self.train_step.model
         window = state.expert_load_window
-        load, ep = np.asarray(jax.device_get(window)), model.layout.ep_size
+        upcoming = [self._next_load(state, place_batch(self.data, index, self.batch_sharding))
+                    for index in range(next_index, next_index + self.rebalance_lookahead)]
+        # The window speaks for the steps after the measured ones (none when they cover every step until the next
+        # re-placement).
+        if self.rebalance_lookahead < self.rebalance_every:
+            upcoming.insert(0, np.asarray(jax.device_get(window), np.float64))
+        loads = np.stack(upcoming)
         current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), state.expert_placement)
-        redundant = model.num_redundant_experts
-        placement = model.set_expert_placement(replacement(current, load, num_redundant_experts=redundant, ep_size=ep))
+        placement = model.set_expert_placement(replacement(
+            current, loads, num_redundant_experts=model.num_redundant_experts, ep_size=model.layout.ep_size))
         # A copy: the step donates its state, and the model keeps running its own placement after the loop.
         return state.replace(expert_placement=jax.tree.map(jnp.copy, placement),
                              expert_load_window=jax.device_put(jnp.zeros(window.shape, window.dtype), window.sharding))

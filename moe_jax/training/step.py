@@ -255,21 +255,7 @@ class TrainStep:
         shardings = self.shardings(state.capacity)
         params = self._on_device(state.params, shardings.params, 0)
         opt_state = self._on_device(state.opt_state, shardings.opt_state, 1)
-        input_ids = batch["input_ids"]
-        attention_mask = batch.get("attention_mask")
-        labels = batch.get("labels")
-        segment_ids = batch.get("segment_ids")   # packed rows: documents 1, 2, ... per row (0: padding)
-        targets = prediction_targets(input_ids, attention_mask if segment_ids is None else segment_ids, labels)
-        total_tokens = predicted_tokens(targets)
-        micro, mtp_weights = {"input_ids": input_ids, "targets": targets}, None
-        if self.mtp_loss is not None:   # each depth's targets, and weights from the tokens it predicts in the batch
-            micro["mtp_targets"], mtp_weights = self.mtp_loss.targets(
-                targets, attention_mask if segment_ids is None else segment_ids)
-        objective_keys = () if options.objective is None else tuple(options.objective.batch_keys)
-        for name in ("attention_mask", "segment_ids", "positions", "routing", *objective_keys):
-            if batch.get(name) is not None:
-                micro[name] = batch[name]
-        micro = {name: split_micro_batches(array, options.grad_accum) for name, array in micro.items()}
+        micro, total_tokens, mtp_weights = self.micro_batches(batch)
         step_key = jax.random.fold_in(state.rng, state.step)
 
         loss_fn = partial(self._micro_loss, frozen=frozen, capacity=state.capacity, total_tokens=total_tokens,
@@ -368,6 +354,25 @@ class TrainStep:
             **{name: totals[name].astype(jnp.int32) for name in LOAD_METRICS if name in totals},
         }
         return new_state, metrics
+
+    def micro_batches(self, batch: dict) -> tuple[dict, jax.Array, jax.Array | None]:
+        """(micro-batches [A, B/A, ...] with their targets, the batch's predicted tokens, MTP weights or None)."""
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        labels = batch.get("labels")
+        segment_ids = batch.get("segment_ids")   # packed rows: documents 1, 2, ... per row (0: padding)
+        targets = prediction_targets(input_ids, attention_mask if segment_ids is None else segment_ids, labels)
+        total_tokens = predicted_tokens(targets)
+        micro, mtp_weights = {"input_ids": input_ids, "targets": targets}, None
+        if self.mtp_loss is not None:   # each depth's targets, and weights from the tokens it predicts in the batch
+            micro["mtp_targets"], mtp_weights = self.mtp_loss.targets(
+                targets, attention_mask if segment_ids is None else segment_ids)
+        objective_keys = () if self.options.objective is None else tuple(self.options.objective.batch_keys)
+        for name in ("attention_mask", "segment_ids", "positions", "routing", *objective_keys):
+            if batch.get(name) is not None:
+                micro[name] = batch[name]
+        micro = {name: split_micro_batches(array, self.options.grad_accum) for name, array in micro.items()}
+        return micro, total_tokens, mtp_weights
 
     def load_shapes(self) -> dict[str, tuple[int, int]]:
         """The load metrics this step reports (summed over the batch) and their shapes: expert_load [L, E] with

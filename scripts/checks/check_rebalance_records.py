@@ -4,9 +4,12 @@
     python scripts/checks/check_rebalance_records.py run.jsonl --num-redundant-experts 8
 
 Replays the loop's re-placements from the records (the identity placement first; at each `rebalanced` step the
-`searched_placement` of the window's `expert_load`, each step's decayed by the next as the train step does
-(`LOAD_WINDOW_DECAY`), kept per layer only where better, as `TrainLoop` does)
-and prints per step and sparse layer the busiest rank's share (max / mean of the ranks' pairs):
+`replacement` for two loads, as `TrainLoop` does: the window's `expert_load`, each step's decayed by the next as
+the train step does (`LOAD_WINDOW_DECAY`), and the next batch's, which is the next record's `expert_load`, as
+`load_probe.NextLoadProbe` measured it; that alone where every step re-placed; the window alone after the last
+record) and prints per step and sparse layer the busiest rank's share (max / mean of the ranks' pairs). A run with
+`--rebalance-lookahead B > 1` measured the later batches under the parameters of the re-placement, which the
+records do not hold; the replay takes the next record's load alone then, as for B = 1:
 
     actual     the step's `ep_rank_load`
     placed     what the placement in force predicts for the step's own `expert_load` (each expert's tokens split
@@ -56,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     placement = identity_placement(layers, experts, num_redundant_experts=redundant, ep_size=ep)
     window = np.zeros((layers, experts))
     last_window = None
+    every_step = all(record.get("rebalanced") for record in records)
     print("step  actual / placed / own (per sparse layer)  moved")
-    for record in records:
+    for index, record in enumerate(records):
         load = np.asarray(record["expert_load"], np.float64)
         own = searched_placement(load, num_redundant_experts=redundant, ep_size=ep)
         moved = "" if last_window is None else " ".join(
@@ -70,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
               + ("  re-placed" if record.get("rebalanced") else ""))
         window = window * LOAD_WINDOW_DECAY + load
         if record.get("rebalanced"):
-            placement = replacement(placement, window, num_redundant_experts=redundant, ep_size=ep)
+            loads = window
+            if index + 1 < len(records):
+                upcoming = np.asarray(records[index + 1]["expert_load"], np.float64)
+                loads = upcoming if every_step else np.stack([window, upcoming])
+            placement = replacement(placement, loads, num_redundant_experts=redundant, ep_size=ep)
             last_window, window = window, np.zeros_like(window)
     return 0
 

@@ -18,6 +18,7 @@ from moe_jax.distributed.eplb import (
     expected_rank_load,
     identity_placement,
     placement_from_slots,
+    spread_replicas,
 )
 
 # DeepSeek's EPLB README: two layers of 12 experts, 16 physical slots, 4 groups, 2 nodes, 8 GPUs, and the
@@ -213,6 +214,34 @@ def test_a_hot_experts_tokens_are_spread_evenly_over_its_replicas():
     order = np.random.default_rng(0).permutation(tokens)
     again = np.asarray(choose_replica(placement.layer(0), ids[order], jnp.arange(tokens)[order]))
     np.testing.assert_array_equal(again, chosen[order])
+
+
+def test_spread_replicas_gives_each_replica_its_share_to_within_one_per_block_wherever_the_pairs_sit():
+    """A hot expert 0 with 5 replicas on 3 in 4 of 1000 random positions: by position (`choose_replica`) its
+    replicas get uneven shares; taken in turn within each of 8 blocks, within one pair per block of 1/5 each, and
+    the padding rows' pairs come after the real ones (the real pairs alone are even)."""
+    load = np.array([[900.0, 10, 10, 10, 10, 10, 10, 10]])
+    placement = balanced_placement(load, num_redundant_experts=4, ep_size=4)
+    rng = np.random.default_rng(0)
+    tokens = 1000
+    ids = np.stack([np.where(rng.random(tokens) < 0.75, 0, rng.integers(1, 8, tokens)),
+                    rng.integers(1, 8, tokens)], axis=1).astype(np.int32)
+    real = (rng.random(tokens) < 0.9).astype(np.int32)
+    spread = np.asarray(jax.jit(spread_replicas, static_argnames="blocks")(placement.layer(0), ids, blocks=8,
+                                                                            real=jnp.asarray(real)))
+    by_position = np.asarray(choose_replica(placement.layer(0), ids, jnp.arange(tokens)))
+    np.testing.assert_array_equal(placement.physical_to_logical[0][spread], ids)    # every slot holds its expert
+    hot = ids[:, 0] == 0
+    share = {name: np.unique(chosen[hot & (real == 1), 0], return_counts=True)[1]
+             for name, chosen in (("spread", spread), ("position", by_position))}
+    mean = (hot & (real == 1)).sum() / 5
+    assert np.abs(share["spread"] - mean).max() <= 8 and np.abs(share["position"] - mean).max() > 8, share
+    for block in range(8):                   # within each block of 125 tokens: at most one apart
+        rows = slice(125 * block, 125 * (block + 1))
+        counts = np.unique(spread[rows, 0][hot[rows] & (real[rows] == 1)], return_counts=True)[1]
+        assert len(counts) == 5 and counts.max() - counts.min() <= 1, (block, counts)
+    with pytest.raises(ValueError, match="1000 tokens cannot be cut into 3 equal blocks"):
+        spread_replicas(placement.layer(0), ids, blocks=3)
 
 
 def test_replicas_are_chosen_per_layer_inside_a_scan():

@@ -1,5 +1,6 @@
 """The placement search (`moe_jax.distributed.placement_search`): the case EPLB's greedy replication gets wrong,
-never worse than EPLB, close to a brute-force optimum on small layers, and quick on DeepSeek-V3's sizes."""
+never worse than EPLB, close to a brute-force optimum on small layers, quick on DeepSeek-V3's sizes, and a
+placement that serves two loads where a router moves its hot tokens between experts."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 
 from moe_jax.distributed.eplb import balanced_placement, expected_rank_load, identity_placement
-from moe_jax.distributed.placement_search import replacement, replica_counts, searched_placement
+from moe_jax.distributed.placement_search import replacement, replica_counts, searched_placement, worst_share
 
 
 def busiest_share(placement, load, ranks: int) -> np.ndarray:
@@ -110,3 +112,45 @@ def test_deepseek_v3_sizes_take_seconds_at_most():
     placement = searched_placement(load, num_redundant_experts=32, ep_size=32)
     assert time.perf_counter() - start < 10
     placement.check(58, 256, 32, 32)
+
+
+def test_two_loads_whose_second_hot_expert_differs_are_served_by_one_placement():
+    """Expert 0 is hot in both loads, and the other hot one is expert 1 in the first and expert 5 in the second (a
+    router that moves a token's second choice). Each load's own placement puts 3.5x the mean on a rank under the
+    other; the placement for both keeps both within 1.2x: replicas of 1 and 5, never hot together, share ranks."""
+    first = np.array([[500.0, 440, 20, 10, 10, 10, 5, 5]])
+    second = np.array([[500.0, 20, 10, 10, 10, 440, 5, 5]])
+    for own, other in ((first, second), (second, first)):
+        placement = searched_placement(own, num_redundant_experts=8, ep_size=8)
+        assert worst_share(placement, own, 8)[0] < 1.05 and worst_share(placement, other, 8)[0] > 3.5
+    both = searched_placement(np.stack([first, second]), num_redundant_experts=8, ep_size=8).check(1, 8, 8, 8)
+    assert worst_share(both, first, 8)[0] < 1.2 and worst_share(both, second, 8)[0] < 1.2
+    assert worst_share(both, np.stack([first, second]), 8)[0] == max(worst_share(both, load, 8)[0]
+                                                                     for load in (first, second))
+    slots = np.asarray(both.physical_to_logical)[0].reshape(8, 2)
+    assert (slots == [1, 5]).all(1).sum() >= 2      # replicas of the two share ranks
+
+
+def test_a_replacement_for_two_loads_keeps_the_placement_in_force_where_it_serves_both_as_well():
+    loads = np.stack([np.array([[500.0, 440, 20, 10, 10, 10, 5, 5]]), np.array([[500.0, 20, 10, 10, 10, 440, 5, 5]])])
+    both = searched_placement(loads, num_redundant_experts=8, ep_size=8)
+    np.testing.assert_array_equal(replacement(both, loads, num_redundant_experts=8, ep_size=8).physical_to_logical,
+                                  both.physical_to_logical)
+    current = identity_placement(1, 8, num_redundant_experts=8, ep_size=8)
+    chosen = replacement(current, loads, num_redundant_experts=8, ep_size=8)
+    np.testing.assert_array_equal(chosen.physical_to_logical, both.physical_to_logical)
+    with pytest.raises(ValueError, match=r"\[loads, sparse layers, experts\], got shape \(8,\)"):
+        searched_placement(np.ones(8), num_redundant_experts=8, ep_size=8)
+
+
+def test_two_loads_at_deepseek_v3_sizes_take_seconds_at_most():
+    """16 of DeepSeek-V3's 58 layers (all 58: scripts/bench/bench_rebalance.py), two loads drawn from one skew."""
+    rng = np.random.default_rng(0)
+    share = rng.gamma(0.3, 1.0, (16, 256))
+    loads = np.stack([np.stack([rng.multinomial(32768, row / row.sum()) for row in share]) for _ in range(2)])
+    start = time.perf_counter()
+    placement = searched_placement(loads.astype(np.float64), num_redundant_experts=32, ep_size=32)
+    assert time.perf_counter() - start < 10
+    placement.check(16, 256, 32, 32)
+    assert (worst_share(placement, loads, 32) <= worst_share(balanced_placement(loads.sum(0), num_redundant_experts=32,
+                                                                                ep_size=32), loads, 32) + 1e-9).all()
