@@ -9,8 +9,8 @@ micro-batches, precision, adapter, pipeline, step key and placement) without the
 its load is the one the next step on `batch` reports (`expert_load`) as long as that step drops no pairs. XLA
 drops what the load does not need (the lm_head and the loss, the layers after the last router).
 `TrainLoop(rebalance_every=)` re-places from it and the window of the steps before (`placement_search`).
-It costs about one forward pass of the batch per re-placement (docs/benchmarks.md, "Expert re-placement in
-training"); one compilation per (capacity, batch keys), as the step's.
+It costs about one forward pass of the batch per re-placement (docs/benchmarks.md, "Expert load balance"); one
+compilation per (capacity, batch keys), as the step's.
 """
 
 from __future__ import annotations
