@@ -39,8 +39,7 @@ def add_balance_flags(parser: argparse.ArgumentParser) -> None:
     add_slot_flags(balance)
     balance.add_argument("--rebalance-lookahead", type=int, default=None, metavar="B",
                          help="each re-placement also serves the next B batches' loads under the updated "
-                              "parameters: B forward passes per re-placement (default 1; B >= --rebalance-every: "
-                              "those loads alone; needs --rebalance-every)")
+                              "parameters: B forward passes per re-placement (default 1; needs --rebalance-every)")
     parser.add_argument_group("multi-token prediction").add_argument(
         "--mtp-loss-coef", type=float, default=0.0, metavar="LAMBDA",
         help="add LAMBDA x the mean over depths of the multi-token-prediction layers' cross entropies (DeepSeek-V3's "

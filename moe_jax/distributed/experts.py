@@ -22,7 +22,8 @@ ep_size each; which logical expert each slot holds is one layer of an `ExpertPla
 new program. Parameters stay per logical expert [E, ...]: the call gathers the physical weights
 `take(logical, physical_to_logical, axis=0)` (their gradient sums back into each logical expert through the
 gather) and sends each (token, k) pair to one replica of its expert (`spread_replicas`: an expert's pairs take its
-replicas in turn within each token shard, so every replica gets an even share). LoRA factors of the experts are gathered per physical slot the same way.
+replicas in turn within each token shard, so every replica gets an even share). LoRA factors of the experts are
+gathered per physical slot the same way.
 
 Several adapters on the experts (`AdapterRows` of a [K, E, ...] factor, `moe_jax.lora.AdapterSet`): the factors
 are folded (`ExpertAdapterRows`) and split by whole experts as their weights are, and each token's adapter index

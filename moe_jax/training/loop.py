@@ -20,7 +20,7 @@ steps, the queue drained as for a save) for two loads at once (`placement_search
 each expert got in the last N applied steps (the state's `expert_load_window`, added up by the step itself, each
 step counting `step.LOAD_WINDOW_DECAY` of the one after it, in logical expert ids whatever the placement each step
 ran) and the tokens the next batch sends each expert under the updated parameters (`load_probe.NextLoadProbe`: a
-forward pass of that batch; `rebalance_lookahead=B`: of the next B batches, and from B >= N on those loads alone).
+forward pass of that batch; `rebalance_lookahead=B`: of the next B batches; with N = 1 that load alone).
 A router that trains moves its hot tokens between experts from step to step; the placement whose busiest rank is
 least under the worst of the loads serves the next step and the ones after it. The following steps run it as an
 input of the same program; a layer keeps its placement where the new one would not do better on those loads. The
@@ -81,8 +81,8 @@ class TrainLoop:
     rebalance_every: re-place the experts of a model with redundant slots after every that many steps (module
         docstring; also `model.set_expert_placement`); that step's record has `rebalanced: True` and `rebalance_s`:
         the seconds the re-placement took (the next batches' forward passes and the placement search).
-    rebalance_lookahead: the batches after a re-placement whose load under the updated parameters it serves, one
-        forward pass each (default 1); from `rebalance_every` on, those loads alone (no window).
+    rebalance_lookahead: the batches after a re-placement whose load under the updated parameters it serves with
+        the window, one forward pass each (default 1; with `rebalance_every=1` no window).
     preemption: a `training.preemption.Preemption`: once it is `reached`, the loop dispatches no more steps,
         confirms those in flight, saves the last (`save`, when given) and returns; `preempted_at` is then that step.
     router_watch: called with each record before `on_step` (default: a `RouterCollapseWatch`, which warns once
@@ -223,9 +223,10 @@ class TrainLoop:
         window = state.expert_load_window
         upcoming = [self._next_load(state, place_batch(self.data, index, self.batch_sharding))
                     for index in range(next_index, next_index + self.rebalance_lookahead)]
-        # The window speaks for the steps after the measured ones (none when they cover every step until the next
-        # re-placement).
-        if self.rebalance_lookahead < self.rebalance_every:
+        # The first batch is measured under the very parameters its step runs; the later ones under parameters that
+        # the steps before them will have moved, which the window's recent past hedges. One step to the next
+        # re-placement: the first batch's load is that step's exactly, and the window only costs.
+        if self.rebalance_every > 1:
             upcoming.insert(0, np.asarray(jax.device_get(window), np.float64))
         loads = np.stack(upcoming)
         current = jax.tree.map(lambda array: np.asarray(jax.device_get(array)), state.expert_placement)

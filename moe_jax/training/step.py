@@ -30,7 +30,7 @@ coefficient (`training.mtp_loss`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -50,7 +50,7 @@ from .optimizers import freeze_buffers
 from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState, init_train_state, train_state_shardings
 from .step_checks import check_batch_keys, check_no_quantized_codes_trained, check_offload_supported
-from .step_options import BATCH_KEYS, TrainStepOptions, offload_memory_kinds
+from .step_options import TrainStepOptions, offload_memory_kinds
 from .trainable import Selection, TrainableParameters, resolve_trainable
 
 # Per-step load counts summed over micro-batches and reported as int metrics (`load_shapes`).

@@ -97,7 +97,7 @@ def replayed(loads: list[np.ndarray], every: int, place) -> np.ndarray:
 def rules(loads: list[np.ndarray], every: int, lookahead: int) -> dict[str, np.ndarray]:
     def loop(step, window, current):       # TrainLoop's: the next batches' loads are the next records'
         coming = loads[step:step + lookahead]
-        served = ([window] if lookahead < every or not coming else []) + coming
+        served = ([window] if every > 1 or not coming else []) + coming
         return replacement(current, np.stack(served), num_redundant_experts=REDUNDANT, ep_size=EP)
 
     def eplb(step, window, current):

@@ -293,9 +293,9 @@ SLIPS: list[Slip] = [
          "return np.stack([expected_rank_load(placement, load, ep_size).max(1) for load in loads]).max(0)",
          "return np.stack([expected_rank_load(placement, load, ep_size).max(1) for load in loads]).mean(0)",
          "a placement for several loads judged by their mean busiest share, not the worst"),
-    slip("training.loop", "        if self.rebalance_lookahead < self.rebalance_every:\n",
-         "        if True:\n", "the window joins the measured loads even when they cover every step to the next "
-         "re-placement", ("tests/training/test_rebalance.py",)),
+    slip("training.loop", "        if self.rebalance_every > 1:\n", "        if True:\n",
+         "the window joins the next batch's load when that batch's step is the only one before the next re-placement",
+         ("tests/training/test_rebalance.py",)),
     slip("training.load_probe", 'return total + terms["expert_load"], None', 'return terms["expert_load"], None',
          "the next batch's load is its last micro-batch's"),
     slip("training.memory", "host = (parameters if kinds[0] else 0) + (memory.per_device[\"optimizer state\"] if kinds[1] else 0)",

@@ -178,8 +178,8 @@ def test_each_step_after_a_re_placement_runs_a_placement_of_its_own_load_where_t
 def test_a_lookahead_of_the_whole_interval_serves_every_step_until_the_next_re_placement():
     """Re-placed every 3 steps on the moving skew (3 hot tokens in turn): one batch measured leaves the two steps
     after it on a window that names other experts (over 3x). All 3 measured (`rebalance_lookahead=3`; the router
-    stays, so those are the loads the steps then have): every step runs the placement searched for the three loads
-    together, as predicted; three skews that 16 slots cannot all serve within 1.3x, but none above 1.8x."""
+    stays, so those are the loads the steps then have): every step runs the placement searched for the window and
+    the three loads together, as predicted; three skews that 16 slots cannot all serve within 1.3x, none above 1.8x."""
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
                                                  progress=False, num_redundant_experts=8)
     train_step = make_train_step(model, optax.sgd(0.0))
@@ -196,7 +196,9 @@ def test_a_lookahead_of_the_whole_interval_serves_every_step_until_the_next_re_p
     placement, predicted = identity_placement(2, 8, num_redundant_experts=8, ep_size=8), []
     for step, load in enumerate(loads):
         if step and step % 3 == 0:
-            placement = replacement(placement, np.stack(loads[step:step + 3]), num_redundant_experts=8, ep_size=8)
+            window = loads[step - 3] * LOAD_WINDOW_DECAY ** 2 + loads[step - 2] * LOAD_WINDOW_DECAY + loads[step - 1]
+            placement = replacement(placement, np.stack([window, *loads[step:step + 3]]), num_redundant_experts=8,
+                                    ep_size=8)
         predicted.append(imbalance(expected_rank_load(placement, load, 8)))
     np.testing.assert_allclose(shares[3], predicted, atol=0.02)
     np.testing.assert_array_equal(shares[1][:3], shares[3][:3])
