@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .state import TrainState
 
@@ -33,8 +35,9 @@ class NextLoadProbe:
 
     def __call__(self, state: TrainState, batch: dict) -> np.ndarray:
         key = (state.capacity, tuple(sorted(batch)))
-        if key not in self._compiled:
-            self._compiled[key] = jax.jit(self._load)
+        if key not in self._compiled:   # replicated: every process reads the whole load (multi-process runs)
+            replicated = NamedSharding(self.train_step.model.mesh, P())
+            self._compiled[key] = jax.jit(self._load, out_shardings=replicated)
         load = self._compiled[key](state, batch, *self.train_step._frozen_arguments())
         return np.asarray(jax.device_get(load), np.float64)
 
