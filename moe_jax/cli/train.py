@@ -132,9 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none",
                         help="what each layer keeps for the backward pass")
     parser.add_argument("--precompile", action="store_true",
-                        help="compile the step for every rung of the dispatch capacity ladder before the first "
-                             "step, so a capacity move never stops the run for a compilation (costs one "
-                             "compilation per rung up front)")
+                        help="compile the step (and, with --rebalance-every, the re-placement's forward pass) for "
+                             "every rung of the dispatch capacity ladder before the first step, so a capacity "
+                             "move never stops the run for a compilation (costs one compilation per rung up front)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_train_flags(parser)
     add_balance_flags(parser)
@@ -212,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
         save=checkpoints.save if checkpoints is not None else None, preemption=preemption_from_flags(args),
         router_watch=RouterCollapseWatch(remedy=collapse_remedy(args, request.config), report=progress.warn),
     )
+    if args.precompile and loop.next_load is not None:
+        ladder = (None,) if state.capacity is None else model.capacity_schedule.ladder   # the step's
+        compiled = loop.next_load.precompile(state, data.batch(int(state.data_position)), ladder)
+        print(f"compiled the re-placement's forward pass for capacities {list(compiled)} in "
+              f"{sum(compiled.values()):.1f} s")
     began = time.perf_counter()
     try:
         with loop.preemption or contextlib.nullcontext():

@@ -15,12 +15,15 @@ compilation per (capacity, batch keys), as the step's.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .precompiled import Precompiled, batch_signature, holds_program
 from .state import TrainState
 
 
@@ -35,11 +38,33 @@ class NextLoadProbe:
 
     def __call__(self, state: TrainState, batch: dict) -> np.ndarray:
         key = (state.capacity, tuple(sorted(batch)))
-        if key not in self._compiled:   # replicated: every process reads the whole load (multi-process runs)
-            replicated = NamedSharding(self.train_step.model.mesh, P())
-            self._compiled[key] = jax.jit(self._load, out_shardings=replicated)
+        if key not in self._compiled:
+            self._compiled[key] = self._jit()
         load = self._compiled[key](state, batch, *self.train_step._frozen_arguments())
         return np.asarray(jax.device_get(load), np.float64)
+
+    def precompile(self, state: TrainState, batch: dict, capacities) -> dict[float | None, float]:
+        """Compile the probe now for each of `capacities`, for batches shaped and keyed like `batch` (what
+        `TrainStep.precompile` does for the step: a capacity move then stops no re-placement for a compilation).
+        Returns {capacity: seconds} of those compiled here."""
+        sharding = self.train_step.model.batch_sharding()
+        spec = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                for name, shape, dtype in batch_signature(batch)}
+        signature, keys = batch_signature(spec), tuple(sorted(batch))
+        seconds = {}
+        for capacity in dict.fromkeys(capacities):
+            if holds_program(self._compiled.get((capacity, keys)), signature):
+                continue
+            start = time.perf_counter()
+            jitted = self._jit()
+            compiled = jitted.lower(state.replace(capacity=capacity), spec, *self.train_step._frozen_spec()).compile()
+            self._compiled[(capacity, keys)] = Precompiled(jitted, compiled, signature)
+            seconds[capacity] = time.perf_counter() - start
+        return seconds
+
+    def _jit(self):
+        # Replicated: every process of a multi-process run reads the whole load.
+        return jax.jit(self._load, out_shardings=NamedSharding(self.train_step.model.mesh, P()))
 
     def _load(self, state: TrainState, batch: dict, frozen: dict | None = None) -> jax.Array:
         step = self.train_step

@@ -106,7 +106,8 @@ class TrainLoop:
             raise ValueError("rebalance_every re-places experts into redundant expert slots, and this model has none: "
                              "build it with num_redundant_experts=R (moe-jax train --num-redundant-experts R).")
         self.rebalance_every, self.rebalance_lookahead = rebalance_every, rebalance_lookahead
-        self._next_load = None if rebalance_every is None else NextLoadProbe(train_step)
+        # The next batches' load at each re-placement (`precompile` it with the step's ladder to keep runs smooth).
+        self.next_load = None if rebalance_every is None else NextLoadProbe(train_step)
         self.train_step, self.data = train_step, data
         self.learning_rate = learning_rate
         self.evaluate = evaluate
@@ -221,7 +222,7 @@ class TrainLoop:
         loop)."""
         model = self.train_step.model
         window = state.expert_load_window
-        upcoming = [self._next_load(state, place_batch(self.data, index, self.batch_sharding))
+        upcoming = [self.next_load(state, place_batch(self.data, index, self.batch_sharding))
                     for index in range(next_index, next_index + self.rebalance_lookahead)]
         # The first batch is measured under the very parameters its step runs; the later ones under parameters that
         # the steps before them will have moved, which the window's recent past hedges. One step to the next

@@ -12,6 +12,7 @@ from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.training import make_train_step
 from moe_jax.training.load_probe import NextLoadProbe
 
+from ..models.test_apply import count_compilations
 from .hf_training import CHECKPOINT
 
 
@@ -41,3 +42,19 @@ def test_a_model_without_sparse_layers_has_no_load_to_probe():
     model.init_params(seed=0)
     with pytest.raises(ValueError, match="needs a model with sparse layers"):
         NextLoadProbe(make_train_step(model, optax.sgd(0.1)))
+
+
+def test_a_precompiled_probe_compiles_nothing_when_a_re_placement_runs_it():
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
+                                                 progress=False, num_redundant_experts=8)
+    train_step = make_train_step(model, optax.sgd(0.1))
+    probe = NextLoadProbe(train_step)
+    batch = {"input_ids": np.random.default_rng(0).integers(0, 128, (8, 16)).astype(np.int32)}
+    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+    ladder = model.capacity_schedule.ladder
+    seconds = probe.precompile(state, batch, ladder[-2:])
+    assert list(seconds) == list(ladder[-2:]) and probe.precompile(state, batch, ladder[-1:]) == {}
+    with count_compilations("_load") as compiled:
+        for capacity in ladder[-2:]:
+            load = probe(state.replace(capacity=capacity), batch)
+    assert compiled[0] == 0 and load.sum() == 8 * 16 * 2 * 2

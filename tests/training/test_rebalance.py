@@ -45,9 +45,10 @@ def test_rebalancing_compiles_nothing_and_a_resume_continues_bit_exactly(tmp_pat
     # At the largest capacity nothing overflows: one program, whatever the placement does to the buffers.
     state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
     assert state.expert_placement is not None and state.expert_load_window.shape == (2, 8)
-    with count_compilations("_step") as compiled:
+    with count_compilations("_step") as compiled, count_compilations("_load") as probes:
         final, _ = loop.run(state, 4)
     assert compiled[0] == len(train_step._compiled) == 1      # re-placing compiled nothing
+    assert probes[0] == 1                                     # the next batch's forward pass: once
     assert [record.get("rebalanced", False) for record in records] == [False, True, False, True]
     replicas = np.asarray(final.expert_placement.replica_count)
     assert (replicas != 1).any() and (replicas.sum(1) == 16).all()          # replicas went to the busy experts
