@@ -39,7 +39,7 @@ def add_balance_flags(parser: argparse.ArgumentParser) -> None:
     add_slot_flags(balance)
     balance.add_argument("--rebalance-lookahead", type=int, default=None, metavar="B",
                          help="each re-placement also serves the next B batches' loads under the updated "
-                              "parameters: B forward passes per re-placement (default 1; needs --rebalance-every)")
+                              "parameters: B forward passes per re-placement (default 1; at most --rebalance-every)")
     parser.add_argument_group("multi-token prediction").add_argument(
         "--mtp-loss-coef", type=float, default=0.0, metavar="LAMBDA",
         help="add LAMBDA x the mean over depths of the multi-token-prediction layers' cross entropies (DeepSeek-V3's "
@@ -69,6 +69,10 @@ def check_balance_flags(args, config: dict) -> None:
         if args.rebalance_every is None:
             raise ValueError("--rebalance-lookahead sets what each re-placement measures: pass --rebalance-every N "
                              "too.")
+        if args.rebalance_lookahead > args.rebalance_every:
+            raise ValueError(f"--rebalance-lookahead {args.rebalance_lookahead} would measure batches past the next "
+                             f"re-placement (--rebalance-every {args.rebalance_every}): use at most "
+                             f"{args.rebalance_every}.")
     check_router_bias(config, args.router_bias_update_rate)
     check_router_aux_loss(config, args.router_aux_loss_coef)
 

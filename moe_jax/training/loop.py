@@ -102,6 +102,9 @@ class TrainLoop:
         if rebalance_lookahead < 1:
             raise ValueError(f"rebalance_lookahead={rebalance_lookahead} must be >= 1 (batches whose load a "
                              "re-placement measures).")
+        if rebalance_every is not None and rebalance_lookahead > rebalance_every:
+            raise ValueError(f"rebalance_lookahead={rebalance_lookahead} would measure batches past the next "
+                             f"re-placement (rebalance_every={rebalance_every}): use at most {rebalance_every}.")
         if rebalance_every is not None and not train_step.model.num_redundant_experts:
             raise ValueError("rebalance_every re-places experts into redundant expert slots, and this model has none: "
                              "build it with num_redundant_experts=R (moe-jax train --num-redundant-experts R).")

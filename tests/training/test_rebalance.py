@@ -206,6 +206,9 @@ def test_a_lookahead_of_the_whole_interval_serves_every_step_until_the_next_re_p
     assert shares[1][3:].max() > 3 and shares[3][3:].max() < 1.8, shares
     with pytest.raises(ValueError, match=r"rebalance_lookahead=0 must be >= 1"):
         TrainLoop(train_step, MovingSkew(), rebalance_every=3, rebalance_lookahead=0)
+    with pytest.raises(ValueError, match=r"rebalance_lookahead=4 would measure batches past the next re-placement "
+                                         r"\(rebalance_every=3\): use at most 3"):
+        TrainLoop(train_step, MovingSkew(), rebalance_every=3, rebalance_lookahead=4)
 
 
 def test_rebalancing_needs_redundant_slots(capsys):
@@ -221,6 +224,9 @@ def test_rebalancing_needs_redundant_slots(capsys):
     assert main(["train", "--steps", "1", "--rebalance-every", "2", "--num-redundant-experts", "8",
                  "--rebalance-lookahead", "0"]) == 2
     assert "--rebalance-lookahead 0 must be >= 1" in error_line(capsys)
+    assert main(["train", "--steps", "1", "--rebalance-every", "2", "--num-redundant-experts", "8",
+                 "--rebalance-lookahead", "3"]) == 2
+    assert "--rebalance-lookahead 3 would measure batches past the next re-placement" in error_line(capsys)
     assert main(["train", "--steps", "1", "--num-redundant-experts", "2", "--no-progress"]) == 2
     assert "ep_size=1: every device already holds every expert" in error_line(capsys)
     assert main(["serve", "--model", str(CHECKPOINT), "--rebalance-every", "5"]) == 2   # engine steps there
