@@ -79,12 +79,15 @@ def greedy_packing(weight: np.ndarray, ranks: int) -> np.ndarray:
     lowest on a tie). With S = 1: EPLB's packing (`eplb.balanced_packing`), onto the lightest rank."""
     size = weight.shape[0] // ranks
     totals, filled = np.zeros((ranks, weight.shape[1])), np.zeros(ranks, np.int64)
+    full = np.zeros(ranks)                      # +inf once a rank has its n / ranks items
     rank = np.empty(weight.shape[0], np.int64)
     for item in np.argsort(-weight.max(1), kind="stable"):
-        chosen = int(np.argmin(np.where(filled < size, (totals + weight[item]).max(1), np.inf)))
+        chosen = int(np.argmin((totals + weight[item]).max(1) + full))
         rank[item] = chosen
         totals[chosen] += weight[item]
         filled[chosen] += 1
+        if filled[chosen] == size:
+            full[chosen] = np.inf
     return rank
 
 
