@@ -78,13 +78,16 @@ def greedy_packing(weight: np.ndarray, ranks: int) -> np.ndarray:
     its heaviest load) first, each onto the rank whose heaviest load it raises least, among those with room (the
     lowest on a tie). With S = 1: EPLB's packing (`eplb.balanced_packing`), onto the lightest rank."""
     size = weight.shape[0] // ranks
-    totals, filled = np.zeros((ranks, weight.shape[1])), np.zeros(ranks, np.int64)
-    full = np.zeros(ranks)                      # +inf once a rank has its n / ranks items
+    totals = np.zeros((weight.shape[1], ranks))          # [S, ranks]: one row per load (1-D ufuncs: host time)
+    full, filled = np.zeros(ranks), np.zeros(ranks, np.int64)    # full: +inf once a rank has its n / ranks items
     rank = np.empty(weight.shape[0], np.int64)
     for item in np.argsort(-weight.max(1), kind="stable"):
-        chosen = int(np.argmin((totals + weight[item]).max(1) + full))
+        peak = totals[0] + weight[item, 0]
+        for load in range(1, weight.shape[1]):
+            np.maximum(peak, totals[load] + weight[item, load], out=peak)
+        chosen = int((peak + full).argmin())
         rank[item] = chosen
-        totals[chosen] += weight[item]
+        totals[:, chosen] += weight[item]
         filled[chosen] += 1
         if filled[chosen] == size:
             full[chosen] = np.inf
