@@ -416,4 +416,5 @@ def _print_summary(progress, loop, data, start: int, end: int, seconds: float, c
           f"{(end - start) * data.batch_size * data.seq_len / seconds:.0f} tokens/s overall, "
           f"{loop.replays} replay(s), capacity {capacity_state.capacity if capacity_state else None}"
           + (f"; eval loss {progress.last['eval_loss']:.4f}, perplexity {progress.last['eval_perplexity']:.2f}"
-             if "eval_loss" in progress.last else ""))
+             if "eval_loss" in progress.last else "")
+          + ("" if (balance := progress.balance.summary()) is None else f"; {balance}"))

@@ -18,6 +18,32 @@ import sys
 from pathlib import Path
 
 
+class RankBalance:
+    """The busiest ep rank's share (max / mean of `ep_rank_load`) per sparse layer over the steps after the first
+    re-placement (`TrainLoop(rebalance_every=)`): `summary()` is one clause for the run's last line, or None."""
+
+    THRESHOLD = 1.3
+
+    def __init__(self):
+        self.placed, self.step_layers, self.over, self.worst = False, 0, 0, 0.0
+
+    def __call__(self, record: dict) -> None:
+        if self.placed and "ep_rank_load" in record:
+            for ranks in record["ep_rank_load"]:
+                mean = sum(ranks) / len(ranks)
+                share = max(ranks) / mean if mean else 1.0
+                self.step_layers += 1
+                self.over += share > self.THRESHOLD
+                self.worst = max(self.worst, share)
+        self.placed = self.placed or bool(record.get("rebalanced"))
+
+    def summary(self) -> str | None:
+        if not self.step_layers:
+            return None
+        return (f"busiest ep rank after the first re-placement: worst {self.worst:.2f}x the mean, "
+                f"{self.over / self.step_layers:.0%} of step-layers over {self.THRESHOLD}x")
+
+
 class TrainProgress:
     """A tqdm bar with loss, tokens/s and capacity, plus the JSONL and TensorBoard writers. Each record gains
     tokens/s per device and model TFLOP/s per device (and MFU with a peak); a resumed run's first record (`start`
@@ -46,8 +72,10 @@ class TrainProgress:
 
             self.tensorboard = TensorBoardWriter(tensorboard, sparse_layers)
         self.last: dict | None = None
+        self.balance = RankBalance()
 
     def __call__(self, record: dict) -> None:
+        self.balance(record)
         if self.records == 0 and self.start > 0:
             record["resumed"] = True
         if self.packing_efficiency is not None:

@@ -15,6 +15,7 @@ import pytest
 
 from moe_jax import AutoModelForCausalLM, DistributedConfig
 from moe_jax.cli import main
+from moe_jax.cli.train_progress import RankBalance
 from moe_jax.distributed.eplb import balanced_placement
 from moe_jax.training import make_train_step
 from moe_jax.training.loop import TrainLoop
@@ -232,3 +233,17 @@ def test_a_resumed_run_s_first_record_says_so(tmp_path):
         progress.close()
         records = [json.loads(line) for line in jsonl.read_text().splitlines()]
         assert [r["step"] for r in records if r.get("resumed")] == marked
+
+
+def test_the_run_summary_tallies_the_busiest_ep_rank_after_the_first_re_placement():
+    """Steps before the first re-placement (and the re-placing step itself, which ran the old placement) are left
+    out; each later step adds one share per sparse layer."""
+    balance = RankBalance()
+    balance({"ep_rank_load": [[9, 1], [5, 5]]})                          # before any re-placement
+    assert balance.summary() is None
+    balance({"ep_rank_load": [[9, 1], [5, 5]], "rebalanced": True})
+    assert balance.summary() is None
+    balance({"ep_rank_load": [[6, 4], [5, 5]]})                          # 1.2, 1.0
+    balance({"ep_rank_load": [[7, 3], [4, 6]]})                          # 1.4, 1.2
+    assert balance.summary() == ("busiest ep rank after the first re-placement: worst 1.40x the mean, 25% of "
+                                 "step-layers over 1.3x")
