@@ -25,7 +25,9 @@ fetched: it uses the jax, flax, optax installed where it runs; tokamax is tried 
      repeat a segment (so prompt lookup finds drafts): tokens/s of each, the acceptance, whether the greedy
      tokens agree, and the time of a verification step against a decode step: on a GPU, where a decode step is
      bound by its weights' bytes, a verification of 5 tokens a row should cost little more than one decode
-     (on this project's 2-core CPU it costs about 2x, which caps what speculation can win there).
+     (on this project's 2-core CPU it costs about 2x, which caps what speculation can win there);
+  8. rebalance_probe: the forward pass a re-placement in training runs on each measured batch
+     (`training.load_probe`, what `--rebalance-lookahead` costs per batch) against the train step of `train_step`.
 `--small` runs on any machine: on this project's CPU
 machine it completed under jax 0.10.2 and, in a Python 3.12 venv with the GPU image's jax 0.11.2 plus the wheels
 of scripts/fetch_gpu_wheels.sh, with tokamax importable (device and CPU results agreed exactly both times).
@@ -61,6 +63,7 @@ from moe_jax.ops.grouped_matmul_backends.tiled_scan import tiled_grouped_matmul 
 from moe_jax.ops.grouped_matmul_backends.tokamax_kernel import tokamax_available  # noqa: E402
 from moe_jax.ops.routing import softmax_top_k  # noqa: E402
 from moe_jax.training import make_train_step  # noqa: E402
+from moe_jax.training.load_probe import NextLoadProbe  # noqa: E402
 from moe_jax.training.throughput import train_flops_per_token  # noqa: E402
 from scripts.bench.timing import median_seconds  # noqa: E402
 
@@ -75,7 +78,8 @@ TOY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedia
 
 
 
-SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "offload", "serving", "speculation")
+SECTIONS = ("correctness", "moe_layer", "attention", "train_step", "offload", "serving", "speculation",
+            "rebalance_probe")
 
 
 def backends() -> list[str]:
@@ -345,6 +349,29 @@ def offload(config: dict, layers: int, batch: int, seq: int, repeats: int, repor
     return results
 
 
+def rebalance_probe(config: dict, layers: int, batch: int, seq: int, repeats: int, report) -> dict:
+    """The next batch's forward pass a re-placement runs (`NextLoadProbe`) against the train step on the same batch
+    (mixed precision, AdamW, one device): the median of `repeats` each after a first, untimed call."""
+    model = Qwen3MoeForCausalLM({**config, "num_hidden_layers": layers}, devices=jax.devices()[:1])
+    model.init_params(seed=0)
+    step = make_train_step(model, optax.adamw(1e-5), mixed_precision=True)
+    state = step.init_state(params=model.params)
+    inputs = {"input_ids": np.random.default_rng(2).integers(0, config["vocab_size"], (batch, seq))}
+    probe = NextLoadProbe(step)
+    probe(state, inputs)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        probe(state, inputs)                    # returns host numpy: waited for
+        times.append(time.perf_counter() - start)
+    probe_seconds = statistics.median(times)
+    step_seconds, _ = median_step_seconds(step, state, inputs, repeats)   # donates the state: after the probe
+    result = {"probe_ms": probe_seconds * 1e3, "step_ms": step_seconds * 1e3, "ratio": probe_seconds / step_seconds}
+    report(f"  next batch's load {probe_seconds * 1e3:.1f} ms against a train step's {step_seconds * 1e3:.1f} ms "
+           f"({result['ratio']:.2f}x), {layers} layers, batch {batch} x {seq}")
+    return result
+
+
 def serving(config: dict, layers: int, requests: int, slots: int, small: bool, report) -> dict:
     """Continuous batching (`ServingEngine`, no HTTP) against static `generate` batches of the same requests, bf16:
     generated tokens per second of each, over one pass (every program compiled before it)."""
@@ -492,7 +519,9 @@ def main() -> int:
                       ("serving", lambda: serving(config, args.layers, 16 if args.small else 96,
                                                   4 if args.small else 32, args.small, report)),
                       ("speculation", lambda: speculation(config, args.layers, 8 if args.small else 32, args.small,
-                                                          report))]
+                                                          report)),
+                      ("rebalance_probe", lambda: rebalance_probe(config, args.layers, args.batch, args.seq,
+                                                                  args.repeats, report))]
     failed = False
     for name, run in sections:
         if name not in only:
