@@ -312,10 +312,12 @@ def spread_replicas(placement_layer: ExpertPlacement, expert_ids, *, blocks: int
         raise ValueError(f"{tokens} tokens cannot be cut into {blocks} equal blocks.")
     padding = 0 if real is None else 1 - jnp.asarray(real, jnp.int32)[:, None]
     key = (ids * 2 + padding).reshape(blocks, -1)                              # [blocks, N / blocks * K]
-    order = jnp.argsort(key, axis=1, stable=True)
+    order = jnp.argsort(key, axis=1, stable=True)                             # the block's one sort
     ranked = jnp.take_along_axis(ids.reshape(blocks, -1), order, axis=1)      # each block's ids, sorted
-    first = jax.vmap(lambda row: jnp.searchsorted(row, row, side="left"))(ranked)
-    turn_sorted = jnp.arange(key.shape[1], dtype=jnp.int32)[None] - first.astype(jnp.int32)
-    turn = jnp.take_along_axis(turn_sorted, jnp.argsort(order, axis=1), axis=1).reshape(tokens, k)
+    position = jnp.broadcast_to(jnp.arange(key.shape[1], dtype=jnp.int32), key.shape)
+    starts = jnp.concatenate([jnp.ones_like(ranked[:, :1], bool), ranked[:, 1:] != ranked[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, position, 0), axis=1)             # where each expert's run starts
+    rows = jnp.arange(blocks)[:, None]
+    turn = jnp.zeros_like(position).at[rows, order].set(position - first).reshape(tokens, k)   # back in place
     block = (jnp.arange(tokens, dtype=jnp.int32) // (tokens // blocks))[:, None]
     return where[ids, jnp.remainder(turn + block, count[ids])].astype(jnp.int32)
