@@ -111,18 +111,25 @@ class StationarySkew:
         return {"input_ids": ids.astype(np.int32)}
 
 
+def run_at_rate_zero(model, data, steps: int, **loop_options) -> tuple[np.ndarray, list[np.ndarray], list[dict]]:
+    """(busiest shares [steps, sparse layers], each step's expert_load, the records) of `steps` SGD steps at rate 0
+    (the router stays) from the identity placement, under `TrainLoop(**loop_options)`."""
+    model.set_expert_placement(model.identity_expert_placement())    # the state starts at the model's
+    train_step = make_train_step(model, optax.sgd(0.0))
+    records = []
+    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
+    TrainLoop(train_step, data, on_step=records.append, **loop_options).run(state, steps)
+    shares = np.array([imbalance(record["ep_rank_load"]) for record in records])
+    return shares, [np.asarray(record["expert_load"], np.float64) for record in records], records
+
+
 def test_a_stationary_skew_runs_within_1_3_of_the_mean_rank_after_the_first_re_placement():
     """Rate 0 (the router stays) on changing batches of one skew: every step after the first re-placement has every
     layer's busiest rank within 1.3x the mean, each step as its placement predicts; EPLB's placements of the same
     windows leave steps above 1.3x (two hot experts' extra replicas sharing ranks)."""
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
                                                  progress=False, num_redundant_experts=8)
-    train_step = make_train_step(model, optax.sgd(0.0))
-    records = []
-    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
-    TrainLoop(train_step, StationarySkew(), rebalance_every=2, on_step=records.append).run(state, 6)
-    shares = np.array([imbalance(record["ep_rank_load"]) for record in records])
-    loads = [np.asarray(record["expert_load"], np.float64) for record in records]
+    shares, loads, _ = run_at_rate_zero(model, StationarySkew(), 6, rebalance_every=2)
     layers, experts = loads[0].shape
     placements = {"searched": identity_placement(layers, experts, num_redundant_experts=8, ep_size=8)}
     placements["eplb"] = placements["searched"]
@@ -161,12 +168,7 @@ def test_each_step_after_a_re_placement_runs_a_placement_of_its_own_load_where_t
     runs within 1.3x of the mean rank; placements from the window alone leave every one of them above 3x."""
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
                                                  progress=False, num_redundant_experts=8)
-    train_step = make_train_step(model, optax.sgd(0.0))
-    records = []
-    state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
-    TrainLoop(train_step, MovingSkew(), rebalance_every=1, on_step=records.append).run(state, 6)
-    shares = np.array([imbalance(record["ep_rank_load"]) for record in records])
-    loads = [np.asarray(record["expert_load"], np.float64) for record in records]
+    shares, loads, _ = run_at_rate_zero(model, MovingSkew(), 6, rebalance_every=1)
     window_only = identity_placement(2, 8, num_redundant_experts=8, ep_size=8)
     replayed = []
     for load in loads:
@@ -183,16 +185,10 @@ def test_a_lookahead_of_the_whole_interval_serves_every_step_until_the_next_re_p
     the three loads together, as predicted; three skews that 16 slots cannot all serve within 1.3x, none above 1.8x."""
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, DistributedConfig(fsdp_size=8, ep_size=8),
                                                  progress=False, num_redundant_experts=8)
-    train_step = make_train_step(model, optax.sgd(0.0))
     shares, loads = {}, None
     for lookahead in (1, 3):
-        records = []
-        model.set_expert_placement(model.identity_expert_placement())    # the state starts at the model's
-        state = train_step.init_state(seed=0, capacity=model.capacity_schedule.largest)
-        TrainLoop(train_step, MovingSkew(), rebalance_every=3, rebalance_lookahead=lookahead,
-                  on_step=records.append).run(state, 9)
-        shares[lookahead] = np.array([imbalance(record["ep_rank_load"]) for record in records])
-        loads = [np.asarray(record["expert_load"], np.float64) for record in records]
+        shares[lookahead], loads, records = run_at_rate_zero(model, MovingSkew(), 9, rebalance_every=3,
+                                                             rebalance_lookahead=lookahead)
         assert all(record["rebalance_s"] > 0 for record in records if record.get("rebalanced"))
     placement, predicted = identity_placement(2, 8, num_redundant_experts=8, ep_size=8), []
     for step, load in enumerate(loads):
@@ -204,6 +200,7 @@ def test_a_lookahead_of_the_whole_interval_serves_every_step_until_the_next_re_p
     np.testing.assert_allclose(shares[3], predicted, atol=0.02)
     np.testing.assert_array_equal(shares[1][:3], shares[3][:3])
     assert shares[1][3:].max() > 3 and shares[3][3:].max() < 1.8, shares
+    train_step = make_train_step(model, optax.sgd(0.0))
     with pytest.raises(ValueError, match=r"rebalance_lookahead=0 must be >= 1"):
         TrainLoop(train_step, MovingSkew(), rebalance_every=3, rebalance_lookahead=0)
     with pytest.raises(ValueError, match=r"rebalance_lookahead=4 would measure batches past the next re-placement "
